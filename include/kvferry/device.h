@@ -1,0 +1,157 @@
+// Device layer: memory, streams and events behind one small interface, so that every piece of
+// kvferry runs on a CPU (and is tested in CI) and on CUDA GPUs with the same code.
+//
+// - A Device allocates memory of an explicit kind and creates streams and events.
+// - A Stream is an ordered asynchronous executor: operations enqueued on one stream run in order;
+//   operations on different streams are unordered unless a stream waits for an event.
+// - An Event marks a point in a stream. Record() captures the work enqueued on the stream so far;
+//   Query()/Synchronize() tell when that work is done; Stream::Wait() makes later work on another
+//   stream wait for it. An event never recorded counts as complete (as in CUDA).
+//
+// The CPU device runs each stream on its own thread; "device memory" is host memory. The CUDA
+// device maps these onto cudaStream_t / cudaEvent_t / cudaMalloc; no CUDA type is visible here.
+//
+// Completion semantics of every enqueue call: it returns as soon as the operation is queued; the
+// source must stay valid and unmodified, and the destination must not be read, until an event
+// recorded after it completes (or the stream is synchronized). Enqueue calls do not block on
+// earlier work. Errors from enqueued work surface at the next Synchronize() of that stream.
+//
+// Thread-safety: a Device is thread-safe. A Stream may be used from one thread at a time. Events
+// may be queried and synchronized from any thread; Record() from one thread at a time.
+// Lifetimes: a Device must outlive its Buffers, Streams and Events; destroying a Stream waits for
+// its queued work.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+inline Deadline DeadlineIn(std::chrono::milliseconds ms) { return Clock::now() + ms; }
+
+enum class MemoryKind : uint8_t {
+  kDevice,      // accelerator memory (host memory on the CPU device)
+  kPinnedHost,  // page-locked host memory the device can DMA to
+  kHost,        // ordinary pageable host memory
+  kFile,        // bytes in a file tier (never a pointer; used by tiers, not Allocate)
+};
+std::string_view MemoryKindName(MemoryKind kind);
+
+class Device;
+
+// A move-only owner of one allocation. Freed through its device when destroyed.
+class Buffer {
+ public:
+  Buffer() = default;
+  ~Buffer() { Reset(); }
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  MemoryKind kind() const { return kind_; }
+  explicit operator bool() const { return data_ != nullptr; }
+  void Reset();
+
+ private:
+  friend class Device;
+  Buffer(Device* owner, std::byte* data, size_t size, MemoryKind kind)
+      : owner_(owner), data_(data), size_(size), kind_(kind) {}
+  Device* owner_ = nullptr;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  MemoryKind kind_ = MemoryKind::kHost;
+};
+
+// One copy of a batch.
+struct CopyDesc {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+class Event {
+ public:
+  virtual ~Event() = default;
+  // True when the work captured by the last Record() has finished (or Record was never called).
+  virtual bool Query() = 0;
+  // Blocks until Query() would be true or the deadline passes (kDeadlineExceeded).
+  virtual Status Synchronize(Deadline deadline) = 0;
+};
+
+class Stream {
+ public:
+  virtual ~Stream() = default;
+
+  // Copies `bytes` from src to dst; both may be any memory kind of this device.
+  virtual Status Copy(void* dst, const void* src, size_t bytes) = 0;
+  // Copies every descriptor; the descriptor array itself is consumed before the call returns.
+  // Implementations pick the fastest path (copy engine for large ones, a gather kernel for many
+  // small ones).
+  virtual Status CopyBatch(std::span<const CopyDesc> copies) = 0;
+  // `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` bytes apart.
+  virtual Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                        size_t width, size_t height) = 0;
+  virtual Status Fill(void* dst, uint8_t value, size_t bytes) = 0;
+  // Runs `fn` on a host thread after all earlier work of this stream. `fn` must not call into
+  // the device API and must not block for long.
+  virtual Status HostCallback(std::function<void()> fn) = 0;
+
+  // Captures the work enqueued on this stream so far into `event`.
+  virtual Status Record(Event& event) = 0;
+  // Later work on this stream waits for the work captured by `event` at the time of this call.
+  virtual Status Wait(Event& event) = 0;
+  // Waits for all work enqueued so far; returns the first error of that work, or
+  // kDeadlineExceeded when the deadline passes first (the work keeps going).
+  virtual Status Synchronize(Deadline deadline) = 0;
+  // True when all work enqueued so far has finished.
+  virtual bool Query() = 0;
+};
+
+struct DeviceInfo {
+  std::string platform;  // "cpu" or "cuda"
+  int ordinal = 0;
+  std::string name;  // "NVIDIA H200", "cpu"
+  int64_t memory_bytes = 0;
+  std::string detail;  // free-form: compute capability, driver version
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual const DeviceInfo& info() const = 0;
+  // Allocates `bytes` (> 0) of `kind` (not kFile). Memory is not initialized.
+  virtual StatusOr<Buffer> Allocate(MemoryKind kind, size_t bytes) = 0;
+  virtual StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  virtual StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
+
+ protected:
+  // Buffers are made and freed only by their device.
+  Buffer MakeBuffer(std::byte* data, size_t size, MemoryKind kind) {
+    return Buffer(this, data, size, kind);
+  }
+  virtual void Free(std::byte* data, size_t size, MemoryKind kind) noexcept = 0;
+  friend class Buffer;
+};
+
+// Opens a device by name: "cpu", "cuda" (= "cuda:0") or "cuda:N". kUnavailable when the build has
+// no CUDA or no such GPU is present.
+StatusOr<std::unique_ptr<Device>> OpenDevice(std::string_view name);
+std::unique_ptr<Device> OpenCpuDevice();
+// Names of the devices present: always "cpu", then "cuda:N" for each GPU.
+std::vector<std::string> ListDevices();
+
+}  // namespace kvferry

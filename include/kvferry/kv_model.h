@@ -1,0 +1,185 @@
+// The KV model as data: what a KV cache is (KvShape), how an instance is split across ranks
+// (ParallelConfig, RankSlice), and how one rank's blocks sit in memory (PoolLayout).
+//
+// Everything here is a plain value type, pure, thread-compatible, and validated with errors that
+// name the offending values. Layouts print in a CuTe-like shape:stride notation:
+//   block-major  (blk,L,kv,h,t,d)=(64,32,2,8,32,128):(2097152,65536,32768,4096,128,1)
+// so a failing test is readable.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+enum class DType : uint8_t { kFp32, kFp16, kBf16, kFp8E4M3, kFp8E5M2, kInt8 };
+
+int DTypeSize(DType dtype);
+std::string_view DTypeName(DType dtype);  // "fp32", "fp16", "bf16", "fp8", "fp8e5m2", "int8"
+StatusOr<DType> ParseDType(std::string_view name);
+
+// The shape of a model's KV cache, independent of how it is split.
+struct KvShape {
+  int32_t layers = 0;    // attention layers of the whole model
+  int32_t kv_heads = 0;  // KV heads per layer (1 for MLA)
+  int32_t head_dim = 0;  // elements per head (MLA: the latent width)
+  DType dtype = DType::kBf16;
+  int32_t kv_factor = 2;  // 2 = K and V, 1 = K only (MLA)
+  int32_t tokens_per_block = 32;
+
+  Status Validate() const;
+  int64_t ElementBytes() const { return DTypeSize(dtype); }
+  // Bytes of one token over all layers and heads, e.g. 131072 for Llama-3-8B in bf16.
+  int64_t BytesPerToken() const;
+  std::string ToString() const;
+  bool operator==(const KvShape&) const = default;
+};
+
+// How an instance is split. Ranks are numbered pp_rank * tp + tp_rank (TP fastest).
+// With attention data parallelism, the TP ranks form dp_size groups of tp / dp_size ranks; each
+// group serves its own requests and splits heads among its tp / dp_size ranks.
+struct ParallelConfig {
+  int32_t tp = 1;
+  int32_t pp = 1;
+  std::vector<int32_t> stage_layers;  // layers per PP stage; empty = default split
+  int32_t dp_size = 1;                // attention DP groups
+  int32_t dp_rank = 0;                // the DP group a request is served by (in handles)
+
+  int32_t world_size() const { return tp * pp; }
+  int32_t attention_tp() const { return dp_size > 0 ? tp / dp_size : 0; }
+  Status Validate(const KvShape& shape) const;
+  // Layers of each stage: stage_layers if given, else the default split where the first
+  // layers % pp stages get one layer more.
+  std::vector<int32_t> ResolvedStageLayers(int32_t layers) const;
+  std::string ToString() const;
+  bool operator==(const ParallelConfig&) const = default;
+};
+
+// The default PP split: the first layers % pp stages get one extra layer.
+std::vector<int32_t> DefaultStageLayers(int32_t layers, int32_t pp);
+
+// What one rank holds: a range of global layers and a range of global KV heads.
+struct RankSlice {
+  int32_t rank = 0;
+  int32_t tp_rank = 0;
+  int32_t pp_rank = 0;
+  int32_t dp_group = 0;     // attention DP group of this rank
+  int32_t layer_begin = 0;  // global layer of local layer 0
+  int32_t layer_count = 0;
+  int32_t head_begin = 0;  // global KV head of local head 0
+  int32_t head_count = 0;
+  int32_t head_replicas = 1;  // ranks of the DP group holding these same heads (KV heads < TP)
+  int32_t replica_index = 0;  // this rank's index among them
+
+  std::string ToString() const;
+  bool operator==(const RankSlice&) const = default;
+};
+
+StatusOr<RankSlice> SliceOf(const KvShape& shape, const ParallelConfig& parallel, int32_t rank);
+
+// ---- Pool layout ------------------------------------------------------------------------------
+
+// The six axes of a pool, in this order everywhere.
+enum Axis : int { kBlockAxis = 0, kLayerAxis, kKvAxis, kHeadAxis, kTokenAxis, kDimAxis, kNumAxes };
+
+enum class LayoutKind {
+  kBlockMajor,  // TensorRT-LLM: one region [block][layer][kv][head][token][dim]
+  kPerLayer,    // vLLM-style: one region per layer [kv][block][token][head][dim]
+  kCustom,
+};
+std::string_view LayoutKindName(LayoutKind kind);
+StatusOr<LayoutKind> ParseLayoutKind(std::string_view name);  // "block-major", "per-layer"
+
+// Sizes of a rank's pool along the six axes (local layers and heads).
+using PoolDims = std::array<int64_t, kNumAxes>;
+using PoolStrides = std::array<int64_t, kNumAxes>;  // in elements
+
+// Where one element is: region (a separate allocation) and byte offset inside it.
+struct Extent {
+  int32_t region = 0;
+  int64_t offset = 0;  // bytes from the region's start
+  int64_t bytes = 0;
+  bool operator==(const Extent&) const = default;
+};
+
+// A half-open range [begin, end).
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  bool operator==(const Range&) const = default;
+};
+
+// A box inside one block, in local coordinates. The dim axis is always whole.
+struct BlockBox {
+  int64_t block = 0;
+  Range layers, kv, heads, tokens;
+};
+
+class PoolLayout {
+ public:
+  static PoolLayout BlockMajor(const PoolDims& dims, int64_t element_bytes);
+  static PoolLayout PerLayer(const PoolDims& dims, int64_t element_bytes);
+  static StatusOr<PoolLayout> Make(LayoutKind kind, const PoolDims& dims, int64_t element_bytes);
+  // Any strides. With region_per_layer, each layer is its own region and the layer stride is
+  // ignored. Validated: positive dims, dim stride 1, no two elements at one address.
+  static StatusOr<PoolLayout> Custom(const PoolDims& dims, const PoolStrides& strides,
+                                     bool region_per_layer, int64_t element_bytes);
+
+  LayoutKind kind() const { return kind_; }
+  const PoolDims& dims() const { return dims_; }
+  const PoolStrides& strides() const { return strides_; }
+  int64_t element_bytes() const { return element_bytes_; }
+  int32_t num_regions() const {
+    return region_per_layer_ ? static_cast<int32_t>(dims_[kLayerAxis]) : 1;
+  }
+  bool region_per_layer() const { return region_per_layer_; }
+  int64_t region_bytes() const { return region_bytes_; }
+  int64_t total_bytes() const { return region_bytes_ * num_regions(); }
+  // Bytes of one whole block (all local layers, kv, heads, tokens).
+  int64_t block_bytes() const;
+  // True when each block is one contiguous range of one region.
+  bool block_contiguous() const;
+
+  int32_t RegionOf(int64_t layer) const {
+    return region_per_layer_ ? static_cast<int32_t>(layer) : 0;
+  }
+  // Byte offset of an element inside its region.
+  int64_t ByteOffset(int64_t block, int64_t layer, int64_t kv, int64_t head, int64_t token,
+                     int64_t dim) const;
+
+  // Checks a box against the dims.
+  Status CheckBox(const BlockBox& box) const;
+  // Appends the byte extents covering `box` to `out`, coalescing neighbours (including with the
+  // last extent already in `out`). Order: by region, then by increasing offset within each
+  // contiguous run of the box's loops. The box must be valid (CheckBox).
+  void AppendExtents(const BlockBox& box, std::vector<Extent>& out) const;
+  std::vector<Extent> Extents(const BlockBox& box) const;
+  // The whole block as a box.
+  BlockBox WholeBlock(int64_t block) const;
+
+  // "block-major (blk,L,kv,h,t,d)=(64,32,2,8,32,128):(2097152,65536,32768,4096,128,1) bf16x2B"
+  std::string ToString() const;
+  bool operator==(const PoolLayout&) const = default;
+
+ private:
+  PoolLayout(LayoutKind kind, const PoolDims& dims, const PoolStrides& strides, bool per_layer,
+             int64_t element_bytes);
+
+  LayoutKind kind_ = LayoutKind::kCustom;
+  PoolDims dims_{};
+  PoolStrides strides_{};
+  bool region_per_layer_ = false;
+  int64_t element_bytes_ = 0;
+  int64_t region_bytes_ = 0;
+};
+
+// The dims of a rank's pool of `blocks` blocks.
+PoolDims RankPoolDims(const KvShape& shape, const RankSlice& slice, int64_t blocks);
+
+}  // namespace kvferry

@@ -1,0 +1,427 @@
+#include "kvferry/kv_model.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace kvferry {
+
+// ---- dtype ----------------------------------------------------------------------------------
+
+int DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32:
+      return 4;
+    case DType::kFp16:
+    case DType::kBf16:
+      return 2;
+    case DType::kFp8E4M3:
+    case DType::kFp8E5M2:
+    case DType::kInt8:
+      return 1;
+  }
+  return 0;
+}
+
+std::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32:
+      return "fp32";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp8E4M3:
+      return "fp8";
+    case DType::kFp8E5M2:
+      return "fp8e5m2";
+    case DType::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
+StatusOr<DType> ParseDType(std::string_view name) {
+  for (DType d :
+       {DType::kFp32, DType::kFp16, DType::kBf16, DType::kFp8E4M3, DType::kFp8E5M2, DType::kInt8}) {
+    if (DTypeName(d) == name) return d;
+  }
+  if (name == "fp8e4m3") return DType::kFp8E4M3;
+  if (name == "float32" || name == "float") return DType::kFp32;
+  if (name == "float16" || name == "half") return DType::kFp16;
+  if (name == "bfloat16") return DType::kBf16;
+  return Status::InvalidArgument(
+      fmt::format("unknown dtype '{}'; expected fp32|fp16|bf16|fp8|fp8e5m2|int8", name));
+}
+
+// ---- shape ----------------------------------------------------------------------------------
+
+Status KvShape::Validate() const {
+  if (layers < 1)
+    return Status::InvalidArgument(fmt::format("layers={} must be at least 1", layers));
+  if (kv_heads < 1)
+    return Status::InvalidArgument(fmt::format("kv_heads={} must be at least 1", kv_heads));
+  if (head_dim < 1)
+    return Status::InvalidArgument(fmt::format("head_dim={} must be at least 1", head_dim));
+  if (kv_factor != 1 && kv_factor != 2) {
+    return Status::InvalidArgument(
+        fmt::format("kv_factor={} must be 2 (K and V) or 1 (K only, MLA)", kv_factor));
+  }
+  if (tokens_per_block < 1) {
+    return Status::InvalidArgument(
+        fmt::format("tokens_per_block={} must be at least 1", tokens_per_block));
+  }
+  if (DTypeSize(dtype) == 0) return Status::InvalidArgument("unknown dtype");
+  return Status::Ok();
+}
+
+int64_t KvShape::BytesPerToken() const {
+  return int64_t{layers} * kv_factor * kv_heads * head_dim * DTypeSize(dtype);
+}
+
+std::string KvShape::ToString() const {
+  return fmt::format("layers={} kv_heads={} head_dim={} dtype={} kv_factor={} tokens_per_block={}",
+                     layers, kv_heads, head_dim, DTypeName(dtype), kv_factor, tokens_per_block);
+}
+
+// ---- parallel config ------------------------------------------------------------------------
+
+std::vector<int32_t> DefaultStageLayers(int32_t layers, int32_t pp) {
+  std::vector<int32_t> out;
+  if (pp <= 0) return out;
+  for (int32_t s = 0; s < pp; ++s) out.push_back(layers / pp + (s < layers % pp ? 1 : 0));
+  return out;
+}
+
+std::vector<int32_t> ParallelConfig::ResolvedStageLayers(int32_t layers) const {
+  return stage_layers.empty() ? DefaultStageLayers(layers, pp) : stage_layers;
+}
+
+Status ParallelConfig::Validate(const KvShape& shape) const {
+  if (tp < 1) return Status::InvalidArgument(fmt::format("tp={} must be at least 1", tp));
+  if (pp < 1) return Status::InvalidArgument(fmt::format("pp={} must be at least 1", pp));
+  if (pp > shape.layers) {
+    return Status::InvalidArgument(
+        fmt::format("pp={} exceeds layers={}: every pipeline stage needs at least one layer", pp,
+                    shape.layers));
+  }
+  if (!stage_layers.empty()) {
+    if (static_cast<int32_t>(stage_layers.size()) != pp) {
+      return Status::InvalidArgument(fmt::format("stage_layers {} has {} entries but pp={}",
+                                                 stage_layers, stage_layers.size(), pp));
+    }
+    for (size_t s = 0; s < stage_layers.size(); ++s) {
+      if (stage_layers[s] < 1) {
+        return Status::InvalidArgument(
+            fmt::format("stage_layers {}: stage {} has {} layers; each needs at least 1",
+                        stage_layers, s, stage_layers[s]));
+      }
+    }
+    int64_t sum = std::accumulate(stage_layers.begin(), stage_layers.end(), int64_t{0});
+    if (sum != shape.layers) {
+      return Status::InvalidArgument(
+          fmt::format("stage_layers {} sum to {} but the model has layers={}", stage_layers, sum,
+                      shape.layers));
+    }
+  }
+  if (dp_size < 1)
+    return Status::InvalidArgument(fmt::format("dp_size={} must be at least 1", dp_size));
+  if (tp % dp_size != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "tp={} is not a multiple of attention dp_size={}: each DP group needs the same TP", tp,
+        dp_size));
+  }
+  if (dp_rank < 0 || dp_rank >= dp_size) {
+    return Status::InvalidArgument(
+        fmt::format("dp_rank={} is outside [0, dp_size={})", dp_rank, dp_size));
+  }
+  int32_t atp = attention_tp();
+  if (shape.kv_heads % atp != 0 && atp % shape.kv_heads != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "kv_heads={} and attention TP={} (tp={} / dp_size={}) don't fit: heads must divide evenly "
+        "over the TP ranks (kv_heads % tp == 0) or be duplicated over them (tp % kv_heads == 0)",
+        shape.kv_heads, atp, tp, dp_size));
+  }
+  return Status::Ok();
+}
+
+std::string ParallelConfig::ToString() const {
+  std::string s = fmt::format("tp={} pp={}", tp, pp);
+  if (!stage_layers.empty()) s += fmt::format(" stage_layers={}", stage_layers);
+  if (dp_size > 1) s += fmt::format(" dp_size={} dp_rank={}", dp_size, dp_rank);
+  return s;
+}
+
+std::string RankSlice::ToString() const {
+  return fmt::format("rank {} (tp {} pp {} dp {}): layers [{}, {}) heads [{}, {}) replica {}/{}",
+                     rank, tp_rank, pp_rank, dp_group, layer_begin, layer_begin + layer_count,
+                     head_begin, head_begin + head_count, replica_index, head_replicas);
+}
+
+StatusOr<RankSlice> SliceOf(const KvShape& shape, const ParallelConfig& parallel, int32_t rank) {
+  KVF_RETURN_IF_ERROR(shape.Validate());
+  KVF_RETURN_IF_ERROR(parallel.Validate(shape));
+  if (rank < 0 || rank >= parallel.world_size()) {
+    return Status::InvalidArgument(
+        fmt::format("rank={} is outside [0, tp*pp={})", rank, parallel.world_size()));
+  }
+  RankSlice s;
+  s.rank = rank;
+  s.tp_rank = rank % parallel.tp;
+  s.pp_rank = rank / parallel.tp;
+  const int32_t atp = parallel.attention_tp();
+  s.dp_group = s.tp_rank / atp;
+  const int32_t atp_rank = s.tp_rank % atp;
+  auto stages = parallel.ResolvedStageLayers(shape.layers);
+  s.layer_begin = std::accumulate(stages.begin(), stages.begin() + s.pp_rank, 0);
+  s.layer_count = stages[s.pp_rank];
+  if (shape.kv_heads >= atp) {
+    s.head_count = shape.kv_heads / atp;
+    s.head_begin = atp_rank * s.head_count;
+    s.head_replicas = 1;
+    s.replica_index = 0;
+  } else {
+    s.head_replicas = atp / shape.kv_heads;
+    s.head_count = 1;
+    s.head_begin = atp_rank / s.head_replicas;
+    s.replica_index = atp_rank % s.head_replicas;
+  }
+  return s;
+}
+
+// ---- layout ---------------------------------------------------------------------------------
+
+std::string_view LayoutKindName(LayoutKind kind) {
+  switch (kind) {
+    case LayoutKind::kBlockMajor:
+      return "block-major";
+    case LayoutKind::kPerLayer:
+      return "per-layer";
+    case LayoutKind::kCustom:
+      return "custom";
+  }
+  return "?";
+}
+
+StatusOr<LayoutKind> ParseLayoutKind(std::string_view name) {
+  if (name == "block-major") return LayoutKind::kBlockMajor;
+  if (name == "per-layer") return LayoutKind::kPerLayer;
+  return Status::InvalidArgument(
+      fmt::format("unknown layout '{}'; expected block-major|per-layer", name));
+}
+
+namespace {
+
+int64_t RegionElements(const PoolDims& d, const PoolStrides& s, bool per_layer) {
+  int64_t last = 0;
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (per_layer && a == kLayerAxis) continue;
+    last += (d[a] - 1) * s[a];
+  }
+  return last + 1;
+}
+
+}  // namespace
+
+PoolLayout::PoolLayout(LayoutKind kind, const PoolDims& dims, const PoolStrides& strides,
+                       bool per_layer, int64_t element_bytes)
+    : kind_(kind),
+      dims_(dims),
+      strides_(strides),
+      region_per_layer_(per_layer),
+      element_bytes_(element_bytes),
+      region_bytes_(RegionElements(dims, strides, per_layer) * element_bytes) {}
+
+PoolLayout PoolLayout::BlockMajor(const PoolDims& d, int64_t element_bytes) {
+  PoolStrides s{};
+  s[kDimAxis] = 1;
+  s[kTokenAxis] = d[kDimAxis];
+  s[kHeadAxis] = s[kTokenAxis] * d[kTokenAxis];
+  s[kKvAxis] = s[kHeadAxis] * d[kHeadAxis];
+  s[kLayerAxis] = s[kKvAxis] * d[kKvAxis];
+  s[kBlockAxis] = s[kLayerAxis] * d[kLayerAxis];
+  return PoolLayout(LayoutKind::kBlockMajor, d, s, false, element_bytes);
+}
+
+PoolLayout PoolLayout::PerLayer(const PoolDims& d, int64_t element_bytes) {
+  PoolStrides s{};
+  s[kDimAxis] = 1;
+  s[kHeadAxis] = d[kDimAxis];
+  s[kTokenAxis] = s[kHeadAxis] * d[kHeadAxis];
+  s[kBlockAxis] = s[kTokenAxis] * d[kTokenAxis];
+  s[kKvAxis] = s[kBlockAxis] * d[kBlockAxis];
+  s[kLayerAxis] = 0;  // each layer is its own region
+  return PoolLayout(LayoutKind::kPerLayer, d, s, true, element_bytes);
+}
+
+StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
+                                      int64_t element_bytes) {
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (dims[a] < 1)
+      return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
+  }
+  if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
+  switch (kind) {
+    case LayoutKind::kBlockMajor:
+      return BlockMajor(dims, element_bytes);
+    case LayoutKind::kPerLayer:
+      return PerLayer(dims, element_bytes);
+    case LayoutKind::kCustom:
+      break;
+  }
+  return Status::InvalidArgument("a custom layout needs strides: use PoolLayout::Custom");
+}
+
+StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides& strides,
+                                        bool region_per_layer, int64_t element_bytes) {
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (dims[a] < 1)
+      return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
+    if (strides[a] < 0)
+      return Status::InvalidArgument(fmt::format("strides {} must not be negative", strides));
+  }
+  if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
+  if (strides[kDimAxis] != 1) {
+    return Status::InvalidArgument(
+        fmt::format("strides {}: the dim axis must have stride 1", strides));
+  }
+  // No aliasing: sorted by stride, each axis must step over the whole extent of the ones below.
+  std::vector<int> axes;
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (dims[a] > 1 && !(region_per_layer && a == kLayerAxis)) axes.push_back(a);
+  }
+  std::sort(axes.begin(), axes.end(), [&](int x, int y) { return strides[x] < strides[y]; });
+  int64_t covered = 1;
+  for (int a : axes) {
+    if (strides[a] < covered) {
+      return Status::InvalidArgument(fmt::format(
+          "layout (blk,L,kv,h,t,d)={}:{} aliases: axis {} with stride {} overlaps the {} elements "
+          "spanned by the axes with smaller strides",
+          dims, strides, a, strides[a], covered));
+    }
+    covered = strides[a] * dims[a];
+  }
+  return PoolLayout(LayoutKind::kCustom, dims, strides, region_per_layer, element_bytes);
+}
+
+int64_t PoolLayout::block_bytes() const {
+  int64_t n = element_bytes_;
+  for (int a = kLayerAxis; a < kNumAxes; ++a) n *= dims_[a];
+  return n;
+}
+
+bool PoolLayout::block_contiguous() const { return Extents(WholeBlock(0)).size() == 1; }
+
+int64_t PoolLayout::ByteOffset(int64_t block, int64_t layer, int64_t kv, int64_t head,
+                               int64_t token, int64_t dim) const {
+  int64_t e = block * strides_[kBlockAxis] + kv * strides_[kKvAxis] + head * strides_[kHeadAxis] +
+              token * strides_[kTokenAxis] + dim * strides_[kDimAxis];
+  if (!region_per_layer_) e += layer * strides_[kLayerAxis];
+  return e * element_bytes_;
+}
+
+BlockBox PoolLayout::WholeBlock(int64_t block) const {
+  return BlockBox{block,
+                  {0, dims_[kLayerAxis]},
+                  {0, dims_[kKvAxis]},
+                  {0, dims_[kHeadAxis]},
+                  {0, dims_[kTokenAxis]}};
+}
+
+Status PoolLayout::CheckBox(const BlockBox& box) const {
+  if (box.block < 0 || box.block >= dims_[kBlockAxis]) {
+    return Status::InvalidArgument(
+        fmt::format("block id {} is outside the pool's [0, {})", box.block, dims_[kBlockAxis]));
+  }
+  const Range* r[] = {&box.layers, &box.kv, &box.heads, &box.tokens};
+  const char* names[] = {"layers", "kv", "heads", "tokens"};
+  for (int i = 0; i < 4; ++i) {
+    int64_t n = dims_[kLayerAxis + i];
+    if (r[i]->begin < 0 || r[i]->end > n || r[i]->begin >= r[i]->end) {
+      return Status::InvalidArgument(fmt::format("{} range [{}, {}) is empty or outside [0, {})",
+                                                 names[i], r[i]->begin, r[i]->end, n));
+    }
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+void Push(std::vector<Extent>& out, int32_t region, int64_t offset, int64_t bytes) {
+  if (!out.empty()) {
+    Extent& last = out.back();
+    if (last.region == region && last.offset + last.bytes == offset) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  out.push_back(Extent{region, offset, bytes});
+}
+
+}  // namespace
+
+void PoolLayout::AppendExtents(const BlockBox& box, std::vector<Extent>& out) const {
+  const Range ranges[kNumAxes] = {
+      {box.block, box.block + 1}, box.layers, box.kv, box.heads, box.tokens, {0, dims_[kDimAxis]}};
+  // Axes looped inside one region (dim is always the contiguous innermost run).
+  int loop_axes[4];
+  int n = 0;
+  for (int a = kLayerAxis; a < kDimAxis; ++a) {
+    if (region_per_layer_ && a == kLayerAxis) continue;
+    if (ranges[a].size() > 1) loop_axes[n++] = a;
+  }
+  for (int i = 1; i < n; ++i) {  // insertion sort by stride (n <= 4)
+    for (int j = i; j > 0 && strides_[loop_axes[j]] < strides_[loop_axes[j - 1]]; --j) {
+      std::swap(loop_axes[j], loop_axes[j - 1]);
+    }
+  }
+  // Merge contiguous inner axes into the run.
+  int64_t run = dims_[kDimAxis] * element_bytes_;
+  int merged = 0;
+  while (merged < n && strides_[loop_axes[merged]] * element_bytes_ == run) {
+    run *= ranges[loop_axes[merged]].size();
+    ++merged;
+  }
+  const int outer = n - merged;  // loop_axes[merged..n) remain, innermost first
+  const int64_t layer_lo = region_per_layer_ ? box.layers.begin : 0;
+  const int64_t layer_hi = region_per_layer_ ? box.layers.end : 1;
+  for (int64_t layer = layer_lo; layer < layer_hi; ++layer) {
+    const int32_t region = RegionOf(layer);
+    int64_t base = ByteOffset(box.block, region_per_layer_ ? layer : box.layers.begin, box.kv.begin,
+                              box.heads.begin, box.tokens.begin, 0);
+    int64_t idx[4] = {0, 0, 0, 0};
+    while (true) {
+      int64_t off = base;
+      for (int i = 0; i < outer; ++i)
+        off += idx[i] * strides_[loop_axes[merged + i]] * element_bytes_;
+      Push(out, region, off, run);
+      int i = 0;
+      for (; i < outer; ++i) {
+        if (++idx[i] < ranges[loop_axes[merged + i]].size()) break;
+        idx[i] = 0;
+      }
+      if (i == outer) break;
+    }
+  }
+}
+
+std::vector<Extent> PoolLayout::Extents(const BlockBox& box) const {
+  std::vector<Extent> out;
+  AppendExtents(box, out);
+  return out;
+}
+
+std::string PoolLayout::ToString() const {
+  return fmt::format("{} (blk,L,kv,h,t,d)=({}):({}){} {}B/elem", LayoutKindName(kind_),
+                     fmt::join(dims_, ","), fmt::join(strides_, ","),
+                     region_per_layer_ ? " region/layer" : "", element_bytes_);
+}
+
+PoolDims RankPoolDims(const KvShape& shape, const RankSlice& slice, int64_t blocks) {
+  return PoolDims{blocks,           slice.layer_count,      shape.kv_factor,
+                  slice.head_count, shape.tokens_per_block, shape.head_dim};
+}
+
+}  // namespace kvferry

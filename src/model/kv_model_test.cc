@@ -1,0 +1,222 @@
+#include "kvferry/kv_model.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+namespace kvferry {
+namespace {
+
+KvShape Llama8B() { return KvShape{32, 8, 128, DType::kBf16, 2, 32}; }
+
+TEST(DType, SizesAndNames) {
+  EXPECT_EQ(DTypeSize(DType::kFp32), 4);
+  EXPECT_EQ(DTypeSize(DType::kBf16), 2);
+  EXPECT_EQ(DTypeSize(DType::kFp8E4M3), 1);
+  EXPECT_EQ(*ParseDType("bf16"), DType::kBf16);
+  EXPECT_EQ(*ParseDType("int8"), DType::kInt8);
+  EXPECT_NE(ParseDType("fp64").status().message().find("fp64"), std::string_view::npos);
+}
+
+TEST(KvShape, BytesPerTokenMatchesModels) {
+  EXPECT_EQ(Llama8B().BytesPerToken(), 128 * 1024);
+  KvShape l70{80, 8, 128, DType::kBf16, 2, 32};
+  EXPECT_EQ(l70.BytesPerToken(), 320 * 1024);
+  KvShape mla{61, 1, 576, DType::kBf16, 1, 64};
+  EXPECT_EQ(mla.BytesPerToken(), 61 * 576 * 2);
+}
+
+TEST(KvShape, ValidationNamesTheValue) {
+  KvShape s = Llama8B();
+  s.kv_factor = 3;
+  EXPECT_NE(s.Validate().message().find("kv_factor=3"), std::string_view::npos);
+  s = Llama8B();
+  s.tokens_per_block = 0;
+  EXPECT_NE(s.Validate().message().find("tokens_per_block=0"), std::string_view::npos);
+}
+
+TEST(ParallelConfig, DefaultSplitGivesFirstStagesTheExtraLayer) {
+  EXPECT_EQ(DefaultStageLayers(10, 3), (std::vector<int32_t>{4, 3, 3}));
+  EXPECT_EQ(DefaultStageLayers(11, 3), (std::vector<int32_t>{4, 4, 3}));
+  EXPECT_EQ(DefaultStageLayers(4, 4), (std::vector<int32_t>{1, 1, 1, 1}));
+}
+
+TEST(ParallelConfig, ValidationErrors) {
+  KvShape s = Llama8B();
+  ParallelConfig p;
+  p.tp = 3;  // 8 heads over 3 ranks: neither divides
+  Status st = p.Validate(s);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("kv_heads=8"), std::string_view::npos) << st.ToString();
+  EXPECT_NE(st.message().find("TP=3"), std::string_view::npos) << st.ToString();
+  p = ParallelConfig{};
+  p.pp = 2;
+  p.stage_layers = {20, 11};
+  EXPECT_NE(p.Validate(s).message().find("sum to 31"), std::string_view::npos);
+  p.stage_layers = {32, 0};
+  EXPECT_NE(p.Validate(s).message().find("stage 1 has 0"), std::string_view::npos);
+  p = ParallelConfig{};
+  p.pp = 40;
+  EXPECT_NE(p.Validate(s).message().find("pp=40"), std::string_view::npos);
+  p = ParallelConfig{};
+  p.tp = 4;
+  p.dp_size = 3;
+  EXPECT_NE(p.Validate(s).message().find("dp_size=3"), std::string_view::npos);
+  p.dp_size = 2;
+  p.dp_rank = 2;
+  EXPECT_NE(p.Validate(s).message().find("dp_rank=2"), std::string_view::npos);
+  // Duplicated heads: 2 KV heads over TP 8 is fine, and so is 6 heads over TP 3.
+  s.kv_heads = 2;
+  EXPECT_TRUE((ParallelConfig{8, 1, {}, 1, 0}).Validate(s).ok());
+  s.kv_heads = 6;
+  EXPECT_TRUE((ParallelConfig{3, 1, {}, 1, 0}).Validate(s).ok());
+}
+
+TEST(RankSlice, HeadsLayersAndDuplicates) {
+  KvShape s = Llama8B();
+  ParallelConfig p{2, 3, {}, 1, 0};  // 32 layers over 3 stages: 11, 11, 10
+  auto r = SliceOf(s, p, 5);         // pp 2, tp 1
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->pp_rank, 2);
+  EXPECT_EQ(r->tp_rank, 1);
+  EXPECT_EQ(r->layer_begin, 22);
+  EXPECT_EQ(r->layer_count, 10);
+  EXPECT_EQ(r->head_begin, 4);
+  EXPECT_EQ(r->head_count, 4);
+  // 2 KV heads over TP 8: four replicas of each head.
+  s.kv_heads = 2;
+  auto d = SliceOf(s, ParallelConfig{8, 1, {}, 1, 0}, 5);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->head_begin, 1);
+  EXPECT_EQ(d->head_count, 1);
+  EXPECT_EQ(d->head_replicas, 4);
+  EXPECT_EQ(d->replica_index, 1);
+  // Attention DP: TP 4 in 2 groups of 2; rank 3 is group 1, attention-TP rank 1.
+  s.kv_heads = 8;
+  auto a = SliceOf(s, ParallelConfig{4, 1, {}, 2, 0}, 3);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->dp_group, 1);
+  EXPECT_EQ(a->head_begin, 4);
+  EXPECT_EQ(a->head_count, 4);
+  EXPECT_EQ(SliceOf(s, ParallelConfig{4, 1, {}, 1, 0}, 4).status().code(),
+            StatusCode::kInvalidArgument);
+  // Uneven stages given explicitly.
+  auto u = SliceOf(s, ParallelConfig{1, 3, {5, 20, 7}, 1, 0}, 2);
+  ASSERT_TRUE(u.ok());
+  EXPECT_EQ(u->layer_begin, 25);
+  EXPECT_EQ(u->layer_count, 7);
+}
+
+TEST(PoolLayout, BlockMajorStridesAndPrinting) {
+  PoolLayout l = PoolLayout::BlockMajor({64, 32, 2, 8, 32, 128}, 2);
+  EXPECT_EQ(l.strides(), (PoolStrides{2097152, 65536, 32768, 4096, 128, 1}));
+  EXPECT_EQ(
+      l.ToString(),
+      "block-major (blk,L,kv,h,t,d)=(64,32,2,8,32,128):(2097152,65536,32768,4096,128,1) 2B/elem");
+  EXPECT_EQ(l.block_bytes(), 4 << 20);
+  EXPECT_EQ(l.total_bytes(), 64LL * (4 << 20));
+  EXPECT_TRUE(l.block_contiguous());
+  EXPECT_EQ(l.ByteOffset(1, 2, 1, 3, 4, 5),
+            (2097152 + 2 * 65536 + 32768 + 3 * 4096 + 4 * 128 + 5) * 2);
+  EXPECT_EQ(l.Extents(l.WholeBlock(3)), (std::vector<Extent>{{0, 3LL * (4 << 20), 4 << 20}}));
+}
+
+TEST(PoolLayout, PerLayerStridesAndRegions) {
+  PoolLayout l = PoolLayout::PerLayer({10, 4, 2, 8, 16, 64}, 2);
+  EXPECT_EQ(l.num_regions(), 4);
+  EXPECT_EQ(l.strides()[kHeadAxis], 64);
+  EXPECT_EQ(l.strides()[kTokenAxis], 8 * 64);
+  EXPECT_EQ(l.strides()[kBlockAxis], 16 * 8 * 64);
+  EXPECT_EQ(l.strides()[kKvAxis], 10 * 16 * 8 * 64);
+  EXPECT_EQ(l.region_bytes(), 2LL * 10 * 16 * 8 * 64 * 2);
+  EXPECT_FALSE(l.block_contiguous());
+  // A whole block: per layer, K and V are each one contiguous run of tokens*heads*dim.
+  auto e = l.Extents(l.WholeBlock(1));
+  ASSERT_EQ(e.size(), 8u);
+  EXPECT_EQ(e[0], (Extent{0, 16 * 8 * 64 * 2, 16 * 8 * 64 * 2}));
+  EXPECT_EQ(e[1].region, 0);
+  EXPECT_EQ(e[2].region, 1);
+  // A head slice of a per-layer pool is scattered: one run per token.
+  BlockBox heads{1, {0, 1}, {0, 1}, {2, 4}, {0, 16}};
+  EXPECT_EQ(l.Extents(heads).size(), 16u);
+}
+
+TEST(PoolLayout, CoalescesPartialRanges) {
+  PoolLayout l = PoolLayout::BlockMajor({4, 2, 2, 4, 8, 16}, 1);
+  // First 3 tokens of each (layer, kv, head) plane: 2*2*4 runs of 3*16 bytes.
+  BlockBox b{0, {0, 2}, {0, 2}, {0, 4}, {0, 3}};
+  auto e = l.Extents(b);
+  ASSERT_EQ(e.size(), 16u);
+  EXPECT_EQ(e[1].offset - e[0].offset, 8 * 16);
+  EXPECT_EQ(e[0].bytes, 3 * 16);
+  // Heads 1..3 of all tokens: contiguous within each (layer, kv).
+  BlockBox h{0, {0, 2}, {0, 2}, {1, 3}, {0, 8}};
+  EXPECT_EQ(l.Extents(h).size(), 4u);
+  // Two neighbouring whole blocks appended: one extent.
+  std::vector<Extent> out;
+  l.AppendExtents(l.WholeBlock(1), out);
+  l.AppendExtents(l.WholeBlock(2), out);
+  EXPECT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].bytes, 2 * l.block_bytes());
+}
+
+TEST(PoolLayout, BoxErrors) {
+  PoolLayout l = PoolLayout::BlockMajor({4, 2, 2, 4, 8, 16}, 1);
+  EXPECT_NE(l.CheckBox(l.WholeBlock(4)).message().find("block id 4"), std::string_view::npos);
+  BlockBox b = l.WholeBlock(0);
+  b.tokens = {0, 9};
+  EXPECT_NE(l.CheckBox(b).message().find("tokens range [0, 9)"), std::string_view::npos);
+  b.tokens = {3, 3};
+  EXPECT_FALSE(l.CheckBox(b).ok());
+}
+
+TEST(PoolLayout, CustomRejectsAliasing) {
+  PoolDims d{2, 2, 2, 2, 4, 8};
+  auto ok = PoolLayout::Custom(d, {256, 128, 64, 32, 8, 1}, false, 2);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  auto bad = PoolLayout::Custom(d, {256, 128, 64, 16, 8, 1}, false, 2);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("aliases"), std::string_view::npos);
+  EXPECT_FALSE(PoolLayout::Custom(d, {256, 128, 64, 32, 1, 8}, false, 2).ok());
+}
+
+// Extents cover exactly the bytes of the box's elements, in both presets and a custom layout.
+TEST(PoolLayout, ExtentsCoverExactlyTheBox) {
+  std::mt19937 rng(42);
+  PoolDims d{3, 3, 2, 4, 5, 4};
+  std::vector<PoolLayout> layouts = {
+      PoolLayout::BlockMajor(d, 2), PoolLayout::PerLayer(d, 2),
+      // [layer][block][token][kv][head][dim], one region (an engine with token-major pages).
+      *PoolLayout::Custom(d, {160, 480, 16, 4, 32, 1}, false, 2)};
+  for (const PoolLayout& l : layouts) {
+    for (int trial = 0; trial < 300; ++trial) {
+      auto pick = [&](int64_t n) {
+        int64_t a = rng() % n, b = rng() % n;
+        return Range{std::min(a, b), std::max(a, b) + 1};
+      };
+      BlockBox box{static_cast<int64_t>(rng() % d[0]), pick(d[1]), pick(d[2]), pick(d[3]),
+                   pick(d[4])};
+      std::set<std::pair<int, int64_t>> want, got;
+      for (int64_t ly = box.layers.begin; ly < box.layers.end; ++ly)
+        for (int64_t kv = box.kv.begin; kv < box.kv.end; ++kv)
+          for (int64_t h = box.heads.begin; h < box.heads.end; ++h)
+            for (int64_t t = box.tokens.begin; t < box.tokens.end; ++t)
+              for (int64_t x = 0; x < d[5]; ++x)
+                for (int b = 0; b < 2; ++b)
+                  want.insert({l.RegionOf(ly), l.ByteOffset(box.block, ly, kv, h, t, x) + b});
+      auto ext = l.Extents(box);
+      for (size_t i = 0; i < ext.size(); ++i) {
+        if (i > 0 && ext[i].region == ext[i - 1].region) {
+          EXPECT_NE(ext[i - 1].offset + ext[i - 1].bytes, ext[i].offset)
+              << "neighbours not coalesced";
+        }
+        for (int64_t b = 0; b < ext[i].bytes; ++b) got.insert({ext[i].region, ext[i].offset + b});
+      }
+      ASSERT_EQ(want, got) << l.ToString();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvferry

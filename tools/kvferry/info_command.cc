@@ -1,0 +1,122 @@
+// `kvferry info`: build features, devices present, every config knob.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "kvferry/build_info.h"
+#include "kvferry/config.h"
+#include "kvferry/device.h"
+#include "tools/kvferry/commands.h"
+
+namespace kvferry::tools {
+namespace {
+
+std::string_view TypeName(KnobType t) {
+  switch (t) {
+    case KnobType::kBool:
+      return "bool";
+    case KnobType::kInt:
+      return "int";
+    case KnobType::kString:
+      return "string";
+  }
+  return "?";
+}
+
+std::string_view SourceName(KnobSource s) {
+  switch (s) {
+    case KnobSource::kDefault:
+      return "default";
+    case KnobSource::kEnvironment:
+      return "environment";
+    case KnobSource::kSet:
+      return "--set";
+  }
+  return "?";
+}
+
+struct DeviceRow {
+  std::string name;
+  DeviceInfo info;
+  std::string error;
+};
+
+std::vector<DeviceRow> Devices() {
+  std::vector<DeviceRow> rows;
+  for (const std::string& n : ListDevices()) {
+    auto d = OpenDevice(n);
+    if (d.ok())
+      rows.push_back({n, (*d)->info(), ""});
+    else
+      rows.push_back({n, {}, d.status().ToString()});
+  }
+  return rows;
+}
+
+int RunInfo(bool json) {
+  auto features = BuildFeatures();
+  auto devices = Devices();
+  auto knobs = Config::Global().List();
+  if (json) {
+    nlohmann::json j;
+    j["version"] = Version();
+    for (const Feature& f : features) {
+      j["features"][f.name] = {{"present", f.present}, {"version", f.version}, {"note", f.note}};
+    }
+    for (const DeviceRow& d : devices) {
+      j["devices"].push_back({{"name", d.name},
+                              {"model", d.info.name},
+                              {"memory_bytes", d.info.memory_bytes},
+                              {"detail", d.info.detail},
+                              {"error", d.error}});
+    }
+    for (const KnobView& k : knobs) {
+      j["config"].push_back({{"name", k.name},
+                             {"type", TypeName(k.type)},
+                             {"default", k.default_value},
+                             {"value", k.value},
+                             {"source", SourceName(k.source)},
+                             {"doc", k.doc},
+                             {"constraint", k.constraint},
+                             {"env", k.env_var}});
+    }
+    std::puts(j.dump(2).c_str());
+    return 0;
+  }
+  fmt::print("kvferry {}\n\nBuild features:\n", Version());
+  for (const Feature& f : features) {
+    fmt::print("  {:<9} {:<4} {:<10} {}\n", f.name, f.present ? "yes" : "no", f.version, f.note);
+  }
+  fmt::print("\nDevices:\n");
+  for (const DeviceRow& d : devices) {
+    if (d.error.empty()) {
+      fmt::print("  {:<8} {} {}{}\n", d.name, d.info.name,
+                 d.info.memory_bytes
+                     ? fmt::format("{:.1f} GiB ", d.info.memory_bytes / double(1 << 30))
+                     : "",
+                 d.info.detail);
+    } else {
+      fmt::print("  {:<8} unusable: {}\n", d.name, d.error);
+    }
+  }
+  fmt::print("\nConfig knobs (override with --set NAME=VALUE or the environment variable):\n");
+  for (const KnobView& k : knobs) {
+    fmt::print("  {} = {}  [{}{}{}, default {}, {}]\n      {}\n      env {}\n", k.name, k.value,
+               TypeName(k.type), k.constraint.empty() ? "" : " ", k.constraint, k.default_value,
+               SourceName(k.source), k.doc, k.env_var);
+  }
+  for (const std::string& e : Config::Global().EnvironmentErrors()) fmt::print("warning: {}\n", e);
+  return 0;
+}
+
+}  // namespace
+
+void AddInfoCommand(CLI::App& app) {
+  auto* cmd = app.add_subcommand("info", "build features, devices and every config knob");
+  auto json = std::make_shared<bool>(false);
+  cmd->add_flag("--json", *json, "machine-readable output");
+  cmd->callback([json] { std::exit(RunInfo(*json)); });
+}
+
+}  // namespace kvferry::tools

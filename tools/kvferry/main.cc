@@ -1,0 +1,28 @@
+// kvferry: check and measure a machine for KV-cache movement.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "kvferry/build_info.h"
+#include "kvferry/config.h"
+#include "tools/kvferry/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvferry: moves LLM KV caches between GPUs, hosts, files and instances"};
+  app.set_version_flag("--version", std::string(kvferry::Version()));
+  app.require_subcommand(1);
+  std::vector<std::string> sets;
+  app.add_option("--set", sets, "set a config knob, NAME=VALUE (see `kvferry info`)");
+  app.parse_complete_callback([&] {
+    for (const std::string& kv : sets) {
+      auto eq = kv.find('=');
+      kvferry::Status st =
+          eq == std::string::npos
+              ? kvferry::Status::InvalidArgument("--set expects NAME=VALUE, got '" + kv + "'")
+              : kvferry::Config::Global().Set(kv.substr(0, eq), kv.substr(eq + 1));
+      if (!st.ok()) throw CLI::ValidationError("--set", st.ToString());
+    }
+  });
+  kvferry::tools::AddInfoCommand(app);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}
