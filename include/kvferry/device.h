@@ -76,11 +76,15 @@ class Buffer {
   MemoryKind kind_ = MemoryKind::kHost;
 };
 
-// One copy of a batch.
+// One copy of a batch: `rows` rows of `bytes` bytes; row r goes from src + r * src_pitch to
+// dst + r * dst_pitch. rows == 1 is a plain copy (pitches ignored).
 struct CopyDesc {
   void* dst;
   const void* src;
   size_t bytes;
+  size_t rows = 1;
+  size_t dst_pitch = 0;
+  size_t src_pitch = 0;
 };
 
 class Event {

@@ -65,7 +65,15 @@ class CpuStream final : public Stream {
 
   Status CopyBatch(std::span<const CopyDesc> copies) override {
     return Enqueue([v = std::vector<CopyDesc>(copies.begin(), copies.end())] {
-      for (const CopyDesc& c : v) std::memcpy(c.dst, c.src, c.bytes);
+      for (const CopyDesc& c : v) {
+        if (c.rows <= 1) {
+          std::memcpy(c.dst, c.src, c.bytes);
+          continue;
+        }
+        auto* d = static_cast<std::byte*>(c.dst);
+        auto* s = static_cast<const std::byte*>(c.src);
+        for (size_t r = 0; r < c.rows; ++r) std::memcpy(d + r * c.dst_pitch, s + r * c.src_pitch, c.bytes);
+      }
     });
   }
 

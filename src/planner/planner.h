@@ -1,0 +1,90 @@
+// The transfer planner: which (context rank, generation rank) pairs exchange which bytes, for one
+// request, whatever the TP / PP / attention-DP split and pool layout on each side.
+//
+// Pure: a function from descriptors to a plan, no I/O, no device, deterministic. Both sides of a
+// transfer compute the same plan independently, so the message sequence between a pair (chunk k
+// carries these pieces, in this order) needs no negotiation on the wire.
+//
+// Pieces are 2-D strided copies (rows of contiguous bytes), the unit a copy engine, a pack
+// kernel or a memcpy loop handles in one descriptor. A piece whose bytes are contiguous on both
+// sides and large goes pool to pool directly (a "direct" chunk); smaller or strided pieces are
+// packed back to back into a bounded staging chunk on the sender and unpacked on the receiver.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kvferry/kv_model.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+// One side of a transfer: an instance's model, split and pool layout.
+struct InstanceDesc {
+  KvShape shape;
+  ParallelConfig parallel;  // for the context side, dp_rank is the DP group serving the request
+  LayoutKind layout = LayoutKind::kBlockMajor;
+  int64_t pool_blocks = 0;  // blocks in each rank's pool (for the layout's strides)
+};
+
+struct PlanInput {
+  InstanceDesc ctx;
+  InstanceDesc gen;
+  int64_t prompt_tokens = 0;             // tokens of the request's KV (the last block may be partial)
+  std::vector<int64_t> ctx_blocks;       // the request's blocks on every context rank, in order
+  std::vector<int64_t> gen_blocks;       // destination blocks on every generation rank, in order
+  int64_t gen_reused_blocks = 0;         // leading blocks the generation side already holds
+  int64_t chunk_bytes = 4 << 20;         // staging chunk size bound
+  int64_t direct_min_bytes = 256 << 10;  // contiguous pieces at least this large go direct
+};
+
+// A 2-D copy: `rows` rows of `bytes`, at src_offset + r * src_pitch in the context rank's pool
+// region src_region, to dst_offset + r * dst_pitch in the generation rank's region dst_region.
+struct Piece {
+  int32_t src_region = 0;
+  int64_t src_offset = 0;
+  int64_t src_pitch = 0;
+  int32_t dst_region = 0;
+  int64_t dst_offset = 0;
+  int64_t dst_pitch = 0;
+  int64_t bytes = 0;  // per row
+  int64_t rows = 1;
+  int32_t layer = 0;  // global layer (layer-wise transfer sends a chunk once its layers are ready)
+  int64_t total() const { return bytes * rows; }
+  bool operator==(const Piece&) const = default;
+};
+
+struct Chunk {
+  bool direct = false;      // one contiguous piece, sent from the source pool into the destination pool
+  int32_t last_layer = 0;   // highest global layer among its pieces
+  int64_t bytes = 0;        // sum of piece totals (packed size)
+  std::vector<Piece> pieces;
+};
+
+struct PairPlan {
+  int32_t ctx_rank = 0;
+  int32_t gen_rank = 0;
+  int64_t bytes = 0;
+  std::vector<Chunk> chunks;
+};
+
+struct TransferPlan {
+  std::vector<PairPlan> pairs;   // sorted by (ctx_rank, gen_rank)
+  int64_t total_bytes = 0;
+  // The generation ranks each context rank sends to, and the reverse (for completion counting).
+  std::vector<std::vector<int32_t>> gen_peers_of_ctx;  // indexed by ctx rank
+  std::vector<std::vector<int32_t>> ctx_peers_of_gen;  // indexed by gen rank
+};
+
+// Checks that the two sides can exchange caches at all (same layers, heads, head dim, dtype, kv
+// factor, tokens per block); errors name both values.
+Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen);
+
+StatusOr<TransferPlan> PlanTransfer(const PlanInput& input);
+
+// Only the pairs of one context rank / one generation rank (each side plans only its own part;
+// cheaper than the whole plan for large instances).
+StatusOr<std::vector<PairPlan>> PlanForCtxRank(const PlanInput& input, int32_t ctx_rank);
+StatusOr<std::vector<PairPlan>> PlanForGenRank(const PlanInput& input, int32_t gen_rank);
+
+}  // namespace kvferry
