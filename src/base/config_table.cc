@@ -18,6 +18,21 @@ constexpr KnobDecl kKnobs[] = {
      0, kMaxInt, ""},
     {"transfer.timeout_ms", KnobType::kInt, "30000",
      "deadline of one KV transfer, from first contact to the last byte", 1, 3600 * 1000, ""},
+    {"transfer.chunk_bytes", KnobType::kInt, "4194304",
+     "size of one staging chunk: scattered fragments are packed into chunks of at most this",
+     4096, int64_t{1} << 30, ""},
+    {"transfer.staging_chunks", KnobType::kInt, "8",
+     "staging chunks per rank and side; staging memory = chunks * chunk_bytes, whatever the "
+     "prompt length", 1, 4096, ""},
+    {"transfer.direct_min_bytes", KnobType::kInt, "262144",
+     "fragments contiguous on both sides and at least this large move pool to pool, unstaged", 1,
+     kMaxInt, ""},
+    {"transfer.max_inflight_per_pair", KnobType::kInt, "16",
+     "transport operations in flight per (context rank, generation rank) pair and request", 1,
+     4096, ""},
+    {"transfer.unknown_request_wait_ms", KnobType::kInt, "2000",
+     "how long a context rank holds a fetch for a request it does not know yet (its MarkReady may "
+     "come later than another rank's) before refusing it", 0, 3600 * 1000, ""},
 };
 
 }  // namespace

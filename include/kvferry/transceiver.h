@@ -1,0 +1,134 @@
+// Transceiver: ships a request's KV cache from the ranks of a context (prefill) instance to the
+// ranks of a generation (decode) instance, whatever the TP / PP / attention-DP split and pool
+// layout on each side.
+//
+// Flow. Every context rank of the DP group that served a request calls MarkReady (or
+// BeginLayerWise, then MarkLayersReady as prefill progresses) with the request's block ids; each
+// returns the same context handle bytes. The embedding engine's router passes the handle to the
+// generation instance, where every rank of the decoding DP group calls Fetch with the handle and
+// its destination blocks. Both sides then report each request's end through Poll.
+//
+// Leases. The context blocks of a request are leased from MarkReady until Poll reports the
+// request terminal on that rank: the caller must not free or overwrite them before. The same holds
+// for the destination blocks from Fetch on. A terminal state is reported only once every
+// transport operation touching those blocks is finished (or cancelled and finished).
+//
+// Deadlines. Every request has a deadline (knob transfer.timeout_ms or the options); a dead or
+// silent peer ends its requests with kTimedOut or kError within it. Nothing waits without one.
+//
+// Threading. Each side runs one progress thread that owns its transport. All public methods are
+// thread-safe and never block on the network; Poll blocks until its own deadline at most.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/device.h"
+#include "kvferry/pool.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+enum class TransferState : uint8_t {
+  kInit,        // known, nothing moved yet (generation: handle accepted locally)
+  kInProgress,  // bytes are moving
+  kComplete,    // terminal: every byte this rank sends / receives has been delivered
+  kError,       // terminal: refused or failed; see reason
+  kTimedOut,    // terminal: the deadline passed
+  kCancelled,   // terminal: Cancel was called
+};
+std::string_view TransferStateName(TransferState state);
+inline bool IsTerminal(TransferState s) { return s >= TransferState::kComplete; }
+
+struct TransferStatus {
+  uint64_t request_id = 0;
+  TransferState state = TransferState::kInit;
+  Status reason;          // why, for kError / kTimedOut / kCancelled
+  int64_t bytes = 0;      // payload bytes this rank sent or received
+  double seconds = 0;     // from MarkReady / Fetch to the terminal state
+};
+
+struct TransceiverOptions {
+  std::string transport = "ucx";       // "inproc" (tests), "ucx", "mpi"
+  std::chrono::milliseconds timeout{0};  // 0: knob transfer.timeout_ms
+  int64_t chunk_bytes = 0;             // 0: knob transfer.chunk_bytes
+  int64_t staging_chunks = 0;          // 0: knob transfer.staging_chunks (staging = chunks * bytes)
+  int64_t direct_min_bytes = 0;        // 0: knob transfer.direct_min_bytes
+  // Shared by every rank of a context instance (the engine distributes it with the addresses);
+  // handles' access tokens are derived from it, so a forged handle is refused.
+  std::array<uint8_t, 16> instance_secret{};
+  // Distinguishes generation instances (the same on all of an instance's ranks).
+  uint64_t instance_id = 0;
+};
+
+class Transport;  // src/transport/transport.h
+
+// The sending side, one per context rank.
+class ContextSide {
+ public:
+  // `pool` is this rank's KV pool (its spec names the instance's split and this rank). The device
+  // and pool must outlive the ContextSide.
+  static StatusOr<std::unique_ptr<ContextSide>> Create(Device& device, const BlockPool& pool,
+                                                       const TransceiverOptions& options);
+  // For tests and custom transports: takes a ready transport.
+  static StatusOr<std::unique_ptr<ContextSide>> Create(Device& device, const BlockPool& pool,
+                                                       const TransceiverOptions& options,
+                                                       std::unique_ptr<Transport> transport);
+  virtual ~ContextSide() = default;
+
+  // This rank's transport address; every rank's address goes into the handles.
+  virtual std::string address() const = 0;
+  // The addresses of all ranks of this instance, indexed by rank. Required before MarkReady.
+  virtual Status SetInstanceAddresses(std::vector<std::string> addresses) = 0;
+
+  // All layers of the request are in `blocks` (block ids, the same on every rank), covering
+  // `prompt_tokens` tokens. Returns the context handle (identical bytes on every rank).
+  virtual StatusOr<std::vector<std::byte>> MarkReady(uint64_t request_id,
+                                                     std::span<const int64_t> blocks,
+                                                     int64_t prompt_tokens) = 0;
+  // As MarkReady, but no layer is ready yet: bytes of a layer move once it is marked ready.
+  virtual StatusOr<std::vector<std::byte>> BeginLayerWise(uint64_t request_id,
+                                                          std::span<const int64_t> blocks,
+                                                          int64_t prompt_tokens) = 0;
+  // The first `local_layers` layers of this rank's stage are ready.
+  virtual Status MarkLayersReady(uint64_t request_id, int32_t local_layers) = 0;
+  // Local layer `local_layer` (and all before it) is ready once `event` completes; the event
+  // must stay alive until the request is terminal.
+  virtual Status MarkLayerReadyOn(uint64_t request_id, int32_t local_layer,
+                                  std::shared_ptr<Event> event) = 0;
+
+  // Terminal statuses not reported before; waits until at least `at_least` are available or
+  // the deadline passes.
+  virtual std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) = 0;
+  virtual StatusOr<TransferStatus> Query(uint64_t request_id) const = 0;
+  virtual Status Cancel(uint64_t request_id) = 0;
+};
+
+// The receiving side, one per generation rank.
+class GenerationSide {
+ public:
+  static StatusOr<std::unique_ptr<GenerationSide>> Create(Device& device, const BlockPool& pool,
+                                                          const TransceiverOptions& options);
+  static StatusOr<std::unique_ptr<GenerationSide>> Create(Device& device, const BlockPool& pool,
+                                                          const TransceiverOptions& options,
+                                                          std::unique_ptr<Transport> transport);
+  virtual ~GenerationSide() = default;
+
+  virtual std::string address() const = 0;
+  // Starts fetching the request named in `handle` into `blocks` (block ids on this instance, the
+  // same on every rank). The first `reused_blocks` blocks are already held (a reused prefix) and
+  // are not moved. Errors here are about the arguments (malformed handle, incompatible shapes,
+  // too few blocks); later failures arrive through Poll.
+  virtual Status Fetch(std::span<const std::byte> handle, std::span<const int64_t> blocks,
+                       int64_t reused_blocks) = 0;
+  virtual std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) = 0;
+  virtual StatusOr<TransferStatus> Query(uint64_t request_id) const = 0;
+  virtual Status Cancel(uint64_t request_id) = 0;
+};
+
+}  // namespace kvferry

@@ -1,0 +1,516 @@
+// The context (sending) side: requests marked ready, fetches from generation ranks, chunks packed
+// and sent as credit and layer readiness allow, leases held until every peer said DONE.
+#include <algorithm>
+#include <deque>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "base/log.h"
+#include "transceiver/engine.h"
+
+namespace kvferry {
+namespace {
+
+struct SendOp {
+  size_t chunk = 0;
+  int slot = -1;                       // staging slot, -1 for a direct chunk
+  Event* packed = nullptr;             // pending pack into the slot
+  std::unique_ptr<TransportOp> op;     // pending send
+};
+
+struct SendPair {
+  int32_t gen_rank = 0;
+  PeerId peer = kAnyPeer;
+  uint32_t transfer_id = 0;
+  PairPlan plan;
+  size_t next = 0;        // next chunk to start
+  size_t credit = 0;      // the receiver has posted chunks [0, credit)
+  bool done = false;      // DONE received
+  std::deque<SendOp> inflight;
+  bool drained() const { return next == plan.chunks.size() && inflight.empty(); }
+};
+
+struct CtxRequest {
+  uint64_t id = 0;
+  std::vector<int64_t> blocks;
+  int64_t tokens = 0;
+  AccessToken token{};
+  int32_t ready_end = 0;  // global layers [0, ready_end) of this stage are ready
+  std::vector<std::pair<int32_t, std::shared_ptr<Event>>> layer_events;
+  Clock::time_point start;
+  Deadline deadline;
+  uint64_t gen_instance = 0;
+  int expected_gen = -1;  // generation ranks that will FETCH (known at the first FETCH)
+  std::vector<PairPlan> plan;  // this rank's pairs, cached from the first FETCH
+  FetchMsg plan_key;           // the FETCH the cached plan was made for (blocks, split)
+  std::map<int32_t, SendPair> pairs;  // by generation rank
+  int64_t bytes = 0;
+  TransferState state = TransferState::kInit;
+  Status reason;
+  bool ending = false;  // a terminal state is decided; waiting for operations to finish
+};
+
+struct PendingFetch {
+  PeerId from;
+  FetchMsg fetch;
+  uint32_t credit = 0;
+  Deadline give_up;
+};
+
+bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
+  return a.shape == b.shape && a.parallel.tp == b.parallel.tp && a.parallel.pp == b.parallel.pp &&
+         a.parallel.stage_layers == b.parallel.stage_layers && a.parallel.dp_size == b.parallel.dp_size &&
+         a.parallel.dp_rank == b.parallel.dp_rank && a.layout == b.layout &&
+         a.pool_blocks == b.pool_blocks && a.reused_blocks == b.reused_blocks && a.blocks == b.blocks;
+}
+
+class ContextSideImpl final : public ContextSide, public Engine {
+ public:
+  using Engine::Engine;
+  ~ContextSideImpl() override { Stop(); }
+
+  std::string address() const override { return address_; }
+  void InitAddress() { address_ = transport_->LocalAddress(); }
+
+  Status SetInstanceAddresses(std::vector<std::string> addresses) override {
+    if (static_cast<int32_t>(addresses.size()) != pool_.spec().parallel.world_size()) {
+      return Status::InvalidArgument(fmt::format("{} addresses for an instance of {} ranks",
+                                                 addresses.size(), pool_.spec().parallel.world_size()));
+    }
+    return Call([&] {
+      addresses_ = std::move(addresses);
+      return Status::Ok();
+    });
+  }
+
+  StatusOr<std::vector<std::byte>> MarkReady(uint64_t id, std::span<const int64_t> blocks,
+                                             int64_t tokens) override {
+    return Begin(id, blocks, tokens, true);
+  }
+  StatusOr<std::vector<std::byte>> BeginLayerWise(uint64_t id, std::span<const int64_t> blocks,
+                                                  int64_t tokens) override {
+    return Begin(id, blocks, tokens, false);
+  }
+
+  Status MarkLayersReady(uint64_t id, int32_t local_layers) override {
+    return Call([&]() -> Status {
+      CtxRequest* r = Find(id);
+      if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
+      if (local_layers < 0 || local_layers > pool_.slice().layer_count) {
+        return Status::InvalidArgument(fmt::format("local_layers={} is outside [0, {}]", local_layers,
+                                                   pool_.slice().layer_count));
+      }
+      r->ready_end = std::max(r->ready_end, pool_.slice().layer_begin + local_layers);
+      return Status::Ok();
+    });
+  }
+
+  Status MarkLayerReadyOn(uint64_t id, int32_t local_layer, std::shared_ptr<Event> event) override {
+    if (!event) return Status::InvalidArgument("MarkLayerReadyOn: null event");
+    return Call([&]() -> Status {
+      CtxRequest* r = Find(id);
+      if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
+      if (local_layer < 0 || local_layer >= pool_.slice().layer_count) {
+        return Status::InvalidArgument(fmt::format("local_layer={} is outside [0, {})", local_layer,
+                                                   pool_.slice().layer_count));
+      }
+      r->layer_events.emplace_back(pool_.slice().layer_begin + local_layer + 1, std::move(event));
+      return Status::Ok();
+    });
+  }
+
+  std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) override {
+    return PollStatuses(at_least, deadline);
+  }
+  StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
+
+  Status Cancel(uint64_t id) override {
+    return Call([&]() -> Status {
+      CtxRequest* r = Find(id);
+      if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
+      End(*r, TransferState::kCancelled, Status::Cancelled("cancelled by the context side"), true);
+      return Status::Ok();
+    });
+  }
+
+ protected:
+  void OnControl(PeerId from, ControlMsg msg) override {
+    if (auto* f = std::get_if<FetchMsg>(&msg)) return OnFetch(from, std::move(*f), 0);
+    if (auto* c = std::get_if<CreditMsg>(&msg)) {
+      if (SendPair* p = FindPair(c->request_id, c->transfer_id)) {
+        p->credit = std::max<size_t>(p->credit, c->chunks);
+      } else {
+        for (PendingFetch& pf : pending_) {
+          if (pf.fetch.request_id == c->request_id && pf.fetch.transfer_id == c->transfer_id) {
+            pf.credit = std::max(pf.credit, c->chunks);
+          }
+        }
+      }
+      return;
+    }
+    if (auto* d = std::get_if<DoneMsg>(&msg)) {
+      if (SendPair* p = FindPair(d->request_id, d->transfer_id)) p->done = true;
+      return;
+    }
+    if (auto* a = std::get_if<AbortMsg>(&msg)) {
+      std::erase_if(pending_, [&](const PendingFetch& pf) {
+        return pf.fetch.request_id == a->request_id && pf.fetch.transfer_id == a->transfer_id;
+      });
+      if (SendPair* p = FindPair(a->request_id, a->transfer_id)) {
+        CtxRequest& r = requests_.at(a->request_id);
+        End(r, TransferState::kError,
+            Status(static_cast<StatusCode>(a->code),
+                   fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
+            false);
+        p->done = true;  // it will not send DONE
+      }
+      return;
+    }
+    Log(LogLevel::kWarn, "context side: unexpected control message from peer {}", from);
+  }
+
+  bool Advance() override {
+    bool busy = false;
+    for (auto it = requests_.begin(); it != requests_.end();) {
+      CtxRequest& r = it->second;
+      for (auto& [layer_end, ev] : r.layer_events) {
+        if (ev && ev->Query()) {
+          r.ready_end = std::max(r.ready_end, layer_end);
+          ev.reset();
+        }
+      }
+      std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
+      for (auto& [g, p] : r.pairs) busy |= AdvancePair(r, p);
+      if (Finished(r)) {
+        Finish(r);
+        recent_.push_back(r.id);
+        recent_set_.insert(r.id);
+        if (recent_.size() > 4096) {
+          recent_set_.erase(recent_.front());
+          recent_.pop_front();
+        }
+        it = requests_.erase(it);
+        busy = true;
+      } else {
+        ++it;
+      }
+    }
+    return busy;
+  }
+
+  void OnTick(Clock::time_point now) override {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (now >= it->give_up) {
+        Reject(it->from, it->fetch, Status::NotFound(fmt::format(
+                   "request {} is unknown to context rank {} (never marked ready, or its handle is "
+                   "forged)", it->fetch.request_id, pool_.slice().rank)));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& [id, r] : requests_) {
+      if (!r.ending && now >= r.deadline) {
+        End(r, TransferState::kTimedOut,
+            Status::DeadlineExceeded(fmt::format(
+                "request {}: not delivered within {} ms ({} of {} generation ranks done)", id,
+                options_.timeout.count(), DoneCount(r), r.expected_gen)),
+            true);
+      }
+    }
+  }
+
+  bool OnStop() override {
+    for (auto& [id, r] : requests_) {
+      if (!r.ending) End(r, TransferState::kCancelled, Status::Cancelled("context side shutting down"), true);
+    }
+    Advance();
+    return requests_.empty();
+  }
+
+ private:
+  StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks, int64_t tokens,
+                                         bool all_ready) {
+    const KvShape& shape = pool_.shape();
+    if (tokens < 1) return Status::InvalidArgument(fmt::format("prompt_tokens={} must be positive", tokens));
+    int64_t needed = (tokens + shape.tokens_per_block - 1) / shape.tokens_per_block;
+    if (static_cast<int64_t>(blocks.size()) < needed) {
+      return Status::InvalidArgument(fmt::format("{} tokens need {} blocks of {} tokens; {} given", tokens,
+                                                 needed, shape.tokens_per_block, blocks.size()));
+    }
+    for (int64_t b : blocks) {
+      if (b < 0 || b >= pool_.blocks()) {
+        return Status::InvalidArgument(fmt::format("block id {} is outside the pool's [0, {})", b, pool_.blocks()));
+      }
+    }
+    return Call([&]() -> StatusOr<std::vector<std::byte>> {
+      if (addresses_.empty()) return Status::InvalidArgument("SetInstanceAddresses must be called before MarkReady");
+      if (requests_.count(id) || recent_set_.count(id)) {
+        return Status::InvalidArgument(fmt::format("request {} was already marked ready on this rank", id));
+      }
+      CtxRequest r;
+      r.id = id;
+      r.blocks.assign(blocks.begin(), blocks.begin() + needed);
+      r.tokens = tokens;
+      r.token = MakeAccessToken(options_.secret, id, r.blocks, tokens);
+      r.ready_end = all_ready ? pool_.shape().layers : 0;
+      r.start = Clock::now();
+      r.deadline = r.start + options_.timeout;
+      ContextHandle h;
+      h.request_id = id;
+      h.token = r.token;
+      h.shape = pool_.shape();
+      h.parallel = SelfDesc().parallel;
+      h.layout = pool_.spec().layout;
+      h.pool_blocks = pool_.blocks();
+      h.prompt_tokens = tokens;
+      h.blocks = r.blocks;
+      h.addresses = addresses_;
+      requests_.emplace(id, std::move(r));
+      SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});
+      // Fetches that arrived before this rank knew the request.
+      std::vector<PendingFetch> early;
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if (it->fetch.request_id == id) {
+          early.push_back(std::move(*it));
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (PendingFetch& pf : early) OnFetch(pf.from, std::move(pf.fetch), pf.credit);
+      return EncodeHandle(h);
+    });
+  }
+
+  void OnFetch(PeerId from, FetchMsg f, uint32_t credit) {
+    auto reply = transport_->Connect(f.reply_address, Clock::now() + options_.timeout);
+    if (!reply.ok()) {
+      Log(LogLevel::kWarn, "context side: cannot reach generation rank {} of request {}: {}", f.gen_rank,
+          f.request_id, reply.status().ToString());
+      return;
+    }
+    PeerId peer = *reply;
+    CtxRequest* r = Find(f.request_id);
+    if (!r) {
+      if (recent_set_.count(f.request_id)) {
+        return Reject(peer, f, Status::InvalidArgument(fmt::format(
+                                   "request {} was already delivered and released (replayed handle)", f.request_id)));
+      }
+      pending_.push_back(PendingFetch{peer, std::move(f), credit, Clock::now() + options_.unknown_request_wait});
+      return;
+    }
+    if (r->ending) return Reject(peer, f, Status::Cancelled(fmt::format("request {} is ending: {}", r->id, r->reason.ToString())));
+    if (f.token != r->token) {
+      return Reject(peer, f, Status::InvalidArgument(fmt::format(
+                                 "request {}: the access token does not match (forged or altered handle)", r->id)));
+    }
+    if (r->expected_gen >= 0 && f.gen_instance != r->gen_instance) {
+      return Reject(peer, f, Status::InvalidArgument(fmt::format(
+                                 "request {} is already being fetched by another generation instance (replayed handle)", r->id)));
+    }
+    if (r->pairs.count(f.gen_rank)) {
+      return Reject(peer, f, Status::InvalidArgument(fmt::format(
+                                 "request {}: generation rank {} already fetched it (replayed handle)", r->id, f.gen_rank)));
+    }
+    if (f.prompt_tokens != r->tokens) {
+      return Reject(peer, f, Status::InvalidArgument(fmt::format(
+                                 "request {}: fetch asks for {} tokens, the context holds {}", r->id, f.prompt_tokens, r->tokens)));
+    }
+    if (r->plan.empty() || !SamePlanInputs(r->plan_key, f)) {
+      PlanInput in;
+      in.ctx = SelfDesc();
+      in.gen = InstanceDesc{f.shape, f.parallel, f.layout, f.pool_blocks};
+      in.prompt_tokens = r->tokens;
+      in.ctx_blocks = r->blocks;
+      in.gen_blocks = f.blocks;
+      in.gen_reused_blocks = f.reused_blocks;
+      in.chunk_bytes = options_.chunk_bytes;
+      in.direct_min_bytes = options_.direct_min_bytes;
+      auto plan = PlanForCtxRank(in, pool_.slice().rank);
+      if (!plan.ok()) return Reject(peer, f, plan.status());
+      r->plan = std::move(plan).value();
+      r->plan_key = f;
+      r->plan_key.blocks = f.blocks;
+    }
+    if (r->expected_gen < 0) {
+      r->gen_instance = f.gen_instance;
+      r->expected_gen = (f.parallel.tp / f.parallel.dp_size) * f.parallel.pp;
+    }
+    SendPair p;
+    p.gen_rank = f.gen_rank;
+    p.peer = peer;
+    p.transfer_id = f.transfer_id;
+    p.credit = credit;
+    for (const PairPlan& pp : r->plan) {
+      if (pp.gen_rank == f.gen_rank) p.plan = pp;
+    }
+    r->state = TransferState::kInProgress;
+    SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
+    SendMsg(peer, AcceptMsg{r->id, f.transfer_id});
+    r->pairs.emplace(f.gen_rank, std::move(p));
+  }
+
+  void Reject(PeerId peer, const FetchMsg& f, const Status& why) {
+    Log(LogLevel::kInfo, "context side: refused fetch of request {} from generation rank {}: {}", f.request_id,
+        f.gen_rank, why.ToString());
+    SendMsg(peer, RejectMsg{f.request_id, f.transfer_id, static_cast<uint8_t>(why.code()), std::string(why.message())});
+  }
+
+  bool AdvancePair(CtxRequest& r, SendPair& p) {
+    bool busy = false;
+    const auto& chunks = p.plan.chunks;
+    while (!r.ending && p.next < chunks.size() && p.next < p.credit &&
+           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+      const Chunk& c = chunks[p.next];
+      if (c.last_layer >= r.ready_end) break;
+      SendOp s;
+      s.chunk = p.next;
+      if (c.direct && direct_ok()) {
+        const Piece& pc = c.pieces.front();
+        auto op = transport_->Send(p.peer, DataTag(p.transfer_id, p.next), PoolAddress(pc.src_region, pc.src_offset),
+                                   c.bytes, pool_wire_kind());
+        if (!op.ok()) return Fail(r, op.status()), true;
+        s.op = std::move(op).value();
+      } else {
+        s.slot = AcquireSlot();
+        if (s.slot < 0) break;
+        ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_);
+        Status st = stream_->CopyBatch(descs_);
+        s.packed = AcquireEvent();
+        if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
+        if (!st.ok()) {
+          ReleaseSlot(s.slot);
+          if (s.packed) ReleaseEvent(s.packed);
+          return Fail(r, st.WithContext("packing a chunk")), true;
+        }
+      }
+      p.inflight.push_back(std::move(s));
+      ++p.next;
+      busy = true;
+    }
+    for (auto it = p.inflight.begin(); it != p.inflight.end();) {
+      if (it->packed && it->packed->Query()) {
+        ReleaseEvent(it->packed);
+        it->packed = nullptr;
+        if (r.ending) {
+          ReleaseSlot(it->slot);
+          it = p.inflight.erase(it);
+          busy = true;
+          continue;
+        }
+        auto op = transport_->Send(p.peer, DataTag(p.transfer_id, it->chunk), SlotData(it->slot),
+                                   chunks[it->chunk].bytes, staging_wire_kind());
+        if (!op.ok()) {
+          Fail(r, op.status());
+        } else {
+          it->op = std::move(op).value();
+        }
+        busy = true;
+      }
+      if (it->op && it->op->Done()) {
+        if (!it->op->status().ok()) Fail(r, it->op->status().WithContext(fmt::format("sending to generation rank {}", p.gen_rank)));
+        else r.bytes += chunks[it->chunk].bytes;
+        if (it->slot >= 0) ReleaseSlot(it->slot);
+        it = p.inflight.erase(it);
+        busy = true;
+        continue;
+      }
+      if (!it->op && !it->packed) {  // send could not be posted
+        if (it->slot >= 0) ReleaseSlot(it->slot);
+        it = p.inflight.erase(it);
+        continue;
+      }
+      ++it;
+    }
+    return busy;
+  }
+
+  int DoneCount(const CtxRequest& r) const {
+    int n = 0;
+    for (const auto& [g, p] : r.pairs) n += p.done && p.drained();
+    return n;
+  }
+
+  bool Finished(const CtxRequest& r) const {
+    if (r.ending) {
+      for (const auto& [g, p] : r.pairs) {
+        if (!p.inflight.empty()) return false;
+      }
+      return true;
+    }
+    return r.expected_gen >= 0 && static_cast<int>(r.pairs.size()) == r.expected_gen &&
+           DoneCount(r) == r.expected_gen;
+  }
+
+  void Finish(CtxRequest& r) {
+    double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
+    if (!r.ending) {
+      r.state = TransferState::kComplete;
+      r.reason = Status::Ok();
+    }
+    SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
+  }
+
+  void Fail(CtxRequest& r, const Status& why) { End(r, TransferState::kError, why, true); }
+
+  // Decides the terminal state; operations still in flight are cancelled and drained before the
+  // request is reported (its blocks stay leased until then).
+  void End(CtxRequest& r, TransferState state, Status why, bool tell_peers) {
+    if (r.ending) return;
+    r.ending = true;
+    r.state = state;
+    r.reason = std::move(why);
+    for (auto& [g, p] : r.pairs) {
+      for (SendOp& s : p.inflight) {
+        if (s.op && !s.op->Done()) transport_->Cancel(*s.op);
+      }
+      if (tell_peers && !p.done) {
+        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()), std::string(r.reason.message())});
+      }
+    }
+  }
+
+  CtxRequest* Find(uint64_t id) {
+    auto it = requests_.find(id);
+    return it == requests_.end() ? nullptr : &it->second;
+  }
+
+  SendPair* FindPair(uint64_t id, uint32_t transfer_id) {
+    CtxRequest* r = Find(id);
+    if (!r) return nullptr;
+    for (auto& [g, p] : r->pairs) {
+      if (p.transfer_id == transfer_id) return &p;
+    }
+    return nullptr;
+  }
+
+  std::string address_;
+  std::vector<std::string> addresses_;        // progress thread
+  std::map<uint64_t, CtxRequest> requests_;   // progress thread
+  std::vector<PendingFetch> pending_;         // progress thread
+  std::deque<uint64_t> recent_;               // recently finished ids, for replay detection
+  std::set<uint64_t> recent_set_;
+  std::vector<CopyDesc> descs_;               // reused
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const BlockPool& pool,
+                                                           const TransceiverOptions& options) {
+  KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options));
+  return Create(device, pool, options, std::move(transport));
+}
+
+StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const BlockPool& pool,
+                                                           const TransceiverOptions& options,
+                                                           std::unique_ptr<Transport> transport) {
+  if (!transport) return Status::InvalidArgument("ContextSide: null transport");
+  auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options), std::move(transport));
+  side->InitAddress();
+  KVF_RETURN_IF_ERROR(side->Start());
+  return std::unique_ptr<ContextSide>(std::move(side));
+}
+
+}  // namespace kvferry

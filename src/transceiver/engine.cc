@@ -1,0 +1,230 @@
+#include "transceiver/engine.h"
+
+#include <random>
+
+#include <fmt/format.h>
+
+#include "base/log.h"
+#include "kvferry/config.h"
+#include "transport/factory.h"
+
+namespace kvferry {
+
+std::string_view TransferStateName(TransferState state) {
+  switch (state) {
+    case TransferState::kInit: return "init";
+    case TransferState::kInProgress: return "in-progress";
+    case TransferState::kComplete: return "complete";
+    case TransferState::kError: return "error";
+    case TransferState::kTimedOut: return "timed-out";
+    case TransferState::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+EngineOptions ResolveOptions(const TransceiverOptions& o) {
+  const Config& c = Config::Global();
+  EngineOptions e;
+  e.timeout = o.timeout.count() > 0 ? o.timeout : std::chrono::milliseconds(c.Int("transfer.timeout_ms"));
+  e.chunk_bytes = o.chunk_bytes > 0 ? o.chunk_bytes : c.Int("transfer.chunk_bytes");
+  e.staging_chunks = o.staging_chunks > 0 ? o.staging_chunks : c.Int("transfer.staging_chunks");
+  e.direct_min_bytes = o.direct_min_bytes > 0 ? o.direct_min_bytes : c.Int("transfer.direct_min_bytes");
+  e.max_inflight = c.Int("transfer.max_inflight_per_pair");
+  e.unknown_request_wait = std::chrono::milliseconds(c.Int("transfer.unknown_request_wait_ms"));
+  e.secret = o.instance_secret;
+  e.instance_id = o.instance_id;
+  if (e.instance_id == 0) e.instance_id = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+  return e;
+}
+
+StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options) {
+  TransportOptions t;
+  t.name = options.transport;
+  return CreateTransport(t);
+}
+
+Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
+               std::unique_ptr<Transport> transport)
+    : device_(device), pool_(pool), options_(options), transport_(std::move(transport)) {}
+
+Engine::~Engine() { Stop(); }
+
+Status Engine::Start() {
+  const bool cpu = device_.info().platform == "cpu";
+  const bool dev_mem = transport_->caps().device_memory;
+  // On the CPU device every kind is host memory; tell transports so.
+  pool_wire_kind_ = cpu ? MemoryKind::kHost : pool_.memory();
+  direct_ok_ = cpu || pool_.memory() != MemoryKind::kDevice || dev_mem;
+  MemoryKind staging_kind = (!cpu && dev_mem) ? MemoryKind::kDevice : MemoryKind::kPinnedHost;
+  staging_wire_kind_ = cpu ? MemoryKind::kHost : staging_kind;
+  auto staging = device_.Allocate(staging_kind, options_.chunk_bytes * options_.staging_chunks);
+  if (!staging.ok()) return staging.status().WithContext("transceiver staging");
+  staging_ = std::move(staging).value();
+  for (int i = static_cast<int>(options_.staging_chunks) - 1; i >= 0; --i) free_slots_.push_back(i);
+  KVF_ASSIGN_OR_RETURN(stream_, device_.CreateStream());
+  thread_ = std::thread([this] { Run(); });
+  return Status::Ok();
+}
+
+void Engine::Stop() {
+  if (!thread_.joinable()) return;
+  stop_ = true;
+  cmd_cv_.notify_all();
+  thread_.join();
+}
+
+void Engine::Post(std::function<void()> fn) {
+  {
+    std::lock_guard lock(cmd_mu_);
+    commands_.push_back(std::move(fn));
+  }
+  cmd_cv_.notify_one();
+}
+
+void Engine::Run() {
+  auto next_tick = Clock::now();
+  Deadline stop_deadline{};
+  while (true) {
+    bool busy = false;
+    std::deque<std::function<void()>> cmds;
+    {
+      std::lock_guard lock(cmd_mu_);
+      cmds.swap(commands_);
+    }
+    for (auto& c : cmds) c();
+    busy |= !cmds.empty();
+    busy |= transport_->Progress();
+    while (auto m = transport_->PollControl()) {
+      busy = true;
+      auto msg = DecodeMessage(m->bytes);
+      if (!msg.ok()) {
+        Log(LogLevel::kWarn, "transceiver: dropped a control message from peer {}: {}", m->from,
+            msg.status().ToString());
+        continue;
+      }
+      OnControl(m->from, std::move(msg).value());
+    }
+    busy |= Advance();
+    auto now = Clock::now();
+    if (now >= next_tick) {
+      OnTick(now);
+      next_tick = now + std::chrono::milliseconds(1);
+    }
+    if (stop_) {
+      if (stop_deadline == Deadline{}) stop_deadline = now + options_.timeout;
+      if (OnStop() || now > stop_deadline) break;
+    }
+    if (!busy) {
+      std::unique_lock lock(cmd_mu_);
+      cmd_cv_.wait_for(lock, std::chrono::microseconds(50), [&] { return !commands_.empty() || stop_; });
+    }
+  }
+  // Commands posted after the loop ended still complete (with whatever state they find).
+  std::deque<std::function<void()>> rest;
+  {
+    std::lock_guard lock(cmd_mu_);
+    rest.swap(commands_);
+  }
+  for (auto& c : rest) c();
+}
+
+void Engine::SetStatus(const TransferStatus& status) {
+  {
+    std::lock_guard lock(status_mu_);
+    statuses_[status.request_id] = status;
+    if (IsTerminal(status.state)) reports_.push_back(status);
+  }
+  if (IsTerminal(status.state)) status_cv_.notify_all();
+}
+
+std::vector<TransferStatus> Engine::PollStatuses(size_t at_least, Deadline deadline) {
+  std::unique_lock lock(status_mu_);
+  status_cv_.wait_until(lock, deadline, [&] { return reports_.size() >= at_least; });
+  std::vector<TransferStatus> out(reports_.begin(), reports_.end());
+  reports_.clear();
+  // Terminal requests leave the table once reported; Query then says not found.
+  for (const TransferStatus& s : out) {
+    auto it = statuses_.find(s.request_id);
+    if (it != statuses_.end() && IsTerminal(it->second.state)) statuses_.erase(it);
+  }
+  return out;
+}
+
+StatusOr<TransferStatus> Engine::QueryStatus(uint64_t request_id) const {
+  std::lock_guard lock(status_mu_);
+  auto it = statuses_.find(request_id);
+  if (it == statuses_.end()) {
+    return Status::NotFound(fmt::format("request {} is unknown here (never seen, or already polled)", request_id));
+  }
+  return it->second;
+}
+
+void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {
+  auto bytes = EncodeMessage(msg);
+  Status st = transport_->SendControl(peer, bytes);
+  if (!st.ok()) Log(LogLevel::kWarn, "transceiver: control message to peer {} failed: {}", peer, st.ToString());
+}
+
+int Engine::AcquireSlot() {
+  if (free_slots_.empty()) return -1;
+  int s = free_slots_.back();
+  free_slots_.pop_back();
+  return s;
+}
+
+void Engine::ReleaseSlot(int slot) { free_slots_.push_back(slot); }
+
+Event* Engine::AcquireEvent() {
+  if (free_events_.empty()) {
+    auto e = device_.CreateEvent();
+    if (!e.ok()) return nullptr;
+    events_.push_back(std::move(e).value());
+    return events_.back().get();
+  }
+  Event* e = free_events_.back();
+  free_events_.pop_back();
+  return e;
+}
+
+void Engine::ReleaseEvent(Event* event) { free_events_.push_back(event); }
+
+InstanceDesc Engine::SelfDesc() const {
+  InstanceDesc d;
+  d.shape = pool_.shape();
+  d.parallel = pool_.spec().parallel;
+  d.parallel.dp_rank = pool_.slice().dp_group;
+  d.layout = pool_.spec().layout;
+  d.pool_blocks = pool_.blocks();
+  return d;
+}
+
+void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
+                 bool to_packed, std::vector<CopyDesc>& out) {
+  out.clear();
+  int64_t off = 0;
+  for (const Piece& p : chunk.pieces) {
+    int32_t region = context_side ? p.src_region : p.dst_region;
+    int64_t offset = context_side ? p.src_offset : p.dst_offset;
+    int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;
+    std::byte* pool_addr = pool.region(region) + offset;
+    std::byte* buf = packed + off;
+    CopyDesc d{};
+    d.bytes = static_cast<size_t>(p.bytes);
+    d.rows = static_cast<size_t>(p.rows);
+    if (to_packed) {
+      d.dst = buf;
+      d.dst_pitch = static_cast<size_t>(p.bytes);
+      d.src = pool_addr;
+      d.src_pitch = static_cast<size_t>(pitch);
+    } else {
+      d.dst = pool_addr;
+      d.dst_pitch = static_cast<size_t>(pitch);
+      d.src = buf;
+      d.src_pitch = static_cast<size_t>(p.bytes);
+    }
+    out.push_back(d);
+    off += p.total();
+  }
+}
+
+}  // namespace kvferry

@@ -1,0 +1,126 @@
+// Engine: what the context and generation sides share. One progress thread owns the transport
+// and the pack/unpack stream; public calls reach it through a command queue (Call) and read
+// results from a status table guarded by a mutex. Staging memory is a fixed set of chunk-sized
+// slots allocated once; device events for pack/unpack come from a reused pool.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "kvferry/pool.h"
+#include "kvferry/transceiver.h"
+#include "planner/planner.h"
+#include "transceiver/messages.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+struct EngineOptions {
+  std::chrono::milliseconds timeout;
+  int64_t chunk_bytes;
+  int64_t staging_chunks;
+  int64_t direct_min_bytes;
+  int64_t max_inflight;
+  std::chrono::milliseconds unknown_request_wait;
+  std::array<uint8_t, 16> secret;
+  uint64_t instance_id;
+};
+EngineOptions ResolveOptions(const TransceiverOptions& options);
+StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options);
+
+class Engine {
+ public:
+  Engine(Device& device, const BlockPool& pool, EngineOptions options,
+         std::unique_ptr<Transport> transport);
+  virtual ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Allocates staging and the stream, then starts the progress thread.
+  Status Start();
+  // Stops the progress thread after OnStop drained every operation (bounded by the timeout).
+  void Stop();
+
+  std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
+  StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
+
+  // Runs `fn` on the progress thread and returns its result.
+  template <typename F>
+  auto Call(F&& fn) -> decltype(fn()) {
+    using R = decltype(fn());
+    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(fn));
+    auto result = task->get_future();
+    Post([task] { (*task)(); });
+    return result.get();
+  }
+
+ protected:
+  // Progress-thread hooks.
+  virtual void OnControl(PeerId from, ControlMsg msg) = 0;
+  virtual bool Advance() = 0;
+  virtual void OnTick(Clock::time_point now) = 0;
+  // Ends every live request (kCancelled, "shutting down") and returns true once nothing is in
+  // flight any more.
+  virtual bool OnStop() = 0;
+
+  void Post(std::function<void()> fn);
+  void SetStatus(const TransferStatus& status);
+  void SendMsg(PeerId peer, const ControlMsg& msg);
+
+  // Staging slots: -1 when none is free.
+  int AcquireSlot();
+  void ReleaseSlot(int slot);
+  std::byte* SlotData(int slot) const { return staging_.data() + slot * options_.chunk_bytes; }
+  Event* AcquireEvent();
+  void ReleaseEvent(Event* event);
+
+  // The memory kind a transport is told for the pool, and whether chunks may move pool to pool.
+  MemoryKind pool_wire_kind() const { return pool_wire_kind_; }
+  bool direct_ok() const { return direct_ok_; }
+  MemoryKind staging_wire_kind() const { return staging_wire_kind_; }
+  std::byte* PoolAddress(int32_t region, int64_t offset) const { return pool_.region(region) + offset; }
+  InstanceDesc SelfDesc() const;
+
+  Device& device_;
+  const BlockPool& pool_;
+  const EngineOptions options_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<Stream> stream_;
+
+ private:
+  void Run();
+
+  Buffer staging_;
+  std::vector<int> free_slots_;
+  std::vector<std::unique_ptr<Event>> events_;
+  std::vector<Event*> free_events_;
+  MemoryKind pool_wire_kind_ = MemoryKind::kHost;
+  MemoryKind staging_wire_kind_ = MemoryKind::kHost;
+  bool direct_ok_ = true;
+
+  std::mutex cmd_mu_;
+  std::condition_variable cmd_cv_;
+  std::deque<std::function<void()>> commands_;  // guarded by cmd_mu_
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+
+  mutable std::mutex status_mu_;
+  std::condition_variable status_cv_;
+  std::map<uint64_t, TransferStatus> statuses_;  // guarded by status_mu_
+  std::deque<TransferStatus> reports_;           // guarded by status_mu_: terminal, not yet polled
+};
+
+// Builds the 2-D copy descriptors of a chunk between pool and a packed buffer.
+// to_packed: pool -> packed (context side), else packed -> pool (generation side).
+void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
+                 bool to_packed, std::vector<CopyDesc>& out);
+
+}  // namespace kvferry

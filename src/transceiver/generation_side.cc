@@ -1,0 +1,342 @@
+// The generation (receiving) side: a handle and destination blocks in; FETCH to every context rank
+// of the serving DP group; receives posted (and credited) within the staging bound; packed chunks
+// unpacked into the pool; DONE to each context rank once its chunks are in place.
+#include <algorithm>
+#include <deque>
+
+#include <fmt/format.h>
+
+#include "base/log.h"
+#include "transceiver/engine.h"
+
+namespace kvferry {
+namespace {
+
+struct RecvOp {
+  size_t chunk = 0;
+  int slot = -1;                    // staging slot, -1 when received in place
+  std::unique_ptr<TransportOp> op;  // pending receive
+  Event* unpacked = nullptr;        // pending unpack from the slot
+};
+
+struct RecvPair {
+  int32_t ctx_rank = 0;
+  PeerId peer = kAnyPeer;
+  uint32_t transfer_id = 0;
+  PairPlan plan;              // empty chunks when this context rank sends nothing to us
+  size_t next_post = 0;
+  size_t credited = 0;
+  size_t completed = 0;
+  bool accepted = false;
+  bool done_sent = false;
+  bool closed = false;        // rejected or aborted by the context rank
+  std::deque<RecvOp> inflight;
+};
+
+struct GenRequest {
+  uint64_t id = 0;
+  Clock::time_point start;
+  Deadline deadline;
+  std::vector<RecvPair> pairs;
+  int64_t bytes = 0;
+  TransferState state = TransferState::kInit;
+  Status reason;
+  bool ending = false;
+};
+
+class GenerationSideImpl final : public GenerationSide, public Engine {
+ public:
+  using Engine::Engine;
+  ~GenerationSideImpl() override { Stop(); }
+
+  std::string address() const override { return address_; }
+  void InitAddress() { address_ = transport_->LocalAddress(); }
+
+  Status Fetch(std::span<const std::byte> handle_bytes, std::span<const int64_t> blocks,
+               int64_t reused_blocks) override {
+    KVF_ASSIGN_OR_RETURN(ContextHandle h, DecodeHandle(handle_bytes));
+    PlanInput in;
+    in.ctx = InstanceDesc{h.shape, h.parallel, h.layout, h.pool_blocks};
+    in.gen = SelfDesc();
+    in.prompt_tokens = h.prompt_tokens;
+    in.ctx_blocks = h.blocks;
+    in.gen_blocks.assign(blocks.begin(), blocks.end());
+    in.gen_reused_blocks = reused_blocks;
+    in.chunk_bytes = options_.chunk_bytes;
+    in.direct_min_bytes = options_.direct_min_bytes;
+    // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
+    KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
+    return Call([&]() -> Status {
+      if (requests_.count(h.request_id)) {
+        return Status::InvalidArgument(fmt::format("request {} is already being fetched on this rank", h.request_id));
+      }
+      GenRequest r;
+      r.id = h.request_id;
+      r.start = Clock::now();
+      r.deadline = r.start + options_.timeout;
+      FetchMsg f;
+      f.request_id = h.request_id;
+      f.token = h.token;
+      f.gen_instance = options_.instance_id;
+      f.gen_rank = pool_.slice().rank;
+      f.shape = in.gen.shape;
+      f.parallel = in.gen.parallel;
+      f.layout = in.gen.layout;
+      f.pool_blocks = in.gen.pool_blocks;
+      f.prompt_tokens = h.prompt_tokens;
+      f.reused_blocks = reused_blocks;
+      f.blocks = in.gen_blocks;
+      f.reply_address = address_;
+      // Every context rank of the serving DP group hears from us, even those with nothing to
+      // send us: that is how each knows when all generation ranks are done.
+      for (int32_t c = 0; c < h.parallel.world_size(); ++c) {
+        auto slice = SliceOf(h.shape, h.parallel, c);
+        if (!slice.ok() || slice->dp_group != h.parallel.dp_rank) continue;
+        RecvPair p;
+        p.ctx_rank = c;
+        p.transfer_id = NextTransferId();
+        for (const PairPlan& pp : plan) {
+          if (pp.ctx_rank == c) p.plan = pp;
+        }
+        auto peer = transport_->Connect(h.addresses[c], r.deadline);
+        if (!peer.ok()) {
+          return peer.status().WithContext(fmt::format("request {}: context rank {}", h.request_id, c));
+        }
+        p.peer = *peer;
+        f.transfer_id = p.transfer_id;
+        SendMsg(p.peer, f);
+        r.pairs.push_back(std::move(p));
+      }
+      r.state = TransferState::kInProgress;
+      SetStatus(TransferStatus{r.id, r.state, Status::Ok(), 0, 0});
+      requests_.emplace(r.id, std::move(r));
+      return Status::Ok();
+    });
+  }
+
+  std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) override {
+    return PollStatuses(at_least, deadline);
+  }
+  StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
+
+  Status Cancel(uint64_t id) override {
+    return Call([&]() -> Status {
+      auto it = requests_.find(id);
+      if (it == requests_.end()) return Status::NotFound(fmt::format("request {} is not live on this generation rank", id));
+      End(it->second, TransferState::kCancelled, Status::Cancelled("cancelled by the generation side"), true);
+      return Status::Ok();
+    });
+  }
+
+ protected:
+  void OnControl(PeerId, ControlMsg msg) override {
+    auto find = [&](uint64_t id, uint32_t tid) -> std::pair<GenRequest*, RecvPair*> {
+      auto it = requests_.find(id);
+      if (it == requests_.end()) return {nullptr, nullptr};
+      for (RecvPair& p : it->second.pairs) {
+        if (p.transfer_id == tid) return {&it->second, &p};
+      }
+      return {nullptr, nullptr};
+    };
+    if (auto* a = std::get_if<AcceptMsg>(&msg)) {
+      if (auto [r, p] = find(a->request_id, a->transfer_id); p) p->accepted = true;
+    } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
+      if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
+        p->closed = true;
+        End(*r, TransferState::kError,
+            Status(static_cast<StatusCode>(j->code), fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
+            true);
+      }
+    } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
+      if (auto [r, p] = find(b->request_id, b->transfer_id); p) {
+        p->closed = true;
+        End(*r, TransferState::kError,
+            Status(static_cast<StatusCode>(b->code), fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
+            true);
+      }
+    }
+  }
+
+  bool Advance() override {
+    bool busy = false;
+    for (auto it = requests_.begin(); it != requests_.end();) {
+      GenRequest& r = it->second;
+      bool all_done = true, drained = true;
+      for (RecvPair& p : r.pairs) {
+        busy |= AdvancePair(r, p);
+        all_done &= p.done_sent;
+        drained &= p.inflight.empty();
+      }
+      if ((r.ending && drained) || (!r.ending && all_done)) {
+        double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
+        if (!r.ending) r.state = TransferState::kComplete;
+        SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
+        it = requests_.erase(it);
+        busy = true;
+      } else {
+        ++it;
+      }
+    }
+    return busy;
+  }
+
+  void OnTick(Clock::time_point now) override {
+    for (auto& [id, r] : requests_) {
+      if (r.ending || now < r.deadline) continue;
+      int done = 0, silent = -1;
+      for (const RecvPair& p : r.pairs) {
+        if (p.done_sent) ++done;
+        else if (silent < 0) silent = p.ctx_rank;
+      }
+      End(r, TransferState::kTimedOut,
+          Status::DeadlineExceeded(fmt::format("request {}: not received within {} ms ({} of {} context ranks "
+                                               "done; context rank {} still owes data or an answer)",
+                                               id, options_.timeout.count(), done, r.pairs.size(), silent)),
+          true);
+    }
+  }
+
+  bool OnStop() override {
+    for (auto& [id, r] : requests_) {
+      if (!r.ending) End(r, TransferState::kCancelled, Status::Cancelled("generation side shutting down"), true);
+    }
+    Advance();
+    return requests_.empty();
+  }
+
+ private:
+  uint32_t NextTransferId() {
+    const int bits = std::min(32, transport_->caps().tag_bits - kChunkTagBits);
+    const uint64_t mask = bits >= 32 ? 0xFFFFFFFFull : ((1ull << bits) - 1);
+    next_transfer_ = static_cast<uint32_t>((next_transfer_ + 1) & mask);
+    return next_transfer_;
+  }
+
+  bool AdvancePair(GenRequest& r, RecvPair& p) {
+    bool busy = false;
+    const auto& chunks = p.plan.chunks;
+    while (!r.ending && !p.closed && p.next_post < chunks.size() &&
+           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+      const Chunk& c = chunks[p.next_post];
+      RecvOp o;
+      o.chunk = p.next_post;
+      void* dst;
+      MemoryKind kind;
+      if (c.direct && direct_ok()) {
+        const Piece& pc = c.pieces.front();
+        dst = PoolAddress(pc.dst_region, pc.dst_offset);
+        kind = pool_wire_kind();
+      } else {
+        o.slot = AcquireSlot();
+        if (o.slot < 0) break;
+        dst = SlotData(o.slot);
+        kind = staging_wire_kind();
+      }
+      auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, p.next_post), dst, c.bytes, kind);
+      if (!op.ok()) {
+        if (o.slot >= 0) ReleaseSlot(o.slot);
+        End(r, TransferState::kError, op.status(), true);
+        return true;
+      }
+      o.op = std::move(op).value();
+      p.inflight.push_back(std::move(o));
+      ++p.next_post;
+      busy = true;
+    }
+    if (p.credited < p.next_post && !r.ending) {
+      SendMsg(p.peer, CreditMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.next_post)});
+      p.credited = p.next_post;
+    }
+    for (auto it = p.inflight.begin(); it != p.inflight.end();) {
+      const Chunk& c = chunks[it->chunk];
+      if (it->op && it->op->Done()) {
+        Status st = it->op->status();
+        if (st.ok() && static_cast<int64_t>(it->op->bytes()) != c.bytes) {
+          st = Status::DataLoss(fmt::format("chunk {} from context rank {}: {} bytes arrived, {} expected",
+                                            it->chunk, p.ctx_rank, it->op->bytes(), c.bytes));
+        }
+        it->op.reset();
+        busy = true;
+        if (!st.ok() || r.ending) {
+          if (!st.ok()) End(r, TransferState::kError, st.WithContext(fmt::format("receiving from context rank {}", p.ctx_rank)), true);
+          if (it->slot >= 0) ReleaseSlot(it->slot);
+          it = p.inflight.erase(it);
+          continue;
+        }
+        if (it->slot < 0) {
+          ++p.completed;
+          r.bytes += c.bytes;
+          it = p.inflight.erase(it);
+          continue;
+        }
+        ChunkCopies(c, false, pool_, SlotData(it->slot), false, descs_);
+        Status ust = stream_->CopyBatch(descs_);
+        it->unpacked = AcquireEvent();
+        if (ust.ok()) ust = it->unpacked ? stream_->Record(*it->unpacked) : Status::Internal("no device event");
+        if (!ust.ok()) {
+          if (it->unpacked) ReleaseEvent(it->unpacked);
+          ReleaseSlot(it->slot);
+          End(r, TransferState::kError, ust.WithContext("unpacking a chunk"), true);
+          it = p.inflight.erase(it);
+          continue;
+        }
+      }
+      if (it->unpacked && it->unpacked->Query()) {
+        ReleaseEvent(it->unpacked);
+        ReleaseSlot(it->slot);
+        ++p.completed;
+        r.bytes += c.bytes;
+        it = p.inflight.erase(it);
+        busy = true;
+        continue;
+      }
+      ++it;
+    }
+    if (!r.ending && p.accepted && !p.done_sent && p.completed == chunks.size()) {
+      SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
+      p.done_sent = true;
+      busy = true;
+    }
+    return busy;
+  }
+
+  void End(GenRequest& r, TransferState state, Status why, bool tell_peers) {
+    if (r.ending) return;
+    r.ending = true;
+    r.state = state;
+    r.reason = std::move(why);
+    for (RecvPair& p : r.pairs) {
+      for (RecvOp& o : p.inflight) {
+        if (o.op && !o.op->Done()) transport_->Cancel(*o.op);
+      }
+      if (tell_peers && !p.closed && !p.done_sent) {
+        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()), std::string(r.reason.message())});
+      }
+    }
+  }
+
+  std::string address_;
+  std::map<uint64_t, GenRequest> requests_;  // progress thread
+  uint32_t next_transfer_ = 0;
+  std::vector<CopyDesc> descs_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(Device& device, const BlockPool& pool,
+                                                                 const TransceiverOptions& options) {
+  KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options));
+  return Create(device, pool, options, std::move(transport));
+}
+
+StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(Device& device, const BlockPool& pool,
+                                                                 const TransceiverOptions& options,
+                                                                 std::unique_ptr<Transport> transport) {
+  if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
+  auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options), std::move(transport));
+  side->InitAddress();
+  KVF_RETURN_IF_ERROR(side->Start());
+  return std::unique_ptr<GenerationSide>(std::move(side));
+}
+
+}  // namespace kvferry

@@ -1,0 +1,85 @@
+// Control messages between a generation rank and a context rank (docs/wire_format.md).
+//
+// Per request and (context rank, generation rank) pair:
+//   gen -> ctx  FETCH   who is asking, its split and destination blocks, the access token
+//   ctx -> gen  ACCEPT  or REJECT (reason)
+//   gen -> ctx  CREDIT  receives are posted for chunks [0, n): the sender may send them
+//   ctx -> gen  data    chunk k on data tag (transfer_id << 20 | k), after credit and readiness
+//   gen -> ctx  DONE    every chunk arrived and is in place: the context may release its lease
+//   either      ABORT   the request ended on this side (timeout, cancel, error); stop
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "kvferry/kv_model.h"
+#include "kvferry/status.h"
+#include "transceiver/handle.h"
+
+namespace kvferry {
+
+inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
+inline constexpr uint8_t kMessageVersion = 1;
+inline constexpr int kChunkTagBits = 20;
+
+struct FetchMsg {
+  uint64_t request_id = 0;
+  AccessToken token{};
+  uint64_t gen_instance = 0;
+  int32_t gen_rank = 0;
+  uint32_t transfer_id = 0;
+  KvShape shape;
+  ParallelConfig parallel;  // dp_rank: the generation DP group decoding the request
+  LayoutKind layout = LayoutKind::kBlockMajor;
+  int64_t pool_blocks = 0;
+  int64_t prompt_tokens = 0;
+  int64_t reused_blocks = 0;
+  std::vector<int64_t> blocks;
+  std::string reply_address;
+  bool operator==(const FetchMsg&) const = default;
+};
+struct AcceptMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  bool operator==(const AcceptMsg&) const = default;
+};
+struct RejectMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  uint8_t code = 0;  // StatusCode
+  std::string reason;
+  bool operator==(const RejectMsg&) const = default;
+};
+struct CreditMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  uint32_t chunks = 0;  // receives posted for chunks [0, chunks)
+  bool operator==(const CreditMsg&) const = default;
+};
+struct DoneMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  int64_t bytes = 0;
+  bool operator==(const DoneMsg&) const = default;
+};
+struct AbortMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  uint8_t code = 0;
+  std::string reason;
+  bool operator==(const AbortMsg&) const = default;
+};
+
+using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg>;
+
+std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
+StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);
+
+inline uint64_t DataTag(uint32_t transfer_id, uint64_t chunk) {
+  return (uint64_t{transfer_id} << kChunkTagBits) | (chunk & ((1u << kChunkTagBits) - 1));
+}
+
+}  // namespace kvferry
