@@ -48,17 +48,17 @@ inline bool IsTerminal(TransferState s) { return s >= TransferState::kComplete; 
 struct TransferStatus {
   uint64_t request_id = 0;
   TransferState state = TransferState::kInit;
-  Status reason;          // why, for kError / kTimedOut / kCancelled
-  int64_t bytes = 0;      // payload bytes this rank sent or received
-  double seconds = 0;     // from MarkReady / Fetch to the terminal state
+  Status reason;       // why, for kError / kTimedOut / kCancelled
+  int64_t bytes = 0;   // payload bytes this rank sent or received
+  double seconds = 0;  // from MarkReady / Fetch to the terminal state
 };
 
 struct TransceiverOptions {
-  std::string transport = "ucx";       // "inproc" (tests), "ucx", "mpi"
+  std::string transport = "ucx";         // "inproc" (tests), "ucx", "mpi"
   std::chrono::milliseconds timeout{0};  // 0: knob transfer.timeout_ms
-  int64_t chunk_bytes = 0;             // 0: knob transfer.chunk_bytes
-  int64_t staging_chunks = 0;          // 0: knob transfer.staging_chunks (staging = chunks * bytes)
-  int64_t direct_min_bytes = 0;        // 0: knob transfer.direct_min_bytes
+  int64_t chunk_bytes = 0;               // 0: knob transfer.chunk_bytes
+  int64_t staging_chunks = 0;    // 0: knob transfer.staging_chunks (staging = chunks * bytes)
+  int64_t direct_min_bytes = 0;  // 0: knob transfer.direct_min_bytes
   // Shared by every rank of a context instance (the engine distributes it with the addresses);
   // handles' access tokens are derived from it, so a forged handle is refused.
   std::array<uint8_t, 16> instance_secret{};

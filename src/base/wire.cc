@@ -16,7 +16,8 @@ uint64_t WireReader::Le(int n, const char* field) {
     return 0;
   }
   uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(std::to_integer<uint8_t>(in_[pos_ + i])) << (8 * i);
+  for (int i = 0; i < n; ++i)
+    v |= static_cast<uint64_t>(std::to_integer<uint8_t>(in_[pos_ + i])) << (8 * i);
   pos_ += n;
   return v;
 }

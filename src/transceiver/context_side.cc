@@ -1,10 +1,10 @@
 // The context (sending) side: requests marked ready, fetches from generation ranks, chunks packed
 // and sent as credit and layer readiness allow, leases held until every peer said DONE.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <deque>
 #include <set>
-
-#include <fmt/format.h>
 
 #include "base/log.h"
 #include "transceiver/engine.h"
@@ -14,9 +14,9 @@ namespace {
 
 struct SendOp {
   size_t chunk = 0;
-  int slot = -1;                       // staging slot, -1 for a direct chunk
-  Event* packed = nullptr;             // pending pack into the slot
-  std::unique_ptr<TransportOp> op;     // pending send
+  int slot = -1;                    // staging slot, -1 for a direct chunk
+  Event* packed = nullptr;          // pending pack into the slot
+  std::unique_ptr<TransportOp> op;  // pending send
 };
 
 struct SendPair {
@@ -24,9 +24,9 @@ struct SendPair {
   PeerId peer = kAnyPeer;
   uint32_t transfer_id = 0;
   PairPlan plan;
-  size_t next = 0;        // next chunk to start
-  size_t credit = 0;      // the receiver has posted chunks [0, credit)
-  bool done = false;      // DONE received
+  size_t next = 0;    // next chunk to start
+  size_t credit = 0;  // the receiver has posted chunks [0, credit)
+  bool done = false;  // DONE received
   std::deque<SendOp> inflight;
   bool drained() const { return next == plan.chunks.size() && inflight.empty(); }
 };
@@ -41,9 +41,9 @@ struct CtxRequest {
   Clock::time_point start;
   Deadline deadline;
   uint64_t gen_instance = 0;
-  int expected_gen = -1;  // generation ranks that will FETCH (known at the first FETCH)
-  std::vector<PairPlan> plan;  // this rank's pairs, cached from the first FETCH
-  FetchMsg plan_key;           // the FETCH the cached plan was made for (blocks, split)
+  int expected_gen = -1;              // generation ranks that will FETCH (known at the first FETCH)
+  std::vector<PairPlan> plan;         // this rank's pairs, cached from the first FETCH
+  FetchMsg plan_key;                  // the FETCH the cached plan was made for (blocks, split)
   std::map<int32_t, SendPair> pairs;  // by generation rank
   int64_t bytes = 0;
   TransferState state = TransferState::kInit;
@@ -60,9 +60,10 @@ struct PendingFetch {
 
 bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
   return a.shape == b.shape && a.parallel.tp == b.parallel.tp && a.parallel.pp == b.parallel.pp &&
-         a.parallel.stage_layers == b.parallel.stage_layers && a.parallel.dp_size == b.parallel.dp_size &&
-         a.parallel.dp_rank == b.parallel.dp_rank && a.layout == b.layout &&
-         a.pool_blocks == b.pool_blocks && a.reused_blocks == b.reused_blocks && a.blocks == b.blocks;
+         a.parallel.stage_layers == b.parallel.stage_layers &&
+         a.parallel.dp_size == b.parallel.dp_size && a.parallel.dp_rank == b.parallel.dp_rank &&
+         a.layout == b.layout && a.pool_blocks == b.pool_blocks &&
+         a.reused_blocks == b.reused_blocks && a.blocks == b.blocks;
 }
 
 class ContextSideImpl final : public ContextSide, public Engine {
@@ -76,7 +77,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   Status SetInstanceAddresses(std::vector<std::string> addresses) override {
     if (static_cast<int32_t>(addresses.size()) != pool_.spec().parallel.world_size()) {
       return Status::InvalidArgument(fmt::format("{} addresses for an instance of {} ranks",
-                                                 addresses.size(), pool_.spec().parallel.world_size()));
+                                                 addresses.size(),
+                                                 pool_.spec().parallel.world_size()));
     }
     return Call([&] {
       addresses_ = std::move(addresses);
@@ -96,10 +98,11 @@ class ContextSideImpl final : public ContextSide, public Engine {
   Status MarkLayersReady(uint64_t id, int32_t local_layers) override {
     return Call([&]() -> Status {
       CtxRequest* r = Find(id);
-      if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
+      if (!r)
+        return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
       if (local_layers < 0 || local_layers > pool_.slice().layer_count) {
-        return Status::InvalidArgument(fmt::format("local_layers={} is outside [0, {}]", local_layers,
-                                                   pool_.slice().layer_count));
+        return Status::InvalidArgument(fmt::format("local_layers={} is outside [0, {}]",
+                                                   local_layers, pool_.slice().layer_count));
       }
       r->ready_end = std::max(r->ready_end, pool_.slice().layer_begin + local_layers);
       return Status::Ok();
@@ -110,7 +113,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
     if (!event) return Status::InvalidArgument("MarkLayerReadyOn: null event");
     return Call([&]() -> Status {
       CtxRequest* r = Find(id);
-      if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
+      if (!r)
+        return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
       if (local_layer < 0 || local_layer >= pool_.slice().layer_count) {
         return Status::InvalidArgument(fmt::format("local_layer={} is outside [0, {})", local_layer,
                                                    pool_.slice().layer_count));
@@ -128,7 +132,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {
       CtxRequest* r = Find(id);
-      if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
+      if (!r)
+        return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
       End(*r, TransferState::kCancelled, Status::Cancelled("cancelled by the context side"), true);
       return Status::Ok();
     });
@@ -202,9 +207,11 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void OnTick(Clock::time_point now) override {
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (now >= it->give_up) {
-        Reject(it->from, it->fetch, Status::NotFound(fmt::format(
+        Reject(it->from, it->fetch,
+               Status::NotFound(fmt::format(
                    "request {} is unknown to context rank {} (never marked ready, or its handle is "
-                   "forged)", it->fetch.request_id, pool_.slice().rank)));
+                   "forged)",
+                   it->fetch.request_id, pool_.slice().rank)));
         it = pending_.erase(it);
       } else {
         ++it;
@@ -223,31 +230,37 @@ class ContextSideImpl final : public ContextSide, public Engine {
 
   bool OnStop() override {
     for (auto& [id, r] : requests_) {
-      if (!r.ending) End(r, TransferState::kCancelled, Status::Cancelled("context side shutting down"), true);
+      if (!r.ending)
+        End(r, TransferState::kCancelled, Status::Cancelled("context side shutting down"), true);
     }
     Advance();
     return requests_.empty();
   }
 
  private:
-  StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks, int64_t tokens,
-                                         bool all_ready) {
+  StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks,
+                                         int64_t tokens, bool all_ready) {
     const KvShape& shape = pool_.shape();
-    if (tokens < 1) return Status::InvalidArgument(fmt::format("prompt_tokens={} must be positive", tokens));
+    if (tokens < 1)
+      return Status::InvalidArgument(fmt::format("prompt_tokens={} must be positive", tokens));
     int64_t needed = (tokens + shape.tokens_per_block - 1) / shape.tokens_per_block;
     if (static_cast<int64_t>(blocks.size()) < needed) {
-      return Status::InvalidArgument(fmt::format("{} tokens need {} blocks of {} tokens; {} given", tokens,
-                                                 needed, shape.tokens_per_block, blocks.size()));
+      return Status::InvalidArgument(fmt::format("{} tokens need {} blocks of {} tokens; {} given",
+                                                 tokens, needed, shape.tokens_per_block,
+                                                 blocks.size()));
     }
     for (int64_t b : blocks) {
       if (b < 0 || b >= pool_.blocks()) {
-        return Status::InvalidArgument(fmt::format("block id {} is outside the pool's [0, {})", b, pool_.blocks()));
+        return Status::InvalidArgument(
+            fmt::format("block id {} is outside the pool's [0, {})", b, pool_.blocks()));
       }
     }
     return Call([&]() -> StatusOr<std::vector<std::byte>> {
-      if (addresses_.empty()) return Status::InvalidArgument("SetInstanceAddresses must be called before MarkReady");
+      if (addresses_.empty())
+        return Status::InvalidArgument("SetInstanceAddresses must be called before MarkReady");
       if (requests_.count(id) || recent_set_.count(id)) {
-        return Status::InvalidArgument(fmt::format("request {} was already marked ready on this rank", id));
+        return Status::InvalidArgument(
+            fmt::format("request {} was already marked ready on this rank", id));
       }
       CtxRequest r;
       r.id = id;
@@ -287,36 +300,51 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void OnFetch(PeerId from, FetchMsg f, uint32_t credit) {
     auto reply = transport_->Connect(f.reply_address, Clock::now() + options_.timeout);
     if (!reply.ok()) {
-      Log(LogLevel::kWarn, "context side: cannot reach generation rank {} of request {}: {}", f.gen_rank,
-          f.request_id, reply.status().ToString());
+      Log(LogLevel::kWarn, "context side: cannot reach generation rank {} of request {}: {}",
+          f.gen_rank, f.request_id, reply.status().ToString());
       return;
     }
     PeerId peer = *reply;
     CtxRequest* r = Find(f.request_id);
     if (!r) {
       if (recent_set_.count(f.request_id)) {
-        return Reject(peer, f, Status::InvalidArgument(fmt::format(
-                                   "request {} was already delivered and released (replayed handle)", f.request_id)));
+        return Reject(
+            peer, f,
+            Status::InvalidArgument(fmt::format(
+                "request {} was already delivered and released (replayed handle)", f.request_id)));
       }
-      pending_.push_back(PendingFetch{peer, std::move(f), credit, Clock::now() + options_.unknown_request_wait});
+      pending_.push_back(
+          PendingFetch{peer, std::move(f), credit, Clock::now() + options_.unknown_request_wait});
       return;
     }
-    if (r->ending) return Reject(peer, f, Status::Cancelled(fmt::format("request {} is ending: {}", r->id, r->reason.ToString())));
+    if (r->ending)
+      return Reject(
+          peer, f,
+          Status::Cancelled(fmt::format("request {} is ending: {}", r->id, r->reason.ToString())));
     if (f.token != r->token) {
-      return Reject(peer, f, Status::InvalidArgument(fmt::format(
-                                 "request {}: the access token does not match (forged or altered handle)", r->id)));
+      return Reject(
+          peer, f,
+          Status::InvalidArgument(fmt::format(
+              "request {}: the access token does not match (forged or altered handle)", r->id)));
     }
     if (r->expected_gen >= 0 && f.gen_instance != r->gen_instance) {
-      return Reject(peer, f, Status::InvalidArgument(fmt::format(
-                                 "request {} is already being fetched by another generation instance (replayed handle)", r->id)));
+      return Reject(
+          peer, f,
+          Status::InvalidArgument(fmt::format("request {} is already being fetched by another "
+                                              "generation instance (replayed handle)",
+                                              r->id)));
     }
     if (r->pairs.count(f.gen_rank)) {
-      return Reject(peer, f, Status::InvalidArgument(fmt::format(
-                                 "request {}: generation rank {} already fetched it (replayed handle)", r->id, f.gen_rank)));
+      return Reject(peer, f,
+                    Status::InvalidArgument(fmt::format(
+                        "request {}: generation rank {} already fetched it (replayed handle)",
+                        r->id, f.gen_rank)));
     }
     if (f.prompt_tokens != r->tokens) {
-      return Reject(peer, f, Status::InvalidArgument(fmt::format(
-                                 "request {}: fetch asks for {} tokens, the context holds {}", r->id, f.prompt_tokens, r->tokens)));
+      return Reject(peer, f,
+                    Status::InvalidArgument(
+                        fmt::format("request {}: fetch asks for {} tokens, the context holds {}",
+                                    r->id, f.prompt_tokens, r->tokens)));
     }
     if (r->plan.empty() || !SamePlanInputs(r->plan_key, f)) {
       PlanInput in;
@@ -353,9 +381,10 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   void Reject(PeerId peer, const FetchMsg& f, const Status& why) {
-    Log(LogLevel::kInfo, "context side: refused fetch of request {} from generation rank {}: {}", f.request_id,
-        f.gen_rank, why.ToString());
-    SendMsg(peer, RejectMsg{f.request_id, f.transfer_id, static_cast<uint8_t>(why.code()), std::string(why.message())});
+    Log(LogLevel::kInfo, "context side: refused fetch of request {} from generation rank {}: {}",
+        f.request_id, f.gen_rank, why.ToString());
+    SendMsg(peer, RejectMsg{f.request_id, f.transfer_id, static_cast<uint8_t>(why.code()),
+                            std::string(why.message())});
   }
 
   bool AdvancePair(CtxRequest& r, SendPair& p) {
@@ -369,8 +398,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
       s.chunk = p.next;
       if (c.direct && direct_ok()) {
         const Piece& pc = c.pieces.front();
-        auto op = transport_->Send(p.peer, DataTag(p.transfer_id, p.next), PoolAddress(pc.src_region, pc.src_offset),
-                                   c.bytes, pool_wire_kind());
+        auto op =
+            transport_->Send(p.peer, DataTag(p.transfer_id, p.next),
+                             PoolAddress(pc.src_region, pc.src_offset), c.bytes, pool_wire_kind());
         if (!op.ok()) return Fail(r, op.status()), true;
         s.op = std::move(op).value();
       } else {
@@ -379,7 +409,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
         ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_);
         Status st = stream_->CopyBatch(descs_);
         s.packed = AcquireEvent();
-        if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
+        if (st.ok())
+          st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
         if (!st.ok()) {
           ReleaseSlot(s.slot);
           if (s.packed) ReleaseEvent(s.packed);
@@ -410,8 +441,11 @@ class ContextSideImpl final : public ContextSide, public Engine {
         busy = true;
       }
       if (it->op && it->op->Done()) {
-        if (!it->op->status().ok()) Fail(r, it->op->status().WithContext(fmt::format("sending to generation rank {}", p.gen_rank)));
-        else r.bytes += chunks[it->chunk].bytes;
+        if (!it->op->status().ok())
+          Fail(r, it->op->status().WithContext(
+                      fmt::format("sending to generation rank {}", p.gen_rank)));
+        else
+          r.bytes += chunks[it->chunk].bytes;
         if (it->slot >= 0) ReleaseSlot(it->slot);
         it = p.inflight.erase(it);
         busy = true;
@@ -467,7 +501,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
         if (s.op && !s.op->Done()) transport_->Cancel(*s.op);
       }
       if (tell_peers && !p.done) {
-        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()), std::string(r.reason.message())});
+        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
+                                 std::string(r.reason.message())});
       }
     }
   }
@@ -487,12 +522,12 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   std::string address_;
-  std::vector<std::string> addresses_;        // progress thread
-  std::map<uint64_t, CtxRequest> requests_;   // progress thread
-  std::vector<PendingFetch> pending_;         // progress thread
-  std::deque<uint64_t> recent_;               // recently finished ids, for replay detection
+  std::vector<std::string> addresses_;       // progress thread
+  std::map<uint64_t, CtxRequest> requests_;  // progress thread
+  std::vector<PendingFetch> pending_;        // progress thread
+  std::deque<uint64_t> recent_;              // recently finished ids, for replay detection
   std::set<uint64_t> recent_set_;
-  std::vector<CopyDesc> descs_;               // reused
+  std::vector<CopyDesc> descs_;  // reused
 };
 
 }  // namespace
@@ -507,7 +542,8 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
-  auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options), std::move(transport));
+  auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options),
+                                                std::move(transport));
   side->InitAddress();
   KVF_RETURN_IF_ERROR(side->Start());
   return std::unique_ptr<ContextSide>(std::move(side));

@@ -1,8 +1,8 @@
 #include "transceiver/engine.h"
 
-#include <random>
-
 #include <fmt/format.h>
+
+#include <random>
 
 #include "base/log.h"
 #include "kvferry/config.h"
@@ -12,12 +12,18 @@ namespace kvferry {
 
 std::string_view TransferStateName(TransferState state) {
   switch (state) {
-    case TransferState::kInit: return "init";
-    case TransferState::kInProgress: return "in-progress";
-    case TransferState::kComplete: return "complete";
-    case TransferState::kError: return "error";
-    case TransferState::kTimedOut: return "timed-out";
-    case TransferState::kCancelled: return "cancelled";
+    case TransferState::kInit:
+      return "init";
+    case TransferState::kInProgress:
+      return "in-progress";
+    case TransferState::kComplete:
+      return "complete";
+    case TransferState::kError:
+      return "error";
+    case TransferState::kTimedOut:
+      return "timed-out";
+    case TransferState::kCancelled:
+      return "cancelled";
   }
   return "?";
 }
@@ -25,15 +31,18 @@ std::string_view TransferStateName(TransferState state) {
 EngineOptions ResolveOptions(const TransceiverOptions& o) {
   const Config& c = Config::Global();
   EngineOptions e;
-  e.timeout = o.timeout.count() > 0 ? o.timeout : std::chrono::milliseconds(c.Int("transfer.timeout_ms"));
+  e.timeout =
+      o.timeout.count() > 0 ? o.timeout : std::chrono::milliseconds(c.Int("transfer.timeout_ms"));
   e.chunk_bytes = o.chunk_bytes > 0 ? o.chunk_bytes : c.Int("transfer.chunk_bytes");
   e.staging_chunks = o.staging_chunks > 0 ? o.staging_chunks : c.Int("transfer.staging_chunks");
-  e.direct_min_bytes = o.direct_min_bytes > 0 ? o.direct_min_bytes : c.Int("transfer.direct_min_bytes");
+  e.direct_min_bytes =
+      o.direct_min_bytes > 0 ? o.direct_min_bytes : c.Int("transfer.direct_min_bytes");
   e.max_inflight = c.Int("transfer.max_inflight_per_pair");
   e.unknown_request_wait = std::chrono::milliseconds(c.Int("transfer.unknown_request_wait_ms"));
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
-  if (e.instance_id == 0) e.instance_id = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+  if (e.instance_id == 0)
+    e.instance_id = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
   return e;
 }
 
@@ -116,7 +125,8 @@ void Engine::Run() {
     }
     if (!busy) {
       std::unique_lock lock(cmd_mu_);
-      cmd_cv_.wait_for(lock, std::chrono::microseconds(50), [&] { return !commands_.empty() || stop_; });
+      cmd_cv_.wait_for(lock, std::chrono::microseconds(50),
+                       [&] { return !commands_.empty() || stop_; });
     }
   }
   // Commands posted after the loop ended still complete (with whatever state they find).
@@ -154,7 +164,8 @@ StatusOr<TransferStatus> Engine::QueryStatus(uint64_t request_id) const {
   std::lock_guard lock(status_mu_);
   auto it = statuses_.find(request_id);
   if (it == statuses_.end()) {
-    return Status::NotFound(fmt::format("request {} is unknown here (never seen, or already polled)", request_id));
+    return Status::NotFound(
+        fmt::format("request {} is unknown here (never seen, or already polled)", request_id));
   }
   return it->second;
 }
@@ -162,7 +173,8 @@ StatusOr<TransferStatus> Engine::QueryStatus(uint64_t request_id) const {
 void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {
   auto bytes = EncodeMessage(msg);
   Status st = transport_->SendControl(peer, bytes);
-  if (!st.ok()) Log(LogLevel::kWarn, "transceiver: control message to peer {} failed: {}", peer, st.ToString());
+  if (!st.ok())
+    Log(LogLevel::kWarn, "transceiver: control message to peer {} failed: {}", peer, st.ToString());
 }
 
 int Engine::AcquireSlot() {

@@ -86,7 +86,9 @@ class Engine {
   MemoryKind pool_wire_kind() const { return pool_wire_kind_; }
   bool direct_ok() const { return direct_ok_; }
   MemoryKind staging_wire_kind() const { return staging_wire_kind_; }
-  std::byte* PoolAddress(int32_t region, int64_t offset) const { return pool_.region(region) + offset; }
+  std::byte* PoolAddress(int32_t region, int64_t offset) const {
+    return pool_.region(region) + offset;
+  }
   InstanceDesc SelfDesc() const;
 
   Device& device_;

@@ -1,10 +1,10 @@
 // The generation (receiving) side: a handle and destination blocks in; FETCH to every context rank
 // of the serving DP group; receives posted (and credited) within the staging bound; packed chunks
 // unpacked into the pool; DONE to each context rank once its chunks are in place.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <deque>
-
-#include <fmt/format.h>
 
 #include "base/log.h"
 #include "transceiver/engine.h"
@@ -23,13 +23,13 @@ struct RecvPair {
   int32_t ctx_rank = 0;
   PeerId peer = kAnyPeer;
   uint32_t transfer_id = 0;
-  PairPlan plan;              // empty chunks when this context rank sends nothing to us
+  PairPlan plan;  // empty chunks when this context rank sends nothing to us
   size_t next_post = 0;
   size_t credited = 0;
   size_t completed = 0;
   bool accepted = false;
   bool done_sent = false;
-  bool closed = false;        // rejected or aborted by the context rank
+  bool closed = false;  // rejected or aborted by the context rank
   std::deque<RecvOp> inflight;
 };
 
@@ -68,7 +68,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
     return Call([&]() -> Status {
       if (requests_.count(h.request_id)) {
-        return Status::InvalidArgument(fmt::format("request {} is already being fetched on this rank", h.request_id));
+        return Status::InvalidArgument(
+            fmt::format("request {} is already being fetched on this rank", h.request_id));
       }
       GenRequest r;
       r.id = h.request_id;
@@ -100,7 +101,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
         auto peer = transport_->Connect(h.addresses[c], r.deadline);
         if (!peer.ok()) {
-          return peer.status().WithContext(fmt::format("request {}: context rank {}", h.request_id, c));
+          return peer.status().WithContext(
+              fmt::format("request {}: context rank {}", h.request_id, c));
         }
         p.peer = *peer;
         f.transfer_id = p.transfer_id;
@@ -122,8 +124,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {
       auto it = requests_.find(id);
-      if (it == requests_.end()) return Status::NotFound(fmt::format("request {} is not live on this generation rank", id));
-      End(it->second, TransferState::kCancelled, Status::Cancelled("cancelled by the generation side"), true);
+      if (it == requests_.end())
+        return Status::NotFound(fmt::format("request {} is not live on this generation rank", id));
+      End(it->second, TransferState::kCancelled,
+          Status::Cancelled("cancelled by the generation side"), true);
       return Status::Ok();
     });
   }
@@ -144,14 +148,16 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(j->code), fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
+            Status(static_cast<StatusCode>(j->code),
+                   fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
       if (auto [r, p] = find(b->request_id, b->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(b->code), fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
+            Status(static_cast<StatusCode>(b->code),
+                   fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
             true);
       }
     }
@@ -185,20 +191,24 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (r.ending || now < r.deadline) continue;
       int done = 0, silent = -1;
       for (const RecvPair& p : r.pairs) {
-        if (p.done_sent) ++done;
-        else if (silent < 0) silent = p.ctx_rank;
+        if (p.done_sent)
+          ++done;
+        else if (silent < 0)
+          silent = p.ctx_rank;
       }
       End(r, TransferState::kTimedOut,
-          Status::DeadlineExceeded(fmt::format("request {}: not received within {} ms ({} of {} context ranks "
-                                               "done; context rank {} still owes data or an answer)",
-                                               id, options_.timeout.count(), done, r.pairs.size(), silent)),
+          Status::DeadlineExceeded(
+              fmt::format("request {}: not received within {} ms ({} of {} context ranks "
+                          "done; context rank {} still owes data or an answer)",
+                          id, options_.timeout.count(), done, r.pairs.size(), silent)),
           true);
     }
   }
 
   bool OnStop() override {
     for (auto& [id, r] : requests_) {
-      if (!r.ending) End(r, TransferState::kCancelled, Status::Cancelled("generation side shutting down"), true);
+      if (!r.ending)
+        End(r, TransferState::kCancelled, Status::Cancelled("generation side shutting down"), true);
     }
     Advance();
     return requests_.empty();
@@ -252,13 +262,16 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (it->op && it->op->Done()) {
         Status st = it->op->status();
         if (st.ok() && static_cast<int64_t>(it->op->bytes()) != c.bytes) {
-          st = Status::DataLoss(fmt::format("chunk {} from context rank {}: {} bytes arrived, {} expected",
-                                            it->chunk, p.ctx_rank, it->op->bytes(), c.bytes));
+          st = Status::DataLoss(
+              fmt::format("chunk {} from context rank {}: {} bytes arrived, {} expected", it->chunk,
+                          p.ctx_rank, it->op->bytes(), c.bytes));
         }
         it->op.reset();
         busy = true;
         if (!st.ok() || r.ending) {
-          if (!st.ok()) End(r, TransferState::kError, st.WithContext(fmt::format("receiving from context rank {}", p.ctx_rank)), true);
+          if (!st.ok())
+            End(r, TransferState::kError,
+                st.WithContext(fmt::format("receiving from context rank {}", p.ctx_rank)), true);
           if (it->slot >= 0) ReleaseSlot(it->slot);
           it = p.inflight.erase(it);
           continue;
@@ -272,7 +285,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         ChunkCopies(c, false, pool_, SlotData(it->slot), false, descs_);
         Status ust = stream_->CopyBatch(descs_);
         it->unpacked = AcquireEvent();
-        if (ust.ok()) ust = it->unpacked ? stream_->Record(*it->unpacked) : Status::Internal("no device event");
+        if (ust.ok())
+          ust = it->unpacked ? stream_->Record(*it->unpacked) : Status::Internal("no device event");
         if (!ust.ok()) {
           if (it->unpacked) ReleaseEvent(it->unpacked);
           ReleaseSlot(it->slot);
@@ -310,7 +324,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         if (o.op && !o.op->Done()) transport_->Cancel(*o.op);
       }
       if (tell_peers && !p.closed && !p.done_sent) {
-        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()), std::string(r.reason.message())});
+        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
+                                 std::string(r.reason.message())});
       }
     }
   }
@@ -323,17 +338,18 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(Device& device, const BlockPool& pool,
-                                                                 const TransceiverOptions& options) {
+StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
+    Device& device, const BlockPool& pool, const TransceiverOptions& options) {
   KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options));
   return Create(device, pool, options, std::move(transport));
 }
 
-StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(Device& device, const BlockPool& pool,
-                                                                 const TransceiverOptions& options,
-                                                                 std::unique_ptr<Transport> transport) {
+StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
+    Device& device, const BlockPool& pool, const TransceiverOptions& options,
+    std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
-  auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options), std::move(transport));
+  auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options),
+                                                   std::move(transport));
   side->InitAddress();
   KVF_RETURN_IF_ERROR(side->Start());
   return std::unique_ptr<GenerationSide>(std::move(side));

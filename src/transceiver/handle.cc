@@ -1,8 +1,7 @@
 #include "transceiver/handle.h"
 
-#include <xxhash.h>
-
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include "base/wire.h"
 
@@ -53,7 +52,8 @@ ParallelConfig DecodeParallel(WireReader& r) {
   p.tp = r.I32("parallel.tp");
   p.pp = r.I32("parallel.pp");
   uint32_t n = r.Count("parallel.stage_layers", kMaxRanks);
-  for (uint32_t i = 0; i < n && r.ok(); ++i) p.stage_layers.push_back(r.I32("parallel.stage_layers[]"));
+  for (uint32_t i = 0; i < n && r.ok(); ++i)
+    p.stage_layers.push_back(r.I32("parallel.stage_layers[]"));
   p.dp_size = r.I32("parallel.dp_size");
   p.dp_rank = r.I32("parallel.dp_rank");
   return p;
@@ -83,34 +83,39 @@ std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
 StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   auto refuse = [](const Status& s) { return s.WithContext("context handle refused"); };
   if (bytes.size() < 16) {
-    return refuse(Status::InvalidArgument(fmt::format("{} bytes is too short for a handle", bytes.size())));
+    return refuse(
+        Status::InvalidArgument(fmt::format("{} bytes is too short for a handle", bytes.size())));
   }
   WireReader r(bytes);
   if (uint32_t magic = r.U32("magic"); magic != kHandleMagic) {
-    return refuse(Status::InvalidArgument(fmt::format("bad magic {:#010x}; not a kvferry handle", magic)));
+    return refuse(
+        Status::InvalidArgument(fmt::format("bad magic {:#010x}; not a kvferry handle", magic)));
   }
   uint16_t version = r.U16("version");
   if (version != kHandleVersion) {
-    return refuse(Status::InvalidArgument(
-        fmt::format("version {} is not supported (this build reads version {})", version, kHandleVersion)));
+    return refuse(Status::InvalidArgument(fmt::format(
+        "version {} is not supported (this build reads version {})", version, kHandleVersion)));
   }
   // Integrity before parsing further: the last 8 bytes are the checksum of everything before.
   uint64_t want = 0;
-  for (int i = 0; i < 8; ++i) want |= uint64_t(std::to_integer<uint8_t>(bytes[bytes.size() - 8 + i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    want |= uint64_t(std::to_integer<uint8_t>(bytes[bytes.size() - 8 + i])) << (8 * i);
   if (Checksum(bytes.first(bytes.size() - 8)) != want) {
     return refuse(Status::DataLoss("checksum mismatch: the handle is truncated or corrupted"));
   }
   WireReader body(bytes.first(bytes.size() - 8));
   body.U32("magic");
   body.U16("version");
-  if (uint16_t flags = body.U16("flags"); flags != 0) body.Fail(fmt::format("unknown flags {:#x}", flags));
+  if (uint16_t flags = body.U16("flags"); flags != 0)
+    body.Fail(fmt::format("unknown flags {:#x}", flags));
   ContextHandle h;
   h.request_id = body.U64("request_id");
   for (auto& b : h.token) b = body.U8("token");
   h.shape = DecodeShape(body);
   h.parallel = DecodeParallel(body);
   uint8_t layout = body.U8("layout");
-  if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer)) body.Fail(fmt::format("layout {} is unknown", layout));
+  if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer))
+    body.Fail(fmt::format("layout {} is unknown", layout));
   h.layout = static_cast<LayoutKind>(layout);
   h.pool_blocks = body.I64("pool_blocks");
   h.prompt_tokens = body.I64("prompt_tokens");
@@ -118,8 +123,10 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   if (body.ok() && body.remaining() < size_t{nb} * 8) body.Fail("blocks: truncated");
   for (uint32_t i = 0; i < nb && body.ok(); ++i) h.blocks.push_back(body.I64("blocks[]"));
   uint32_t na = body.Count("addresses", kMaxRanks);
-  for (uint32_t i = 0; i < na && body.ok(); ++i) h.addresses.push_back(body.Str("addresses[]", kMaxAddress));
-  if (body.ok() && body.remaining() != 0) body.Fail(fmt::format("{} trailing bytes", body.remaining()));
+  for (uint32_t i = 0; i < na && body.ok(); ++i)
+    h.addresses.push_back(body.Str("addresses[]", kMaxAddress));
+  if (body.ok() && body.remaining() != 0)
+    body.Fail(fmt::format("{} trailing bytes", body.remaining()));
   if (!body.ok()) return refuse(body.status());
   // Semantic checks: what the fields promise must hang together.
   Status st = h.shape.Validate();
@@ -128,7 +135,8 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
     st = Status::InvalidArgument(fmt::format("{} addresses for a context instance of {} ranks",
                                              h.addresses.size(), h.parallel.world_size()));
   }
-  if (st.ok() && h.prompt_tokens < 1) st = Status::InvalidArgument("prompt_tokens must be positive");
+  if (st.ok() && h.prompt_tokens < 1)
+    st = Status::InvalidArgument("prompt_tokens must be positive");
   if (st.ok() && h.pool_blocks < 1) st = Status::InvalidArgument("pool_blocks must be positive");
   if (!st.ok()) return refuse(st);
   return h;

@@ -86,7 +86,8 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
     return Status::InvalidArgument(fmt::format("control message: bad magic {:#06x}", magic));
   }
   if (version != kMessageVersion) {
-    return Status::InvalidArgument(fmt::format("control message: version {} not supported", version));
+    return Status::InvalidArgument(
+        fmt::format("control message: version {} not supported", version));
   }
   ControlMsg out;
   switch (type) {
@@ -100,7 +101,8 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       m.shape = DecodeShape(r);
       m.parallel = DecodeParallel(r);
       uint8_t layout = r.U8("layout");
-      if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer)) r.Fail(fmt::format("layout {} is unknown", layout));
+      if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer))
+        r.Fail(fmt::format("layout {} is unknown", layout));
       m.layout = static_cast<LayoutKind>(layout);
       m.pool_blocks = r.I64("pool_blocks");
       m.prompt_tokens = r.I64("prompt_tokens");
@@ -125,8 +127,10 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       uint32_t tid = r.U32("transfer_id");
       uint8_t code = r.U8("code");
       std::string reason = r.Str("reason", 1 << 16);
-      if (type == kReject) out = RejectMsg{id, tid, code, std::move(reason)};
-      else out = AbortMsg{id, tid, code, std::move(reason)};
+      if (type == kReject)
+        out = RejectMsg{id, tid, code, std::move(reason)};
+      else
+        out = AbortMsg{id, tid, code, std::move(reason)};
       break;
     }
     case kCredit: {

@@ -1,0 +1,397 @@
+// The transceiver end to end over the in-process transport: every rank of a context instance and
+// of a generation instance in one process, data checked element by element with the test-data
+// generator, faults injected through the in-process fabric.
+#include "kvferry/transceiver.h"
+
+#include <gtest/gtest.h>
+
+#include "kvferry/config.h"
+#include "kvferry/testdata.h"
+#include "transceiver/handle.h"
+#include "transport/inproc_transport.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+struct SideSpec {
+  KvShape shape;
+  ParallelConfig parallel;
+  LayoutKind layout = LayoutKind::kBlockMajor;
+  int64_t blocks = 16;
+};
+
+struct Instance {
+  std::vector<BlockPool> pools;
+  std::vector<std::string> addresses;
+};
+
+class Cluster {
+ public:
+  Cluster(SideSpec ctx, SideSpec gen, TransceiverOptions options = {})
+      : device_(OpenCpuDevice()), fabric_(InProcFabric::Create()), ctx_spec_(ctx), gen_spec_(gen) {
+    options.transport = "inproc";
+    if (options.timeout.count() == 0) options.timeout = milliseconds(5000);
+    options.instance_secret[0] = 42;
+    for (int r = 0; r < ctx.parallel.world_size(); ++r) {
+      ctx_pools_.push_back(MakePool(ctx, r));
+      ctx_.push_back(std::move(
+          ContextSide::Create(*device_, ctx_pools_.back(), options, Transport()).value()));
+    }
+    std::vector<std::string> addrs;
+    for (auto& c : ctx_) addrs.push_back(c->address());
+    for (auto& c : ctx_) EXPECT_TRUE(c->SetInstanceAddresses(addrs).ok());
+    options.instance_id = 7;
+    for (int r = 0; r < gen.parallel.world_size(); ++r) {
+      gen_pools_.push_back(MakePool(gen, r));
+      gen_.push_back(std::move(
+          GenerationSide::Create(*device_, gen_pools_.back(), options, Transport()).value()));
+    }
+  }
+
+  std::unique_ptr<kvferry::Transport> Transport() {
+    TransportOptions t;
+    t.name = "inproc";
+    t.fabric = fabric_;
+    return std::move(CreateTransport(t).value());
+  }
+
+  BlockPool MakePool(const SideSpec& s, int rank) {
+    PoolSpec p{s.shape, s.parallel, rank, s.layout, MemoryKind::kHost, s.blocks};
+    auto pool = BlockPool::Create(*device_, p);
+    EXPECT_TRUE(pool.ok()) << pool.status().ToString();
+    for (int i = 0; i < pool->num_regions(); ++i)
+      std::memset(pool->region(i), 0xA5, pool->layout().region_bytes());
+    return std::move(pool).value();
+  }
+
+  // Ranks of the DP group `group` of a side.
+  static std::vector<int> Group(const SideSpec& s, int group) {
+    std::vector<int> out;
+    for (int r = 0; r < s.parallel.world_size(); ++r) {
+      if (SliceOf(s.shape, s.parallel, r)->dp_group == group) out.push_back(r);
+    }
+    return out;
+  }
+
+  // Fills the request's blocks on the serving context group and marks it ready; the handle.
+  std::vector<std::byte> Publish(uint64_t id, const std::vector<int64_t>& blocks, int64_t tokens,
+                                 int ctx_group = 0, bool layer_wise = false) {
+    const int tpb = ctx_spec_.shape.tokens_per_block;
+    std::vector<std::byte> handle;
+    for (int r : Group(ctx_spec_, ctx_group)) {
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
+        if (valid > 0)
+          EXPECT_TRUE(FillBlock(ctx_pools_[r], id, {blocks[i], int64_t(i) * tpb, valid}).ok());
+      }
+      auto h = layer_wise ? ctx_[r]->BeginLayerWise(id, blocks, tokens)
+                          : ctx_[r]->MarkReady(id, blocks, tokens);
+      EXPECT_TRUE(h.ok()) << h.status().ToString();
+      if (h.ok()) {
+        if (!handle.empty()) EXPECT_EQ(handle, *h) << "every context rank returns the same handle";
+        handle = *h;
+      }
+    }
+    return handle;
+  }
+
+  Status Fetch(const std::vector<std::byte>& handle, const std::vector<int64_t>& blocks,
+               int64_t reused = 0, int gen_group = 0) {
+    for (int r : Group(gen_spec_, gen_group)) {
+      Status st = gen_[r]->Fetch(handle, blocks, reused);
+      if (!st.ok()) return st;
+    }
+    return Status::Ok();
+  }
+
+  // Waits for `n` terminal statuses on every rank of the groups; returns them all.
+  std::vector<TransferStatus> Drain(int ctx_group, int gen_group, size_t n,
+                                    milliseconds wait = milliseconds(10000)) {
+    std::vector<TransferStatus> all;
+    auto deadline = DeadlineIn(wait);
+    for (int r : Group(ctx_spec_, ctx_group)) {
+      size_t got = 0;
+      while (got < n && Clock::now() < deadline) {
+        auto s = ctx_[r]->Poll(n - got, deadline);
+        got += s.size();
+        all.insert(all.end(), s.begin(), s.end());
+      }
+    }
+    for (int r : Group(gen_spec_, gen_group)) {
+      size_t got = 0;
+      while (got < n && Clock::now() < deadline) {
+        auto s = gen_[r]->Poll(n - got, deadline);
+        got += s.size();
+        all.insert(all.end(), s.begin(), s.end());
+      }
+    }
+    return all;
+  }
+
+  // Checks every generation rank's blocks [reused, needed) hold the request's values and the
+  // reused blocks were not touched.
+  void Verify(uint64_t id, const std::vector<int64_t>& blocks, int64_t tokens, int64_t reused = 0,
+              int gen_group = 0) {
+    const int tpb = gen_spec_.shape.tokens_per_block;
+    for (int r : Group(gen_spec_, gen_group)) {
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
+        if (valid <= 0) continue;
+        BlockTokens where{blocks[i], int64_t(i) * tpb, valid};
+        auto m = CheckBlock(gen_pools_[r], id, where);
+        ASSERT_TRUE(m.ok());
+        if (static_cast<int64_t>(i) < reused) {
+          EXPECT_TRUE(m->has_value())
+              << "reused block " << i << " was overwritten on gen rank " << r;
+        } else {
+          EXPECT_FALSE(m->has_value())
+              << "gen rank " << r << " block " << i << ": " << (*m)->ToString();
+        }
+      }
+    }
+  }
+
+  std::unique_ptr<Device> device_;
+  std::shared_ptr<InProcFabric> fabric_;
+  SideSpec ctx_spec_, gen_spec_;
+  std::vector<BlockPool> ctx_pools_, gen_pools_;
+  std::vector<std::unique_ptr<ContextSide>> ctx_;
+  std::vector<std::unique_ptr<GenerationSide>> gen_;
+};
+
+KvShape Shape(int kv_heads = 4, int kv_factor = 2, DType dt = DType::kFp16) {
+  return KvShape{6, kv_heads, 16, dt, kv_factor, 4};
+}
+
+void ExpectAllComplete(const std::vector<TransferStatus>& st, size_t n) {
+  EXPECT_EQ(st.size(), n);
+  for (const TransferStatus& s : st) {
+    EXPECT_EQ(s.state, TransferState::kComplete)
+        << "request " << s.request_id << ": " << s.reason.ToString();
+  }
+}
+
+struct Case {
+  const char* name;
+  SideSpec ctx, gen;
+  int ctx_group = 0, gen_group = 0;
+};
+
+class Layouts : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Layouts, DeliversEveryElement) {
+  const Case& c = GetParam();
+  TransceiverOptions o;
+  o.chunk_bytes = 4096;  // force packing into several chunks
+  o.staging_chunks = 3;
+  o.direct_min_bytes = 2048;
+  Cluster cl(c.ctx, c.gen, o);
+  std::vector<int64_t> cb{3, 4, 9, 1, 12}, gb{0, 5, 6, 2, 11};
+  const int64_t tokens = 4 * 4 + 3;  // ends mid-block
+  auto h = cl.Publish(11, cb, tokens, c.ctx_group);
+  ASSERT_FALSE(h.empty());
+  ASSERT_TRUE(cl.Fetch(h, gb, 0, c.gen_group).ok());
+  size_t ranks =
+      Cluster::Group(c.ctx, c.ctx_group).size() + Cluster::Group(c.gen, c.gen_group).size();
+  ExpectAllComplete(cl.Drain(c.ctx_group, c.gen_group, 1), ranks);
+  cl.Verify(11, gb, tokens, 0, c.gen_group);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transceiver, Layouts,
+    ::testing::Values(
+        Case{"tp1_to_tp1", {Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}},
+        Case{"tp2_to_tp4", {Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}},
+        Case{"tp4_to_tp2", {Shape(), {4, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}},
+        Case{"tp2pp3_to_tp1pp2_uneven",
+             {Shape(), {2, 3, {1, 4, 1}, 1, 0}},
+             {Shape(), {1, 2, {}, 1, 0}}},
+        Case{"dup_heads_tp1_to_tp4", {Shape(2), {1, 1, {}, 1, 0}}, {Shape(2), {4, 1, {}, 1, 0}}},
+        Case{"dup_heads_tp4_to_tp2", {Shape(2), {4, 1, {}, 1, 0}}, {Shape(2), {2, 1, {}, 1, 0}}},
+        Case{"tp3_to_tp2", {Shape(6), {3, 1, {}, 1, 0}}, {Shape(6), {2, 1, {}, 1, 0}}},
+        Case{"mla_tp2_to_tp4", {Shape(1, 1), {2, 1, {}, 1, 0}}, {Shape(1, 1), {4, 2, {}, 1, 0}}},
+        Case{"block_major_to_per_layer",
+             {Shape(), {2, 1, {}, 1, 0}},
+             {Shape(), {1, 2, {}, 1, 0}, LayoutKind::kPerLayer}},
+        Case{"per_layer_to_block_major",
+             {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer},
+             {Shape(), {2, 1, {}, 1, 0}}},
+        Case{"ctx_dp2_group1_to_gen_tp2",
+             {Shape(), {4, 1, {}, 2, 0}},
+             {Shape(), {2, 1, {}, 1, 0}},
+             1,
+             0},
+        Case{"ctx_tp2_to_gen_dp2_group1",
+             {Shape(), {2, 1, {}, 1, 0}},
+             {Shape(), {4, 1, {}, 2, 0}},
+             0,
+             1},
+        Case{"int8_fp32",
+             {Shape(4, 2, DType::kInt8), {1, 2, {}, 1, 0}},
+             {Shape(4, 2, DType::kInt8), {2, 1, {}, 1, 0}}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Transceiver, ReusedPrefixMovesOnlyMissingBlocks) {
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  std::vector<int64_t> cb{0, 1, 2, 3}, gb{4, 5, 6, 7};
+  auto h = cl.Publish(5, cb, 16);
+  ASSERT_TRUE(cl.Fetch(h, gb, 2).ok());
+  auto st = cl.Drain(0, 0, 1);
+  ExpectAllComplete(st, 3);
+  cl.Verify(5, gb, 16, 2);
+}
+
+TEST(Transceiver, LayerWiseSendsLayersAsTheyBecomeReady) {
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  std::vector<int64_t> cb{0, 1}, gb{2, 3};
+  auto h = cl.Publish(9, cb, 8, 0, /*layer_wise=*/true);
+  ASSERT_TRUE(cl.Fetch(h, gb).ok());
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_EQ(cl.gen_[0]->Query(9)->state, TransferState::kInProgress)
+      << "nothing moves before layers are ready";
+  ASSERT_TRUE(cl.ctx_[0]->MarkLayersReady(9, 3).ok());
+  auto ev = std::shared_ptr<Event>(std::move(cl.device_->CreateEvent().value()));
+  auto stream = std::move(cl.device_->CreateStream().value());
+  ASSERT_TRUE(stream->Record(*ev).ok());
+  ASSERT_TRUE(cl.ctx_[0]->MarkLayerReadyOn(9, 5, ev).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(9, gb, 8);
+  EXPECT_FALSE(cl.ctx_[0]->MarkLayersReady(9, 99).ok());
+}
+
+TEST(Transceiver, ManyRequestsInFlightWithSmallStaging) {
+  TransceiverOptions o;
+  o.chunk_bytes = 4096;
+  o.staging_chunks = 2;
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 256},
+             {Shape(), {4, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 256}, o);
+  const int kRequests = 64;
+  for (int i = 0; i < kRequests; ++i) {
+    std::vector<int64_t> cb{2 * i, 2 * i + 1}, gb{255 - 2 * i, 254 - 2 * i};
+    auto h = cl.Publish(1000 + i, cb, 7);
+    ASSERT_TRUE(cl.Fetch(h, gb).ok());
+  }
+  ExpectAllComplete(cl.Drain(0, 0, kRequests, milliseconds(30000)), kRequests * 6);
+  for (int i = 0; i < kRequests; ++i) cl.Verify(1000 + i, {255 - 2 * i, 254 - 2 * i}, 7);
+}
+
+TEST(Transceiver, MismatchedShapesAreRefusedNamingBothValues) {
+  Cluster cl({Shape(4, 2, DType::kBf16), {1, 1, {}, 1, 0}},
+             {Shape(4, 2, DType::kFp16), {1, 1, {}, 1, 0}});
+  auto h = cl.Publish(1, {0, 1}, 8);
+  Status st = cl.Fetch(h, {0, 1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("bf16"), std::string_view::npos) << st.ToString();
+  EXPECT_NE(st.message().find("fp16"), std::string_view::npos) << st.ToString();
+  ASSERT_TRUE(cl.ctx_[0]->Cancel(1).ok());
+}
+
+TEST(Transceiver, MalformedTruncatedAndForgedHandlesAreRefused) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(3000);
+  ASSERT_TRUE(Config::Global().Set("transfer.unknown_request_wait_ms", "100").ok());
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(3, {0, 1}, 8);
+  // Truncated, corrupted, garbage: refused at Fetch, the context side unaffected.
+  std::vector<std::byte> cut(h.begin(), h.begin() + h.size() / 2);
+  EXPECT_FALSE(cl.Fetch(cut, {0, 1}).ok());
+  auto bad = h;
+  bad[20] ^= std::byte{1};
+  EXPECT_EQ(cl.Fetch(bad, {0, 1}).code(), StatusCode::kDataLoss);
+  std::vector<std::byte> junk(64, std::byte{7});
+  EXPECT_FALSE(cl.Fetch(junk, {0, 1}).ok());
+  // Forged: a well-formed handle with a made-up token is refused by the context rank.
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok());
+  ContextHandle forged = *decoded;
+  forged.token[0] ^= 1;
+  ASSERT_TRUE(cl.Fetch(EncodeHandle(forged), {2, 3}).ok());
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kError);
+  EXPECT_NE(st[0].reason.message().find("token"), std::string_view::npos)
+      << st[0].reason.ToString();
+  // Unknown request id (re-encoded, valid checksum): refused once the context's wait passes.
+  ContextHandle unknown = *decoded;
+  unknown.request_id = 999;
+  ASSERT_TRUE(cl.Fetch(EncodeHandle(unknown), {2, 3}).ok());
+  st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kError);
+  EXPECT_NE(st[0].reason.message().find("unknown"), std::string_view::npos)
+      << st[0].reason.ToString();
+  // The genuine handle still works, once; a replay is refused.
+  ASSERT_TRUE(cl.Fetch(h, {0, 1}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(3, {0, 1}, 8);
+  ASSERT_TRUE(cl.Fetch(h, {4, 5}).ok());
+  st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kError);
+  EXPECT_NE(st[0].reason.message().find("replay"), std::string_view::npos)
+      << st[0].reason.ToString();
+  EXPECT_TRUE(Config::Global().Reset("transfer.unknown_request_wait_ms").ok());
+  EXPECT_EQ(cl.gen_[0]->Query(12345).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(cl.ctx_[0]->Cancel(12345).code(), StatusCode::kNotFound);
+}
+
+TEST(Transceiver, DeadContextRankEndsTheRequestWithinTheDeadline) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(1500);
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(4, {0, 1}, 8, 0, /*layer_wise=*/true);  // nothing ready: data never flows
+  ASSERT_TRUE(cl.Fetch(h, {0, 1}).ok());
+  std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_TRUE(cl.fabric_->Kill(cl.ctx_[1]->address()).ok());
+  auto t0 = Clock::now();
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_TRUE(st[0].state == TransferState::kError || st[0].state == TransferState::kTimedOut)
+      << TransferStateName(st[0].state);
+  EXPECT_LT(Clock::now() - t0, milliseconds(3000));
+  // The surviving context rank ends too (abort from the generation side, or its own deadline).
+  auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(cs.size(), 1u);
+  EXPECT_NE(cs[0].state, TransferState::kComplete);
+}
+
+TEST(Transceiver, SilentContextTimesOutAndCancelEndsBothSides) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(300);
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(6, {0, 1}, 8, 0, true);
+  ASSERT_TRUE(cl.Fetch(h, {0, 1}).ok());
+  auto st = cl.Drain(0, 0, 1, milliseconds(5000));
+  ASSERT_EQ(st.size(), 2u);
+  for (auto& s : st) EXPECT_NE(s.state, TransferState::kComplete);
+  bool timed_out = false;
+  for (auto& s : st) timed_out |= s.state == TransferState::kTimedOut;
+  EXPECT_TRUE(timed_out);
+  // Cancel from the generation side: the context side ends with the reason.
+  TransceiverOptions o2;
+  o2.staging_chunks = 1;
+  o2.chunk_bytes = 4096;
+  Cluster c2({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o2);
+  auto h2 = c2.Publish(8, {0, 1}, 8, 0, true);
+  ASSERT_TRUE(c2.Fetch(h2, {0, 1}).ok());
+  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE(c2.gen_[0]->Cancel(8).ok());
+  auto g = c2.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(g.size(), 1u);
+  EXPECT_EQ(g[0].state, TransferState::kCancelled);
+  auto c = c2.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].state, TransferState::kError);
+  EXPECT_NE(c[0].reason.message().find("aborted"), std::string_view::npos)
+      << c[0].reason.ToString();
+  // Staging was not leaked: a full request still goes through with one staging slot.
+  auto h3 = c2.Publish(10, {2, 3}, 8);
+  ASSERT_TRUE(c2.Fetch(h3, {2, 3}).ok());
+  ExpectAllComplete(c2.Drain(0, 0, 1), 2);
+  c2.Verify(10, {2, 3}, 8);
+}
+
+}  // namespace
+}  // namespace kvferry

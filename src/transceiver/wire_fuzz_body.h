@@ -1,0 +1,27 @@
+// The fuzz body shared by the libFuzzer target (fuzz/wire_fuzz.cc) and the WireFuzz gtest: any
+// bytes fed to the handle and control-message decoders must be refused or round-trip exactly.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <span>
+
+#include "transceiver/handle.h"
+#include "transceiver/messages.h"
+
+namespace kvferry {
+
+inline void WireFuzzOne(const uint8_t* data, size_t size) {
+  auto bytes = std::as_bytes(std::span(data, size));
+  if (auto h = DecodeHandle(bytes); h.ok()) {
+    auto again = DecodeHandle(EncodeHandle(*h));
+    if (!again.ok() || !(*again == *h)) std::abort();
+  }
+  if (auto m = DecodeMessage(bytes); m.ok()) {
+    auto again = DecodeMessage(EncodeMessage(*m));
+    if (!again.ok() || !(*again == *m)) std::abort();
+  }
+}
+
+}  // namespace kvferry

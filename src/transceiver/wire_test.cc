@@ -1,0 +1,115 @@
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "transceiver/handle.h"
+#include "transceiver/messages.h"
+#include "transceiver/wire_fuzz_body.h"
+
+namespace kvferry {
+namespace {
+
+ContextHandle SampleHandle() {
+  ContextHandle h;
+  h.request_id = 0x0123456789abcdefULL;
+  h.token = MakeAccessToken({1, 2, 3}, h.request_id, std::vector<int64_t>{4, 5}, 70);
+  h.shape = KvShape{32, 8, 128, DType::kBf16, 2, 32};
+  h.parallel = ParallelConfig{2, 2, {20, 12}, 1, 0};
+  h.layout = LayoutKind::kPerLayer;
+  h.pool_blocks = 100;
+  h.prompt_tokens = 70;
+  h.blocks = {4, 5, 6};
+  h.addresses = {"a", "bb", "ccc", "dddd"};
+  return h;
+}
+
+TEST(Handle, RoundTripsAndStartsWithItsMagic) {
+  ContextHandle h = SampleHandle();
+  auto bytes = EncodeHandle(h);
+  EXPECT_EQ(std::to_integer<int>(bytes[0]), 'K');
+  EXPECT_EQ(std::to_integer<int>(bytes[3]), 'H');
+  auto back = DecodeHandle(bytes);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, h);
+}
+
+TEST(Handle, RefusesEveryTruncationAndBitFlip) {
+  auto bytes = EncodeHandle(SampleHandle());
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(DecodeHandle(std::span(bytes).first(n)).ok()) << "truncated to " << n;
+  }
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    auto b = bytes;
+    b[i] ^= std::byte{0x10};
+    EXPECT_FALSE(DecodeHandle(b).ok()) << "bit flip at " << i;
+  }
+}
+
+TEST(Handle, RefusesInconsistentFields) {
+  ContextHandle h = SampleHandle();
+  h.addresses.pop_back();
+  auto st = DecodeHandle(EncodeHandle(h)).status();
+  EXPECT_NE(st.message().find("3 addresses"), std::string_view::npos) << st.ToString();
+  h = SampleHandle();
+  h.parallel.tp = 3;
+  EXPECT_FALSE(DecodeHandle(EncodeHandle(h)).ok());
+}
+
+TEST(Handle, TokenDependsOnSecretAndContents) {
+  std::array<uint8_t, 16> a{1}, b{2};
+  std::vector<int64_t> blocks{1, 2};
+  EXPECT_EQ(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 5, blocks, 10));
+  EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(b, 5, blocks, 10));
+  EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 6, blocks, 10));
+  EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 5, blocks, 11));
+}
+
+TEST(Messages, EveryTypeRoundTrips) {
+  FetchMsg f;
+  f.request_id = 9;
+  f.token[3] = 7;
+  f.gen_instance = 77;
+  f.gen_rank = 3;
+  f.transfer_id = 1234;
+  f.shape = KvShape{4, 2, 8, DType::kFp8E4M3, 1, 16};
+  f.parallel = ParallelConfig{4, 1, {}, 2, 1};
+  f.pool_blocks = 50;
+  f.prompt_tokens = 33;
+  f.reused_blocks = 1;
+  f.blocks = {1, 2, 3};
+  f.reply_address = "inproc:3";
+  for (const ControlMsg& m :
+       std::vector<ControlMsg>{f, AcceptMsg{1, 2}, RejectMsg{1, 2, 3, "no"}, CreditMsg{1, 2, 9},
+                               DoneMsg{1, 2, 99}, AbortMsg{1, 2, 4, "late"}}) {
+    auto bytes = EncodeMessage(m);
+    auto back = DecodeMessage(bytes);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, m);
+    for (size_t n = 0; n < bytes.size(); ++n)
+      EXPECT_FALSE(DecodeMessage(std::span(bytes).first(n)).ok());
+    bytes.push_back(std::byte{0});
+    EXPECT_FALSE(DecodeMessage(bytes).ok()) << "trailing bytes";
+  }
+}
+
+// The fuzz body over mutated valid encodings and random bytes, so CI exercises the decoders.
+TEST(WireFuzz, MutatedInputsAreRefusedOrRoundTrip) {
+  std::mt19937_64 rng(1234);
+  std::vector<std::vector<std::byte>> seeds = {EncodeHandle(SampleHandle()),
+                                               EncodeMessage(AcceptMsg{1, 2}),
+                                               EncodeMessage(RejectMsg{3, 4, 5, "why"})};
+  for (int i = 0; i < 50000; ++i) {
+    std::vector<std::byte> in = seeds[rng() % seeds.size()];
+    int flips = 1 + rng() % 4;
+    for (int f = 0; f < flips && !in.empty(); ++f) in[rng() % in.size()] = std::byte(rng() & 0xff);
+    if (rng() % 4 == 0) in.resize(rng() % (in.size() + 1));
+    if (rng() % 8 == 0) {
+      in.resize(rng() % 128);
+      for (auto& b : in) b = std::byte(rng() & 0xff);
+    }
+    WireFuzzOne(reinterpret_cast<const uint8_t*>(in.data()), in.size());
+  }
+}
+
+}  // namespace
+}  // namespace kvferry
