@@ -7,5 +7,8 @@
 namespace kvferry::tools {
 
 void AddInfoCommand(CLI::App& app);
+void AddSelftestCommand(CLI::App& app);
+// Adds `transfer` under the `bench` group.
+void AddBenchTransferCommand(CLI::App& bench);
 
 }  // namespace kvferry::tools

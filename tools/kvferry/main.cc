@@ -4,9 +4,12 @@
 
 #include "kvferry/build_info.h"
 #include "kvferry/config.h"
+#include "tools/kvferry/cluster.h"
 #include "tools/kvferry/commands.h"
 
 int main(int argc, char** argv) {
+  // A rank of a cluster started by `selftest` / `bench transfer` (hidden flags).
+  if (int rc = kvferry::tools::MaybeRunRank(argc, argv); rc >= 0) return rc;
   CLI::App app{"kvferry: moves LLM KV caches between GPUs, hosts, files and instances"};
   app.set_version_flag("--version", std::string(kvferry::Version()));
   app.require_subcommand(1);
@@ -23,6 +26,10 @@ int main(int argc, char** argv) {
     }
   });
   kvferry::tools::AddInfoCommand(app);
+  kvferry::tools::AddSelftestCommand(app);
+  auto* bench = app.add_subcommand("bench", "benchmarks, each beside its same-run baseline");
+  bench->require_subcommand(1);
+  kvferry::tools::AddBenchTransferCommand(*bench);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

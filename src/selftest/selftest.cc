@@ -1,0 +1,576 @@
+#include "selftest/selftest.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "kvferry/testdata.h"
+#include "kvferry/transceiver.h"
+#include "transport/inproc_transport.h"
+
+namespace kvferry {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+Status WriteFileAtomic(const fs::path& path, std::span<const std::byte> bytes) {
+  fs::path tmp = path;
+  tmp += fmt::format(".tmp{}", ::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    if (!f) return Status::Unavailable(fmt::format("cannot write {}", tmp.string()));
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return Status::Unavailable(fmt::format("cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
+  return Status::Ok();
+}
+
+Status WriteText(const fs::path& path, const std::string& s) {
+  return WriteFileAtomic(path, std::as_bytes(std::span(s.data(), s.size())));
+}
+
+StatusOr<std::vector<std::byte>> WaitForFile(const fs::path& path, Deadline deadline) {
+  while (true) {
+    std::ifstream f(path, std::ios::binary);
+    if (f) {
+      std::vector<char> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      std::vector<std::byte> out(c.size());
+      std::memcpy(out.data(), c.data(), c.size());
+      return out;
+    }
+    if (Clock::now() > deadline) {
+      return Status::DeadlineExceeded(fmt::format("waited too long for {}", path.string()));
+    }
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+}
+
+std::string AsString(const std::vector<std::byte>& b) { return std::string(reinterpret_cast<const char*>(b.data()), b.size()); }
+
+int64_t BlocksFor(const SelftestConfig& cfg, int64_t tokens) {
+  return (tokens + cfg.shape.tokens_per_block - 1) / cfg.shape.tokens_per_block;
+}
+int64_t MaxBlocksPerRequest(const SelftestConfig& cfg) {
+  return BlocksFor(cfg, *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
+}
+int64_t TokensOf(const SelftestConfig& cfg, int i) { return cfg.prompt_tokens[i % cfg.prompt_tokens.size()]; }
+uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
+
+std::array<uint8_t, 16> SecretFor(const SelftestConfig& cfg) {
+  std::array<uint8_t, 16> s{};
+  std::hash<std::string> h;
+  uint64_t a = h(cfg.dir), b = h(cfg.dir + "#");
+  for (int i = 0; i < 8; ++i) {
+    s[i] = static_cast<uint8_t>(a >> (8 * i));
+    s[8 + i] = static_cast<uint8_t>(b >> (8 * i));
+  }
+  return s;
+}
+
+// Fills and checks blocks of a pool that may live in GPU memory, through a host mirror.
+class PoolAccess {
+ public:
+  static StatusOr<PoolAccess> Make(Device& dev, const BlockPool& pool) {
+    PoolAccess a;
+    a.dev_ = &dev;
+    a.pool_ = &pool;
+    if (dev.info().platform != "cpu") {
+      PoolSpec s = pool.spec();
+      s.memory = MemoryKind::kPinnedHost;
+      KVF_ASSIGN_OR_RETURN(BlockPool mirror, BlockPool::Create(dev, s));
+      a.mirror_ = std::make_unique<BlockPool>(std::move(mirror));
+      KVF_ASSIGN_OR_RETURN(a.stream_, dev.CreateStream());
+    }
+    return a;
+  }
+  Status Fill(uint64_t req, const BlockTokens& where) {
+    if (!mirror_) return FillBlock(*pool_, req, where);
+    KVF_RETURN_IF_ERROR(FillBlock(*mirror_, req, where));
+    return Move(where.block, true);
+  }
+  StatusOr<std::optional<Mismatch>> Check(uint64_t req, const BlockTokens& where) {
+    if (!mirror_) return CheckBlock(*pool_, req, where);
+    KVF_RETURN_IF_ERROR(Move(where.block, false));
+    return CheckBlock(*mirror_, req, where);
+  }
+
+ private:
+  Status Move(int64_t block, bool to_pool) {
+    std::vector<int64_t> ids{block};
+    KVF_ASSIGN_OR_RETURN(auto ext, pool_->BlockExtents(ids));
+    for (const Extent& e : ext) {
+      std::byte* p = pool_->Address(e);
+      std::byte* m = mirror_->Address(e);
+      KVF_RETURN_IF_ERROR(to_pool ? stream_->Copy(p, m, e.bytes) : stream_->Copy(m, p, e.bytes));
+    }
+    return stream_->Synchronize(DeadlineIn(milliseconds(30000)));
+  }
+  Device* dev_ = nullptr;
+  const BlockPool* pool_ = nullptr;
+  std::unique_ptr<BlockPool> mirror_;
+  std::unique_ptr<Stream> stream_;
+};
+
+std::vector<int> GroupRanks(const KvShape& shape, const ParallelConfig& p, int group) {
+  std::vector<int> out;
+  for (int r = 0; r < p.world_size(); ++r) {
+    if (SliceOf(shape, p, r)->dp_group == group) out.push_back(r);
+  }
+  return out;
+}
+
+void AddError(RankResult& r, std::string e) {
+  if (r.errors.size() < 8) r.errors.push_back(std::move(e));
+}
+
+int64_t BaselineBytes(const SelftestConfig& cfg) {
+  int64_t total = 0;
+  for (int i = 0; i < cfg.requests; ++i) total += TokensOf(cfg, i) * cfg.shape.BytesPerToken();
+  return std::clamp<int64_t>(total, 4 << 20, int64_t{1} << 30);
+}
+
+std::string Hex(std::span<const std::byte> b) {
+  std::string s;
+  for (std::byte x : b) s += fmt::format("{:02x}", std::to_integer<int>(x));
+  return s;
+}
+std::vector<std::byte> Unhex(const std::string& s) {
+  std::vector<std::byte> out;
+  for (size_t i = 0; i + 1 < s.size(); i += 2) out.push_back(std::byte(std::stoi(s.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+Status WaitOp(Transport& t, TransportOp& op, Deadline deadline) {
+  while (!op.Done()) {
+    t.Progress();
+    if (Clock::now() > deadline) {
+      t.Cancel(op);
+      return Status::DeadlineExceeded("baseline operation did not finish");
+    }
+  }
+  return op.status();
+}
+
+// Raw transport bandwidth between context rank 0 and generation rank 0, same processes, same
+// bytes as the run: one-sided put where the transport has it, else tagged send/receive.
+constexpr size_t kBaseMsg = 4 << 20;
+constexpr int kBaseWindow = 16;
+
+StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make, std::string* name) {
+  const fs::path dir(cfg.dir);
+  auto deadline = DeadlineIn(cfg.timeout);
+  KVF_ASSIGN_OR_RETURN(auto t, make());
+  KVF_RETURN_IF_ERROR(WriteText(dir / "base-ctx.addr", t->LocalAddress()));
+  KVF_ASSIGN_OR_RETURN(auto gen_info, WaitForFile(dir / "base-gen.info", deadline));
+  auto info = nlohmann::json::parse(AsString(gen_info));
+  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(info["addr"].get<std::string>(), deadline));
+  auto dev = OpenCpuDevice();
+  KVF_ASSIGN_OR_RETURN(Buffer src, dev->Allocate(MemoryKind::kPinnedHost, kBaseMsg * kBaseWindow));
+  std::memset(src.data(), 1, src.size());
+  const int64_t total = BaselineBytes(cfg);
+  const int64_t msgs = (total + kBaseMsg - 1) / kBaseMsg;
+  bool put = t->caps().one_sided && info.contains("rkey");
+  *name = fmt::format("{} {} {} MiB messages", t->caps().name, put ? "put" : "tag send", kBaseMsg >> 20);
+  std::vector<std::byte> rkey;
+  uint64_t raddr = 0;
+  if (put) {
+    rkey = Unhex(info["rkey"].get<std::string>());
+    raddr = info["raddr"].get<uint64_t>();
+  }
+  // Warm-up message, then the timed run.
+  std::deque<std::unique_ptr<TransportOp>> window;
+  auto start = Clock::now();
+  for (int64_t i = 0; i < msgs; ++i) {
+    size_t slot = static_cast<size_t>(i % kBaseWindow);
+    StatusOr<std::unique_ptr<TransportOp>> op =
+        put ? t->Put(peer, src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost, raddr + slot * kBaseMsg, rkey)
+            : t->Send(peer, static_cast<uint64_t>(i), src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost);
+    if (!op.ok()) return op.status();
+    window.push_back(std::move(op).value());
+    if (window.size() == kBaseWindow) {
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+      window.pop_front();
+    }
+  }
+  while (!window.empty()) {
+    KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+    window.pop_front();
+  }
+  if (put) {
+    KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
+    KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
+  }
+  double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  double gbps = msgs * double(kBaseMsg) / secs / 1e9;
+  KVF_RETURN_IF_ERROR(WriteText(dir / "base.done", fmt::format("{}", gbps)));
+  // Keep the transport alive until the receiver has seen the end.
+  KVF_ASSIGN_OR_RETURN(auto ack, WaitForFile(dir / "base.ack", deadline));
+  return gbps;
+}
+
+Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make) {
+  const fs::path dir(cfg.dir);
+  auto deadline = DeadlineIn(cfg.timeout);
+  KVF_ASSIGN_OR_RETURN(auto t, make());
+  auto dev = OpenCpuDevice();
+  KVF_ASSIGN_OR_RETURN(Buffer dst, dev->Allocate(MemoryKind::kPinnedHost, kBaseMsg * kBaseWindow));
+  nlohmann::json info;
+  info["addr"] = t->LocalAddress();
+  std::unique_ptr<MemoryRegistration> reg;
+  if (t->caps().one_sided) {
+    auto r = t->RegisterMemory(dst.data(), dst.size(), MemoryKind::kHost);
+    if (r.ok()) {
+      reg = std::move(r).value();
+      info["rkey"] = Hex(reg->PackedKey());
+      info["raddr"] = reg->address();
+    }
+  }
+  KVF_RETURN_IF_ERROR(WriteText(dir / "base-gen.info", info.dump()));
+  KVF_ASSIGN_OR_RETURN(auto ctx_addr, WaitForFile(dir / "base-ctx.addr", deadline));
+  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(AsString(ctx_addr), deadline));
+  if (!reg) {
+    const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
+    std::deque<std::unique_ptr<TransportOp>> window;
+    for (int64_t i = 0; i < msgs; ++i) {
+      size_t slot = static_cast<size_t>(i % kBaseWindow);
+      KVF_ASSIGN_OR_RETURN(auto op, t->Recv(peer, static_cast<uint64_t>(i), dst.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost));
+      window.push_back(std::move(op));
+      if (window.size() == kBaseWindow) {
+        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+        window.pop_front();
+      }
+    }
+    while (!window.empty()) {
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+      window.pop_front();
+    }
+  }
+  // Keep progressing (one-sided puts need the target alive) until the sender is done.
+  while (!fs::exists(dir / "base.done")) {
+    t->Progress();
+    if (Clock::now() > deadline) return Status::DeadlineExceeded("baseline sender did not finish");
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return WriteText(dir / "base.ack", "1");
+}
+
+TransceiverOptions SideOptions(const SelftestConfig& cfg) {
+  TransceiverOptions o;
+  o.transport = cfg.transport;
+  o.timeout = cfg.timeout;
+  o.instance_secret = SecretFor(cfg);
+  o.instance_id = 0xD0D0;
+  return o;
+}
+
+}  // namespace
+
+Status ValidateSelftest(const SelftestConfig& cfg) {
+  KVF_RETURN_IF_ERROR(cfg.shape.Validate());
+  KVF_RETURN_IF_ERROR(cfg.ctx.Validate(cfg.shape).WithContext("context split"));
+  KVF_RETURN_IF_ERROR(cfg.gen.Validate(cfg.shape).WithContext("generation split"));
+  if (cfg.requests < 1) return Status::InvalidArgument("--requests must be at least 1");
+  if (cfg.concurrency < 1) return Status::InvalidArgument("--concurrency must be at least 1");
+  if (cfg.prompt_tokens.empty()) return Status::InvalidArgument("--prompt-tokens is empty");
+  for (int64_t t : cfg.prompt_tokens) {
+    if (t < 1) return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
+  }
+  if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  return Status::Ok();
+}
+
+StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const TransportMaker& make) {
+  const fs::path dir(cfg.dir);
+  RankResult res;
+  res.context = true;
+  res.rank = rank;
+  const double cpu0 = CpuSeconds();
+  KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
+  const int64_t bpr = MaxBlocksPerRequest(cfg);
+  PoolSpec spec{cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
+  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
+  KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
+  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  KVF_ASSIGN_OR_RETURN(auto side, ContextSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
+  auto deadline = DeadlineIn(cfg.timeout);
+  std::vector<std::string> addrs;
+  for (int r = 0; r < cfg.ctx.world_size(); ++r) {
+    KVF_ASSIGN_OR_RETURN(auto a, WaitForFile(dir / fmt::format("ctx-{}.addr", r), deadline));
+    addrs.push_back(AsString(a));
+  }
+  KVF_RETURN_IF_ERROR(side->SetInstanceAddresses(addrs));
+  const RankSlice me = pool.slice();
+  std::vector<int> group = GroupRanks(cfg.shape, cfg.ctx, me.dp_group);
+  const bool leader = group.front() == rank;
+  std::vector<int> mine;
+  for (int i = 0; i < cfg.requests; ++i) {
+    if (i % cfg.ctx.dp_size == me.dp_group) mine.push_back(i);
+  }
+  std::vector<int> free_slots;
+  for (int s = cfg.concurrency - 1; s >= 0; --s) free_slots.push_back(s);
+  std::map<uint64_t, int> slot_of;
+  std::map<uint64_t, std::vector<std::shared_ptr<Event>>> events;
+  std::unique_ptr<Stream> compute;
+  if (cfg.layer_wise) KVF_ASSIGN_OR_RETURN(compute, dev->CreateStream());
+  size_t next = 0;
+  int done = 0;
+  auto start = Clock::now();
+  while (done < static_cast<int>(mine.size())) {
+    while (next < mine.size() && !free_slots.empty()) {
+      int i = mine[next++];
+      int slot = free_slots.back();
+      free_slots.pop_back();
+      uint64_t id = RequestId(i);
+      int64_t tokens = TokensOf(cfg, i);
+      std::vector<int64_t> blocks;
+      for (int64_t b = 0; b < BlocksFor(cfg, tokens); ++b) {
+        blocks.push_back(slot * bpr + b);
+        int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
+        KVF_RETURN_IF_ERROR(access.Fill(id, {blocks.back(), b * cfg.shape.tokens_per_block, valid}));
+      }
+      auto handle = cfg.layer_wise ? side->BeginLayerWise(id, blocks, tokens) : side->MarkReady(id, blocks, tokens);
+      if (!handle.ok()) return handle.status();
+      if (cfg.layer_wise) {
+        // A stand-in for prefill: each layer "computes" on a stream; its event releases it.
+        for (int32_t l = 0; l < me.layer_count; ++l) {
+          KVF_RETURN_IF_ERROR(compute->HostCallback([] { std::this_thread::sleep_for(std::chrono::microseconds(20)); }));
+          auto ev = std::shared_ptr<Event>(std::move(dev->CreateEvent().value()));
+          KVF_RETURN_IF_ERROR(compute->Record(*ev));
+          KVF_RETURN_IF_ERROR(side->MarkLayerReadyOn(id, l, ev));
+          events[id].push_back(ev);
+        }
+      }
+      if (leader) KVF_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("req-{}.handle", i), *handle));
+      slot_of[id] = slot;
+      ++res.requests;
+    }
+    for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
+      ++done;
+      free_slots.push_back(slot_of[s.request_id]);
+      events.erase(s.request_id);
+      res.bytes += s.bytes;
+      res.latencies.push_back(s.seconds);
+      if (s.state != TransferState::kComplete) {
+        ++res.failed;
+        AddError(res, fmt::format("request {:#x}: {} {}", s.request_id, TransferStateName(s.state), s.reason.ToString()));
+      }
+    }
+    if (Clock::now() > deadline + cfg.timeout) return Status::DeadlineExceeded("context rank: requests never ended");
+  }
+  res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  res.cpu_seconds = CpuSeconds() - cpu0;
+  if (cfg.baseline && rank == 0) {
+    auto b = BaselineSender(cfg, make, &res.baseline_name);
+    if (b.ok()) res.baseline_gbps = *b;
+    else AddError(res, "baseline: " + b.status().ToString());
+  }
+  KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.json", rank), ResultToJson(res)));
+  return res;
+}
+
+StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank, const TransportMaker& make) {
+  const fs::path dir(cfg.dir);
+  RankResult res;
+  res.rank = rank;
+  const double cpu0 = CpuSeconds();
+  KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
+  const int64_t bpr = MaxBlocksPerRequest(cfg);
+  PoolSpec spec{cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
+  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
+  KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
+  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  KVF_ASSIGN_OR_RETURN(auto side, GenerationSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
+  const RankSlice me = pool.slice();
+  std::vector<int> mine;
+  for (int i = 0; i < cfg.requests; ++i) {
+    if (i % cfg.gen.dp_size == me.dp_group) mine.push_back(i);
+  }
+  std::vector<int> free_slots;
+  for (int s = cfg.concurrency - 1; s >= 0; --s) free_slots.push_back(s);
+  std::map<uint64_t, std::pair<int, int>> inflight;  // id -> (request index, slot)
+  size_t next = 0;
+  int done = 0;
+  auto deadline = DeadlineIn(cfg.timeout * 2);
+  Clock::time_point start{};
+  while (done < static_cast<int>(mine.size())) {
+    while (next < mine.size() && !free_slots.empty()) {
+      int i = mine[next];
+      auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
+      if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
+      ++next;
+      if (start == Clock::time_point{}) start = Clock::now();
+      int slot = free_slots.back();
+      free_slots.pop_back();
+      std::vector<int64_t> blocks;
+      for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b) blocks.push_back(slot * bpr + b);
+      Status st = side->Fetch(*handle, blocks, 0);
+      ++res.requests;
+      if (!st.ok()) {
+        ++done;
+        ++res.failed;
+        free_slots.push_back(slot);
+        AddError(res, fmt::format("request {}: fetch refused: {}", i, st.ToString()));
+        continue;
+      }
+      inflight[RequestId(i)] = {i, slot};
+    }
+    for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
+      ++done;
+      auto [i, slot] = inflight[s.request_id];
+      inflight.erase(s.request_id);
+      res.bytes += s.bytes;
+      res.latencies.push_back(s.seconds);
+      bool ok = s.state == TransferState::kComplete;
+      if (!ok) AddError(res, fmt::format("request {}: {} {}", i, TransferStateName(s.state), s.reason.ToString()));
+      if (ok && cfg.verify) {
+        int64_t tokens = TokensOf(cfg, i);
+        for (int64_t b = 0; ok && b < BlocksFor(cfg, tokens); ++b) {
+          int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
+          auto m = access.Check(s.request_id, {slot * bpr + b, b * cfg.shape.tokens_per_block, valid});
+          if (!m.ok() || m->has_value()) {
+            ok = false;
+            AddError(res, fmt::format("request {} block {}: {}", i, b, m.ok() ? (*m)->ToString() : m.status().ToString()));
+          }
+        }
+      }
+      if (ok) ++res.verified;
+      else ++res.failed;
+      free_slots.push_back(slot);
+    }
+    if (Clock::now() > deadline) return Status::DeadlineExceeded("generation rank: requests never ended");
+  }
+  res.seconds = start == Clock::time_point{} ? 0 : std::chrono::duration<double>(Clock::now() - start).count();
+  res.cpu_seconds = CpuSeconds() - cpu0;
+  if (cfg.baseline && rank == 0) {
+    Status b = BaselineReceiver(cfg, make);
+    if (!b.ok()) AddError(res, "baseline: " + b.ToString());
+  }
+  KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("gen-{}.json", rank), ResultToJson(res)));
+  return res;
+}
+
+StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg) {
+  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
+  auto fabric = InProcFabric::Create();
+  TransportMaker make = [fabric]() {
+    TransportOptions t;
+    t.name = "inproc";
+    t.fabric = fabric;
+    return CreateTransport(t);
+  };
+  const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
+  std::vector<StatusOr<RankResult>> results(nc + ng, Status::Internal("rank did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < nc; ++r) threads.emplace_back([&, r] { results[r] = RunContextRank(cfg, r, make); });
+  for (int r = 0; r < ng; ++r) threads.emplace_back([&, r] { results[nc + r] = RunGenerationRank(cfg, r, make); });
+  for (auto& t : threads) t.join();
+  std::vector<RankResult> out;
+  for (auto& r : results) {
+    if (!r.ok()) return r.status();
+    out.push_back(std::move(r).value());
+  }
+  return out;
+}
+
+std::string ResultToJson(const RankResult& r) {
+  nlohmann::json j;
+  j["context"] = r.context;
+  j["rank"] = r.rank;
+  j["requests"] = r.requests;
+  j["verified"] = r.verified;
+  j["failed"] = r.failed;
+  j["bytes"] = r.bytes;
+  j["seconds"] = r.seconds;
+  j["cpu_seconds"] = r.cpu_seconds;
+  j["latencies"] = r.latencies;
+  j["baseline_gbps"] = r.baseline_gbps;
+  j["baseline_name"] = r.baseline_name;
+  j["errors"] = r.errors;
+  return j.dump();
+}
+
+StatusOr<RankResult> ResultFromJson(const std::string& text) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded()) return Status::DataLoss("rank result is not JSON");
+  RankResult r;
+  r.context = j.value("context", false);
+  r.rank = j.value("rank", 0);
+  r.requests = j.value("requests", 0);
+  r.verified = j.value("verified", 0);
+  r.failed = j.value("failed", 0);
+  r.bytes = j.value("bytes", int64_t{0});
+  r.seconds = j.value("seconds", 0.0);
+  r.cpu_seconds = j.value("cpu_seconds", 0.0);
+  r.latencies = j.value("latencies", std::vector<double>{});
+  r.baseline_gbps = j.value("baseline_gbps", 0.0);
+  r.baseline_name = j.value("baseline_name", std::string());
+  r.errors = j.value("errors", std::vector<std::string>{});
+  return r;
+}
+
+SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+  SelftestSummary s;
+  s.requests = cfg.requests;
+  std::vector<double> lat;
+  double cpu = 0;
+  // A request is verified when every generation rank of its decoding group verified it: count
+  // per rank and compare with the number of (request, rank) pairs expected.
+  int expected_pairs = 0, verified_pairs = 0, failed_pairs = 0;
+  for (int i = 0; i < cfg.requests; ++i) {
+    expected_pairs += static_cast<int>(GroupRanks(cfg.shape, cfg.gen, i % cfg.gen.dp_size).size());
+  }
+  for (const RankResult& r : ranks) {
+    cpu += r.cpu_seconds;
+    for (const std::string& e : r.errors) {
+      if (s.errors.size() < 10) s.errors.push_back(fmt::format("{} rank {}: {}", r.context ? "context" : "generation", r.rank, e));
+    }
+    if (r.context) {
+      if (r.failed) s.failed = std::max(s.failed, r.failed);
+      if (r.baseline_gbps > 0) {
+        s.baseline_gbps = r.baseline_gbps;
+        s.baseline_name = r.baseline_name;
+      }
+      continue;
+    }
+    s.bytes += r.bytes;
+    s.seconds = std::max(s.seconds, r.seconds);
+    verified_pairs += r.verified;
+    failed_pairs += r.failed;
+    lat.insert(lat.end(), r.latencies.begin(), r.latencies.end());
+  }
+  s.verified = (verified_pairs == expected_pairs && failed_pairs == 0) ? cfg.requests
+                                                                         : std::min(cfg.requests, verified_pairs * cfg.requests / std::max(1, expected_pairs));
+  s.failed = std::max(s.failed, cfg.requests - s.verified);
+  s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
+  std::sort(lat.begin(), lat.end());
+  auto pct = [&](double p) { return lat.empty() ? 0.0 : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))] * 1e3; };
+  s.p50_ms = pct(0.5);
+  s.p90_ms = pct(0.9);
+  s.p99_ms = pct(0.99);
+  s.cpu_us_per_request = cpu / cfg.requests * 1e6;
+  return s;
+}
+
+}  // namespace kvferry

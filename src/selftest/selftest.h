@@ -1,0 +1,83 @@
+// The self-test and transfer benchmark engine behind `kvferry selftest` and `kvferry bench
+// transfer`: a context instance and a generation instance, one rank per process (or per thread
+// for the in-process transport), a stream of requests, every received element checked against the
+// test-data generator.
+//
+// Ranks find each other through a rendezvous directory: each context rank writes its address
+// (ctx-R.addr), the lowest rank of a request's serving DP group writes its handle (req-I.handle,
+// the router's job in a real deployment), each rank writes its result (ctx-R.json / gen-R.json).
+// Files are written to a temporary name and renamed, so readers never see half a file.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvferry/kv_model.h"
+#include "kvferry/status.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+
+struct SelftestConfig {
+  KvShape shape;
+  ParallelConfig ctx, gen;
+  LayoutKind ctx_layout = LayoutKind::kBlockMajor;
+  LayoutKind gen_layout = LayoutKind::kBlockMajor;
+  int requests = 8;
+  std::vector<int64_t> prompt_tokens{100};  // request i uses prompt_tokens[i % size]
+  int concurrency = 4;                      // requests in flight per rank
+  std::string transport = "ucx";
+  std::string device = "cpu";
+  bool layer_wise = false;
+  bool verify = true;
+  bool baseline = false;                    // also measure raw transport bandwidth
+  std::chrono::milliseconds timeout{60000};
+  std::string dir;                          // rendezvous directory
+};
+
+struct RankResult {
+  bool context = false;
+  int rank = 0;
+  int requests = 0;   // requests this rank took part in
+  int verified = 0;   // generation: requests whose every element checked out
+  int failed = 0;
+  int64_t bytes = 0;
+  double seconds = 0;          // first start to last end on this rank
+  double cpu_seconds = 0;      // process CPU time over the run
+  std::vector<double> latencies;  // per request, seconds (generation: fetch to complete)
+  double baseline_gbps = 0;    // raw transport bandwidth, same processes, same bytes (rank 0s)
+  std::string baseline_name;
+  std::vector<std::string> errors;  // the first few
+};
+
+std::string ResultToJson(const RankResult& r);
+StatusOr<RankResult> ResultFromJson(const std::string& text);
+
+using TransportMaker = std::function<StatusOr<std::unique_ptr<Transport>>()>;
+
+Status ValidateSelftest(const SelftestConfig& cfg);
+// Runs one rank to the end and writes its result file. `make_transport` overrides cfg.transport
+// (the in-process transport needs a shared fabric).
+StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const TransportMaker& make_transport);
+StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank, const TransportMaker& make_transport);
+// Every rank as a thread of this process over the in-process transport.
+StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg);
+
+// The aggregate over all ranks: what the command prints.
+struct SelftestSummary {
+  int requests = 0, verified = 0, failed = 0;
+  int64_t bytes = 0;       // payload bytes received by the generation instance
+  double seconds = 0;      // wall time of the generation instance (max over ranks)
+  double gbps = 0;
+  double p50_ms = 0, p90_ms = 0, p99_ms = 0;
+  double cpu_us_per_request = 0;  // process CPU of all ranks / requests
+  double baseline_gbps = 0;
+  std::string baseline_name;
+  std::vector<std::string> errors;
+};
+SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+
+}  // namespace kvferry

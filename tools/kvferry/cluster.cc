@@ -1,0 +1,200 @@
+#include "tools/kvferry/cluster.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace kvferry::tools {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+json ParallelJson(const ParallelConfig& p) {
+  return {{"tp", p.tp}, {"pp", p.pp}, {"stage_layers", p.stage_layers}, {"dp_size", p.dp_size}, {"dp_rank", p.dp_rank}};
+}
+ParallelConfig ParallelFrom(const json& j) {
+  ParallelConfig p;
+  p.tp = j["tp"];
+  p.pp = j["pp"];
+  p.stage_layers = j["stage_layers"].get<std::vector<int32_t>>();
+  p.dp_size = j["dp_size"];
+  p.dp_rank = j["dp_rank"];
+  return p;
+}
+
+// The config travels to rank processes as one JSON argument.
+std::string ConfigToJson(const SelftestConfig& c) {
+  json j;
+  j["shape"] = {c.shape.layers, c.shape.kv_heads, c.shape.head_dim, static_cast<int>(c.shape.dtype),
+                c.shape.kv_factor, c.shape.tokens_per_block};
+  j["ctx"] = ParallelJson(c.ctx);
+  j["gen"] = ParallelJson(c.gen);
+  j["ctx_layout"] = static_cast<int>(c.ctx_layout);
+  j["gen_layout"] = static_cast<int>(c.gen_layout);
+  j["requests"] = c.requests;
+  j["prompt_tokens"] = c.prompt_tokens;
+  j["concurrency"] = c.concurrency;
+  j["transport"] = c.transport;
+  j["device"] = c.device;
+  j["layer_wise"] = c.layer_wise;
+  j["verify"] = c.verify;
+  j["baseline"] = c.baseline;
+  j["timeout_ms"] = c.timeout.count();
+  j["dir"] = c.dir;
+  return j.dump();
+}
+
+SelftestConfig ConfigFromJson(const std::string& s) {
+  json j = json::parse(s);
+  SelftestConfig c;
+  auto sh = j["shape"];
+  c.shape = KvShape{sh[0], sh[1], sh[2], static_cast<DType>(sh[3].get<int>()), sh[4], sh[5]};
+  c.ctx = ParallelFrom(j["ctx"]);
+  c.gen = ParallelFrom(j["gen"]);
+  c.ctx_layout = static_cast<LayoutKind>(j["ctx_layout"].get<int>());
+  c.gen_layout = static_cast<LayoutKind>(j["gen_layout"].get<int>());
+  c.requests = j["requests"];
+  c.prompt_tokens = j["prompt_tokens"].get<std::vector<int64_t>>();
+  c.concurrency = j["concurrency"];
+  c.transport = j["transport"];
+  c.device = j["device"];
+  c.layer_wise = j["layer_wise"];
+  c.verify = j["verify"];
+  c.baseline = j["baseline"];
+  c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
+  c.dir = j["dir"];
+  return c;
+}
+
+TransportMaker MakerFor(const SelftestConfig& cfg) {
+  return [name = cfg.transport]() {
+    TransportOptions t;
+    t.name = name;
+    return CreateTransport(t);
+  };
+}
+
+int RunRank(const SelftestConfig& cfg, bool context, int rank) {
+  auto r = context ? RunContextRank(cfg, rank, MakerFor(cfg)) : RunGenerationRank(cfg, rank, MakerFor(cfg));
+  if (!r.ok()) {
+    std::cerr << fmt::format("kvferry {} rank {}: {}\n", context ? "context" : "generation", rank, r.status().ToString());
+    return 2;
+  }
+  return 0;
+}
+
+// Waits for children with a deadline; kills the rest when it passes or one fails hard.
+Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline) {
+  Status first;
+  size_t left = pids.size();
+  while (left > 0) {
+    int status = 0;
+    pid_t p = waitpid(-1, &status, WNOHANG);
+    if (p > 0) {
+      --left;
+      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && first.ok()) {
+        first = Status::Internal(fmt::format("rank process {} ended with {}", p,
+                                             WIFEXITED(status) ? fmt::format("exit code {}", WEXITSTATUS(status))
+                                                               : fmt::format("signal {}", WTERMSIG(status))));
+      }
+      continue;
+    }
+    if (Clock::now() > deadline) {
+      for (pid_t c : pids) kill(c, SIGKILL);
+      while (waitpid(-1, nullptr, 0) > 0) {
+      }
+      return Status::DeadlineExceeded("rank processes did not finish in time; killed");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return first;
+}
+
+pid_t Spawn(const std::vector<std::string>& args) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execvp(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+}  // namespace
+
+StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, const std::string& argv0) {
+  SelftestConfig cfg = in;
+  fs::path dir = fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
+  fs::create_directories(dir);
+  cfg.dir = dir.string();
+  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
+  struct Cleanup {
+    fs::path d;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(d, ec);
+    }
+  } cleanup{dir};
+  if (cfg.transport == "inproc") return RunInProcess(cfg);
+  const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
+  std::string exe = fs::canonical("/proc/self/exe").string();
+  std::string conf = ConfigToJson(cfg);
+  std::vector<pid_t> pids;
+  if (cfg.transport == "mpi") {
+    pids.push_back(Spawn({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", std::to_string(nc + ng),
+                          "--mca", "btl", "self,vader,tcp", exe, "--rank-of-cluster", "mpi", "--cluster-config", conf}));
+  } else {
+    for (int r = 0; r < nc; ++r) pids.push_back(Spawn({exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
+    for (int r = 0; r < ng; ++r) pids.push_back(Spawn({exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+  }
+  Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3));
+  std::vector<RankResult> out;
+  Status missing;
+  for (int r = 0; r < nc + ng; ++r) {
+    fs::path f = dir / (r < nc ? fmt::format("ctx-{}.json", r) : fmt::format("gen-{}.json", r - nc));
+    std::ifstream in_file(f);
+    if (!in_file) {
+      if (missing.ok()) missing = Status::Unavailable(fmt::format("{} rank {} left no result", r < nc ? "context" : "generation", r < nc ? r : r - nc));
+      continue;
+    }
+    std::string text((std::istreambuf_iterator<char>(in_file)), std::istreambuf_iterator<char>());
+    KVF_ASSIGN_OR_RETURN(RankResult res, ResultFromJson(text));
+    out.push_back(std::move(res));
+  }
+  if (!missing.ok()) return waited.ok() ? missing : waited.WithContext(std::string(missing.message()));
+  return out;
+}
+
+int MaybeRunRank(int argc, char** argv) {
+  if (argc != 5 || std::string(argv[1]) != "--rank-of-cluster" || std::string(argv[3]) != "--cluster-config") return -1;
+  SelftestConfig cfg = ConfigFromJson(argv[4]);
+  std::string who = argv[2];
+  if (who == "mpi") {
+    // OpenMPI tells each process its rank; context ranks come first.
+    const char* r = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!r) r = std::getenv("PMI_RANK");
+    if (!r) {
+      std::cerr << "kvferry: --rank-of-cluster mpi outside mpirun\n";
+      return 2;
+    }
+    int world = std::atoi(r), nc = cfg.ctx.world_size();
+    return world < nc ? RunRank(cfg, true, world) : RunRank(cfg, false, world - nc);
+  }
+  bool context = who.rfind("ctx:", 0) == 0;
+  return RunRank(cfg, context, std::atoi(who.c_str() + 4));
+}
+
+}  // namespace kvferry::tools
