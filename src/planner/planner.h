@@ -49,23 +49,34 @@ struct Piece {
   int64_t dst_pitch = 0;
   int64_t bytes = 0;  // per row
   int64_t rows = 1;
-  int32_t layer = 0;  // global layer (layer-wise transfer sends a chunk once its layers are ready)
+  // Highest global layer among the piece's bytes (a piece may span several layers when the
+  // layouts allow it); layer-wise transfer sends a chunk once its layers are ready.
+  int32_t layer = 0;
   int64_t total() const { return bytes * rows; }
   bool operator==(const Piece&) const = default;
 };
 
+// A unit of transfer between one pair. A direct chunk is one piece with rows == 1 (contiguous on
+// both sides), at least direct_min_bytes, copied pool to pool. A packed chunk holds pieces whose
+// rows are packed back to back, in order, into a staging buffer of `bytes` <= chunk_bytes on the
+// sender and unpacked from it on the receiver.
 struct Chunk {
-  bool direct = false;      // one contiguous piece, sent from the source pool into the destination pool
-  int32_t last_layer = 0;   // highest global layer among its pieces
-  int64_t bytes = 0;        // sum of piece totals (packed size)
+  bool direct = false;     // one contiguous piece, sent from the source pool into the destination pool
+  int32_t last_layer = 0;  // highest global layer among its pieces
+  int64_t bytes = 0;       // sum of piece totals (packed size)
   std::vector<Piece> pieces;
+  bool operator==(const Chunk&) const = default;
 };
 
+// Everything one context rank sends to one generation rank. Chunks are ordered by last_layer
+// (pieces by global layer, then by block), so layer-wise sending can gate each chunk on its
+// last_layer; both sides derive the same chunk sequence.
 struct PairPlan {
   int32_t ctx_rank = 0;
   int32_t gen_rank = 0;
   int64_t bytes = 0;
   std::vector<Chunk> chunks;
+  bool operator==(const PairPlan&) const = default;
 };
 
 struct TransferPlan {

@@ -1,0 +1,506 @@
+// The transfer planner. See planner.h for the contract.
+//
+// How a plan is built, per (context rank, generation rank) pair:
+//   1. The pair's share: the global layers both hold, and the global heads both hold for which
+//      this context rank is the chosen sender (one sender per head and generation rank).
+//   2. The share of one block is a 4-D box (layer, kv, head, token) of head_dim-element rows. A
+//      "template" turns the box into 2-D pieces: axes contiguous on both sides merge into the
+//      contiguous run (dim first); the axis, or chain of axes, giving the most rows becomes the row
+//      axis (any pitch on each side); the rest are enumerated. A block that ends mid-prompt has
+//      its own template (fewer tokens).
+//   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block,
+//      and each is merged with the previous one when the result is still one 2-D piece:
+//      consecutive block ids on both sides usually collapse to one piece.
+//   4. Merged pieces go to a chunker: big contiguous pieces become direct chunks, others are
+//      packed into chunks of at most chunk_bytes (split by rows, or by bytes for huge rows).
+// The cost is one step per block (block ids are arbitrary) plus one per emitted piece; no step
+// per element or per token.
+#include "planner/planner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
+
+namespace kvferry {
+namespace {
+
+// ---- validation -------------------------------------------------------------------------------
+
+template <typename T>
+Status Mismatch(std::string_view what, const T& ctx, const T& gen) {
+  return Status::InvalidArgument(
+      fmt::format("{} mismatch: context {}, generation {}", what, ctx, gen));
+}
+
+Status CheckSide(std::string_view side, const InstanceDesc& d) {
+  Status s = d.shape.Validate();
+  if (s.ok()) s = d.parallel.Validate(d.shape);
+  if (!s.ok()) return s.WithContext(side);
+  if (d.layout != LayoutKind::kBlockMajor && d.layout != LayoutKind::kPerLayer) {
+    return Status::InvalidArgument(
+        fmt::format("{}: layout {} is not supported by the planner (block-major or per-layer)",
+                    side, LayoutKindName(d.layout)));
+  }
+  if (d.pool_blocks < 1) {
+    return Status::InvalidArgument(
+        fmt::format("{}: pool_blocks={} must be at least 1", side, d.pool_blocks));
+  }
+  return Status::Ok();
+}
+
+int64_t NeededBlocks(const PlanInput& in) {
+  const int64_t tpb = in.ctx.shape.tokens_per_block;
+  return (in.prompt_tokens + tpb - 1) / tpb;
+}
+
+// Block ids: inside the pool, and no id twice among the request's first `needed` blocks.
+Status CheckBlocks(std::string_view side, const std::vector<int64_t>& blocks, int64_t needed,
+                   int64_t pool_blocks) {
+  if (static_cast<int64_t>(blocks.size()) < needed) {
+    return Status::InvalidArgument(
+        fmt::format("{} has {} blocks but the prompt needs {}", side, blocks.size(), needed));
+  }
+  std::vector<uint64_t> seen(static_cast<size_t>((pool_blocks + 63) / 64), 0);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t b = blocks[i];
+    if (b < 0 || b >= pool_blocks) {
+      return Status::InvalidArgument(fmt::format("{}[{}]: block id {} is outside the pool's [0, {})",
+                                                 side, i, b, pool_blocks));
+    }
+    if (static_cast<int64_t>(i) >= needed) continue;
+    uint64_t& word = seen[static_cast<size_t>(b / 64)];
+    const uint64_t bit = uint64_t{1} << (b % 64);
+    if (word & bit) {
+      return Status::InvalidArgument(
+          fmt::format("{}[{}]: block id {} appears twice in the request", side, i, b));
+    }
+    word |= bit;
+  }
+  return Status::Ok();
+}
+
+Status CheckInput(const PlanInput& in) {
+  KVF_RETURN_IF_ERROR(CheckCompatible(in.ctx, in.gen));
+  if (in.prompt_tokens < 1) {
+    return Status::InvalidArgument(
+        fmt::format("prompt_tokens={} must be at least 1", in.prompt_tokens));
+  }
+  const int64_t needed = NeededBlocks(in);
+  KVF_RETURN_IF_ERROR(CheckBlocks("ctx_blocks", in.ctx_blocks, needed, in.ctx.pool_blocks));
+  KVF_RETURN_IF_ERROR(CheckBlocks("gen_blocks", in.gen_blocks, needed, in.gen.pool_blocks));
+  if (in.gen_reused_blocks < 0 || in.gen_reused_blocks > needed) {
+    return Status::InvalidArgument(
+        fmt::format("gen_reused_blocks={} is outside [0, {}] (blocks of a {}-token prompt)",
+                    in.gen_reused_blocks, needed, in.prompt_tokens));
+  }
+  if (in.chunk_bytes < 1) {
+    return Status::InvalidArgument(
+        fmt::format("chunk_bytes={} must be at least 1", in.chunk_bytes));
+  }
+  if (in.direct_min_bytes < 0) {
+    return Status::InvalidArgument(
+        fmt::format("direct_min_bytes={} must not be negative", in.direct_min_bytes));
+  }
+  return Status::Ok();
+}
+
+// ---- geometry ---------------------------------------------------------------------------------
+
+// The axes of a block's box; dim is always whole and always the innermost run.
+enum BoxAxis : int { kL = 0, kK, kH, kT, kBoxAxes };
+constexpr int kLayoutAxisOf[kBoxAxes] = {kLayerAxis, kKvAxis, kHeadAxis, kTokenAxis};
+
+// One side of a pair: byte strides of its pool and where the pair's box starts in it.
+struct Side {
+  std::array<int64_t, kBoxAxes> stride{};  // bytes
+  int64_t block_stride = 0;                // bytes
+  bool layer_regions = false;              // each layer its own region (not a stride)
+  int64_t base = 0;     // offset of (block 0, first layer, kv 0, first head, token 0)
+  int32_t layer0 = 0;   // local index of the box's first layer
+};
+
+Side MakeSide(const PoolLayout& layout, int64_t local_layer0, int64_t local_head0) {
+  Side s;
+  const int64_t eb = layout.element_bytes();
+  for (int a = 0; a < kBoxAxes; ++a) s.stride[a] = layout.strides()[kLayoutAxisOf[a]] * eb;
+  s.block_stride = layout.strides()[kBlockAxis] * eb;
+  s.layer_regions = layout.region_per_layer();
+  s.base = layout.ByteOffset(0, local_layer0, 0, local_head0, 0, 0);
+  s.layer0 = static_cast<int32_t>(local_layer0);
+  return s;
+}
+
+// How one block's box becomes 2-D pieces.
+struct Template {
+  int64_t bytes = 0;  // contiguous run per row
+  int64_t rows = 1;
+  int64_t src_pitch = 0, dst_pitch = 0;
+  bool layer_outer = false;  // layers enumerated (outermost loop)
+  int n = 0;                 // other enumerated axes, outermost first
+  std::array<int64_t, 3> ext{}, src_step{}, dst_step{};
+};
+
+Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src, const Side& dst,
+                       int64_t row_bytes, bool forbid_layer) {
+  auto usable = [&](int a) {
+    return !(a == kL && (src.layer_regions || dst.layer_regions || forbid_layer));
+  };
+  std::array<bool, kBoxAxes> used{};
+  for (int a = 0; a < kBoxAxes; ++a) used[a] = ext[a] <= 1;
+  Template t;
+  // Contiguous on both sides: grow the run.
+  t.bytes = row_bytes;
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (int a = 0; a < kBoxAxes; ++a) {
+      if (!used[a] && usable(a) && src.stride[a] == t.bytes && dst.stride[a] == t.bytes) {
+        t.bytes *= ext[a];
+        used[a] = true;
+        grew = true;
+      }
+    }
+  }
+  // The row axis: the chain of axes (each stepping over the ones before on both sides) with the
+  // most rows. Ties go to the smaller source stride.
+  std::array<bool, kBoxAxes> best_set{};
+  int64_t best_rows = 1;
+  for (int a0 = 0; a0 < kBoxAxes; ++a0) {
+    if (used[a0] || !usable(a0)) continue;
+    std::array<bool, kBoxAxes> set{};
+    set[a0] = true;
+    int64_t rows = ext[a0];
+    for (bool grew = true; grew;) {
+      grew = false;
+      for (int b = 0; b < kBoxAxes; ++b) {
+        if (!used[b] && !set[b] && usable(b) && src.stride[b] == src.stride[a0] * rows &&
+            dst.stride[b] == dst.stride[a0] * rows) {
+          rows *= ext[b];
+          set[b] = true;
+          grew = true;
+        }
+      }
+    }
+    if (rows > best_rows) {
+      best_rows = rows;
+      best_set = set;
+      t.src_pitch = src.stride[a0];
+      t.dst_pitch = dst.stride[a0];
+    }
+  }
+  t.rows = best_rows;
+  for (int a = 0; a < kBoxAxes; ++a) used[a] = used[a] || best_set[a];
+  // Enumerated axes: layers outermost, then by decreasing source stride.
+  t.layer_outer = !used[kL];
+  std::array<int, 3> axes{};
+  for (int a = kK; a < kBoxAxes; ++a) {
+    if (!used[a]) axes[t.n++] = a;
+  }
+  for (int i = 1; i < t.n; ++i) {  // insertion sort (n <= 3)
+    for (int j = i; j > 0 && src.stride[axes[j]] > src.stride[axes[j - 1]]; --j) {
+      std::swap(axes[j], axes[j - 1]);
+    }
+  }
+  for (int i = 0; i < t.n; ++i) {
+    t.ext[i] = ext[axes[i]];
+    t.src_step[i] = src.stride[axes[i]];
+    t.dst_step[i] = dst.stride[axes[i]];
+  }
+  return t;
+}
+
+// ---- merging and chunking ---------------------------------------------------------------------
+
+// Merges `next` into `p` when the result is still one 2-D piece covering exactly both.
+bool TryMerge(Piece& p, const Piece& next) {
+  if (p.src_region != next.src_region || p.dst_region != next.dst_region) return false;
+  // Side by side: each row grows.
+  if (p.rows == next.rows && next.src_offset == p.src_offset + p.bytes &&
+      next.dst_offset == p.dst_offset + p.bytes &&
+      (p.rows == 1 || (p.src_pitch == next.src_pitch && p.dst_pitch == next.dst_pitch))) {
+    p.bytes += next.bytes;
+    p.layer = std::max(p.layer, next.layer);
+    return true;
+  }
+  // One after the other: more rows at the same pitches.
+  if (p.bytes != next.bytes) return false;
+  if (p.rows == 1) {
+    const int64_t sp = next.src_offset - p.src_offset;
+    const int64_t dp = next.dst_offset - p.dst_offset;
+    if (sp <= 0 || dp <= 0) return false;
+    if (next.rows > 1 && (next.src_pitch != sp || next.dst_pitch != dp)) return false;
+    p.src_pitch = sp;
+    p.dst_pitch = dp;
+  } else {
+    if (next.src_offset != p.src_offset + p.rows * p.src_pitch ||
+        next.dst_offset != p.dst_offset + p.rows * p.dst_pitch) {
+      return false;
+    }
+    if (next.rows > 1 && (next.src_pitch != p.src_pitch || next.dst_pitch != p.dst_pitch)) {
+      return false;
+    }
+  }
+  p.rows += next.rows;
+  p.layer = std::max(p.layer, next.layer);
+  return true;
+}
+
+// Turns the ordered pieces of one pair into chunks.
+class Chunker {
+ public:
+  Chunker(const PlanInput& in, PairPlan& out)
+      : chunk_bytes_(in.chunk_bytes), direct_min_(in.direct_min_bytes), out_(out) {}
+
+  void Add(const Piece& p) {
+    if (pending_ && TryMerge(*pending_, p)) return;
+    if (pending_) Place(*pending_);
+    pending_ = p;
+  }
+
+  void Finish() {
+    if (pending_) Place(*pending_);
+    pending_.reset();
+    open_ = nullptr;
+  }
+
+ private:
+  void Place(Piece p) {
+    if (p.rows > 1 && p.src_pitch == p.bytes && p.dst_pitch == p.bytes) {
+      p.bytes *= p.rows;
+      p.rows = 1;
+    }
+    out_.bytes += p.total();
+    if (p.rows == 1 && p.bytes >= direct_min_) {
+      open_ = nullptr;
+      Chunk& c = out_.chunks.emplace_back();
+      c.direct = true;
+      c.last_layer = p.layer;
+      c.bytes = p.bytes;
+      c.pieces.push_back(p);
+      return;
+    }
+    int64_t row = 0;
+    while (row < p.rows) {
+      const int64_t room = open_ ? chunk_bytes_ - open_->bytes : 0;
+      if (p.bytes <= room) {
+        Piece part = p;
+        part.rows = std::min(p.rows - row, room / p.bytes);
+        part.src_offset += row * p.src_pitch;
+        part.dst_offset += row * p.dst_pitch;
+        if (part.rows == 1) part.src_pitch = part.dst_pitch = 0;
+        Append(part);
+        row += part.rows;
+      } else if (p.bytes <= chunk_bytes_) {
+        Open();
+      } else {  // a row larger than a chunk: split it by bytes
+        for (int64_t off = 0; off < p.bytes;) {
+          if (!open_ || open_->bytes == chunk_bytes_) Open();
+          Piece part = p;
+          part.rows = 1;
+          part.src_pitch = part.dst_pitch = 0;
+          part.src_offset += row * p.src_pitch + off;
+          part.dst_offset += row * p.dst_pitch + off;
+          part.bytes = std::min(p.bytes - off, chunk_bytes_ - open_->bytes);
+          Append(part);
+          off += part.bytes;
+        }
+        ++row;
+      }
+    }
+  }
+
+  void Open() {
+    open_ = &out_.chunks.emplace_back();
+    open_->pieces.reserve(8);
+  }
+
+  void Append(const Piece& part) {
+    if (open_->pieces.empty()) open_->last_layer = part.layer;
+    open_->last_layer = std::max(open_->last_layer, part.layer);
+    open_->bytes += part.total();
+    open_->pieces.push_back(part);
+  }
+
+  const int64_t chunk_bytes_;
+  const int64_t direct_min_;
+  PairPlan& out_;
+  std::optional<Piece> pending_;
+  Chunk* open_ = nullptr;  // the packed chunk being filled (always out_.chunks.back())
+};
+
+// ---- ranks and pairs --------------------------------------------------------------------------
+
+struct Context {
+  const PlanInput& in;
+  int64_t needed = 0;  // blocks of the prompt
+  std::vector<RankSlice> ctx;  // ctx ranks of the serving DP group (ascending rank)
+  std::vector<RankSlice> gen;  // gen ranks of the receiving DP group (ascending rank)
+};
+
+StatusOr<std::vector<RankSlice>> GroupSlices(const InstanceDesc& d,
+                                             std::optional<int32_t> only_rank) {
+  std::vector<RankSlice> out;
+  const int32_t lo = only_rank ? *only_rank : 0;
+  const int32_t hi = only_rank ? *only_rank + 1 : d.parallel.world_size();
+  for (int32_t r = lo; r < hi; ++r) {
+    KVF_ASSIGN_OR_RETURN(RankSlice s, SliceOf(d.shape, d.parallel, r));
+    if (s.dp_group == d.parallel.dp_rank) out.push_back(s);
+  }
+  return out;
+}
+
+// Plans one pair; returns false when the pair exchanges nothing.
+bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out) {
+  const PlanInput& in = cx.in;
+  const KvShape& shape = in.ctx.shape;
+  // Layers both hold.
+  const int32_t l0 = std::max(c.layer_begin, g.layer_begin);
+  const int32_t l1 = std::min(c.layer_begin + c.layer_count, g.layer_begin + g.layer_count);
+  if (l0 >= l1) return false;
+  // Heads both hold, if c is the sender chosen for g: when several context ranks hold a head
+  // (duplicated heads), generation rank g takes it from replica g.tp_rank % replicas.
+  if (c.head_replicas > 1 && c.replica_index != g.tp_rank % c.head_replicas) return false;
+  const int32_t h0 = std::max(c.head_begin, g.head_begin);
+  const int32_t h1 = std::min(c.head_begin + c.head_count, g.head_begin + g.head_count);
+  if (h0 >= h1) return false;
+  if (in.gen_reused_blocks >= cx.needed) return false;
+
+  const int64_t eb = shape.ElementBytes();
+  const PoolLayout cl = *PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb);
+  const PoolLayout gl = *PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb);
+  const Side src = MakeSide(cl, l0 - c.layer_begin, h0 - c.head_begin);
+  const Side dst = MakeSide(gl, l0 - g.layer_begin, h0 - g.head_begin);
+
+  const int64_t tpb = shape.tokens_per_block;
+  const int64_t last_valid = in.prompt_tokens - (cx.needed - 1) * tpb;
+  const int64_t row_bytes = shape.head_dim * eb;
+  std::array<int64_t, kBoxAxes> ext{l1 - l0, shape.kv_factor, h1 - h0, tpb};
+  const bool has_full = in.gen_reused_blocks < cx.needed - 1 || last_valid == tpb;
+  Template full = BuildTemplate(ext, src, dst, row_bytes, false);
+  ext[kT] = last_valid;
+  Template part = BuildTemplate(ext, src, dst, row_bytes, false);
+  if (last_valid < tpb && has_full && full.layer_outer != part.layer_outer) {
+    // Keep one piece order (layer, then block) for both: enumerate layers in both.
+    ext[kT] = tpb;
+    full = BuildTemplate(ext, src, dst, row_bytes, true);
+    ext[kT] = last_valid;
+    part = BuildTemplate(ext, src, dst, row_bytes, true);
+  }
+  const bool layer_outer = (last_valid < tpb ? part : full).layer_outer;
+  const int64_t layer_iters = layer_outer ? l1 - l0 : 1;
+
+  out.ctx_rank = c.rank;
+  out.gen_rank = g.rank;
+  out.bytes = 0;
+  out.chunks.clear();
+  Chunker chunker(in, out);
+  Piece p;
+  for (int64_t li = 0; li < layer_iters; ++li) {
+    p.layer = layer_outer ? static_cast<int32_t>(l0 + li) : l1 - 1;
+    p.src_region = src.layer_regions ? static_cast<int32_t>(src.layer0 + li) : 0;
+    p.dst_region = dst.layer_regions ? static_cast<int32_t>(dst.layer0 + li) : 0;
+    const int64_t src_l = src.layer_regions ? 0 : li * src.stride[kL];
+    const int64_t dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
+    for (int64_t i = in.gen_reused_blocks; i < cx.needed; ++i) {
+      const Template& t = (i == cx.needed - 1) ? part : full;
+      p.bytes = t.bytes;
+      p.rows = t.rows;
+      p.src_pitch = t.rows > 1 ? t.src_pitch : 0;
+      p.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
+      const int64_t sb = src.base + in.ctx_blocks[i] * src.block_stride + src_l;
+      const int64_t db = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l;
+      if (t.n == 0) {
+        p.src_offset = sb;
+        p.dst_offset = db;
+        chunker.Add(p);
+        continue;
+      }
+      std::array<int64_t, 3> idx{};
+      while (true) {
+        int64_t so = sb, dof = db;
+        for (int k = 0; k < t.n; ++k) {
+          so += idx[k] * t.src_step[k];
+          dof += idx[k] * t.dst_step[k];
+        }
+        p.src_offset = so;
+        p.dst_offset = dof;
+        chunker.Add(p);
+        int k = t.n - 1;  // innermost last
+        for (; k >= 0; --k) {
+          if (++idx[k] < t.ext[k]) break;
+          idx[k] = 0;
+        }
+        if (k < 0) break;
+      }
+    }
+  }
+  chunker.Finish();
+  return true;
+}
+
+StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int32_t> ctx_rank,
+                                          std::optional<int32_t> gen_rank) {
+  KVF_RETURN_IF_ERROR(CheckInput(in));
+  if (ctx_rank && (*ctx_rank < 0 || *ctx_rank >= in.ctx.parallel.world_size())) {
+    return Status::InvalidArgument(fmt::format("context rank {} is outside [0, {})", *ctx_rank,
+                                               in.ctx.parallel.world_size()));
+  }
+  if (gen_rank && (*gen_rank < 0 || *gen_rank >= in.gen.parallel.world_size())) {
+    return Status::InvalidArgument(fmt::format("generation rank {} is outside [0, {})",
+                                               *gen_rank, in.gen.parallel.world_size()));
+  }
+  Context cx{in, NeededBlocks(in), {}, {}};
+  KVF_ASSIGN_OR_RETURN(cx.ctx, GroupSlices(in.ctx, ctx_rank));
+  KVF_ASSIGN_OR_RETURN(cx.gen, GroupSlices(in.gen, gen_rank));
+  std::vector<PairPlan> pairs;
+  for (const RankSlice& c : cx.ctx) {
+    for (const RankSlice& g : cx.gen) {
+      PairPlan pair;
+      if (PlanPair(cx, c, g, pair)) pairs.push_back(std::move(pair));
+    }
+  }
+  return pairs;
+}
+
+}  // namespace
+
+Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
+  const KvShape& a = ctx.shape;
+  const KvShape& b = gen.shape;
+  if (a.layers != b.layers) return Mismatch("layers", a.layers, b.layers);
+  if (a.kv_heads != b.kv_heads) return Mismatch("kv_heads", a.kv_heads, b.kv_heads);
+  if (a.head_dim != b.head_dim) return Mismatch("head_dim", a.head_dim, b.head_dim);
+  if (a.dtype != b.dtype) return Mismatch("dtype", DTypeName(a.dtype), DTypeName(b.dtype));
+  if (a.kv_factor != b.kv_factor) return Mismatch("kv_factor", a.kv_factor, b.kv_factor);
+  if (a.tokens_per_block != b.tokens_per_block) {
+    return Mismatch("tokens_per_block", a.tokens_per_block, b.tokens_per_block);
+  }
+  KVF_RETURN_IF_ERROR(CheckSide("context", ctx));
+  KVF_RETURN_IF_ERROR(CheckSide("generation", gen));
+  return Status::Ok();
+}
+
+StatusOr<TransferPlan> PlanTransfer(const PlanInput& input) {
+  KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> pairs, PlanRanks(input, std::nullopt, std::nullopt));
+  TransferPlan plan;
+  plan.gen_peers_of_ctx.resize(static_cast<size_t>(input.ctx.parallel.world_size()));
+  plan.ctx_peers_of_gen.resize(static_cast<size_t>(input.gen.parallel.world_size()));
+  for (const PairPlan& p : pairs) {  // sorted by (ctx, gen): both peer lists come out sorted
+    plan.total_bytes += p.bytes;
+    plan.gen_peers_of_ctx[p.ctx_rank].push_back(p.gen_rank);
+    plan.ctx_peers_of_gen[p.gen_rank].push_back(p.ctx_rank);
+  }
+  plan.pairs = std::move(pairs);
+  return plan;
+}
+
+StatusOr<std::vector<PairPlan>> PlanForCtxRank(const PlanInput& input, int32_t ctx_rank) {
+  return PlanRanks(input, ctx_rank, std::nullopt);
+}
+
+StatusOr<std::vector<PairPlan>> PlanForGenRank(const PlanInput& input, int32_t gen_rank) {
+  return PlanRanks(input, std::nullopt, gen_rank);
+}
+
+}  // namespace kvferry
