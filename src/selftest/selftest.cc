@@ -161,17 +161,6 @@ std::vector<std::byte> Unhex(const std::string& s) {
   return out;
 }
 
-Status WaitOp(Transport& t, TransportOp& op, Deadline deadline) {
-  while (!op.Done()) {
-    t.Progress();
-    if (Clock::now() > deadline) {
-      t.Cancel(op);
-      return Status::DeadlineExceeded("baseline operation did not finish");
-    }
-  }
-  return op.status();
-}
-
 // Raw transport bandwidth between context rank 0 and generation rank 0, same processes, same
 // bytes as the run: one-sided put where the transport has it, else tagged send/receive.
 constexpr size_t kBaseMsg = 4 << 20;
@@ -333,7 +322,9 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const T
   std::map<uint64_t, int> slot_of;
   std::map<uint64_t, std::vector<std::shared_ptr<Event>>> events;
   std::unique_ptr<Stream> compute;
-  if (cfg.layer_wise) KVF_ASSIGN_OR_RETURN(compute, dev->CreateStream());
+  if (cfg.layer_wise) {
+    KVF_ASSIGN_OR_RETURN(compute, dev->CreateStream());
+  }
   size_t next = 0;
   int done = 0;
   auto start = Clock::now();

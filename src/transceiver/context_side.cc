@@ -298,13 +298,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   void OnFetch(PeerId from, FetchMsg f, uint32_t credit) {
-    auto reply = transport_->Connect(f.reply_address, Clock::now() + options_.timeout);
-    if (!reply.ok()) {
-      Log(LogLevel::kWarn, "context side: cannot reach generation rank {} of request {}: {}",
-          f.gen_rank, f.request_id, reply.status().ToString());
-      return;
-    }
-    PeerId peer = *reply;
+    const PeerId peer = from;  // the transport connects back to a control sender by itself
     CtxRequest* r = Find(f.request_id);
     if (!r) {
       if (recent_set_.count(f.request_id)) {
@@ -534,7 +528,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
 
 StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const BlockPool& pool,
                                                            const TransceiverOptions& options) {
-  KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options));
+  KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options, device));
   return Create(device, pool, options, std::move(transport));
 }
 

@@ -6,7 +6,6 @@
 
 #include "base/log.h"
 #include "kvferry/config.h"
-#include "transport/factory.h"
 
 namespace kvferry {
 
@@ -46,9 +45,10 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
   return e;
 }
 
-StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options) {
+StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options, const Device& device) {
   TransportOptions t;
   t.name = options.transport;
+  t.device_memory_is_host = device.info().platform == "cpu";
   return CreateTransport(t);
 }
 

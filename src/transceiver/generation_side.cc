@@ -37,7 +37,7 @@ struct GenRequest {
   uint64_t id = 0;
   Clock::time_point start;
   Deadline deadline;
-  std::vector<RecvPair> pairs;
+  std::deque<RecvPair> pairs;  // deque: elements never move
   int64_t bytes = 0;
   TransferState state = TransferState::kInit;
   Status reason;
@@ -340,7 +340,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
 
 StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options) {
-  KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options));
+  KVF_ASSIGN_OR_RETURN(auto transport, MakeTransport(options, device));
   return Create(device, pool, options, std::move(transport));
 }
 

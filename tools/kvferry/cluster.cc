@@ -78,9 +78,10 @@ SelftestConfig ConfigFromJson(const std::string& s) {
 }
 
 TransportMaker MakerFor(const SelftestConfig& cfg) {
-  return [name = cfg.transport]() {
+  return [name = cfg.transport, host = cfg.device == "cpu"]() {
     TransportOptions t;
     t.name = name;
+    t.device_memory_is_host = host;
     return CreateTransport(t);
   };
 }
@@ -135,7 +136,7 @@ pid_t Spawn(const std::vector<std::string>& args) {
 
 }  // namespace
 
-StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, const std::string& argv0) {
+StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in) {
   SelftestConfig cfg = in;
   fs::path dir = fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
   fs::create_directories(dir);

@@ -9,8 +9,8 @@
 
 namespace kvferry::tools {
 
-// argv0: path of this executable. Returns every rank's result or why the run failed.
-StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& cfg, const std::string& argv0);
+// Returns every rank's result or why the run failed.
+StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& cfg);
 
 // When this process was started as one rank of a cluster (hidden flags), runs it and returns the
 // exit code; otherwise -1.

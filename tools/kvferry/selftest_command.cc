@@ -93,7 +93,7 @@ int RunSelftest(const Flags& f) {
     fmt::print(stderr, "kvferry selftest: {}\n", cfg.status().ToString());
     return 2;
   }
-  auto ranks = RunCluster(*cfg, "kvferry");
+  auto ranks = RunCluster(*cfg);
   if (!ranks.ok()) {
     fmt::print(stderr, "kvferry selftest: {}\n", ranks.status().ToString());
     if (f.json) std::puts(nlohmann::json{{"requests", f.requests}, {"verified", 0}, {"failed", f.requests}, {"bytes", 0}, {"seconds", 0}, {"error", ranks.status().ToString()}}.dump().c_str());
@@ -146,7 +146,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       return 2;
     }
     cfg->baseline = true;
-    auto ranks = RunCluster(*cfg, "kvferry");
+    auto ranks = RunCluster(*cfg);
     if (!ranks.ok()) {
       fmt::print(stderr, "kvferry bench transfer ({} tokens): {}\n", tokens, ranks.status().ToString());
       rc = 1;
