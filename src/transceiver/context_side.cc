@@ -477,6 +477,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     if (!r.ending) {
       r.state = TransferState::kComplete;
       r.reason = Status::Ok();
+      for (auto& [g, p] : r.pairs) SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
     }
     SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
   }

@@ -144,6 +144,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     };
     if (auto* a = std::get_if<AcceptMsg>(&msg)) {
       if (auto [r, p] = find(a->request_id, a->transfer_id); p) p->accepted = true;
+    } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
+      if (auto [r, p] = find(c->request_id, c->transfer_id); p) p->completed_ack = true;
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
       if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
         p->closed = true;
@@ -167,11 +169,22 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     bool busy = false;
     for (auto it = requests_.begin(); it != requests_.end();) {
       GenRequest& r = it->second;
-      bool all_done = true, drained = true;
+      bool local_done = true, all_done = true, drained = true;
       for (RecvPair& p : r.pairs) {
         busy |= AdvancePair(r, p);
-        all_done &= p.done_sent;
+        local_done &= p.accepted && p.completed == p.plan.chunks.size();
+        all_done &= p.completed_ack;
         drained &= p.inflight.empty();
+      }
+      // Every chunk from every context rank is in place: tell them all.
+      if (!r.ending && local_done) {
+        for (RecvPair& p : r.pairs) {
+          if (!p.done_sent) {
+            SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
+            p.done_sent = true;
+            busy = true;
+          }
+        }
       }
       if ((r.ending && drained) || (!r.ending && all_done)) {
         double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
@@ -191,7 +204,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (r.ending || now < r.deadline) continue;
       int done = 0, silent = -1;
       for (const RecvPair& p : r.pairs) {
-        if (p.done_sent)
+        if (p.completed_ack)
           ++done;
         else if (silent < 0)
           silent = p.ctx_rank;
@@ -306,11 +319,6 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       }
       ++it;
     }
-    if (!r.ending && p.accepted && !p.done_sent && p.completed == chunks.size()) {
-      SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
-      p.done_sent = true;
-      busy = true;
-    }
     return busy;
   }
 
@@ -323,7 +331,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       for (RecvOp& o : p.inflight) {
         if (o.op && !o.op->Done()) transport_->Cancel(*o.op);
       }
-      if (tell_peers && !p.closed && !p.done_sent) {
+      if (tell_peers && !p.closed && !p.completed_ack) {
         SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  std::string(r.reason.message())});
       }

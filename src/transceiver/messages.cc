@@ -7,7 +7,7 @@
 namespace kvferry {
 namespace {
 
-enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort };
+enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort, kComplete };
 constexpr uint32_t kMaxBlocks = 1 << 24;
 
 void Header(WireWriter& w, MsgType t) {
@@ -58,6 +58,11 @@ struct Encoder {
     w.U64(m.request_id);
     w.U32(m.transfer_id);
     w.I64(m.bytes);
+  }
+  void operator()(const CompleteMsg& m) {
+    Header(w, kComplete);
+    w.U64(m.request_id);
+    w.U32(m.transfer_id);
   }
   void operator()(const AbortMsg& m) {
     Header(w, kAbort);
@@ -131,6 +136,13 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
         out = RejectMsg{id, tid, code, std::move(reason)};
       else
         out = AbortMsg{id, tid, code, std::move(reason)};
+      break;
+    }
+    case kComplete: {
+      CompleteMsg m;
+      m.request_id = r.U64("request_id");
+      m.transfer_id = r.U32("transfer_id");
+      out = m;
       break;
     }
     case kCredit: {

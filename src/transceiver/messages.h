@@ -5,8 +5,13 @@
 //   ctx -> gen  ACCEPT  or REJECT (reason)
 //   gen -> ctx  CREDIT  receives are posted for chunks [0, n): the sender may send them
 //   ctx -> gen  data    chunk k on data tag (transfer_id << 20 | k), after credit and readiness
-//   gen -> ctx  DONE    every chunk arrived and is in place: the context may release its lease
+//   gen -> ctx  DONE    every chunk from every context rank is in place on this generation rank
+//   ctx -> gen  COMPLETE every generation rank said DONE: the whole generation instance holds the
+//                        request (the context rank releases its lease; the generation rank reports
+//                        complete once every context rank said COMPLETE)
 //   either      ABORT   the request ended on this side (timeout, cancel, error); stop
+// Completion is thus known on every rank of both instances from per-request acknowledgements,
+// without any collective among the ranks of an instance.
 #pragma once
 
 #include <cstdint>
@@ -73,7 +78,13 @@ struct AbortMsg {
   bool operator==(const AbortMsg&) const = default;
 };
 
-using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg>;
+struct CompleteMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  bool operator==(const CompleteMsg&) const = default;
+};
+
+using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg, CompleteMsg>;
 
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
 StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);

@@ -80,7 +80,7 @@ TEST(Messages, EveryTypeRoundTrips) {
   f.reply_address = "inproc:3";
   for (const ControlMsg& m :
        std::vector<ControlMsg>{f, AcceptMsg{1, 2}, RejectMsg{1, 2, 3, "no"}, CreditMsg{1, 2, 9},
-                               DoneMsg{1, 2, 99}, AbortMsg{1, 2, 4, "late"}}) {
+                               DoneMsg{1, 2, 99}, AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}}) {
     auto bytes = EncodeMessage(m);
     auto back = DecodeMessage(bytes);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
