@@ -29,7 +29,8 @@ struct RecvPair {
   size_t completed = 0;
   bool accepted = false;
   bool done_sent = false;
-  bool closed = false;  // rejected or aborted by the context rank
+  bool completed_ack = false;  // COMPLETE received: every generation rank is done
+  bool closed = false;         // rejected or aborted by the context rank
   std::deque<RecvOp> inflight;
 };
 
