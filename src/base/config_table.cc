@@ -33,6 +33,20 @@ constexpr KnobDecl kKnobs[] = {
     {"transfer.unknown_request_wait_ms", KnobType::kInt, "2000",
      "how long a context rank holds a fetch for a request it does not know yet (its MarkReady may "
      "come later than another rank's) before refusing it", 0, 3600 * 1000, ""},
+    {"transport.close_timeout_ms", KnobType::kInt, "2000",
+     "how long destroying a transport waits for its endpoints to flush and close before it "
+     "forces them",
+     0, 600 * 1000, ""},
+    {"ucx.tls", KnobType::kString, "",
+     "UCX transports to use (UCX_TLS syntax, e.g. 'shm,tcp' or 'rc,cuda_ipc'); empty: UCX's own "
+     "choice",
+     0, 0, ""},
+    {"ucx.keepalive_ms", KnobType::kInt, "1000",
+     "UCX keepalive interval: how soon a peer that died without closing is detected", 10,
+     3600 * 1000, ""},
+    {"ucx.progress_spin", KnobType::kInt, "1",
+     "ucp_worker_progress calls per Transport::Progress() (more: less call overhead per byte)", 1,
+     1000, ""},
 };
 
 }  // namespace

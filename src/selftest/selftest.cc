@@ -1,5 +1,6 @@
 #include "selftest/selftest.h"
 
+#include <fmt/format.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -9,12 +10,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "kvferry/testdata.h"
 #include "kvferry/transceiver.h"
@@ -37,12 +36,15 @@ Status WriteFileAtomic(const fs::path& path, std::span<const std::byte> bytes) {
   tmp += fmt::format(".tmp{}", ::getpid());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    f.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
     if (!f) return Status::Unavailable(fmt::format("cannot write {}", tmp.string()));
   }
   std::error_code ec;
   fs::rename(tmp, path, ec);
-  if (ec) return Status::Unavailable(fmt::format("cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
+  if (ec)
+    return Status::Unavailable(
+        fmt::format("cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message()));
   return Status::Ok();
 }
 
@@ -66,7 +68,9 @@ StatusOr<std::vector<std::byte>> WaitForFile(const fs::path& path, Deadline dead
   }
 }
 
-std::string AsString(const std::vector<std::byte>& b) { return std::string(reinterpret_cast<const char*>(b.data()), b.size()); }
+std::string AsString(const std::vector<std::byte>& b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
 
 int64_t BlocksFor(const SelftestConfig& cfg, int64_t tokens) {
   return (tokens + cfg.shape.tokens_per_block - 1) / cfg.shape.tokens_per_block;
@@ -74,7 +78,9 @@ int64_t BlocksFor(const SelftestConfig& cfg, int64_t tokens) {
 int64_t MaxBlocksPerRequest(const SelftestConfig& cfg) {
   return BlocksFor(cfg, *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
 }
-int64_t TokensOf(const SelftestConfig& cfg, int i) { return cfg.prompt_tokens[i % cfg.prompt_tokens.size()]; }
+int64_t TokensOf(const SelftestConfig& cfg, int i) {
+  return cfg.prompt_tokens[i % cfg.prompt_tokens.size()];
+}
 uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
 
 std::array<uint8_t, 16> SecretFor(const SelftestConfig& cfg) {
@@ -157,7 +163,8 @@ std::string Hex(std::span<const std::byte> b) {
 }
 std::vector<std::byte> Unhex(const std::string& s) {
   std::vector<std::byte> out;
-  for (size_t i = 0; i + 1 < s.size(); i += 2) out.push_back(std::byte(std::stoi(s.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < s.size(); i += 2)
+    out.push_back(std::byte(std::stoi(s.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -166,7 +173,8 @@ std::vector<std::byte> Unhex(const std::string& s) {
 constexpr size_t kBaseMsg = 4 << 20;
 constexpr int kBaseWindow = 16;
 
-StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make, std::string* name) {
+StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make,
+                                std::string* name) {
   const fs::path dir(cfg.dir);
   auto deadline = DeadlineIn(cfg.timeout);
   KVF_ASSIGN_OR_RETURN(auto t, make());
@@ -180,7 +188,8 @@ StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker&
   const int64_t total = BaselineBytes(cfg);
   const int64_t msgs = (total + kBaseMsg - 1) / kBaseMsg;
   bool put = t->caps().one_sided && info.contains("rkey");
-  *name = fmt::format("{} {} {} MiB messages", t->caps().name, put ? "put" : "tag send", kBaseMsg >> 20);
+  *name = fmt::format("{} {} {} MiB messages", t->caps().name, put ? "put" : "tag send",
+                      kBaseMsg >> 20);
   std::vector<std::byte> rkey;
   uint64_t raddr = 0;
   if (put) {
@@ -193,8 +202,10 @@ StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker&
   for (int64_t i = 0; i < msgs; ++i) {
     size_t slot = static_cast<size_t>(i % kBaseWindow);
     StatusOr<std::unique_ptr<TransportOp>> op =
-        put ? t->Put(peer, src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost, raddr + slot * kBaseMsg, rkey)
-            : t->Send(peer, static_cast<uint64_t>(i), src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost);
+        put ? t->Put(peer, src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost,
+                     raddr + slot * kBaseMsg, rkey)
+            : t->Send(peer, static_cast<uint64_t>(i), src.data() + slot * kBaseMsg, kBaseMsg,
+                      MemoryKind::kHost);
     if (!op.ok()) return op.status();
     window.push_back(std::move(op).value());
     if (window.size() == kBaseWindow) {
@@ -243,7 +254,9 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make) {
     std::deque<std::unique_ptr<TransportOp>> window;
     for (int64_t i = 0; i < msgs; ++i) {
       size_t slot = static_cast<size_t>(i % kBaseWindow);
-      KVF_ASSIGN_OR_RETURN(auto op, t->Recv(peer, static_cast<uint64_t>(i), dst.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost));
+      KVF_ASSIGN_OR_RETURN(
+          auto op, t->Recv(peer, static_cast<uint64_t>(i), dst.data() + slot * kBaseMsg, kBaseMsg,
+                           MemoryKind::kHost));
       window.push_back(std::move(op));
       if (window.size() == kBaseWindow) {
         KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
@@ -283,13 +296,15 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   if (cfg.concurrency < 1) return Status::InvalidArgument("--concurrency must be at least 1");
   if (cfg.prompt_tokens.empty()) return Status::InvalidArgument("--prompt-tokens is empty");
   for (int64_t t : cfg.prompt_tokens) {
-    if (t < 1) return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
+    if (t < 1)
+      return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
   return Status::Ok();
 }
 
-StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const TransportMaker& make) {
+StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
+                                    const TransportMaker& make) {
   const fs::path dir(cfg.dir);
   RankResult res;
   res.context = true;
@@ -297,11 +312,13 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const T
   const double cpu0 = CpuSeconds();
   KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  PoolSpec spec{cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
+  PoolSpec spec{
+      cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
-  KVF_ASSIGN_OR_RETURN(auto side, ContextSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_ASSIGN_OR_RETURN(auto side,
+                       ContextSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
   auto deadline = DeadlineIn(cfg.timeout);
   std::vector<std::string> addrs;
@@ -338,22 +355,27 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const T
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, tokens); ++b) {
         blocks.push_back(slot * bpr + b);
-        int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
-        KVF_RETURN_IF_ERROR(access.Fill(id, {blocks.back(), b * cfg.shape.tokens_per_block, valid}));
+        int64_t valid =
+            std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
+        KVF_RETURN_IF_ERROR(
+            access.Fill(id, {blocks.back(), b * cfg.shape.tokens_per_block, valid}));
       }
-      auto handle = cfg.layer_wise ? side->BeginLayerWise(id, blocks, tokens) : side->MarkReady(id, blocks, tokens);
+      auto handle = cfg.layer_wise ? side->BeginLayerWise(id, blocks, tokens)
+                                   : side->MarkReady(id, blocks, tokens);
       if (!handle.ok()) return handle.status();
       if (cfg.layer_wise) {
         // A stand-in for prefill: each layer "computes" on a stream; its event releases it.
         for (int32_t l = 0; l < me.layer_count; ++l) {
-          KVF_RETURN_IF_ERROR(compute->HostCallback([] { std::this_thread::sleep_for(std::chrono::microseconds(20)); }));
+          KVF_RETURN_IF_ERROR(compute->HostCallback(
+              [] { std::this_thread::sleep_for(std::chrono::microseconds(20)); }));
           auto ev = std::shared_ptr<Event>(std::move(dev->CreateEvent().value()));
           KVF_RETURN_IF_ERROR(compute->Record(*ev));
           KVF_RETURN_IF_ERROR(side->MarkLayerReadyOn(id, l, ev));
           events[id].push_back(ev);
         }
       }
-      if (leader) KVF_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("req-{}.handle", i), *handle));
+      if (leader)
+        KVF_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("req-{}.handle", i), *handle));
       slot_of[id] = slot;
       ++res.requests;
     }
@@ -365,34 +387,41 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const T
       res.latencies.push_back(s.seconds);
       if (s.state != TransferState::kComplete) {
         ++res.failed;
-        AddError(res, fmt::format("request {:#x}: {} {}", s.request_id, TransferStateName(s.state), s.reason.ToString()));
+        AddError(res, fmt::format("request {:#x}: {} {}", s.request_id, TransferStateName(s.state),
+                                  s.reason.ToString()));
       }
     }
-    if (Clock::now() > deadline + cfg.timeout) return Status::DeadlineExceeded("context rank: requests never ended");
+    if (Clock::now() > deadline + cfg.timeout)
+      return Status::DeadlineExceeded("context rank: requests never ended");
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   if (cfg.baseline && rank == 0) {
     auto b = BaselineSender(cfg, make, &res.baseline_name);
-    if (b.ok()) res.baseline_gbps = *b;
-    else AddError(res, "baseline: " + b.status().ToString());
+    if (b.ok())
+      res.baseline_gbps = *b;
+    else
+      AddError(res, "baseline: " + b.status().ToString());
   }
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.json", rank), ResultToJson(res)));
   return res;
 }
 
-StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank, const TransportMaker& make) {
+StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
+                                       const TransportMaker& make) {
   const fs::path dir(cfg.dir);
   RankResult res;
   res.rank = rank;
   const double cpu0 = CpuSeconds();
   KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  PoolSpec spec{cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
+  PoolSpec spec{
+      cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
-  KVF_ASSIGN_OR_RETURN(auto side, GenerationSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_ASSIGN_OR_RETURN(auto side,
+                       GenerationSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
   const RankSlice me = pool.slice();
   std::vector<int> mine;
   for (int i = 0; i < cfg.requests; ++i) {
@@ -415,7 +444,8 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank, cons
       int slot = free_slots.back();
       free_slots.pop_back();
       std::vector<int64_t> blocks;
-      for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b) blocks.push_back(slot * bpr + b);
+      for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b)
+        blocks.push_back(slot * bpr + b);
       Status st = side->Fetch(*handle, blocks, 0);
       ++res.requests;
       if (!st.ok()) {
@@ -434,25 +464,35 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank, cons
       res.bytes += s.bytes;
       res.latencies.push_back(s.seconds);
       bool ok = s.state == TransferState::kComplete;
-      if (!ok) AddError(res, fmt::format("request {}: {} {}", i, TransferStateName(s.state), s.reason.ToString()));
+      if (!ok)
+        AddError(res, fmt::format("request {}: {} {}", i, TransferStateName(s.state),
+                                  s.reason.ToString()));
       if (ok && cfg.verify) {
         int64_t tokens = TokensOf(cfg, i);
         for (int64_t b = 0; ok && b < BlocksFor(cfg, tokens); ++b) {
-          int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
-          auto m = access.Check(s.request_id, {slot * bpr + b, b * cfg.shape.tokens_per_block, valid});
+          int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block,
+                                            tokens - b * cfg.shape.tokens_per_block);
+          auto m =
+              access.Check(s.request_id, {slot * bpr + b, b * cfg.shape.tokens_per_block, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
-            AddError(res, fmt::format("request {} block {}: {}", i, b, m.ok() ? (*m)->ToString() : m.status().ToString()));
+            AddError(res, fmt::format("request {} block {}: {}", i, b,
+                                      m.ok() ? (*m)->ToString() : m.status().ToString()));
           }
         }
       }
-      if (ok) ++res.verified;
-      else ++res.failed;
+      if (ok)
+        ++res.verified;
+      else
+        ++res.failed;
       free_slots.push_back(slot);
     }
-    if (Clock::now() > deadline) return Status::DeadlineExceeded("generation rank: requests never ended");
+    if (Clock::now() > deadline)
+      return Status::DeadlineExceeded("generation rank: requests never ended");
   }
-  res.seconds = start == Clock::time_point{} ? 0 : std::chrono::duration<double>(Clock::now() - start).count();
+  res.seconds = start == Clock::time_point{}
+                    ? 0
+                    : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make);
@@ -474,8 +514,10 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg) {
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
   std::vector<StatusOr<RankResult>> results(nc + ng, Status::Internal("rank did not run"));
   std::vector<std::thread> threads;
-  for (int r = 0; r < nc; ++r) threads.emplace_back([&, r] { results[r] = RunContextRank(cfg, r, make); });
-  for (int r = 0; r < ng; ++r) threads.emplace_back([&, r] { results[nc + r] = RunGenerationRank(cfg, r, make); });
+  for (int r = 0; r < nc; ++r)
+    threads.emplace_back([&, r] { results[r] = RunContextRank(cfg, r, make); });
+  for (int r = 0; r < ng; ++r)
+    threads.emplace_back([&, r] { results[nc + r] = RunGenerationRank(cfg, r, make); });
   for (auto& t : threads) t.join();
   std::vector<RankResult> out;
   for (auto& r : results) {
@@ -535,7 +577,9 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   for (const RankResult& r : ranks) {
     cpu += r.cpu_seconds;
     for (const std::string& e : r.errors) {
-      if (s.errors.size() < 10) s.errors.push_back(fmt::format("{} rank {}: {}", r.context ? "context" : "generation", r.rank, e));
+      if (s.errors.size() < 10)
+        s.errors.push_back(
+            fmt::format("{} rank {}: {}", r.context ? "context" : "generation", r.rank, e));
     }
     if (r.context) {
       if (r.failed) s.failed = std::max(s.failed, r.failed);
@@ -551,12 +595,17 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     failed_pairs += r.failed;
     lat.insert(lat.end(), r.latencies.begin(), r.latencies.end());
   }
-  s.verified = (verified_pairs == expected_pairs && failed_pairs == 0) ? cfg.requests
-                                                                         : std::min(cfg.requests, verified_pairs * cfg.requests / std::max(1, expected_pairs));
+  s.verified =
+      (verified_pairs == expected_pairs && failed_pairs == 0)
+          ? cfg.requests
+          : std::min(cfg.requests, verified_pairs * cfg.requests / std::max(1, expected_pairs));
   s.failed = std::max(s.failed, cfg.requests - s.verified);
   s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
   std::sort(lat.begin(), lat.end());
-  auto pct = [&](double p) { return lat.empty() ? 0.0 : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))] * 1e3; };
+  auto pct = [&](double p) {
+    return lat.empty() ? 0.0
+                       : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))] * 1e3;
+  };
   s.p50_ms = pct(0.5);
   s.p90_ms = pct(0.9);
   s.p99_ms = pct(0.99);

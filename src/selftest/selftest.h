@@ -33,22 +33,22 @@ struct SelftestConfig {
   std::string device = "cpu";
   bool layer_wise = false;
   bool verify = true;
-  bool baseline = false;                    // also measure raw transport bandwidth
+  bool baseline = false;  // also measure raw transport bandwidth
   std::chrono::milliseconds timeout{60000};
-  std::string dir;                          // rendezvous directory
+  std::string dir;  // rendezvous directory
 };
 
 struct RankResult {
   bool context = false;
   int rank = 0;
-  int requests = 0;   // requests this rank took part in
-  int verified = 0;   // generation: requests whose every element checked out
+  int requests = 0;  // requests this rank took part in
+  int verified = 0;  // generation: requests whose every element checked out
   int failed = 0;
   int64_t bytes = 0;
-  double seconds = 0;          // first start to last end on this rank
-  double cpu_seconds = 0;      // process CPU time over the run
+  double seconds = 0;             // first start to last end on this rank
+  double cpu_seconds = 0;         // process CPU time over the run
   std::vector<double> latencies;  // per request, seconds (generation: fetch to complete)
-  double baseline_gbps = 0;    // raw transport bandwidth, same processes, same bytes (rank 0s)
+  double baseline_gbps = 0;       // raw transport bandwidth, same processes, same bytes (rank 0s)
   std::string baseline_name;
   std::vector<std::string> errors;  // the first few
 };
@@ -61,16 +61,18 @@ using TransportMaker = std::function<StatusOr<std::unique_ptr<Transport>>()>;
 Status ValidateSelftest(const SelftestConfig& cfg);
 // Runs one rank to the end and writes its result file. `make_transport` overrides cfg.transport
 // (the in-process transport needs a shared fabric).
-StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank, const TransportMaker& make_transport);
-StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank, const TransportMaker& make_transport);
+StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
+                                    const TransportMaker& make_transport);
+StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
+                                       const TransportMaker& make_transport);
 // Every rank as a thread of this process over the in-process transport.
 StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg);
 
 // The aggregate over all ranks: what the command prints.
 struct SelftestSummary {
   int requests = 0, verified = 0, failed = 0;
-  int64_t bytes = 0;       // payload bytes received by the generation instance
-  double seconds = 0;      // wall time of the generation instance (max over ranks)
+  int64_t bytes = 0;   // payload bytes received by the generation instance
+  double seconds = 0;  // wall time of the generation instance (max over ranks)
   double gbps = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double cpu_us_per_request = 0;  // process CPU of all ranks / requests

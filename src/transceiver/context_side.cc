@@ -143,11 +143,12 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void OnControl(PeerId from, ControlMsg msg) override {
     if (auto* f = std::get_if<FetchMsg>(&msg)) return OnFetch(from, std::move(*f), 0);
     if (auto* c = std::get_if<CreditMsg>(&msg)) {
-      if (SendPair* p = FindPair(c->request_id, c->transfer_id)) {
+      if (SendPair* p = FindPair(c->request_id, from, c->transfer_id)) {
         p->credit = std::max<size_t>(p->credit, c->chunks);
       } else {
         for (PendingFetch& pf : pending_) {
-          if (pf.fetch.request_id == c->request_id && pf.fetch.transfer_id == c->transfer_id) {
+          if (pf.from == from && pf.fetch.request_id == c->request_id &&
+              pf.fetch.transfer_id == c->transfer_id) {
             pf.credit = std::max(pf.credit, c->chunks);
           }
         }
@@ -155,14 +156,15 @@ class ContextSideImpl final : public ContextSide, public Engine {
       return;
     }
     if (auto* d = std::get_if<DoneMsg>(&msg)) {
-      if (SendPair* p = FindPair(d->request_id, d->transfer_id)) p->done = true;
+      if (SendPair* p = FindPair(d->request_id, from, d->transfer_id)) p->done = true;
       return;
     }
     if (auto* a = std::get_if<AbortMsg>(&msg)) {
       std::erase_if(pending_, [&](const PendingFetch& pf) {
-        return pf.fetch.request_id == a->request_id && pf.fetch.transfer_id == a->transfer_id;
+        return pf.from == from && pf.fetch.request_id == a->request_id &&
+               pf.fetch.transfer_id == a->transfer_id;
       });
-      if (SendPair* p = FindPair(a->request_id, a->transfer_id)) {
+      if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
         CtxRequest& r = requests_.at(a->request_id);
         End(r, TransferState::kError,
             Status(static_cast<StatusCode>(a->code),
@@ -507,11 +509,12 @@ class ContextSideImpl final : public ContextSide, public Engine {
     return it == requests_.end() ? nullptr : &it->second;
   }
 
-  SendPair* FindPair(uint64_t id, uint32_t transfer_id) {
+  // Transfer ids are chosen by each generation rank: unique only together with the sender.
+  SendPair* FindPair(uint64_t id, PeerId from, uint32_t transfer_id) {
     CtxRequest* r = Find(id);
     if (!r) return nullptr;
     for (auto& [g, p] : r->pairs) {
-      if (p.transfer_id == transfer_id) return &p;
+      if (p.peer == from && p.transfer_id == transfer_id) return &p;
     }
     return nullptr;
   }

@@ -45,7 +45,8 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
   return e;
 }
 
-StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options, const Device& device) {
+StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
+                                                   const Device& device) {
   TransportOptions t;
   t.name = options.transport;
   t.device_memory_is_host = device.info().platform == "cpu";

@@ -34,7 +34,8 @@ struct EngineOptions {
   uint64_t instance_id;
 };
 EngineOptions ResolveOptions(const TransceiverOptions& options);
-StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options, const Device& device);
+StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
+                                                   const Device& device);
 
 class Engine {
  public:

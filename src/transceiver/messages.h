@@ -84,7 +84,8 @@ struct CompleteMsg {
   bool operator==(const CompleteMsg&) const = default;
 };
 
-using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg, CompleteMsg>;
+using ControlMsg =
+    std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg, CompleteMsg>;
 
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
 StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);

@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <deque>
+
 #include "kvferry/config.h"
 #include "kvferry/testdata.h"
 #include "transceiver/handle.h"
@@ -83,14 +86,21 @@ class Cluster {
     for (int r : Group(ctx_spec_, ctx_group)) {
       for (size_t i = 0; i < blocks.size(); ++i) {
         int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
-        if (valid > 0)
+        if (valid > 0) {
           EXPECT_TRUE(FillBlock(ctx_pools_[r], id, {blocks[i], int64_t(i) * tpb, valid}).ok());
+        }
       }
       auto h = layer_wise ? ctx_[r]->BeginLayerWise(id, blocks, tokens)
                           : ctx_[r]->MarkReady(id, blocks, tokens);
       EXPECT_TRUE(h.ok()) << h.status().ToString();
       if (h.ok()) {
-        if (!handle.empty()) EXPECT_EQ(handle, *h) << "every context rank returns the same handle";
+        if (!handle.empty()) {
+          size_t at = 0;
+          while (at < std::min(handle.size(), h->size()) && handle[at] == (*h)[at]) ++at;
+          EXPECT_EQ(handle, *h)
+              << "every context rank returns the same handle; first difference at byte " << at
+              << " of " << handle.size() << "/" << h->size();
+        }
         handle = *h;
       }
     }
@@ -156,7 +166,7 @@ class Cluster {
   std::unique_ptr<Device> device_;
   std::shared_ptr<InProcFabric> fabric_;
   SideSpec ctx_spec_, gen_spec_;
-  std::vector<BlockPool> ctx_pools_, gen_pools_;
+  std::deque<BlockPool> ctx_pools_, gen_pools_;  // deque: sides hold references to pools
   std::vector<std::unique_ptr<ContextSide>> ctx_;
   std::vector<std::unique_ptr<GenerationSide>> gen_;
 };

@@ -8,17 +8,35 @@
 // busy until its receive is matched, which bounds staging memory on both sides. Transports that
 // also offer one-sided Put (UCX) say so in their capabilities.
 //
-// Addressing: LocalAddress() returns opaque bytes that go into context handles; Connect() on the
-// other side turns them into a PeerId. Control messages are small self-describing byte strings
-// delivered to PollControl() of the receiver with the sender's PeerId (connecting back lazily).
+// Addressing: LocalAddress() returns opaque printable text that goes into context handles;
+// Connect() on the other side turns it into a PeerId. Control messages are small self-describing
+// byte strings delivered to PollControl() of the receiver with the sender's PeerId (the receiver
+// connects back lazily, so a reply needs no Connect()).
 //
-// Completion: Send/Recv return an Op immediately. An Op is complete when Done(); a send's buffer
-// may be reused then, a receive's bytes are visible then. Nothing completes without Progress(),
-// which the caller drives (one progress thread per transport). Every op can be cancelled; a
-// peer's failure completes its ops with kUnavailable.
+// Matching: a data receive matches a send with the same tag. Tags are unique per receiver among
+// messages in flight (the protocol numbers them per (transfer, chunk)); a tag must fit in
+// caps().tag_bits bits. Transport by transport:
+//   - inproc, mpi: matching is on (peer, tag); kAnyPeer matches any sender.
+//   - ucx: matching is on the tag alone; `peer` only says whose death fails the receive (UCX tag
+//     receives carry no source). Two peers must not send the same tag to one receiver at once.
+//
+// Completion: Send/Recv/Put/Flush return an Op immediately. An Op is complete when Done(); a
+// send's buffer may be reused then, a receive's bytes are visible then. Nothing completes without
+// Progress(), which the caller drives (one progress thread per transport). Cancel() ends a
+// pending receive with kCancelled; a send can only be cancelled once the transport has released
+// its buffer (see Cancel). A peer's failure (its process died, it was destroyed, or, for inproc,
+// it was killed) completes every pending op naming it with kUnavailable: sends, puts, flushes and
+// receives posted with that PeerId (not kAnyPeer receives), within the transport's failure
+// detection time (ucx: immediate on orderly shutdown and on TCP, keepalive interval otherwise;
+// mpi: no detection, a dead rank aborts the job).
+//
+// Ops: an Op may be destroyed at any time, but the buffer it names must stay valid until the op
+// is Done or the transport is destroyed (destroying an op does not cancel it). Ops may outlive
+// their transport: the transport completes (cancels) every pending op when destroyed.
 //
 // Thread-safety: thread-compatible. The owner calls every method from one thread at a time (the
-// transceiver's progress thread).
+// transceiver's progress thread). Several transports of one process may be driven by different
+// threads. Ops' Done()/status()/bytes() are read by the thread that drives Progress().
 #pragma once
 
 #include <cstdint>
@@ -26,6 +44,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvferry/device.h"
@@ -37,14 +56,14 @@ using PeerId = int32_t;
 inline constexpr PeerId kAnyPeer = -1;
 
 struct TransportCaps {
-  std::string name;             // "inproc", "ucx", "mpi"
-  int tag_bits = 64;            // usable bits of a data tag
-  bool device_memory = false;   // Send/Recv accept MemoryKind::kDevice buffers
-  bool one_sided = false;       // Put is implemented
-  size_t max_control_bytes = 0; // largest control message
+  std::string name;              // "inproc", "ucx", "mpi"
+  int tag_bits = 64;             // usable bits of a data tag (ucx 63, mpi from MPI_TAG_UB)
+  bool device_memory = false;    // Send/Recv/Put accept MemoryKind::kDevice buffers
+  bool one_sided = false;        // RegisterMemory/Put/Flush are implemented
+  size_t max_control_bytes = 0;  // largest control message
 };
 
-// One posted send or receive.
+// One posted send, receive, put or flush.
 class TransportOp {
  public:
   virtual ~TransportOp() = default;
@@ -52,7 +71,18 @@ class TransportOp {
   // OK, or why it failed (kCancelled, kUnavailable for a dead peer, kInvalidArgument for a
   // message larger than the receive buffer). Meaningful once Done().
   virtual Status status() const = 0;
-  virtual size_t bytes() const = 0;  // bytes received (receive ops)
+  virtual size_t bytes() const = 0;  // bytes received (receive ops), bytes sent otherwise
+};
+
+// A memory region registered for one-sided access. Move-only owner: deregisters when destroyed
+// (it must not outlive its transport). PackedKey() travels to peers, which Put into the region
+// at addresses [address(), address() + size()).
+class MemoryRegistration {
+ public:
+  virtual ~MemoryRegistration() = default;
+  virtual std::span<const std::byte> PackedKey() const = 0;
+  virtual uint64_t address() const = 0;
+  virtual size_t size() const = 0;
 };
 
 struct ControlMessage {
@@ -66,14 +96,19 @@ class Transport {
   virtual const TransportCaps& caps() const = 0;
   virtual std::string LocalAddress() const = 0;
   // Connects (or returns the existing connection) to the address another transport reported.
+  // A malformed address is kInvalidArgument; an unreachable one kUnavailable.
   virtual StatusOr<PeerId> Connect(std::string_view address, Deadline deadline) = 0;
 
-  // Data plane. `buf` must stay valid until the op is Done.
+  // Data plane. `buf` must stay valid until the op is Done. A receive of a message larger than
+  // `capacity` completes with kInvalidArgument (its buffer contents are then unspecified).
   virtual StatusOr<std::unique_ptr<TransportOp>> Send(PeerId peer, uint64_t tag, const void* buf,
                                                       size_t bytes, MemoryKind kind) = 0;
   virtual StatusOr<std::unique_ptr<TransportOp>> Recv(PeerId peer, uint64_t tag, void* buf,
                                                       size_t capacity, MemoryKind kind) = 0;
-  // Completes `op` with kCancelled if it has not completed (the buffer is free once Done()).
+  // Receives complete with kCancelled (promptly, at the next Progress()). Sends: inproc cancels
+  // at once; ucx and mpi can't take back a send the peer may be reading, so the op completes when
+  // the transport releases the buffer (the receiver matched it, the peer died, or the transport
+  // is destroyed), with kCancelled if it had not completed before. No-op on a Done op.
   virtual void Cancel(TransportOp& op) = 0;
 
   // Control plane: copied at the call; delivered in order per (sender, receiver) pair.
@@ -82,6 +117,39 @@ class Transport {
 
   // Drives all outstanding operations; returns true if anything happened.
   virtual bool Progress() = 0;
+
+  // One-sided (caps().one_sided; otherwise kUnavailable). Put writes `bytes` from `local` to
+  // `remote_addr` inside a peer's registration whose PackedKey() is `rkey`; it completes when
+  // `local` may be reused (local completion: the bytes need not be visible remotely yet).
+  // Flush completes when every Put issued to `peer` before it is visible in the peer's memory.
+  virtual StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
+                                                                       MemoryKind kind);
+  virtual StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,
+                                                     MemoryKind kind, uint64_t remote_addr,
+                                                     std::span<const std::byte> rkey);
+  virtual StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer);
 };
+
+class InProcFabric;  // inproc_transport.h
+
+struct TransportOptions {
+  std::string name = "inproc";  // "inproc" | "ucx" | "mpi"
+  // inproc: the fabric the transport joins; transports reach each other only on one fabric.
+  std::shared_ptr<InProcFabric> fabric;
+  // kDevice buffers are host memory (the CPU device): every transport accepts them. When false,
+  // kDevice means GPU memory: accepted only by a UCX built with CUDA (caps().device_memory).
+  bool device_memory_is_host = true;
+};
+
+// "inproc" needs options.fabric. kUnavailable (with why) when the named transport is not compiled
+// in or can't start; kInvalidArgument for an unknown name.
+StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options);
+
+// Names compiled into this build, "inproc" first.
+std::vector<std::string> AvailableTransports();
+
+// Waits until `op` is Done, driving `transport`; kDeadlineExceeded (op still pending) at the
+// deadline, else op.status().
+Status WaitOp(Transport& transport, TransportOp& op, Deadline deadline);
 
 }  // namespace kvferry

@@ -1,5 +1,6 @@
 #include "tools/kvferry/cluster.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -8,11 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 namespace kvferry::tools {
 namespace {
@@ -21,7 +20,11 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 json ParallelJson(const ParallelConfig& p) {
-  return {{"tp", p.tp}, {"pp", p.pp}, {"stage_layers", p.stage_layers}, {"dp_size", p.dp_size}, {"dp_rank", p.dp_rank}};
+  return {{"tp", p.tp},
+          {"pp", p.pp},
+          {"stage_layers", p.stage_layers},
+          {"dp_size", p.dp_size},
+          {"dp_rank", p.dp_rank}};
 }
 ParallelConfig ParallelFrom(const json& j) {
   ParallelConfig p;
@@ -36,7 +39,8 @@ ParallelConfig ParallelFrom(const json& j) {
 // The config travels to rank processes as one JSON argument.
 std::string ConfigToJson(const SelftestConfig& c) {
   json j;
-  j["shape"] = {c.shape.layers, c.shape.kv_heads, c.shape.head_dim, static_cast<int>(c.shape.dtype),
+  j["shape"] = {c.shape.layers,    c.shape.kv_heads,
+                c.shape.head_dim,  static_cast<int>(c.shape.dtype),
                 c.shape.kv_factor, c.shape.tokens_per_block};
   j["ctx"] = ParallelJson(c.ctx);
   j["gen"] = ParallelJson(c.gen);
@@ -87,9 +91,11 @@ TransportMaker MakerFor(const SelftestConfig& cfg) {
 }
 
 int RunRank(const SelftestConfig& cfg, bool context, int rank) {
-  auto r = context ? RunContextRank(cfg, rank, MakerFor(cfg)) : RunGenerationRank(cfg, rank, MakerFor(cfg));
+  auto r = context ? RunContextRank(cfg, rank, MakerFor(cfg))
+                   : RunGenerationRank(cfg, rank, MakerFor(cfg));
   if (!r.ok()) {
-    std::cerr << fmt::format("kvferry {} rank {}: {}\n", context ? "context" : "generation", rank, r.status().ToString());
+    std::cerr << fmt::format("kvferry {} rank {}: {}\n", context ? "context" : "generation", rank,
+                             r.status().ToString());
     return 2;
   }
   return 0;
@@ -106,8 +112,9 @@ Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline) {
       --left;
       if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && first.ok()) {
         first = Status::Internal(fmt::format("rank process {} ended with {}", p,
-                                             WIFEXITED(status) ? fmt::format("exit code {}", WEXITSTATUS(status))
-                                                               : fmt::format("signal {}", WTERMSIG(status))));
+                                             WIFEXITED(status)
+                                                 ? fmt::format("exit code {}", WEXITSTATUS(status))
+                                                 : fmt::format("signal {}", WTERMSIG(status))));
       }
       continue;
     }
@@ -138,7 +145,8 @@ pid_t Spawn(const std::vector<std::string>& args) {
 
 StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in) {
   SelftestConfig cfg = in;
-  fs::path dir = fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
+  fs::path dir =
+      fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
   fs::create_directories(dir);
   cfg.dir = dir.string();
   KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
@@ -155,32 +163,43 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in) {
   std::string conf = ConfigToJson(cfg);
   std::vector<pid_t> pids;
   if (cfg.transport == "mpi") {
-    pids.push_back(Spawn({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", std::to_string(nc + ng),
-                          "--mca", "btl", "self,vader,tcp", exe, "--rank-of-cluster", "mpi", "--cluster-config", conf}));
+    pids.push_back(Spawn({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                          std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", exe,
+                          "--rank-of-cluster", "mpi", "--cluster-config", conf}));
   } else {
-    for (int r = 0; r < nc; ++r) pids.push_back(Spawn({exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
-    for (int r = 0; r < ng; ++r) pids.push_back(Spawn({exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+    for (int r = 0; r < nc; ++r)
+      pids.push_back(
+          Spawn({exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
+    for (int r = 0; r < ng; ++r)
+      pids.push_back(
+          Spawn({exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
   }
   Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3));
   std::vector<RankResult> out;
   Status missing;
   for (int r = 0; r < nc + ng; ++r) {
-    fs::path f = dir / (r < nc ? fmt::format("ctx-{}.json", r) : fmt::format("gen-{}.json", r - nc));
+    fs::path f =
+        dir / (r < nc ? fmt::format("ctx-{}.json", r) : fmt::format("gen-{}.json", r - nc));
     std::ifstream in_file(f);
     if (!in_file) {
-      if (missing.ok()) missing = Status::Unavailable(fmt::format("{} rank {} left no result", r < nc ? "context" : "generation", r < nc ? r : r - nc));
+      if (missing.ok())
+        missing = Status::Unavailable(fmt::format(
+            "{} rank {} left no result", r < nc ? "context" : "generation", r < nc ? r : r - nc));
       continue;
     }
     std::string text((std::istreambuf_iterator<char>(in_file)), std::istreambuf_iterator<char>());
     KVF_ASSIGN_OR_RETURN(RankResult res, ResultFromJson(text));
     out.push_back(std::move(res));
   }
-  if (!missing.ok()) return waited.ok() ? missing : waited.WithContext(std::string(missing.message()));
+  if (!missing.ok())
+    return waited.ok() ? missing : waited.WithContext(std::string(missing.message()));
   return out;
 }
 
 int MaybeRunRank(int argc, char** argv) {
-  if (argc != 5 || std::string(argv[1]) != "--rank-of-cluster" || std::string(argv[3]) != "--cluster-config") return -1;
+  if (argc != 5 || std::string(argv[1]) != "--rank-of-cluster" ||
+      std::string(argv[3]) != "--cluster-config")
+    return -1;
   SelftestConfig cfg = ConfigFromJson(argv[4]);
   std::string who = argv[2];
   if (who == "mpi") {

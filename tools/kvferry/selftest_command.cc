@@ -1,8 +1,8 @@
 // `kvferry selftest` and `kvferry bench transfer`: a context instance and a generation instance as
 // separate processes (one per rank), requests streamed between them, every element verified.
-#include <cstdio>
-
 #include <fmt/format.h>
+
+#include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "kvferry/config.h"
@@ -37,22 +37,30 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--layers", f.layers, "attention layers")->capture_default_str();
   cmd->add_option("--kv-heads", f.kv_heads, "KV heads per layer")->capture_default_str();
   cmd->add_option("--head-dim", f.head_dim, "elements per head")->capture_default_str();
-  cmd->add_option("--tokens-per-block", f.tokens_per_block, "tokens per KV block")->capture_default_str();
+  cmd->add_option("--tokens-per-block", f.tokens_per_block, "tokens per KV block")
+      ->capture_default_str();
   cmd->add_option("--dtype", f.dtype, "fp32|fp16|bf16|fp8|int8")->capture_default_str();
   cmd->add_flag("--mla", f.mla, "MLA latent cache: one head, K only (kv factor 1)");
   cmd->add_option("--ctx-tp", f.ctx.tp)->capture_default_str();
   cmd->add_option("--ctx-pp", f.ctx.pp)->capture_default_str();
-  cmd->add_option("--ctx-dp", f.ctx.dp, "attention DP groups of the context instance")->capture_default_str();
-  cmd->add_option("--ctx-pp-layers", f.ctx.pp_layers, "layers of each context PP stage (uneven splits)")->delimiter(',');
+  cmd->add_option("--ctx-dp", f.ctx.dp, "attention DP groups of the context instance")
+      ->capture_default_str();
+  cmd->add_option("--ctx-pp-layers", f.ctx.pp_layers,
+                  "layers of each context PP stage (uneven splits)")
+      ->delimiter(',');
   cmd->add_option("--gen-tp", f.gen.tp)->capture_default_str();
   cmd->add_option("--gen-pp", f.gen.pp)->capture_default_str();
-  cmd->add_option("--gen-dp", f.gen.dp, "attention DP groups of the generation instance")->capture_default_str();
-  cmd->add_option("--gen-pp-layers", f.gen.pp_layers, "layers of each generation PP stage")->delimiter(',');
+  cmd->add_option("--gen-dp", f.gen.dp, "attention DP groups of the generation instance")
+      ->capture_default_str();
+  cmd->add_option("--gen-pp-layers", f.gen.pp_layers, "layers of each generation PP stage")
+      ->delimiter(',');
   cmd->add_option("--ctx-layout", f.ctx_layout, "block-major|per-layer")->capture_default_str();
   cmd->add_option("--gen-layout", f.gen_layout, "block-major|per-layer")->capture_default_str();
   cmd->add_option("--requests", f.requests)->capture_default_str();
-  cmd->add_option("--prompt-tokens", f.prompt_tokens, "prompt lengths, cycled over requests")->delimiter(',');
-  cmd->add_option("--concurrency", f.concurrency, "requests in flight per rank")->capture_default_str();
+  cmd->add_option("--prompt-tokens", f.prompt_tokens, "prompt lengths, cycled over requests")
+      ->delimiter(',');
+  cmd->add_option("--concurrency", f.concurrency, "requests in flight per rank")
+      ->capture_default_str();
   cmd->add_option("--transport", f.transport, "inproc|ucx|mpi")->capture_default_str();
   cmd->add_option("--device", f.device, "cpu|cuda (default: knob device.default)");
   cmd->add_flag("--layer-wise", f.layer_wise, "send each layer once prefill marks it ready");
@@ -63,7 +71,8 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
 StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   SelftestConfig c;
   KVF_ASSIGN_OR_RETURN(DType dt, ParseDType(f.dtype));
-  c.shape = KvShape{f.layers, f.mla ? 1 : f.kv_heads, f.head_dim, dt, f.mla ? 1 : 2, f.tokens_per_block};
+  c.shape =
+      KvShape{f.layers, f.mla ? 1 : f.kv_heads, f.head_dim, dt, f.mla ? 1 : 2, f.tokens_per_block};
   c.ctx = f.ctx.Make();
   c.gen = f.gen.Make();
   KVF_ASSIGN_OR_RETURN(c.ctx_layout, ParseLayoutKind(f.ctx_layout));
@@ -82,9 +91,12 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
 }
 
 nlohmann::json SummaryJson(const SelftestSummary& s) {
-  return {{"requests", s.requests}, {"verified", s.verified}, {"failed", s.failed}, {"bytes", s.bytes},
-          {"seconds", s.seconds}, {"gbps", s.gbps}, {"p50_ms", s.p50_ms}, {"p90_ms", s.p90_ms},
-          {"p99_ms", s.p99_ms}, {"cpu_us_per_request", s.cpu_us_per_request}, {"errors", s.errors}};
+  return {{"requests", s.requests}, {"verified", s.verified},
+          {"failed", s.failed},     {"bytes", s.bytes},
+          {"seconds", s.seconds},   {"gbps", s.gbps},
+          {"p50_ms", s.p50_ms},     {"p90_ms", s.p90_ms},
+          {"p99_ms", s.p99_ms},     {"cpu_us_per_request", s.cpu_us_per_request},
+          {"errors", s.errors}};
 }
 
 int RunSelftest(const Flags& f) {
@@ -96,19 +108,29 @@ int RunSelftest(const Flags& f) {
   auto ranks = RunCluster(*cfg);
   if (!ranks.ok()) {
     fmt::print(stderr, "kvferry selftest: {}\n", ranks.status().ToString());
-    if (f.json) std::puts(nlohmann::json{{"requests", f.requests}, {"verified", 0}, {"failed", f.requests}, {"bytes", 0}, {"seconds", 0}, {"error", ranks.status().ToString()}}.dump().c_str());
+    if (f.json)
+      std::puts(nlohmann::json{{"requests", f.requests},
+                               {"verified", 0},
+                               {"failed", f.requests},
+                               {"bytes", 0},
+                               {"seconds", 0},
+                               {"error", ranks.status().ToString()}}
+                    .dump()
+                    .c_str());
     return 1;
   }
   SelftestSummary s = Summarize(*cfg, *ranks);
   if (f.json) {
     std::puts(SummaryJson(s).dump().c_str());
   } else {
-    fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n", cfg->shape.ToString(),
-               cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(), f.gen_layout, f.requests, cfg->transport,
-               cfg->device);
+    fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
+               cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
+               f.gen_layout, f.requests, cfg->transport, cfg->device);
     fmt::print("  requests {}  verified {}  failed {}\n", s.requests, s.verified, s.failed);
-    fmt::print("  {:.1f} MB in {:.3f} s = {:.2f} GB/s; latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} ms\n",
-               s.bytes / 1e6, s.seconds, s.gbps, s.p50_ms, s.p90_ms, s.p99_ms);
+    fmt::print(
+        "  {:.1f} MB in {:.3f} s = {:.2f} GB/s; latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
+        "ms\n",
+        s.bytes / 1e6, s.seconds, s.gbps, s.p50_ms, s.p90_ms, s.p99_ms);
     for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
     fmt::print("{}\n", s.failed == 0 && s.verified == s.requests ? "PASS" : "FAIL");
   }
@@ -131,10 +153,13 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
   }
   nlohmann::json rows = nlohmann::json::array();
   if (!f.json) {
-    fmt::print("kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} -> gen tp{}pp{} over {}\n",
-               f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.gen.tp, f.gen.pp, f.transport);
-    fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7}  {}\n", "tokens", "MB", "GB/s", "p50 ms", "p99 ms",
-               "cpu us/r", "base GB/s", "ratio", "baseline");
+    fmt::print(
+        "kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} -> gen tp{}pp{} "
+        "over {}\n",
+        f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.gen.tp, f.gen.pp,
+        f.transport);
+    fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7}  {}\n", "tokens", "MB", "GB/s",
+               "p50 ms", "p99 ms", "cpu us/r", "base GB/s", "ratio", "baseline");
   }
   int rc = 0;
   for (int64_t tokens : sweep) {
@@ -148,7 +173,8 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     cfg->baseline = true;
     auto ranks = RunCluster(*cfg);
     if (!ranks.ok()) {
-      fmt::print(stderr, "kvferry bench transfer ({} tokens): {}\n", tokens, ranks.status().ToString());
+      fmt::print(stderr, "kvferry bench transfer ({} tokens): {}\n", tokens,
+                 ranks.status().ToString());
       rc = 1;
       continue;
     }
@@ -165,9 +191,9 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     if (f.json) {
       std::puts(row.dump().c_str());
     } else {
-      fmt::print("{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f}  {}{}\n", tokens, s.bytes / 1e6,
-                 s.gbps, s.p50_ms, s.p99_ms, s.cpu_us_per_request, s.baseline_gbps, ratio, s.baseline_name,
-                 s.failed ? "  FAILED" : "");
+      fmt::print("{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f}  {}{}\n",
+                 tokens, s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms, s.cpu_us_per_request,
+                 s.baseline_gbps, ratio, s.baseline_name, s.failed ? "  FAILED" : "");
       for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
     }
   }
@@ -178,7 +204,8 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
 
 void AddSelftestCommand(CLI::App& app) {
   auto f = std::make_shared<Flags>();
-  auto* cmd = app.add_subcommand("selftest", "run a context and a generation instance as processes and verify every element");
+  auto* cmd = app.add_subcommand(
+      "selftest", "run a context and a generation instance as processes and verify every element");
   AddShapeFlags(cmd, *f);
   cmd->callback([f] { std::exit(RunSelftest(*f)); });
 }
@@ -186,11 +213,15 @@ void AddSelftestCommand(CLI::App& app) {
 void AddBenchTransferCommand(CLI::App& bench) {
   auto f = std::make_shared<Flags>();
   auto sweep = std::make_shared<std::vector<int64_t>>(std::vector<int64_t>{128, 1024, 4096});
-  auto* cmd = bench.add_subcommand("transfer", "context -> generation GB/s and latency beside raw transport bandwidth");
+  auto* cmd = bench.add_subcommand(
+      "transfer", "context -> generation GB/s and latency beside raw transport bandwidth");
   AddShapeFlags(cmd, *f);
   cmd->add_option("--model", f->model, "llama3-8b|llama3-70b: sets layers, kv heads, head dim");
-  cmd->add_option("--sweep", *sweep, "prompt lengths to measure (tokens)")->delimiter(',')->capture_default_str();
-  cmd->add_flag("--no-verify", f->no_verify, "skip element checks (they cost CPU time on this machine)");
+  cmd->add_option("--sweep", *sweep, "prompt lengths to measure (tokens)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_flag("--no-verify", f->no_verify,
+                "skip element checks (they cost CPU time on this machine)");
   cmd->callback([f, sweep] { std::exit(RunBenchTransfer(*f, *sweep)); });
 }
 

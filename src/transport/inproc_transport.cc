@@ -1,0 +1,302 @@
+#include "transport/inproc_transport.h"
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+namespace kvferry {
+namespace {
+
+constexpr std::string_view kScheme = "inproc:";
+
+struct OpState {
+  std::atomic<bool> done{false};
+  Status status;
+  size_t bytes = 0;
+  void Complete(Status st, size_t n) {
+    status = std::move(st);
+    bytes = n;
+    done.store(true, std::memory_order_release);
+  }
+};
+
+class InProcOp final : public TransportOp {
+ public:
+  explicit InProcOp(std::shared_ptr<OpState> s) : s_(std::move(s)) {}
+  bool Done() const override { return s_->done.load(std::memory_order_acquire); }
+  Status status() const override { return Done() ? s_->status : Status::Ok(); }
+  size_t bytes() const override { return Done() ? s_->bytes : 0; }
+  const std::shared_ptr<OpState>& state() const { return s_; }
+
+ private:
+  std::shared_ptr<OpState> s_;
+};
+
+std::unique_ptr<TransportOp> Wrap(std::shared_ptr<OpState> s) {
+  return std::make_unique<InProcOp>(std::move(s));
+}
+
+std::unique_ptr<TransportOp> FailedOp(Status st) {
+  auto s = std::make_shared<OpState>();
+  s->Complete(std::move(st), 0);
+  return Wrap(std::move(s));
+}
+
+class Fabric final : public InProcFabric {
+ public:
+  struct PendingSend {
+    std::string from;
+    uint64_t tag;
+    const std::byte* buf;
+    size_t bytes;
+    std::shared_ptr<OpState> op;
+  };
+  struct PendingRecv {
+    std::string from;  // empty: any peer
+    uint64_t tag;
+    std::byte* buf;
+    size_t capacity;
+    std::shared_ptr<OpState> op;
+  };
+  struct Node {
+    bool alive = true;
+    std::list<PendingSend> sends;  // messages waiting for a receive at this node
+    std::list<PendingRecv> recvs;  // receives posted at this node
+    std::deque<std::pair<std::string, std::vector<std::byte>>> control;
+  };
+
+  Status Kill(std::string_view address) override {
+    std::lock_guard lock(mu);
+    return KillLocked(address);
+  }
+
+  Status KillLocked(std::string_view address) {
+    auto it = nodes.find(address);
+    if (it == nodes.end())
+      return Status::NotFound("no inproc transport at " + std::string(address));
+    const std::string addr(address);
+    auto dead = [&] { return Status::Unavailable("inproc peer " + addr + " is dead"); };
+    Node& node = it->second;
+    node.alive = false;
+    for (auto& s : node.sends) s.op->Complete(dead(), 0);
+    for (auto& r : node.recvs) r.op->Complete(dead(), 0);
+    node.sends.clear();
+    node.recvs.clear();
+    node.control.clear();
+    for (auto& [name, other] : nodes) {
+      other.sends.remove_if([&](PendingSend& s) {
+        if (s.from != addr) return false;
+        s.op->Complete(dead(), 0);
+        return true;
+      });
+      other.recvs.remove_if([&](PendingRecv& r) {
+        if (r.from != addr) return false;
+        r.op->Complete(dead(), 0);
+        return true;
+      });
+    }
+    return Status::Ok();
+  }
+
+  std::mutex mu;
+  std::map<std::string, Node, std::less<>> nodes;  // guarded by mu
+  uint64_t next_id = 0;                            // guarded by mu
+};
+
+class InProcTransport final : public Transport {
+ public:
+  InProcTransport(std::shared_ptr<Fabric> fabric, bool device_is_host)
+      : fabric_(std::move(fabric)) {
+    caps_.name = "inproc";
+    caps_.tag_bits = 64;
+    caps_.device_memory = device_is_host;
+    caps_.one_sided = false;
+    caps_.max_control_bytes = size_t{1} << 20;
+    std::lock_guard lock(fabric_->mu);
+    address_ = std::string(kScheme) + std::to_string(fabric_->next_id++);
+    fabric_->nodes[address_];
+  }
+
+  ~InProcTransport() override {
+    std::lock_guard lock(fabric_->mu);
+    (void)fabric_->KillLocked(address_);
+  }
+
+  const TransportCaps& caps() const override { return caps_; }
+  std::string LocalAddress() const override { return address_; }
+
+  StatusOr<PeerId> Connect(std::string_view address, Deadline) override {
+    if (address.substr(0, kScheme.size()) != kScheme || address.size() == kScheme.size()) {
+      return Status::InvalidArgument("not an inproc address: '" + std::string(address) + "'");
+    }
+    {
+      std::lock_guard lock(fabric_->mu);
+      auto it = fabric_->nodes.find(address);
+      if (it == fabric_->nodes.end()) {
+        return Status::Unavailable("no inproc transport at " + std::string(address));
+      }
+      if (!it->second.alive) {
+        return Status::Unavailable("inproc transport at " + std::string(address) + " is dead");
+      }
+    }
+    return PeerFor(address);
+  }
+
+  StatusOr<std::unique_ptr<TransportOp>> Send(PeerId peer, uint64_t tag, const void* buf,
+                                              size_t bytes, MemoryKind kind) override {
+    KVF_RETURN_IF_ERROR(CheckKind(kind));
+    KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
+    auto op = std::make_shared<OpState>();
+    std::lock_guard lock(fabric_->mu);
+    Fabric::Node& me = fabric_->nodes[address_];
+    if (!me.alive) return FailedOp(Status::Unavailable("inproc transport was killed"));
+    auto it = fabric_->nodes.find(*dest);
+    if (it == fabric_->nodes.end() || !it->second.alive) {
+      return FailedOp(Status::Unavailable("inproc peer " + *dest + " is dead"));
+    }
+    Fabric::Node& node = it->second;
+    for (auto r = node.recvs.begin(); r != node.recvs.end(); ++r) {
+      if (r->tag != tag || (!r->from.empty() && r->from != address_)) continue;
+      Deliver(static_cast<const std::byte*>(buf), bytes, *op, *r);
+      node.recvs.erase(r);
+      return Wrap(std::move(op));
+    }
+    node.sends.push_back({address_, tag, static_cast<const std::byte*>(buf), bytes, op});
+    return Wrap(std::move(op));
+  }
+
+  StatusOr<std::unique_ptr<TransportOp>> Recv(PeerId peer, uint64_t tag, void* buf, size_t capacity,
+                                              MemoryKind kind) override {
+    KVF_RETURN_IF_ERROR(CheckKind(kind));
+    std::string from;
+    if (peer != kAnyPeer) {
+      KVF_ASSIGN_OR_RETURN(const std::string* a, PeerAddress(peer));
+      from = *a;
+    }
+    auto op = std::make_shared<OpState>();
+    Fabric::PendingRecv recv{from, tag, static_cast<std::byte*>(buf), capacity, op};
+    std::lock_guard lock(fabric_->mu);
+    Fabric::Node& me = fabric_->nodes[address_];
+    if (!me.alive) return FailedOp(Status::Unavailable("inproc transport was killed"));
+    for (auto s = me.sends.begin(); s != me.sends.end(); ++s) {
+      if (s->tag != tag || (!from.empty() && s->from != from)) continue;
+      Deliver(s->buf, s->bytes, *s->op, recv);
+      me.sends.erase(s);
+      return Wrap(std::move(op));
+    }
+    if (!from.empty()) {
+      auto it = fabric_->nodes.find(from);
+      if (it == fabric_->nodes.end() || !it->second.alive) {
+        return FailedOp(Status::Unavailable("inproc peer " + from + " is dead"));
+      }
+    }
+    me.recvs.push_back(std::move(recv));
+    return Wrap(std::move(op));
+  }
+
+  void Cancel(TransportOp& op) override {
+    auto* mine = dynamic_cast<InProcOp*>(&op);
+    if (mine == nullptr || mine->Done()) return;
+    OpState* target = mine->state().get();
+    std::lock_guard lock(fabric_->mu);
+    for (auto& [name, node] : fabric_->nodes) {
+      node.recvs.remove_if([&](Fabric::PendingRecv& r) { return r.op.get() == target; });
+      node.sends.remove_if([&](Fabric::PendingSend& s) { return s.op.get() == target; });
+    }
+    if (!mine->Done()) target->Complete(Status::Cancelled("inproc op cancelled"), 0);
+  }
+
+  Status SendControl(PeerId peer, std::span<const std::byte> bytes) override {
+    if (bytes.size() > caps_.max_control_bytes) {
+      return Status::InvalidArgument("control message of " + std::to_string(bytes.size()) +
+                                     " bytes exceeds " + std::to_string(caps_.max_control_bytes));
+    }
+    KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
+    std::lock_guard lock(fabric_->mu);
+    if (!fabric_->nodes[address_].alive) return Status::Unavailable("inproc transport was killed");
+    auto it = fabric_->nodes.find(*dest);
+    if (it == fabric_->nodes.end() || !it->second.alive) {
+      return Status::Unavailable("inproc peer " + *dest + " is dead");
+    }
+    it->second.control.emplace_back(address_, std::vector<std::byte>(bytes.begin(), bytes.end()));
+    return Status::Ok();
+  }
+
+  std::optional<ControlMessage> PollControl() override {
+    std::pair<std::string, std::vector<std::byte>> msg;
+    {
+      std::lock_guard lock(fabric_->mu);
+      auto& q = fabric_->nodes[address_].control;
+      if (q.empty()) return std::nullopt;
+      msg = std::move(q.front());
+      q.pop_front();
+    }
+    return ControlMessage{PeerFor(msg.first), std::move(msg.second)};
+  }
+
+  bool Progress() override { return false; }  // every match completes at once
+
+ private:
+  Status CheckKind(MemoryKind kind) const {
+    if (kind == MemoryKind::kFile) return Status::InvalidArgument("inproc: kFile is not memory");
+    if (kind == MemoryKind::kDevice && !caps_.device_memory) {
+      return Status::InvalidArgument("inproc: kDevice buffers are GPU memory in this process");
+    }
+    return Status::Ok();
+  }
+
+  // Called with the fabric lock held.
+  static void Deliver(const std::byte* src, size_t bytes, OpState& send, Fabric::PendingRecv& r) {
+    if (bytes > r.capacity) {
+      r.op->Complete(Status::InvalidArgument("message of " + std::to_string(bytes) +
+                                             " bytes is larger than the receive buffer (" +
+                                             std::to_string(r.capacity) + ")"),
+                     0);
+      send.Complete(Status::Ok(), bytes);
+      return;
+    }
+    if (bytes > 0) std::memcpy(r.buf, src, bytes);
+    r.op->Complete(Status::Ok(), bytes);
+    send.Complete(Status::Ok(), bytes);
+  }
+
+  StatusOr<const std::string*> PeerAddress(PeerId peer) const {
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) {
+      return Status::InvalidArgument("unknown peer id " + std::to_string(peer));
+    }
+    return &peers_[peer];
+  }
+
+  PeerId PeerFor(std::string_view address) {
+    auto it = peer_ids_.find(std::string(address));
+    if (it != peer_ids_.end()) return it->second;
+    peers_.emplace_back(address);
+    const PeerId id = static_cast<PeerId>(peers_.size() - 1);
+    peer_ids_.emplace(std::string(address), id);
+    return id;
+  }
+
+  const std::shared_ptr<Fabric> fabric_;
+  TransportCaps caps_;
+  std::string address_;
+  std::deque<std::string> peers_;  // PeerId -> address (deque: stable references)
+  std::unordered_map<std::string, PeerId> peer_ids_;
+};
+
+}  // namespace
+
+std::shared_ptr<InProcFabric> InProcFabric::Create() { return std::make_shared<Fabric>(); }
+
+StatusOr<std::unique_ptr<Transport>> CreateInProcTransport(const TransportOptions& options) {
+  if (!options.fabric) return Status::InvalidArgument("inproc transport needs options.fabric");
+  auto fabric = std::static_pointer_cast<Fabric>(options.fabric);
+  return std::unique_ptr<Transport>(
+      std::make_unique<InProcTransport>(std::move(fabric), options.device_memory_is_host));
+}
+
+}  // namespace kvferry

@@ -1,0 +1,67 @@
+#include "transport/transport.h"
+
+#include "kvferry_build_config.h"
+#include "transport/inproc_transport.h"
+
+namespace kvferry {
+
+#if KVFERRY_HAVE_UCX
+StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options);
+#endif
+#if KVFERRY_HAVE_MPI
+StatusOr<std::unique_ptr<Transport>> CreateMpiTransport(const TransportOptions& options);
+#endif
+
+StatusOr<std::unique_ptr<MemoryRegistration>> Transport::RegisterMemory(void*, size_t, MemoryKind) {
+  return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
+}
+
+StatusOr<std::unique_ptr<TransportOp>> Transport::Put(PeerId, const void*, size_t, MemoryKind,
+                                                      uint64_t, std::span<const std::byte>) {
+  return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
+}
+
+StatusOr<std::unique_ptr<TransportOp>> Transport::Flush(PeerId) {
+  return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
+}
+
+StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options) {
+  if (options.name == "inproc") return CreateInProcTransport(options);
+  if (options.name == "ucx") {
+#if KVFERRY_HAVE_UCX
+    return CreateUcxTransport(options);
+#else
+    return Status::Unavailable("transport 'ucx' is not compiled in (libucx-dev not found)");
+#endif
+  }
+  if (options.name == "mpi") {
+#if KVFERRY_HAVE_MPI
+    return CreateMpiTransport(options);
+#else
+    return Status::Unavailable("transport 'mpi' is not compiled in (libopenmpi-dev not found)");
+#endif
+  }
+  return Status::InvalidArgument("unknown transport '" + options.name +
+                                 "' (expected inproc, ucx or mpi)");
+}
+
+std::vector<std::string> AvailableTransports() {
+  std::vector<std::string> names = {"inproc"};
+#if KVFERRY_HAVE_UCX
+  names.push_back("ucx");
+#endif
+#if KVFERRY_HAVE_MPI
+  names.push_back("mpi");
+#endif
+  return names;
+}
+
+Status WaitOp(Transport& transport, TransportOp& op, Deadline deadline) {
+  while (!op.Done()) {
+    if (Clock::now() >= deadline) return Status::DeadlineExceeded("transport op still pending");
+    transport.Progress();
+  }
+  return op.status();
+}
+
+}  // namespace kvferry

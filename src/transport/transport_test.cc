@@ -1,0 +1,182 @@
+// Runs the conformance suite in one process: two transports, each driven by its own thread
+// (inproc, ucx), plus tests of the factory and of inproc fault injection.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "kvferry_build_config.h"
+#include "transport/inproc_transport.h"
+#include "transport/transport_conformance.h"
+
+namespace kvferry::testing {
+namespace {
+
+using std::chrono::milliseconds;
+
+class ThreadHarness;
+
+class ThreadSide final : public Side {
+ public:
+  ThreadSide(ThreadHarness* h, int index) : h_(h), index_(index) {}
+  int index() const override { return index_; }
+  Transport& transport() override;
+  PeerId other() const override { return other_; }
+  void Sync() override;
+  bool CanDie() const override { return true; }
+  void Die() override;
+
+  PeerId other_ = kAnyPeer;
+  int generation_ = 0;
+
+ private:
+  ThreadHarness* h_;
+  int index_;
+};
+
+class ThreadHarness final : public Harness {
+ public:
+  explicit ThreadHarness(std::string name) : name_(std::move(name)) {}
+
+  bool Start() {
+    TransportOptions o;
+    o.name = name_;
+    o.fabric = InProcFabric::Create();
+    for (auto& t : t_) {
+      auto made = CreateTransport(o);
+      if (!made.ok()) {
+        std::printf("[ skip ] %s: %s\n", name_.c_str(), made.status().ToString().c_str());
+        return false;
+      }
+      t = std::move(made).value();
+    }
+    return true;
+  }
+
+  void Run(const std::function<void(Side&)>& body) override {
+    ThreadSide s0(this, 0), s1(this, 1);
+    // Side 0 connects; side 1 learns side 0's id from a first control message.
+    auto p = t_[0]->Connect(t_[1]->LocalAddress(), DeadlineIn(milliseconds(5000)));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    s0.other_ = *p;
+    const std::byte hi[] = {std::byte{'h'}, std::byte{'i'}};
+    ASSERT_TRUE(t_[0]->SendControl(s0.other_, hi).ok());
+    const Deadline deadline = DeadlineIn(milliseconds(5000));
+    while (Clock::now() < deadline && s1.other_ == kAnyPeer) {
+      t_[0]->Progress();
+      if (auto m = t_[1]->PollControl()) s1.other_ = m->from;
+    }
+    ASSERT_NE(s1.other_, kAnyPeer) << "first control message never arrived";
+    std::thread other([&] { body(s1); });
+    body(s0);
+    other.join();
+  }
+
+  Transport* transport(int i) { return t_[i].get(); }
+  void Kill(int i) { t_[i].reset(); }
+  std::atomic<int> arrived{0};
+
+ private:
+  std::string name_;
+  std::unique_ptr<Transport> t_[2];
+};
+
+Transport& ThreadSide::transport() { return *h_->transport(index_); }
+
+void ThreadSide::Sync() {
+  ++generation_;
+  h_->arrived.fetch_add(1);
+  const Deadline deadline = DeadlineIn(milliseconds(30000));
+  while (h_->arrived.load() < 2 * generation_) {
+    if (Clock::now() > deadline) {
+      ADD_FAILURE() << "side " << index_ << ": Sync timed out";
+      return;
+    }
+    if (Transport* t = h_->transport(index_)) t->Progress();
+    std::this_thread::yield();
+  }
+}
+
+void ThreadSide::Die() { h_->Kill(index_); }
+
+}  // namespace
+
+std::vector<std::string> HarnessNames() {
+  std::vector<std::string> names = {"inproc"};
+#if KVFERRY_HAVE_UCX
+  names.push_back("ucx");
+#endif
+  return names;
+}
+
+std::unique_ptr<Harness> MakeHarness(const std::string& name) {
+  auto h = std::make_unique<ThreadHarness>(name);
+  if (!h->Start()) return nullptr;
+  return h;
+}
+
+namespace {
+
+TEST(TransportFactory, NamesAndErrors) {
+  TransportOptions o;
+  o.name = "carrier-pigeon";
+  EXPECT_EQ(CreateTransport(o).status().code(), StatusCode::kInvalidArgument);
+  o.name = "inproc";
+  EXPECT_EQ(CreateTransport(o).status().code(), StatusCode::kInvalidArgument);  // no fabric
+  auto names = AvailableTransports();
+  ASSERT_FALSE(names.empty());
+  EXPECT_EQ(names[0], "inproc");
+#if !KVFERRY_HAVE_UCX
+  o.name = "ucx";
+  EXPECT_EQ(CreateTransport(o).status().code(), StatusCode::kUnavailable);
+#endif
+}
+
+TEST(InProcTransport, KillFailsPeersOpsAndLaterOps) {
+  auto fabric = InProcFabric::Create();
+  TransportOptions o;
+  o.fabric = fabric;
+  auto a = std::move(CreateTransport(o)).value();
+  auto b = std::move(CreateTransport(o)).value();
+  PeerId pb = std::move(a->Connect(b->LocalAddress(), DeadlineIn(milliseconds(100)))).value();
+  char buf[16];
+  auto r = std::move(a->Recv(pb, 1, buf, sizeof(buf), MemoryKind::kHost)).value();
+  EXPECT_FALSE(r->Done());
+  ASSERT_TRUE(fabric->Kill(b->LocalAddress()).ok());
+  ASSERT_TRUE(r->Done());
+  EXPECT_EQ(r->status().code(), StatusCode::kUnavailable);
+  auto s = std::move(a->Send(pb, 2, buf, sizeof(buf), MemoryKind::kHost)).value();
+  EXPECT_EQ(s->status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a->SendControl(pb, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a->Connect(b->LocalAddress(), DeadlineIn(milliseconds(100))).status().code(),
+            StatusCode::kUnavailable);
+  EXPECT_EQ(fabric->Kill("inproc:nope").code(), StatusCode::kNotFound);
+}
+
+TEST(InProcTransport, DeviceMemoryFollowsOption) {
+  TransportOptions o;
+  o.fabric = InProcFabric::Create();
+  o.device_memory_is_host = false;
+  auto a = std::move(CreateTransport(o)).value();
+  EXPECT_FALSE(a->caps().device_memory);
+  char buf[4];
+  EXPECT_EQ(a->Recv(kAnyPeer, 1, buf, 4, MemoryKind::kDevice).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(Transport, OpsOutliveTheirTransport) {
+  for (const std::string& name : HarnessNames()) {
+    TransportOptions o;
+    o.name = name;
+    o.fabric = InProcFabric::Create();
+    auto t = std::move(CreateTransport(o)).value();
+    char buf[64];
+    auto op = std::move(t->Recv(kAnyPeer, 42, buf, sizeof(buf), MemoryKind::kHost)).value();
+    t.reset();
+    ASSERT_TRUE(op->Done()) << name;
+    EXPECT_FALSE(op->status().ok()) << name;
+  }
+}
+
+}  // namespace
+}  // namespace kvferry::testing

@@ -1,0 +1,94 @@
+// The child side of ucx_two_process_test: ucx_peer_helper MODE PARENT_ADDRESS
+//   echo  receive 64 MiB (tag 1) and send it back (tag 2)
+//   hang  connect, say ready, then only progress (the parent kills it)
+//   bw    register a 64 MiB region, send (address, key), receive tag-send bandwidth traffic
+// Each mode first connects to the parent and sends the control message "ready"; each ends on
+// the parent's control message "exit" or after 60 s. Exit status 0 on success.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "transport/bandwidth.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "ucx_peer_helper: %s\n", st.ToString().c_str());
+  return 1;
+}
+
+std::vector<std::byte> Bytes(std::string_view s) {
+  const auto* p = reinterpret_cast<const std::byte*>(s.data());
+  return {p, p + s.size()};
+}
+
+bool AwaitExit(Transport& t, Deadline deadline) {
+  while (Clock::now() < deadline) {
+    if (auto m = t.PollControl()) {
+      if (std::string(reinterpret_cast<const char*>(m->bytes.data()), m->bytes.size()) == "exit")
+        return true;
+    }
+    t.Progress();
+  }
+  return false;
+}
+
+int Main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: ucx_peer_helper echo|hang|bw PARENT_ADDRESS\n");
+    return 2;
+  }
+  alarm(90);  // never outlive a broken parent
+  const std::string mode = argv[1];
+  const Deadline deadline = DeadlineIn(milliseconds(60000));
+  TransportOptions o;
+  o.name = "ucx";
+  auto made = CreateTransport(o);
+  if (!made.ok()) return Fail(made.status());
+  Transport& t = **made;
+  auto parent = t.Connect(argv[2], deadline);
+  if (!parent.ok()) return Fail(parent.status());
+  Status st = t.SendControl(*parent, Bytes("ready"));
+  if (!st.ok()) return Fail(st);
+
+  if (mode == "echo") {
+    std::vector<std::byte> buf(size_t{64} << 20);
+    auto r = t.Recv(*parent, 1, buf.data(), buf.size(), MemoryKind::kHost);
+    if (!r.ok()) return Fail(r.status());
+    if (st = WaitOp(t, **r, deadline); !st.ok()) return Fail(st);
+    auto s = t.Send(*parent, 2, buf.data(), (*r)->bytes(), MemoryKind::kHost);
+    if (!s.ok()) return Fail(s.status());
+    if (st = WaitOp(t, **s, deadline); !st.ok()) return Fail(st);
+  } else if (mode == "hang") {
+    while (Clock::now() < deadline) t.Progress();
+    return 3;
+  } else if (mode == "bw") {
+    std::vector<std::byte> region(size_t{64} << 20, std::byte{1});
+    auto reg = t.RegisterMemory(region.data(), region.size(), MemoryKind::kHost);
+    if (!reg.ok()) return Fail(reg.status());
+    std::vector<std::byte> msg(8);
+    const uint64_t addr = (*reg)->address();
+    std::memcpy(msg.data(), &addr, 8);
+    auto key = (*reg)->PackedKey();
+    msg.insert(msg.end(), key.begin(), key.end());
+    if (st = t.SendControl(*parent, msg); !st.ok()) return Fail(st);
+    auto r = ReceiveBandwidth(t, *parent, region.data(), region.size(), MemoryKind::kHost,
+                              uint64_t{1} << 40, BandwidthParams{}, deadline);
+    if (!r.ok()) return Fail(r.status());
+  } else {
+    return Fail(Status::InvalidArgument("unknown mode " + mode));
+  }
+  return AwaitExit(t, deadline) ? 0 : Fail(Status::DeadlineExceeded("no 'exit' from parent"));
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) { return kvferry::Main(argc, argv); }

@@ -1,0 +1,165 @@
+// UCX between two processes: this test forks and execs ucx_peer_helper, passing it this
+// transport's address on the command line; the helper connects and says "ready", and this side
+// learns its PeerId from that first control message (connect-back).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/bandwidth.h"
+#include "transport/transport.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+class Child {
+ public:
+  Child(const std::string& mode, const std::string& address) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      execl(KVFERRY_UCX_PEER_HELPER, KVFERRY_UCX_PEER_HELPER, mode.c_str(), address.c_str(),
+            nullptr);
+      _exit(127);
+    }
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  // Exit status, or -1 if it did not exit by the deadline (then it is killed).
+  int Wait(Deadline deadline) {
+    while (pid_ > 0) {
+      int status = 0;
+      const pid_t r = waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      if (Clock::now() > deadline) break;
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+std::vector<std::byte> Bytes(std::string_view s) {
+  const auto* p = reinterpret_cast<const std::byte*>(s.data());
+  return {p, p + s.size()};
+}
+
+class UcxTwoProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    TransportOptions o;
+    o.name = "ucx";
+    auto made = CreateTransport(o);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    t_ = std::move(made).value();
+  }
+  // Waits for the child's first control message; returns its PeerId.
+  PeerId AwaitReady(const std::string& want = "ready") {
+    const Deadline deadline = DeadlineIn(milliseconds(20000));
+    while (Clock::now() < deadline) {
+      if (auto m = t_->PollControl()) {
+        EXPECT_EQ(std::string(reinterpret_cast<const char*>(m->bytes.data()), m->bytes.size()),
+                  want);
+        return m->from;
+      }
+    }
+    ADD_FAILURE() << "child never said " << want;
+    return kAnyPeer;
+  }
+  std::unique_ptr<Transport> t_;
+};
+
+TEST_F(UcxTwoProcess, Moves64MiBThereAndBack) {
+  const auto start = Clock::now();
+  Child child("echo", t_->LocalAddress());
+  const PeerId peer = AwaitReady();
+  ASSERT_NE(peer, kAnyPeer);
+  const size_t n = size_t{64} << 20;
+  std::vector<std::byte> out(n), back(n);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<std::byte>((i * 131) ^ (i >> 12));
+  auto s = std::move(t_->Send(peer, 1, out.data(), n, MemoryKind::kHost)).value();
+  auto r = std::move(t_->Recv(peer, 2, back.data(), n, MemoryKind::kHost)).value();
+  const Deadline deadline = DeadlineIn(milliseconds(30000));
+  ASSERT_TRUE(WaitOp(*t_, *s, deadline).ok()) << s->status().ToString();
+  ASSERT_TRUE(WaitOp(*t_, *r, deadline).ok()) << r->status().ToString();
+  EXPECT_EQ(r->bytes(), n);
+  EXPECT_TRUE(out == back);
+  ASSERT_TRUE(t_->SendControl(peer, Bytes("exit")).ok());
+  const Deadline exit_deadline = DeadlineIn(milliseconds(10000));
+  while (Clock::now() < exit_deadline && t_->Progress()) {
+  }
+  t_->Progress();
+  EXPECT_EQ(child.Wait(exit_deadline), 0);
+  std::printf("[ info ] 64 MiB there and back, with process start: %.0f ms\n",
+              std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+}
+
+TEST_F(UcxTwoProcess, KilledPeerFailsPendingOpsWithinDeadline) {
+  Child child("hang", t_->LocalAddress());
+  const PeerId peer = AwaitReady();
+  ASSERT_NE(peer, kAnyPeer);
+  std::vector<std::byte> in(4096), out(8 << 20);
+  auto r = std::move(t_->Recv(peer, 5, in.data(), in.size(), MemoryKind::kHost)).value();
+  auto s = std::move(t_->Send(peer, 6, out.data(), out.size(), MemoryKind::kHost)).value();
+  for (int i = 0; i < 100; ++i) t_->Progress();
+  ASSERT_EQ(kill(child.pid(), SIGKILL), 0);
+  child.Wait(DeadlineIn(milliseconds(5000)));
+  const auto start = Clock::now();
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  EXPECT_EQ(WaitOp(*t_, *s, deadline).code(), StatusCode::kUnavailable) << s->status().ToString();
+  EXPECT_EQ(WaitOp(*t_, *r, deadline).code(), StatusCode::kUnavailable) << r->status().ToString();
+  std::printf("[ info ] ops failed %.0f ms after SIGKILL of the peer\n",
+              std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  EXPECT_EQ(t_->SendControl(peer, Bytes("x")).code(), StatusCode::kUnavailable);
+}
+
+TEST_F(UcxTwoProcess, PutAndSendBandwidth4MiBMessages) {
+  Child child("bw", t_->LocalAddress());
+  const PeerId peer = AwaitReady();
+  ASSERT_NE(peer, kAnyPeer);
+  std::optional<ControlMessage> key;
+  const Deadline deadline = DeadlineIn(milliseconds(60000));
+  while (!key && Clock::now() < deadline) key = t_->PollControl();
+  ASSERT_TRUE(key.has_value());
+  uint64_t addr = 0;
+  std::memcpy(&addr, key->bytes.data(), 8);
+  std::span<const std::byte> rkey(key->bytes.data() + 8, key->bytes.size() - 8);
+  std::vector<std::byte> src(size_t{64} << 20, std::byte{7});
+  auto reg = t_->RegisterMemory(src.data(), src.size(), MemoryKind::kHost);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  BandwidthParams p;  // 1 GiB in 4 MiB messages, 8 in flight
+  auto put = MeasurePutBandwidth(*t_, peer, src.data(), src.size(), MemoryKind::kHost, addr,
+                                 size_t{64} << 20, rkey, p, deadline);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  auto send = SendBandwidth(*t_, peer, src.data(), src.size(), MemoryKind::kHost, uint64_t{1} << 40,
+                            p, deadline);
+  ASSERT_TRUE(send.ok()) << send.status().ToString();
+  std::printf(
+      "[ info ] ucx two processes, 4 MiB messages x8 in flight, 1 GiB: put %.2f GB/s, "
+      "tag send %.2f GB/s\n",
+      put->GBps(), send->GBps());
+  ASSERT_TRUE(t_->SendControl(peer, Bytes("exit")).ok());
+  const Deadline exit_deadline = DeadlineIn(milliseconds(10000));
+  for (int i = 0; i < 1000; ++i) t_->Progress();
+  EXPECT_EQ(child.Wait(exit_deadline), 0);
+}
+
+}  // namespace
+}  // namespace kvferry
