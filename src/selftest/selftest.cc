@@ -334,8 +334,9 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   for (int i = 0; i < cfg.requests; ++i) {
     if (i % cfg.ctx.dp_size == me.dp_group) mine.push_back(i);
   }
-  std::vector<int> free_slots;
-  for (int s = cfg.concurrency - 1; s >= 0; --s) free_slots.push_back(s);
+  // Block ids must be the same on every rank of an instance (one scheduler decides them in a
+  // real engine): the k-th request of a DP group always uses slot k % concurrency.
+  std::vector<bool> busy(cfg.concurrency, false);
   std::map<uint64_t, int> slot_of;
   std::map<uint64_t, std::vector<std::shared_ptr<Event>>> events;
   std::unique_ptr<Stream> compute;
@@ -346,10 +347,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   int done = 0;
   auto start = Clock::now();
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !free_slots.empty()) {
+    while (next < mine.size() && !busy[next % cfg.concurrency]) {
+      int slot = static_cast<int>(next % cfg.concurrency);
       int i = mine[next++];
-      int slot = free_slots.back();
-      free_slots.pop_back();
+      busy[slot] = true;
       uint64_t id = RequestId(i);
       int64_t tokens = TokensOf(cfg, i);
       std::vector<int64_t> blocks;
@@ -381,7 +382,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     }
     for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
       ++done;
-      free_slots.push_back(slot_of[s.request_id]);
+      busy[slot_of[s.request_id]] = false;
       events.erase(s.request_id);
       res.bytes += s.bytes;
       res.latencies.push_back(s.seconds);
@@ -427,22 +428,21 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   for (int i = 0; i < cfg.requests; ++i) {
     if (i % cfg.gen.dp_size == me.dp_group) mine.push_back(i);
   }
-  std::vector<int> free_slots;
-  for (int s = cfg.concurrency - 1; s >= 0; --s) free_slots.push_back(s);
+  std::vector<bool> busy(cfg.concurrency, false);    // slot k % concurrency, as on the context side
   std::map<uint64_t, std::pair<int, int>> inflight;  // id -> (request index, slot)
   size_t next = 0;
   int done = 0;
   auto deadline = DeadlineIn(cfg.timeout * 2);
   Clock::time_point start{};
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !free_slots.empty()) {
+    while (next < mine.size() && !busy[next % cfg.concurrency]) {
       int i = mine[next];
       auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
       if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
+      int slot = static_cast<int>(next % cfg.concurrency);
       ++next;
       if (start == Clock::time_point{}) start = Clock::now();
-      int slot = free_slots.back();
-      free_slots.pop_back();
+      busy[slot] = true;
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b)
         blocks.push_back(slot * bpr + b);
@@ -451,7 +451,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       if (!st.ok()) {
         ++done;
         ++res.failed;
-        free_slots.push_back(slot);
+        busy[slot] = false;
         AddError(res, fmt::format("request {}: fetch refused: {}", i, st.ToString()));
         continue;
       }
@@ -485,7 +485,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         ++res.verified;
       else
         ++res.failed;
-      free_slots.push_back(slot);
+      busy[slot] = false;
     }
     if (Clock::now() > deadline)
       return Status::DeadlineExceeded("generation rank: requests never ended");

@@ -160,7 +160,12 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in) {
   if (cfg.transport == "inproc") return RunInProcess(cfg);
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
   std::string exe = fs::canonical("/proc/self/exe").string();
-  std::string conf = ConfigToJson(cfg);
+  // The config travels in a file: mpirun mangles long JSON arguments.
+  std::string conf = (dir / "config.json").string();
+  {
+    std::ofstream f(conf);
+    f << ConfigToJson(cfg);
+  }
   std::vector<pid_t> pids;
   if (cfg.transport == "mpi") {
     pids.push_back(Spawn({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
@@ -200,7 +205,13 @@ int MaybeRunRank(int argc, char** argv) {
   if (argc != 5 || std::string(argv[1]) != "--rank-of-cluster" ||
       std::string(argv[3]) != "--cluster-config")
     return -1;
-  SelftestConfig cfg = ConfigFromJson(argv[4]);
+  std::ifstream conf(argv[4]);
+  std::string text((std::istreambuf_iterator<char>(conf)), std::istreambuf_iterator<char>());
+  if (text.empty()) {
+    std::cerr << "kvferry: cannot read cluster config " << argv[4] << "\n";
+    return 2;
+  }
+  SelftestConfig cfg = ConfigFromJson(text);
   std::string who = argv[2];
   if (who == "mpi") {
     // OpenMPI tells each process its rank; context ranks come first.
