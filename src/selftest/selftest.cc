@@ -82,6 +82,19 @@ int64_t TokensOf(const SelftestConfig& cfg, int i) {
   return cfg.prompt_tokens[i % cfg.prompt_tokens.size()];
 }
 uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
+// Test-data seed of the shared prefix blocks (they hold the same values for every request).
+constexpr uint64_t kPrefixSeed = 0x5E1FFFFFFFFFFFFFULL;
+
+// Block b of a request in slot `slot`: the resident prefix area, or the slot's own blocks.
+int64_t BlockId(const SelftestConfig& cfg, int64_t bpr, int slot, int64_t b) {
+  return b < cfg.shared_prefix_blocks ? bpr * cfg.concurrency + b : slot * bpr + b;
+}
+uint64_t SeedOf(const SelftestConfig& cfg, int64_t b, uint64_t id) {
+  return b < cfg.shared_prefix_blocks ? kPrefixSeed : id;
+}
+int64_t PoolBlocks(const SelftestConfig& cfg) {
+  return MaxBlocksPerRequest(cfg) * cfg.concurrency + cfg.shared_prefix_blocks;
+}
 
 std::array<uint8_t, 16> SecretFor(const SelftestConfig& cfg) {
   std::array<uint8_t, 16> s{};
@@ -300,6 +313,13 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  for (int64_t t : cfg.prompt_tokens) {
+    if (cfg.shared_prefix_blocks < 0 || t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
+      return Status::InvalidArgument(fmt::format(
+          "--shared-prefix-blocks {} ({} tokens) must be shorter than every prompt ({} tokens)",
+          cfg.shared_prefix_blocks, int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block, t));
+    }
+  }
   return Status::Ok();
 }
 
@@ -313,7 +333,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
   const int64_t bpr = MaxBlocksPerRequest(cfg);
   PoolSpec spec{
-      cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
+      cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
@@ -343,6 +363,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   if (cfg.layer_wise) {
     KVF_ASSIGN_OR_RETURN(compute, dev->CreateStream());
   }
+  for (int64_t b = 0; b < cfg.shared_prefix_blocks; ++b) {
+    KVF_RETURN_IF_ERROR(access.Fill(kPrefixSeed, {BlockId(cfg, bpr, 0, b), b * cfg.shape.tokens_per_block,
+                                                  cfg.shape.tokens_per_block}));
+  }
   size_t next = 0;
   int done = 0;
   auto start = Clock::now();
@@ -355,7 +379,8 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       int64_t tokens = TokensOf(cfg, i);
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, tokens); ++b) {
-        blocks.push_back(slot * bpr + b);
+        blocks.push_back(BlockId(cfg, bpr, slot, b));
+        if (b < cfg.shared_prefix_blocks) continue;  // resident, filled once
         int64_t valid =
             std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
         KVF_RETURN_IF_ERROR(
@@ -417,7 +442,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
   const int64_t bpr = MaxBlocksPerRequest(cfg);
   PoolSpec spec{
-      cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, bpr * cfg.concurrency};
+      cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
@@ -434,8 +459,10 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   int done = 0;
   auto deadline = DeadlineIn(cfg.timeout * 2);
   Clock::time_point start{};
+  // With a shared prefix, the first request brings it; the others wait for it, then reuse it.
+  bool prefix_resident = cfg.shared_prefix_blocks == 0;
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !busy[next % cfg.concurrency]) {
+    while (next < mine.size() && !busy[next % cfg.concurrency] && (next == 0 || prefix_resident)) {
       int i = mine[next];
       auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
       if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
@@ -445,9 +472,11 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       busy[slot] = true;
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b)
-        blocks.push_back(slot * bpr + b);
-      Status st = side->Fetch(*handle, blocks, 0);
+        blocks.push_back(BlockId(cfg, bpr, slot, b));
+      const int64_t reused = prefix_resident ? cfg.shared_prefix_blocks : 0;
+      Status st = side->Fetch(*handle, blocks, reused);
       ++res.requests;
+      if (reused > 0) ++res.prefix_hits;
       if (!st.ok()) {
         ++done;
         ++res.failed;
@@ -472,8 +501,8 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         for (int64_t b = 0; ok && b < BlocksFor(cfg, tokens); ++b) {
           int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block,
                                             tokens - b * cfg.shape.tokens_per_block);
-          auto m =
-              access.Check(s.request_id, {slot * bpr + b, b * cfg.shape.tokens_per_block, valid});
+          auto m = access.Check(SeedOf(cfg, b, s.request_id),
+                                {BlockId(cfg, bpr, slot, b), b * cfg.shape.tokens_per_block, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
             AddError(res, fmt::format("request {} block {}: {}", i, b,
@@ -486,6 +515,8 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       else
         ++res.failed;
       busy[slot] = false;
+      if (ok) prefix_resident = true;
+      WriteText(dir / fmt::format("progress-gen-{}", rank), fmt::format("{} {}", done, mine.size())).ok();
     }
     if (Clock::now() > deadline)
       return Status::DeadlineExceeded("generation rank: requests never ended");
@@ -534,6 +565,7 @@ std::string ResultToJson(const RankResult& r) {
   j["requests"] = r.requests;
   j["verified"] = r.verified;
   j["failed"] = r.failed;
+  j["prefix_hits"] = r.prefix_hits;
   j["bytes"] = r.bytes;
   j["seconds"] = r.seconds;
   j["cpu_seconds"] = r.cpu_seconds;
@@ -553,6 +585,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.requests = j.value("requests", 0);
   r.verified = j.value("verified", 0);
   r.failed = j.value("failed", 0);
+  r.prefix_hits = j.value("prefix_hits", 0);
   r.bytes = j.value("bytes", int64_t{0});
   r.seconds = j.value("seconds", 0.0);
   r.cpu_seconds = j.value("cpu_seconds", 0.0);
@@ -590,6 +623,7 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
       continue;
     }
     s.bytes += r.bytes;
+    s.prefix_hits += r.prefix_hits;
     s.seconds = std::max(s.seconds, r.seconds);
     verified_pairs += r.verified;
     failed_pairs += r.failed;

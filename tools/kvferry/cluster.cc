@@ -52,6 +52,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["transport"] = c.transport;
   j["device"] = c.device;
   j["layer_wise"] = c.layer_wise;
+  j["shared_prefix_blocks"] = c.shared_prefix_blocks;
   j["verify"] = c.verify;
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
@@ -74,6 +75,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.transport = j["transport"];
   c.device = j["device"];
   c.layer_wise = j["layer_wise"];
+  c.shared_prefix_blocks = j["shared_prefix_blocks"];
   c.verify = j["verify"];
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());

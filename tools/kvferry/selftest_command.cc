@@ -29,6 +29,7 @@ struct Flags {
   std::string transport = "ucx";
   std::string device;
   bool layer_wise = false, json = false, no_verify = false;
+  int shared_prefix_blocks = 0;
   int timeout_ms = 60000;
   std::string model;
 };
@@ -64,6 +65,9 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--transport", f.transport, "inproc|ucx|mpi")->capture_default_str();
   cmd->add_option("--device", f.device, "cpu|cuda (default: knob device.default)");
   cmd->add_flag("--layer-wise", f.layer_wise, "send each layer once prefill marks it ready");
+  cmd->add_option("--shared-prefix-blocks", f.shared_prefix_blocks,
+                  "blocks every request shares (a system prompt): fetched once, then reused")
+      ->capture_default_str();
   cmd->add_option("--timeout-ms", f.timeout_ms, "deadline of each request")->capture_default_str();
   cmd->add_flag("--json", f.json, "machine-readable output");
 }
@@ -83,6 +87,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.transport = f.transport;
   c.device = f.device.empty() ? Config::Global().String("device.default") : f.device;
   c.layer_wise = f.layer_wise;
+  c.shared_prefix_blocks = f.shared_prefix_blocks;
   c.verify = !f.no_verify;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   c.dir = "(set by RunCluster)";
@@ -126,7 +131,8 @@ int RunSelftest(const Flags& f) {
     fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
                cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
                f.gen_layout, f.requests, cfg->transport, cfg->device);
-    fmt::print("  requests {}  verified {}  failed {}\n", s.requests, s.verified, s.failed);
+    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}\n", s.requests, s.verified, s.failed,
+               s.prefix_hits);
     fmt::print(
         "  {:.1f} MB in {:.3f} s = {:.2f} GB/s; latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
         "ms\n",
