@@ -417,12 +417,13 @@ class CudaStream final : public Stream {
     {
       Classifier cls(ordinal_);
       for (const CopyDesc& c : copies) {
-        if (c.bytes == 0 || c.rows == 0) continue;
-        const uint64_t total = static_cast<uint64_t>(c.bytes) * c.rows;
+        if (c.bytes == 0) continue;
+        const size_t rows = std::max<size_t>(c.rows, 1);  // rows 0 is a plain copy, as on the CPU
+        const uint64_t total = static_cast<uint64_t>(c.bytes) * rows;
         if (total < kernel_threshold_ && cls.KernelCanReach(c.dst, c.src)) {
           small_.push_back(GatherDesc{reinterpret_cast<uint64_t>(c.dst),
-                                      reinterpret_cast<uint64_t>(c.src), c.bytes, c.rows,
-                                      c.dst_pitch, c.src_pitch});
+                                      reinterpret_cast<uint64_t>(c.src), c.bytes, rows, c.dst_pitch,
+                                      c.src_pitch});
         } else {
           large_.push_back(&c);
         }
@@ -439,7 +440,7 @@ class CudaStream final : public Stream {
       KVF_RETURN_IF_ERROR(ring_.Commit(s_.get()));
     }
     for (const CopyDesc* c : large_) {
-      if (c->rows == 1) {
+      if (c->rows <= 1) {
         KVF_RETURN_IF_ERROR(
             CudaCheck(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDefault, s_.get()),
                       "cuda:{} CopyBatch cudaMemcpyAsync({} bytes)", ordinal_, c->bytes));
