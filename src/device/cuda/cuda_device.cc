@@ -16,6 +16,14 @@
 // per-stream pinned ring. A slice of the ring is reused only after the event recorded behind the
 // launch that read it has completed; when no slice is free the ring doubles, and the old region is
 // freed once the last launch that used it has finished. In steady state a batch allocates nothing.
+// The ring is allocated when the stream is created, not at its first batch: CUDA treats a pinned
+// host allocation as an implicit synchronization (it waits for work already queued on the GPU), so
+// allocating behind a stream that waits on the caller (a host callback, an event of another
+// stream) would stall or deadlock. Growing has the same cost and is rare: it happens only when a
+// stream keeps more than the initial 16k descriptors in flight. (On the H200, a test that queued
+// batches behind a host callback waiting for the enqueuing thread hung while the ring was still
+// allocated at first use; the CUDA guide lists page-locked allocation among the implicit
+// synchronizations.)
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -246,7 +254,10 @@ class Classifier {
 // after its event completed. Not thread-safe (a Stream is used by one thread at a time).
 class DescRing {
  public:
-  static constexpr size_t kInitialSlots = 4096;  // 192 KiB
+  static constexpr size_t kInitialSlots = 16384;  // 768 KiB
+
+  // Allocates the initial ring (see the file comment for why this happens up front).
+  Status Init() { return Grow(kInitialSlots); }
 
   // Slots for `n` descriptors, to be written by the host and read by the next launch.
   StatusOr<GatherDesc*> Reserve(size_t n) {
@@ -392,6 +403,9 @@ class CudaStream final : public Stream {
     cudaSetDevice(ordinal_);
     s_.Reset();  // waits for queued work before the ring it reads is freed
   }
+
+  // Allocates the descriptor ring; called once, before the stream is handed out.
+  Status Init() { return ring_.Init(); }
 
   Status Copy(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return Status::Ok();
@@ -580,8 +594,10 @@ class CudaDevice final : public Device {
   StatusOr<std::unique_ptr<Stream>> CreateStream() override {
     KVF_RETURN_IF_ERROR(Use());
     KVF_ASSIGN_OR_RETURN(StreamHandle s, StreamHandle::Create());
-    return std::unique_ptr<Stream>(
-        new CudaStream(ordinal_, std::move(s), Config::Global().Int("cuda.copy_kernel_threshold")));
+    auto stream = std::make_unique<CudaStream>(ordinal_, std::move(s),
+                                               Config::Global().Int("cuda.copy_kernel_threshold"));
+    KVF_RETURN_IF_ERROR(stream->Init());
+    return std::unique_ptr<Stream>(std::move(stream));
   }
 
   StatusOr<std::unique_ptr<Event>> CreateEvent() override {
