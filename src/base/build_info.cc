@@ -10,11 +10,11 @@ std::string_view Version() { return KVFERRY_VERSION; }
 std::vector<Feature> BuildFeatures() {
   std::vector<Feature> f;
   std::string cuda_runtime = internal::CudaVersionString();
-  f.push_back({"cuda", KVFERRY_HAVE_CUDA != 0, KVFERRY_CUDA_VERSION,
-               KVFERRY_HAVE_CUDA
-                   ? (cuda_runtime.empty() ? "compiled in; no usable GPU or driver now"
-                                           : "runtime " + cuda_runtime)
-                   : "nvcc not found at configure time"});
+  f.push_back(
+      {"cuda", KVFERRY_HAVE_CUDA != 0, KVFERRY_CUDA_VERSION,
+       KVFERRY_HAVE_CUDA
+           ? (cuda_runtime.empty() ? "compiled in; no usable GPU or driver now" : cuda_runtime)
+           : "nvcc not found at configure time"});
   f.push_back({"ucx", KVFERRY_HAVE_UCX != 0, KVFERRY_UCX_VERSION, KVFERRY_UCX_NOTE});
   f.push_back({"mpi", KVFERRY_HAVE_MPI != 0, KVFERRY_MPI_VERSION, KVFERRY_MPI_NOTE});
   f.push_back({"cufile", KVFERRY_HAVE_CUFILE != 0, KVFERRY_CUFILE_VERSION, KVFERRY_CUFILE_NOTE});

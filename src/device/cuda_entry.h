@@ -12,7 +12,7 @@ namespace kvferry::internal {
 bool CudaCompiledIn();
 // Number of GPUs usable now (0 without CUDA, without a driver or without a GPU).
 int CudaDeviceCount();
-// "13.0 (driver 13.0)" or empty.
+// "runtime 13.0, driver 13.0" ("no driver" when none is loaded); empty without CUDA.
 std::string CudaVersionString();
 StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal);
 

@@ -1,0 +1,689 @@
+// The CUDA device: Device/Stream/Event/Buffer on cudaMalloc, cudaHostAlloc, cudaStream_t and
+// cudaEvent_t, plus the batched gather kernel for many small copies.
+//
+// Path choice (CopyBatch). Each descriptor is classified once per batch:
+//  - total bytes (rows * bytes) >= cuda.copy_kernel_threshold (read when the stream is created)
+//    -> copy engine (cudaMemcpyAsync / cudaMemcpy2DAsync), one call per descriptor;
+//  - smaller, and both ends addressable by a kernel on this GPU (its device memory, or mapped
+//    pinned host memory through UVA) -> the gather kernel, all of them in ONE launch;
+//  - anything touching pageable host memory, another GPU or managed memory -> copy engine.
+// Knowing a pointer's kind: a process-wide registry of the allocations every CudaDevice made
+// (address ranges, under a shared mutex taken once per batch), with cudaPointerGetAttributes as
+// the fallback for pointers it does not know (memory from other allocators). The registry keeps
+// the common case (pool and staging buffers allocated here) free of driver calls per descriptor.
+//
+// Descriptor ring. The gather kernel reads its descriptors through the mapped pointer of a
+// per-stream pinned ring. A slice of the ring is reused only after the event recorded behind the
+// launch that read it has completed; when no slice is free the ring doubles, and the old region is
+// freed once the last launch that used it has finished. In steady state a batch allocates nothing.
+// The ring is allocated when the stream is created, not at its first batch: CUDA treats a pinned
+// host allocation as an implicit synchronization (it waits for work already queued on the GPU), so
+// allocating behind a stream that waits on the caller (a host callback, an event of another
+// stream) would stall or deadlock. Growing has the same cost and is rare: it happens only when a
+// stream keeps more than the initial 16k descriptors in flight. (On the H200, a test that queued
+// batches behind a host callback waiting for the enqueuing thread hung while the ring was still
+// allocated at first use; the CUDA guide lists page-locked allocation among the implicit
+// synchronizations.)
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
+#include <vector>
+
+#include "device/cuda/cuda_kernels.h"
+#include "device/cuda/cuda_util.h"
+#include "device/cuda_entry.h"
+#include "kvferry/config.h"
+#include "kvferry/device.h"
+
+namespace kvferry::internal {
+namespace cuda {
+
+// ---- error conversion and handle owners -----------------------------------------------------
+
+Status CudaError(cudaError_t err, std::string context) {
+  cudaGetLastError();  // clear the last-error slot (a sticky error stays sticky regardless)
+  std::string msg =
+      fmt::format("{}: {} ({})", context, cudaGetErrorName(err), cudaGetErrorString(err));
+  switch (err) {
+    case cudaErrorMemoryAllocation:
+      return Status::ResourceExhausted(std::move(msg));
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidPitchValue:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidMemcpyDirection:
+    case cudaErrorInvalidDevice:
+      return Status::InvalidArgument(std::move(msg));
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+      return Status::Unavailable(std::move(msg));
+    default:
+      return Status::Internal(std::move(msg));
+  }
+}
+
+StatusOr<StreamHandle> StreamHandle::Create() {
+  cudaStream_t s = nullptr;
+  KVF_RETURN_IF_ERROR(
+      CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
+  return StreamHandle(s);
+}
+
+void StreamHandle::Reset() noexcept {
+  if (s_ == nullptr) return;
+  cudaStreamSynchronize(s_);  // errors of queued work were reported at Synchronize, if asked
+  cudaStreamDestroy(s_);
+  cudaGetLastError();
+  s_ = nullptr;
+}
+
+StatusOr<EventHandle> EventHandle::Create(bool timing) {
+  cudaEvent_t e = nullptr;
+  KVF_RETURN_IF_ERROR(
+      CudaCheck(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming),
+                "cudaEventCreate"));
+  return EventHandle(e);
+}
+
+void EventHandle::Reset() noexcept {
+  if (e_ == nullptr) return;
+  cudaEventDestroy(e_);
+  e_ = nullptr;
+}
+
+StatusOr<PinnedRegion> PinnedRegion::Create(size_t bytes) {
+  void* p = nullptr;
+  KVF_RETURN_IF_ERROR(
+      CudaCheck(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                "cudaHostAlloc({} bytes)", bytes));
+  return PinnedRegion(p, bytes);
+}
+
+void PinnedRegion::Reset() noexcept {
+  if (p_ == nullptr) return;
+  cudaFreeHost(p_);
+  p_ = nullptr;
+  size_ = 0;
+}
+
+namespace {
+
+using std::chrono::microseconds;
+
+// Polls `query` (cudaEventQuery / cudaStreamQuery) until it stops answering cudaErrorNotReady or
+// the deadline passes: a few yields first (short waits are common), then sleeps that double up
+// to 1 ms. Never blocks in the driver, so a wait always ends by its deadline.
+template <typename Query>
+Status PollUntil(Query query, Deadline deadline, std::string_view what) {
+  microseconds nap(8);
+  for (int i = 0;; ++i) {
+    cudaError_t err = query();
+    if (err == cudaSuccess) return Status::Ok();
+    if (err != cudaErrorNotReady) return CudaError(err, std::string(what));
+    Clock::time_point now = Clock::now();
+    if (now >= deadline) {
+      return Status::DeadlineExceeded(fmt::format("{}: work still pending at the deadline", what));
+    }
+    if (i < 32) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(nap, deadline - now));
+    nap = std::min(nap * 2, microseconds(1000));
+  }
+}
+
+// ---- what a pointer is -----------------------------------------------------------------------
+
+enum class PtrClass : uint8_t {
+  kDevice,      // device memory of one GPU (ordinal says which)
+  kMappedHost,  // pinned host memory mapped at the same address on every GPU (UVA)
+  kHost,        // pageable host memory, or pinned memory a kernel can't use at its address
+  kOther,       // managed memory and other kinds: left to the copy engine
+};
+
+struct PtrInfo {
+  PtrClass cls;
+  int ordinal;  // for kDevice
+};
+
+// Every allocation made by a CudaDevice of this process, by address range.
+class MemoryRegistry {
+ public:
+  static MemoryRegistry& Get() {
+    static MemoryRegistry* r = new MemoryRegistry();  // never destroyed: Buffers may outlive main
+    return *r;
+  }
+  void Add(const void* p, size_t n, PtrInfo info) {
+    std::unique_lock lock(mu_);
+    ranges_[Addr(p)] = Range{Addr(p) + n, info};
+  }
+  void Remove(const void* p) {
+    std::unique_lock lock(mu_);
+    ranges_.erase(Addr(p));
+  }
+
+  struct Range {
+    uintptr_t end;
+    PtrInfo info;
+  };
+  std::shared_mutex& mu() { return mu_; }
+  // Caller holds mu() (shared). Null when p is in no registered range.
+  const std::pair<const uintptr_t, Range>* FindLocked(uintptr_t p) const {
+    auto it = ranges_.upper_bound(p);
+    if (it == ranges_.begin()) return nullptr;
+    --it;
+    return p < it->second.end ? &*it : nullptr;
+  }
+  static uintptr_t Addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+ private:
+  std::shared_mutex mu_;
+  std::map<uintptr_t, Range> ranges_;
+};
+
+PtrInfo QueryPointer(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return {PtrClass::kHost, -1};
+  }
+  switch (a.type) {
+    case cudaMemoryTypeDevice:
+      return {PtrClass::kDevice, a.device};
+    case cudaMemoryTypeHost:
+      return {a.devicePointer == p ? PtrClass::kMappedHost : PtrClass::kHost, -1};
+    case cudaMemoryTypeManaged:
+      return {PtrClass::kOther, a.device};
+    default:
+      return {PtrClass::kHost, -1};
+  }
+}
+
+// Classifies the pointers of one batch; holds the registry's shared lock while it lives.
+// Remembers the last range seen for each end, so a batch between two buffers costs two lookups.
+class Classifier {
+ public:
+  explicit Classifier(int ordinal)
+      : reg_(MemoryRegistry::Get()), lock_(reg_.mu()), ordinal_(ordinal) {}
+
+  // True when a kernel on this GPU can read (and write) both ends of the copy in place.
+  bool KernelCanReach(const void* dst, const void* src) {
+    return Reachable(Lookup(dst, dst_cache_)) && Reachable(Lookup(src, src_cache_));
+  }
+  PtrInfo Info(const void* p) { return Lookup(p, dst_cache_); }
+
+ private:
+  struct Cache {
+    uintptr_t begin = 1, end = 0;  // empty
+    PtrInfo info{PtrClass::kHost, -1};
+  };
+  bool Reachable(PtrInfo i) const {
+    return i.cls == PtrClass::kMappedHost || (i.cls == PtrClass::kDevice && i.ordinal == ordinal_);
+  }
+  PtrInfo Lookup(const void* p, Cache& c) {
+    uintptr_t a = MemoryRegistry::Addr(p);
+    if (a >= c.begin && a < c.end) return c.info;
+    if (const auto* hit = reg_.FindLocked(a)) {
+      c = Cache{hit->first, hit->second.end, hit->second.info};
+      return c.info;
+    }
+    return QueryPointer(p);
+  }
+
+  MemoryRegistry& reg_;
+  std::shared_lock<std::shared_mutex> lock_;
+  const int ordinal_;
+  Cache dst_cache_, src_cache_;
+};
+
+// ---- descriptor ring -------------------------------------------------------------------------
+
+// A per-stream ring of GatherDesc slots in mapped pinned memory. Reserve() hands out a contiguous
+// slice for one launch, Commit() records an event behind that launch; a slice is reused only
+// after its event completed. Not thread-safe (a Stream is used by one thread at a time).
+class DescRing {
+ public:
+  static constexpr size_t kInitialSlots = 16384;  // 768 KiB
+
+  // Allocates the initial ring (see the file comment for why this happens up front).
+  Status Init() { return Grow(kInitialSlots); }
+
+  // Slots for `n` descriptors, to be written by the host and read by the next launch.
+  StatusOr<GatherDesc*> Reserve(size_t n) {
+    Reclaim();
+    size_t start = 0;
+    if (!FindSpace(n, &start)) {
+      KVF_RETURN_IF_ERROR(Grow(n));
+      start = 0;
+    }
+    pending_start_ = start;
+    pending_count_ = n;
+    return static_cast<GatherDesc*>(region_.get()) + start;
+  }
+
+  // Marks the reserved slice busy until the work enqueued on `stream` so far has finished.
+  Status Commit(cudaStream_t stream) {
+    EventHandle ev;
+    if (!spare_.empty()) {
+      ev = std::move(spare_.back());
+      spare_.pop_back();
+    } else {
+      KVF_ASSIGN_OR_RETURN(ev, EventHandle::Create(false));
+    }
+    Status st = CudaCheck(cudaEventRecord(ev.get(), stream), "cudaEventRecord(descriptor ring)");
+    if (!st.ok()) {
+      spare_.push_back(std::move(ev));
+      return st;
+    }
+    inflight_.push_back(Slice{pending_start_, pending_count_, std::move(ev)});
+    head_ = pending_start_ + pending_count_;
+    return Status::Ok();
+  }
+
+ private:
+  struct Slice {
+    size_t start;
+    size_t count;
+    EventHandle done;
+  };
+  struct Retired {
+    PinnedRegion region;
+    EventHandle done;
+  };
+
+  void Reclaim() {
+    while (!inflight_.empty() && cudaEventQuery(inflight_.front().done.get()) == cudaSuccess) {
+      spare_.push_back(std::move(inflight_.front().done));
+      inflight_.erase(inflight_.begin());  // few slices in flight: a short move
+    }
+    cudaGetLastError();  // cudaErrorNotReady is not an error; real ones surface at Synchronize
+    std::erase_if(retired_, [](Retired& r) { return cudaEventQuery(r.done.get()) == cudaSuccess; });
+    cudaGetLastError();
+    if (inflight_.empty()) head_ = 0;
+  }
+
+  bool FindSpace(size_t n, size_t* start) const {
+    if (n > capacity_) return false;
+    if (inflight_.empty()) {
+      *start = 0;
+      return true;
+    }
+    const size_t tail = inflight_.front().start;
+    if (head_ > tail) {  // busy [tail, head): free [head, cap) and [0, tail)
+      if (capacity_ - head_ >= n) {
+        *start = head_;
+        return true;
+      }
+      if (tail >= n) {
+        *start = 0;
+        return true;
+      }
+      return false;
+    }
+    // busy [tail, cap) and [0, head) (head == tail: full)
+    if (tail - head_ >= n) {
+      *start = head_;
+      return true;
+    }
+    return false;
+  }
+
+  Status Grow(size_t n) {
+    size_t cap = std::max(kInitialSlots, capacity_ * 2);
+    while (cap < n) cap *= 2;
+    KVF_ASSIGN_OR_RETURN(PinnedRegion bigger, PinnedRegion::Create(cap * sizeof(GatherDesc)));
+    if (!inflight_.empty()) {
+      // Stream order: the newest slice's event completes after every older launch.
+      retired_.push_back(Retired{std::move(region_), std::move(inflight_.back().done)});
+      inflight_.pop_back();
+      for (Slice& s : inflight_) spare_.push_back(std::move(s.done));
+      inflight_.clear();
+    }
+    region_ = std::move(bigger);
+    capacity_ = cap;
+    head_ = 0;
+    return Status::Ok();
+  }
+
+  PinnedRegion region_;
+  size_t capacity_ = 0;  // in descriptors
+  size_t head_ = 0;      // one past the newest busy slot
+  size_t pending_start_ = 0, pending_count_ = 0;
+  std::vector<Slice> inflight_;  // oldest first
+  std::vector<EventHandle> spare_;
+  std::vector<Retired> retired_;
+};
+
+// ---- events and streams ----------------------------------------------------------------------
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(int ordinal, EventHandle e) : ordinal_(ordinal), e_(std::move(e)) {}
+
+  bool Query() override {
+    cudaError_t err = cudaEventQuery(e_.get());
+    if (err != cudaSuccess && err != cudaErrorNotReady) cudaGetLastError();
+    // An error means the work will never complete normally; Synchronize() reports it.
+    return err != cudaErrorNotReady;
+  }
+  Status Synchronize(Deadline deadline) override {
+    return PollUntil([this] { return cudaEventQuery(e_.get()); }, deadline,
+                     fmt::format("cuda:{} event synchronize", ordinal_));
+  }
+  cudaEvent_t get() const { return e_.get(); }
+
+ private:
+  const int ordinal_;
+  EventHandle e_;
+};
+
+void CUDART_CB RunHostCallback(void* p) {
+  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(p));
+  (*fn)();
+}
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(int ordinal, StreamHandle s, int64_t kernel_threshold)
+      : ordinal_(ordinal),
+        kernel_threshold_(static_cast<uint64_t>(kernel_threshold)),
+        s_(std::move(s)) {}
+  ~CudaStream() override {
+    cudaSetDevice(ordinal_);
+    s_.Reset();  // waits for queued work before the ring it reads is freed
+  }
+
+  // Allocates the descriptor ring; called once, before the stream is handed out.
+  Status Init() { return ring_.Init(); }
+
+  Status Copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return Status::Ok();
+    KVF_RETURN_IF_ERROR(Use());
+    return CudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s_.get()),
+                     "cuda:{} cudaMemcpyAsync({} bytes)", ordinal_, bytes);
+  }
+
+  Status CopyBatch(std::span<const CopyDesc> copies) override {
+    for (size_t i = 0; i < copies.size(); ++i) {
+      const CopyDesc& c = copies[i];
+      if (c.rows > 1 && (c.bytes > c.dst_pitch || c.bytes > c.src_pitch)) {
+        return Status::InvalidArgument(
+            fmt::format("CopyBatch: descriptor {} has rows of {} bytes wider than a pitch (dst "
+                        "{}, src {})",
+                        i, c.bytes, c.dst_pitch, c.src_pitch));
+      }
+    }
+    KVF_RETURN_IF_ERROR(Use());
+    // Pass 1 (registry lock held): choose each descriptor's path.
+    small_.clear();
+    large_.clear();
+    {
+      Classifier cls(ordinal_);
+      for (const CopyDesc& c : copies) {
+        if (c.bytes == 0) continue;
+        const size_t rows = std::max<size_t>(c.rows, 1);  // rows 0 is a plain copy, as on the CPU
+        const uint64_t total = static_cast<uint64_t>(c.bytes) * rows;
+        if (total < kernel_threshold_ && cls.KernelCanReach(c.dst, c.src)) {
+          small_.push_back(GatherDesc{reinterpret_cast<uint64_t>(c.dst),
+                                      reinterpret_cast<uint64_t>(c.src), c.bytes, rows, c.dst_pitch,
+                                      c.src_pitch});
+        } else {
+          large_.push_back(&c);
+        }
+      }
+    }
+    // Pass 2: one kernel launch for the small ones, the copy engine for the rest.
+    if (!small_.empty()) {
+      KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(small_.size()));
+      std::memcpy(slots, small_.data(), small_.size() * sizeof(GatherDesc));
+      std::atomic_thread_fence(std::memory_order_release);
+      KVF_RETURN_IF_ERROR(
+          CudaCheck(LaunchGather(slots, static_cast<uint32_t>(small_.size()), s_.get()),
+                    "cuda:{} gather kernel launch ({} descriptors)", ordinal_, small_.size()));
+      KVF_RETURN_IF_ERROR(ring_.Commit(s_.get()));
+    }
+    for (const CopyDesc* c : large_) {
+      if (c->rows <= 1) {
+        KVF_RETURN_IF_ERROR(
+            CudaCheck(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDefault, s_.get()),
+                      "cuda:{} CopyBatch cudaMemcpyAsync({} bytes)", ordinal_, c->bytes));
+      } else {
+        KVF_RETURN_IF_ERROR(
+            CudaCheck(cudaMemcpy2DAsync(c->dst, c->dst_pitch, c->src, c->src_pitch, c->bytes,
+                                        c->rows, cudaMemcpyDefault, s_.get()),
+                      "cuda:{} CopyBatch cudaMemcpy2DAsync({} rows of {} bytes, pitches {}/{})",
+                      ordinal_, c->rows, c->bytes, c->dst_pitch, c->src_pitch));
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                size_t height) override {
+    if (width > dst_pitch || width > src_pitch) {
+      return Status::InvalidArgument(fmt::format(
+          "Copy2D: width {} exceeds a pitch (dst {}, src {})", width, dst_pitch, src_pitch));
+    }
+    if (width == 0 || height == 0) return Status::Ok();
+    KVF_RETURN_IF_ERROR(Use());
+    return CudaCheck(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                                       cudaMemcpyDefault, s_.get()),
+                     "cuda:{} cudaMemcpy2DAsync({} rows of {} bytes, pitches {}/{})", ordinal_,
+                     height, width, dst_pitch, src_pitch);
+  }
+
+  Status Fill(void* dst, uint8_t value, size_t bytes) override {
+    if (bytes == 0) return Status::Ok();
+    KVF_RETURN_IF_ERROR(Use());
+    PtrInfo info;
+    {
+      Classifier cls(ordinal_);
+      info = cls.Info(dst);
+    }
+    if (info.cls == PtrClass::kDevice || info.cls == PtrClass::kOther) {
+      return CudaCheck(cudaMemsetAsync(dst, value, bytes, s_.get()),
+                       "cuda:{} cudaMemsetAsync({} bytes)", ordinal_, bytes);
+    }
+    // Host memory (pinned or not): the CPU fills it, in stream order.
+    return HostCallback([dst, value, bytes] { std::memset(dst, value, bytes); });
+  }
+
+  Status HostCallback(std::function<void()> fn) override {
+    KVF_RETURN_IF_ERROR(Use());
+    auto* heap = new std::function<void()>(std::move(fn));
+    cudaError_t err = cudaLaunchHostFunc(s_.get(), RunHostCallback, heap);
+    if (err != cudaSuccess) {
+      delete heap;
+      return CudaError(err, fmt::format("cuda:{} cudaLaunchHostFunc", ordinal_));
+    }
+    return Status::Ok();
+  }
+
+  Status Record(Event& event) override {
+    KVF_RETURN_IF_ERROR(Use());
+    return CudaCheck(cudaEventRecord(static_cast<CudaEvent&>(event).get(), s_.get()),
+                     "cuda:{} cudaEventRecord", ordinal_);
+  }
+
+  Status Wait(Event& event) override {
+    KVF_RETURN_IF_ERROR(Use());
+    return CudaCheck(cudaStreamWaitEvent(s_.get(), static_cast<CudaEvent&>(event).get(), 0),
+                     "cuda:{} cudaStreamWaitEvent", ordinal_);
+  }
+
+  Status Synchronize(Deadline deadline) override {
+    KVF_RETURN_IF_ERROR(Use());
+    return PollUntil([this] { return cudaStreamQuery(s_.get()); }, deadline,
+                     fmt::format("cuda:{} stream synchronize", ordinal_));
+  }
+
+  bool Query() override {
+    if (!Use().ok()) return false;
+    cudaError_t err = cudaStreamQuery(s_.get());
+    if (err != cudaSuccess && err != cudaErrorNotReady) cudaGetLastError();
+    return err != cudaErrorNotReady;
+  }
+
+ private:
+  Status Use() const { return CudaCheck(cudaSetDevice(ordinal_), "cudaSetDevice({})", ordinal_); }
+
+  const int ordinal_;
+  const uint64_t kernel_threshold_;
+  StreamHandle s_;
+  DescRing ring_;
+  std::vector<GatherDesc> small_;       // scratch, reused across batches
+  std::vector<const CopyDesc*> large_;  // scratch, reused across batches
+};
+
+// ---- the device ------------------------------------------------------------------------------
+
+constexpr size_t kHostAlignment = 4096;  // pageable host buffers: page-aligned, as for O_DIRECT
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, DeviceInfo info) : ordinal_(ordinal), info_(std::move(info)) {}
+
+  const DeviceInfo& info() const override { return info_; }
+
+  StatusOr<Buffer> Allocate(MemoryKind kind, size_t bytes) override {
+    if (kind == MemoryKind::kFile)
+      return Status::InvalidArgument("Allocate: file memory is not allocatable");
+    if (bytes == 0) return Status::InvalidArgument("Allocate: zero bytes");
+    KVF_RETURN_IF_ERROR(Use());
+    void* p = nullptr;
+    PtrInfo info{PtrClass::kHost, -1};
+    switch (kind) {
+      case MemoryKind::kDevice:
+        KVF_RETURN_IF_ERROR(
+            CudaCheck(cudaMalloc(&p, bytes), "cuda:{} cudaMalloc({} bytes)", ordinal_, bytes));
+        info = {PtrClass::kDevice, ordinal_};
+        break;
+      case MemoryKind::kPinnedHost:
+        KVF_RETURN_IF_ERROR(
+            CudaCheck(cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped),
+                      "cuda:{} cudaHostAlloc({} bytes)", ordinal_, bytes));
+        info = {PtrClass::kMappedHost, -1};
+        break;
+      case MemoryKind::kHost: {
+        size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
+        p = std::aligned_alloc(kHostAlignment, rounded);
+        if (p == nullptr) {
+          return Status::ResourceExhausted(
+              fmt::format("cuda:{}: could not allocate {} bytes of host memory", ordinal_, bytes));
+        }
+        break;
+      }
+      case MemoryKind::kFile:
+        break;
+    }
+    MemoryRegistry::Get().Add(p, bytes, info);
+    return MakeBuffer(static_cast<std::byte*>(p), bytes, kind);
+  }
+
+  StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    KVF_RETURN_IF_ERROR(Use());
+    KVF_ASSIGN_OR_RETURN(StreamHandle s, StreamHandle::Create());
+    auto stream = std::make_unique<CudaStream>(ordinal_, std::move(s),
+                                               Config::Global().Int("cuda.copy_kernel_threshold"));
+    KVF_RETURN_IF_ERROR(stream->Init());
+    return std::unique_ptr<Stream>(std::move(stream));
+  }
+
+  StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    KVF_RETURN_IF_ERROR(Use());
+    KVF_ASSIGN_OR_RETURN(EventHandle e, EventHandle::Create(/*timing=*/false));
+    return std::unique_ptr<Event>(new CudaEvent(ordinal_, std::move(e)));
+  }
+
+ protected:
+  void Free(std::byte* data, size_t, MemoryKind kind) noexcept override {
+    MemoryRegistry::Get().Remove(data);
+    switch (kind) {
+      case MemoryKind::kDevice:
+        cudaSetDevice(ordinal_);
+        cudaFree(data);
+        break;
+      case MemoryKind::kPinnedHost:
+        cudaFreeHost(data);
+        break;
+      default:
+        std::free(data);
+        return;
+    }
+    cudaGetLastError();  // a failed free has nothing to report to; keep later calls clean
+  }
+
+ private:
+  Status Use() const { return CudaCheck(cudaSetDevice(ordinal_), "cudaSetDevice({})", ordinal_); }
+
+  const int ordinal_;
+  const DeviceInfo info_;
+};
+
+std::string VersionText(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
+
+}  // namespace
+}  // namespace cuda
+
+// ---- the seam (cuda_entry.h) -----------------------------------------------------------------
+
+bool CudaCompiledIn() { return true; }
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::string CudaVersionString() {
+  int runtime = 0, driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  cudaGetLastError();
+  return fmt::format("runtime {}, {}", cuda::VersionText(runtime),
+                     driver > 0 ? "driver " + cuda::VersionText(driver) : std::string("no driver"));
+}
+
+StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    std::string why = fmt::format("{} ({})", cudaGetErrorName(err), cudaGetErrorString(err));
+    cudaGetLastError();
+    return Status::Unavailable(fmt::format("OpenDevice: cuda:{}: no usable CUDA GPU: {}; {}",
+                                           ordinal, why, CudaVersionString()));
+  }
+  if (ordinal < 0 || ordinal >= n) {
+    return Status::Unavailable(
+        fmt::format("OpenDevice: cuda:{}: no such GPU ({} present)", ordinal, n));
+  }
+  KVF_RETURN_IF_ERROR(
+      cuda::CudaCheck(cudaSetDevice(ordinal), "OpenDevice: cuda:{}: cudaSetDevice", ordinal));
+  cudaDeviceProp prop{};
+  KVF_RETURN_IF_ERROR(cuda::CudaCheck(cudaGetDeviceProperties(&prop, ordinal),
+                                      "OpenDevice: cuda:{}: cudaGetDeviceProperties", ordinal));
+  DeviceInfo info;
+  info.platform = "cuda";
+  info.ordinal = ordinal;
+  info.name = prop.name;
+  info.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
+  info.detail = fmt::format("sm_{}{}, {} SMs, {}", prop.major, prop.minor, prop.multiProcessorCount,
+                            CudaVersionString());
+  return std::unique_ptr<Device>(new cuda::CudaDevice(ordinal, std::move(info)));
+}
+
+}  // namespace kvferry::internal

@@ -1,0 +1,303 @@
+// CUDA-specific tests, beside the shared device conformance suite: both copy paths of CopyBatch
+// (gather kernel and copy engine) against the CPU device byte for byte, the partial-block copy
+// pattern of KV offload, the descriptor ring under pressure, and opening devices that are absent.
+// Tests that need a GPU skip themselves when none is present.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <future>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device/cuda_entry.h"
+#include "device/device_conformance.h"
+#include "kvferry/config.h"
+
+namespace kvferry::testing {
+
+std::unique_ptr<Device> DeviceUnderTest() {
+  if (internal::CudaDeviceCount() == 0) return nullptr;
+  auto d = OpenDevice("cuda:0");
+  EXPECT_TRUE(d.ok()) << d.status().ToString();
+  return d.ok() ? std::move(d).value() : nullptr;
+}
+
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr const char* kThresholdKnob = "cuda.copy_kernel_threshold";
+
+Deadline Soon() { return DeadlineIn(milliseconds(30000)); }
+
+// Descriptors with offsets in place of addresses; Rebase() turns them into real copies.
+struct Plan {
+  std::vector<CopyDesc> descs;
+  size_t src_size = 0;
+  size_t dst_size = 0;
+};
+
+std::vector<CopyDesc> Rebase(const Plan& p, std::byte* dst, const std::byte* src) {
+  std::vector<CopyDesc> out = p.descs;
+  for (CopyDesc& c : out) {
+    c.dst = dst + reinterpret_cast<uintptr_t>(c.dst);
+    c.src = src + reinterpret_cast<uintptr_t>(c.src);
+  }
+  return out;
+}
+
+size_t Extent(size_t rows, size_t bytes, size_t pitch) {
+  return rows <= 1 ? bytes : (rows - 1) * pitch + bytes;
+}
+
+// Random 2-D descriptors of 16 B .. 1 MiB in total, at unaligned offsets and pitches, writing
+// disjoint destination ranges (so the result does not depend on the order of the copies).
+Plan RandomPlan(uint32_t seed, int count) {
+  std::mt19937_64 rng(seed);
+  Plan p;
+  p.src_size = 8 << 20;
+  size_t dst_off = 0;
+  for (int i = 0; i < count; ++i) {
+    size_t total = size_t{16} << (rng() % 17);  // 16 B .. 1 MiB
+    size_t rows = rng() % 3 == 0 ? 1 : 1 + rng() % 64;
+    size_t bytes = std::max<size_t>(1, total / rows) + (rng() % 4 == 0 ? rng() % 7 : 0);
+    if (rng() % 3 == 0) bytes = (bytes + 15) / 16 * 16;  // some fully aligned rows
+    size_t dpitch = bytes + (rng() % 2 ? 0 : rng() % 48);
+    size_t spitch = bytes + (rng() % 2 ? 0 : rng() % 48);
+    if (rng() % 4 == 0) dpitch = (dpitch + 15) / 16 * 16, spitch = (spitch + 15) / 16 * 16;
+    size_t sext = Extent(rows, bytes, spitch), dext = Extent(rows, bytes, dpitch);
+    size_t soff = rng() % (p.src_size - sext);
+    if (rng() % 3 == 0) soff &= ~size_t{15};
+    dst_off += rng() % 40;
+    if (rng() % 3 == 0) dst_off = (dst_off + 15) / 16 * 16;
+    p.descs.push_back(CopyDesc{reinterpret_cast<void*>(dst_off),
+                               reinterpret_cast<const void*>(soff), bytes, rows, dpitch, spitch});
+    dst_off += dext;
+  }
+  p.dst_size = dst_off + 64;
+  return p;
+}
+
+void FillPattern(std::byte* p, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(rng());
+}
+
+// The CPU device's result of the plan: what every other device must produce.
+std::vector<std::byte> CpuReference(const Plan& p, uint32_t seed) {
+  auto cpu = OpenCpuDevice();
+  auto src = cpu->Allocate(MemoryKind::kHost, p.src_size);
+  auto dst = cpu->Allocate(MemoryKind::kHost, p.dst_size);
+  EXPECT_TRUE(src.ok() && dst.ok());
+  FillPattern(src->data(), p.src_size, seed);
+  std::memset(dst->data(), 0xEE, p.dst_size);
+  auto s = cpu->CreateStream();
+  EXPECT_TRUE(s.ok());
+  EXPECT_TRUE((*s)->CopyBatch(Rebase(p, dst->data(), src->data())).ok());
+  EXPECT_TRUE((*s)->Synchronize(Soon()).ok());
+  return std::vector<std::byte>(dst->data(), dst->data() + p.dst_size);
+}
+
+// Sets the kernel threshold for the streams created while it lives.
+class ThresholdOverride {
+ public:
+  explicit ThresholdOverride(int64_t v) {
+    EXPECT_TRUE(Config::Global().Set(kThresholdKnob, std::to_string(v)).ok());
+  }
+  ~ThresholdOverride() { EXPECT_TRUE(Config::Global().Reset(kThresholdKnob).ok()); }
+};
+
+constexpr int64_t kAllKernel = int64_t{1} << 40;  // every reachable descriptor to the kernel
+constexpr int64_t kAllCopyEngine = 0;             // every descriptor to the copy engine
+
+class CudaDeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (internal::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA GPU present";
+    auto d = OpenDevice("cuda:0");
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dev_ = std::move(d).value();
+  }
+  Buffer Alloc(MemoryKind k, size_t n) {
+    auto b = dev_->Allocate(k, n);
+    EXPECT_TRUE(b.ok()) << b.status().ToString();
+    return b.ok() ? std::move(b).value() : Buffer();
+  }
+  std::unique_ptr<Stream> NewStream() {
+    auto s = dev_->CreateStream();
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+
+  // Runs `p` on the GPU with source and destination of the given kinds; returns the destination.
+  std::vector<std::byte> RunOnGpu(const Plan& p, uint32_t seed, MemoryKind src_kind,
+                                  MemoryKind dst_kind, int64_t threshold) {
+    ThresholdOverride t(threshold);
+    auto s = NewStream();
+    Buffer host_src = Alloc(MemoryKind::kPinnedHost, p.src_size);
+    Buffer host_dst = Alloc(MemoryKind::kPinnedHost, p.dst_size);
+    Buffer src = Alloc(src_kind, p.src_size), dst = Alloc(dst_kind, p.dst_size);
+    FillPattern(host_src.data(), p.src_size, seed);
+    EXPECT_TRUE(s->Copy(src.data(), host_src.data(), p.src_size).ok());
+    EXPECT_TRUE(s->Fill(dst.data(), 0xEE, p.dst_size).ok());
+    Status st = s->CopyBatch(Rebase(p, dst.data(), src.data()));
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_TRUE(s->Copy(host_dst.data(), dst.data(), p.dst_size).ok());
+    st = s->Synchronize(Soon());
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return std::vector<std::byte>(host_dst.data(), host_dst.data() + p.dst_size);
+  }
+
+  static void ExpectSame(const std::vector<std::byte>& want, const std::vector<std::byte>& got,
+                         const std::string& what) {
+    ASSERT_EQ(want.size(), got.size()) << what;
+    if (std::memcmp(want.data(), got.data(), want.size()) == 0) return;
+    size_t i = 0;
+    while (want[i] == got[i]) ++i;
+    ADD_FAILURE() << what << ": first difference at byte " << i << " of " << want.size();
+  }
+
+  std::unique_ptr<Device> dev_;
+};
+
+TEST(CudaEntry, AbsentDeviceIsUnavailable) {
+  EXPECT_TRUE(internal::CudaCompiledIn());
+  auto d = OpenDevice("cuda:99");
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(d.status().message().find("cuda:99"), std::string_view::npos) << d.status().ToString();
+}
+
+TEST(CudaEntry, VersionAndCount) {
+  std::string v = internal::CudaVersionString();
+  EXPECT_EQ(v.rfind("runtime ", 0), 0u) << v;
+  int n = internal::CudaDeviceCount();
+  EXPECT_GE(n, 0);
+  EXPECT_EQ(ListDevices().size(), static_cast<size_t>(n) + 1);
+  if (n == 0) {
+    EXPECT_EQ(OpenDevice("cuda").status().code(), StatusCode::kUnavailable);
+  }
+}
+
+TEST_F(CudaDeviceTest, InfoDescribesTheGpu) {
+  EXPECT_EQ(dev_->info().platform, "cuda");
+  EXPECT_GT(dev_->info().memory_bytes, 0);
+  EXPECT_FALSE(dev_->info().name.empty());
+}
+
+TEST_F(CudaDeviceTest, BothBatchPathsMatchTheCpuDevice) {
+  struct Kinds {
+    MemoryKind src, dst;
+  };
+  const Kinds kinds[] = {{MemoryKind::kDevice, MemoryKind::kDevice},
+                         {MemoryKind::kPinnedHost, MemoryKind::kDevice},
+                         {MemoryKind::kDevice, MemoryKind::kPinnedHost},
+                         {MemoryKind::kHost, MemoryKind::kDevice},
+                         {MemoryKind::kDevice, MemoryKind::kHost}};
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    Plan p = RandomPlan(seed, 150);
+    std::vector<std::byte> want = CpuReference(p, seed);
+    for (const Kinds& k : kinds) {
+      for (int64_t threshold : {kAllKernel, kAllCopyEngine, int64_t{65536}}) {
+        std::string what =
+            "seed " + std::to_string(seed) + " " + std::string(MemoryKindName(k.src)) + "->" +
+            std::string(MemoryKindName(k.dst)) + " threshold " + std::to_string(threshold);
+        ExpectSame(want, RunOnGpu(p, seed, k.src, k.dst, threshold), what);
+      }
+    }
+  }
+}
+
+// Partial reuse: the first N tokens of every (layer, kv, head) plane of block-major blocks
+// [layer][kv][head][token][dim], copied from a device pool into host blocks of the same layout
+// and into a packed staging buffer.
+TEST_F(CudaDeviceTest, PartialBlockCopyEveryDtype) {
+  const size_t layers = 3, kv = 2, heads = 4, tokens = 32;
+  const size_t planes = layers * kv * heads;
+  for (size_t elem : {1, 2, 4}) {
+    for (size_t head_dim : {128, 7}) {
+      const size_t pitch = tokens * head_dim * elem, block = planes * pitch;
+      for (size_t n : {size_t{1}, size_t{5}, tokens - 1, tokens}) {
+        Plan p;
+        p.src_size = 4 * block;
+        // Blocks 2 and 0 of the pool: same layout in dst blocks 0, 1; packed after them.
+        size_t packed = 2 * block, bytes = n * head_dim * elem;
+        for (size_t b : {size_t{2}, size_t{0}}) {
+          size_t k = b == 2 ? 0 : 1;
+          p.descs.push_back({reinterpret_cast<void*>(k * block),
+                             reinterpret_cast<const void*>(b * block), bytes, planes, pitch,
+                             pitch});
+          p.descs.push_back({reinterpret_cast<void*>(packed),
+                             reinterpret_cast<const void*>(b * block), bytes, planes, bytes,
+                             pitch});
+          packed += planes * bytes;
+        }
+        p.dst_size = packed;
+        uint32_t seed = static_cast<uint32_t>(elem * 1000 + head_dim * 10 + n);
+        std::vector<std::byte> want = CpuReference(p, seed);
+        for (int64_t threshold : {kAllKernel, kAllCopyEngine}) {
+          for (MemoryKind dst : {MemoryKind::kPinnedHost, MemoryKind::kDevice}) {
+            std::string what = "elem " + std::to_string(elem) + " head_dim " +
+                               std::to_string(head_dim) + " N " + std::to_string(n) +
+                               " threshold " + std::to_string(threshold) + " dst " +
+                               std::string(MemoryKindName(dst));
+            ExpectSame(want, RunOnGpu(p, seed, MemoryKind::kDevice, dst, threshold), what);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Many batches queued behind a held stream: the descriptor ring must grow rather than reuse
+// slices the kernel has not read yet, and every batch must land. The gate opens from another
+// thread: growing allocates pinned memory, which CUDA may make wait for the queued work.
+TEST_F(CudaDeviceTest, DescriptorRingUnderPressure) {
+  ThresholdOverride t(kAllKernel);
+  const size_t kFrag = 64, kBatches = 40, kPerBatch = 1000;  // 80k descriptors > initial ring
+  const size_t n = kBatches * kPerBatch * kFrag;
+  Buffer src = Alloc(MemoryKind::kPinnedHost, n), dst = Alloc(MemoryKind::kPinnedHost, n);
+  Buffer dev = Alloc(MemoryKind::kDevice, n);
+  FillPattern(src.data(), n, 77);
+  std::memset(dst.data(), 0, n);
+  auto s = NewStream();
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  ASSERT_TRUE(s->HostCallback([open] { open.wait(); }).ok());
+  std::thread opener([&gate] {
+    std::this_thread::sleep_for(milliseconds(300));
+    gate.set_value();
+  });
+  std::vector<CopyDesc> batch(kPerBatch);
+  for (size_t b = 0; b < kBatches; ++b) {
+    for (size_t i = 0; i < kPerBatch; ++i) {
+      size_t f = b * kPerBatch + i, g = (f * 7919) % (kBatches * kPerBatch);  // permuted
+      batch[i] = CopyDesc{dev.data() + g * kFrag, src.data() + f * kFrag, kFrag};
+    }
+    EXPECT_TRUE(s->CopyBatch(batch).ok());
+  }
+  for (size_t b = 0; b < kBatches; ++b) {
+    for (size_t i = 0; i < kPerBatch; ++i) {
+      size_t f = b * kPerBatch + i, g = (f * 7919) % (kBatches * kPerBatch);
+      batch[i] = CopyDesc{dst.data() + f * kFrag, dev.data() + g * kFrag, kFrag};
+    }
+    EXPECT_TRUE(s->CopyBatch(batch).ok());
+  }
+  opener.join();
+  Status st = s->Synchronize(Soon());
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), n), 0);
+}
+
+TEST_F(CudaDeviceTest, RejectsRowsWiderThanPitch) {
+  Buffer a = Alloc(MemoryKind::kDevice, 4096), b = Alloc(MemoryKind::kDevice, 4096);
+  auto s = NewStream();
+  CopyDesc bad{a.data(), b.data(), 100, 4, 64, 128};
+  EXPECT_EQ(s->CopyBatch({&bad, 1}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(s->Synchronize(Soon()).ok());
+}
+
+}  // namespace
+}  // namespace kvferry::testing

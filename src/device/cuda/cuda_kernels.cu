@@ -1,0 +1,90 @@
+// The batched gather kernel: many small (2-D) copies in one launch.
+//
+// Each thread block takes descriptors in a grid-stride loop. A descriptor whose addresses,
+// pitches and row length are all 16-byte aligned is copied as a flat range of 16-byte vectors
+// over (row, column); otherwise each row is copied with the widest access (16, 8, 4, 2 or 1
+// bytes) that source and destination share after a short byte-wise head, so unaligned
+// fragments still move mostly in wide words. Single-row descriptors use the whole block per
+// row; multi-row ones use one warp per row.
+#include <algorithm>
+
+#include "device/cuda/cuda_kernels.h"
+
+namespace kvferry::internal::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+constexpr uint32_t kMaxBlocks = 65535;
+
+template <typename T>
+__device__ void CopyRowAs(char* d, const char* s, uint64_t n, unsigned lane, unsigned lanes) {
+  constexpr uint64_t kW = sizeof(T);
+  uint64_t head = (kW - (reinterpret_cast<uintptr_t>(d) & (kW - 1))) & (kW - 1);
+  if (head > n) head = n;
+  for (uint64_t i = lane; i < head; i += lanes) d[i] = s[i];
+  const uint64_t words = (n - head) / kW;
+  T* dw = reinterpret_cast<T*>(d + head);
+  const T* sw = reinterpret_cast<const T*>(s + head);
+  for (uint64_t i = lane; i < words; i += lanes) dw[i] = sw[i];
+  for (uint64_t i = head + words * kW + lane; i < n; i += lanes) d[i] = s[i];
+}
+
+// Copies one row of n bytes with lanes [0, lanes) of the calling group of threads.
+__device__ void CopyRow(char* d, const char* s, uint64_t n, unsigned lane, unsigned lanes) {
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(d) ^ reinterpret_cast<uintptr_t>(s);
+  if ((mis & 15) == 0) {
+    CopyRowAs<uint4>(d, s, n, lane, lanes);
+  } else if ((mis & 7) == 0) {
+    CopyRowAs<uint2>(d, s, n, lane, lanes);
+  } else if ((mis & 3) == 0) {
+    CopyRowAs<uint32_t>(d, s, n, lane, lanes);
+  } else if ((mis & 1) == 0) {
+    CopyRowAs<uint16_t>(d, s, n, lane, lanes);
+  } else {
+    for (uint64_t i = lane; i < n; i += lanes) d[i] = s[i];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs, uint32_t count) {
+  __shared__ GatherDesc desc;
+  for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
+    if (threadIdx.x < sizeof(GatherDesc) / sizeof(uint64_t)) {
+      reinterpret_cast<uint64_t*>(&desc)[threadIdx.x] =
+          reinterpret_cast<const uint64_t*>(descs + i)[threadIdx.x];
+    }
+    __syncthreads();
+    char* dst = reinterpret_cast<char*>(desc.dst);
+    const char* src = reinterpret_cast<const char*>(desc.src);
+    const uint64_t bytes = desc.bytes, rows = desc.rows;
+    const uint64_t dp = desc.dst_pitch, sp = desc.src_pitch;
+    const uint64_t all = desc.dst | desc.src | bytes | (rows > 1 ? (dp | sp) : 0);
+    if ((all & 15) == 0) {
+      const uint64_t per_row = bytes / 16;
+      const uint64_t total = per_row * rows;
+      for (uint64_t u = threadIdx.x; u < total; u += blockDim.x) {
+        const uint64_t r = u / per_row, v = u - r * per_row;
+        reinterpret_cast<uint4*>(dst + r * dp)[v] = reinterpret_cast<const uint4*>(src + r * sp)[v];
+      }
+    } else if (rows == 1) {
+      CopyRow(dst, src, bytes, threadIdx.x, blockDim.x);
+    } else {
+      const unsigned warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+      for (uint64_t r = warp; r < rows; r += warps) {
+        CopyRow(dst + r * dp, src + r * sp, bytes, threadIdx.x % kWarp, kWarp);
+      }
+    }
+    __syncthreads();  // `desc` is overwritten by the next iteration
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const uint32_t blocks = std::min(count, kMaxBlocks);
+  GatherKernel<<<blocks, kThreads, 0, stream>>>(descs, count);
+  return cudaGetLastError();
+}
+
+}  // namespace kvferry::internal::cuda
