@@ -34,6 +34,10 @@ struct SelftestConfig {
   bool layer_wise = false;
   bool verify = true;
   bool baseline = false;  // also measure raw transport bandwidth
+  // Every request starts with the same `shared_prefix_blocks` blocks (a system prompt). Both
+  // instances keep them resident; the generation side fetches them once, with the first request,
+  // and reuses them afterwards (only the missing blocks move).
+  int shared_prefix_blocks = 0;
   std::chrono::milliseconds timeout{60000};
   std::string dir;  // rendezvous directory
 };
@@ -44,6 +48,7 @@ struct RankResult {
   int requests = 0;  // requests this rank took part in
   int verified = 0;  // generation: requests whose every element checked out
   int failed = 0;
+  int prefix_hits = 0;  // generation: requests that reused the resident prefix
   int64_t bytes = 0;
   double seconds = 0;             // first start to last end on this rank
   double cpu_seconds = 0;         // process CPU time over the run
@@ -71,6 +76,7 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg);
 // The aggregate over all ranks: what the command prints.
 struct SelftestSummary {
   int requests = 0, verified = 0, failed = 0;
+  int prefix_hits = 0;  // (request, generation rank) pairs that reused the resident prefix
   int64_t bytes = 0;   // payload bytes received by the generation instance
   double seconds = 0;  // wall time of the generation instance (max over ranks)
   double gbps = 0;
