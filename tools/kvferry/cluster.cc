@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -104,10 +105,15 @@ int RunRank(const SelftestConfig& cfg, bool context, int rank) {
 }
 
 // Waits for children with a deadline; kills the rest when it passes or one fails hard.
-Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline) {
+Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline, const std::function<void()>& tick) {
   Status first;
   size_t left = pids.size();
+  auto next_tick = Clock::now() + std::chrono::seconds(1);
   while (left > 0) {
+    if (tick && Clock::now() >= next_tick) {
+      tick();
+      next_tick += std::chrono::seconds(1);
+    }
     int status = 0;
     pid_t p = waitpid(-1, &status, WNOHANG);
     if (p > 0) {
@@ -145,7 +151,21 @@ pid_t Spawn(const std::vector<std::string>& args) {
 
 }  // namespace
 
-StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in) {
+// "12/32 requests done (generation ranks: 12 14)" from the ranks' progress files.
+void PrintProgress(const fs::path& dir, const SelftestConfig& cfg, Clock::time_point start) {
+  std::string per_rank;
+  for (int g = 0; g < cfg.gen.world_size(); ++g) {
+    std::ifstream f(dir / fmt::format("progress-gen-{}", g));
+    int done = 0, total = 0;
+    if (f) f >> done >> total;
+    per_rank += fmt::format(" {}", done);
+  }
+  double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  fmt::print("  [{:5.1f} s] requests done per generation rank:{}\n", secs, per_rank);
+  std::fflush(stdout);
+}
+
+StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool progress) {
   SelftestConfig cfg = in;
   fs::path dir =
       fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
@@ -181,7 +201,10 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in) {
       pids.push_back(
           Spawn({exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
   }
-  Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3));
+  auto start = Clock::now();
+  std::function<void()> tick;
+  if (progress) tick = [&] { PrintProgress(dir, cfg, start); };
+  Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3), tick);
   std::vector<RankResult> out;
   Status missing;
   for (int r = 0; r < nc + ng; ++r) {

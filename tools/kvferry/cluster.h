@@ -10,7 +10,7 @@
 namespace kvferry::tools {
 
 // Returns every rank's result or why the run failed.
-StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& cfg);
+StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& cfg, bool progress = false);
 
 // When this process was started as one rank of a cluster (hidden flags), runs it and returns the
 // exit code; otherwise -1.

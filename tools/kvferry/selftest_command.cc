@@ -28,7 +28,7 @@ struct Flags {
   std::vector<int64_t> prompt_tokens{100};
   std::string transport = "ucx";
   std::string device;
-  bool layer_wise = false, json = false, no_verify = false;
+  bool layer_wise = false, json = false, no_verify = false, progress = false;
   int shared_prefix_blocks = 0;
   int timeout_ms = 60000;
   std::string model;
@@ -70,6 +70,7 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->capture_default_str();
   cmd->add_option("--timeout-ms", f.timeout_ms, "deadline of each request")->capture_default_str();
   cmd->add_flag("--json", f.json, "machine-readable output");
+  cmd->add_flag("--progress", f.progress, "print progress every second while it runs");
 }
 
 StatusOr<SelftestConfig> ToConfig(const Flags& f) {
@@ -110,7 +111,7 @@ int RunSelftest(const Flags& f) {
     fmt::print(stderr, "kvferry selftest: {}\n", cfg.status().ToString());
     return 2;
   }
-  auto ranks = RunCluster(*cfg);
+  auto ranks = RunCluster(*cfg, f.progress && !f.json);
   if (!ranks.ok()) {
     fmt::print(stderr, "kvferry selftest: {}\n", ranks.status().ToString());
     if (f.json)
