@@ -5,6 +5,7 @@
 #include <atomic>
 #include <thread>
 
+#include "kvferry/config.h"
 #include "kvferry_build_config.h"
 #include "transport/inproc_transport.h"
 #include "transport/transport_conformance.h"
@@ -42,6 +43,18 @@ class ThreadHarness final : public Harness {
     TransportOptions o;
     o.name = name_;
     o.fabric = InProcFabric::Create();
+    // "ucx_nopeer": UCX with ucx.error_mode=none (shared memory instead of TCP on UCX 1.13).
+    const bool nopeer = name_ == "ucx_nopeer";
+    if (nopeer) {
+      o.name = "ucx";
+      EXPECT_TRUE(Config::Global().Set("ucx.error_mode", "none").ok());
+    }
+    struct Restore {
+      bool on;
+      ~Restore() {
+        if (on) (void)Config::Global().Reset("ucx.error_mode");
+      }
+    } restore{nopeer};
     for (auto& t : t_) {
       auto made = CreateTransport(o);
       if (!made.ok()) {
@@ -105,6 +118,7 @@ std::vector<std::string> HarnessNames() {
   std::vector<std::string> names = {"inproc"};
 #if KVFERRY_HAVE_UCX
   names.push_back("ucx");
+  names.push_back("ucx_nopeer");
 #endif
   return names;
 }
@@ -167,7 +181,7 @@ TEST(InProcTransport, DeviceMemoryFollowsOption) {
 TEST(Transport, OpsOutliveTheirTransport) {
   for (const std::string& name : HarnessNames()) {
     TransportOptions o;
-    o.name = name;
+    o.name = name == "ucx_nopeer" ? "ucx" : name;
     o.fabric = InProcFabric::Create();
     auto t = std::move(CreateTransport(o)).value();
     char buf[64];

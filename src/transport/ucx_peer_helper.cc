@@ -1,4 +1,4 @@
-// The child side of ucx_two_process_test: ucx_peer_helper MODE PARENT_ADDRESS
+// The child side of ucx_two_process_test: ucx_peer_helper MODE PARENT_ADDRESS [BW_TOTAL_MIB]
 //   echo  receive 64 MiB (tag 1) and send it back (tag 2)
 //   hang  connect, say ready, then only progress (the parent kills it)
 //   bw    register a 64 MiB region, send (address, key), receive tag-send bandwidth traffic
@@ -41,8 +41,8 @@ bool AwaitExit(Transport& t, Deadline deadline) {
 }
 
 int Main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: ucx_peer_helper echo|hang|bw PARENT_ADDRESS\n");
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: ucx_peer_helper echo|hang|bw PARENT_ADDRESS [BW_TOTAL_MIB]\n");
     return 2;
   }
   alarm(90);  // never outlive a broken parent
@@ -79,8 +79,10 @@ int Main(int argc, char** argv) {
     auto key = (*reg)->PackedKey();
     msg.insert(msg.end(), key.begin(), key.end());
     if (st = t.SendControl(*parent, msg); !st.ok()) return Fail(st);
+    BandwidthParams params;
+    if (argc == 4) params.total_bytes = std::stoull(argv[3]) << 20;
     auto r = ReceiveBandwidth(t, *parent, region.data(), region.size(), MemoryKind::kHost,
-                              uint64_t{1} << 40, BandwidthParams{}, deadline);
+                              uint64_t{1} << 40, params, deadline);
     if (!r.ok()) return Fail(r.status());
   } else {
     return Fail(Status::InvalidArgument("unknown mode " + mode));

@@ -8,7 +8,8 @@
 //   byte 0: kind  (0 = data, 1 = hello + data, 2 = bye)
 //   kind 1: bytes 1..4 address length L (little-endian u32), then L bytes of the sender's
 //           LocalAddress() text, so the receiver can connect back; then the data.
-//   kind 0: the data follows byte 0.     kind 2: nothing follows.
+//   kind 2: like kind 1 without data (the receiver looks the sender up, never connects back).
+//   kind 0: the data follows byte 0.
 // The first control message to a peer is a hello; a transport being destroyed sends bye to every
 // live peer, which fails that peer's pending ops at the receiver with kUnavailable at once.
 //
@@ -16,6 +17,7 @@
 // so a truncated or garbage address is rejected before UCX parses it.
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -256,6 +258,7 @@ class UcxTransport final : public Transport {
   TransportCaps caps_;
   bool device_is_host_ = true;
   bool cuda_ = false;
+  bool peer_errors_ = true;  // ucx.error_mode == "peer"
   int progress_spin_ = 1;
   ContextPtr context_;
   WorkerPtr worker_;
@@ -269,12 +272,14 @@ class UcxTransport final : public Transport {
   std::deque<std::shared_ptr<OpState>> control_in_;  // control receives, in arrival order
   std::deque<ControlMessage> control_ready_;
   std::vector<std::pair<PeerId, ucs_status_t>> deaths_;  // reported by OnEpError
+  std::vector<void*> closing_;  // close requests of dead peers' endpoints (error mode none)
 };
 
 StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions& options) {
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   t->device_is_host_ = options.device_memory_is_host;
   t->progress_spin_ = static_cast<int>(Config::Global().Int("ucx.progress_spin"));
+  t->peer_errors_ = Config::Global().String("ucx.error_mode") == "peer";
 
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
@@ -335,14 +340,8 @@ UcxTransport::~UcxTransport() {
   if (!worker_) return;
   const Deadline deadline =
       DeadlineIn(std::chrono::milliseconds(Config::Global().Int("transport.close_timeout_ms")));
-  // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
-  std::vector<std::shared_ptr<OpState>> byes;
-  for (size_t i = 0; i < peers_.size(); ++i) {
-    if (peers_[i].dead || !peers_[i].hello_sent) continue;
-    auto bye = PostControl(static_cast<PeerId>(i), kKindBye, {});
-    if (bye.ok()) byes.push_back(std::move(bye).value());
-  }
-  // Cancel every pending receive (completes them synchronously with UCS_ERR_CANCELED).
+  // Cancel every pending receive first, so no peer's data lands in them after the byes
+  // (completes them synchronously with UCS_ERR_CANCELED).
   std::vector<OpState*> recvs;
   for (auto& [p, s] : inflight_) {
     if (s->is_recv && s->request) recvs.push_back(p);
@@ -353,6 +352,13 @@ UcxTransport::~UcxTransport() {
       ucp_request_cancel(worker_.get(), s->request);
     }
   }
+  // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
+  std::vector<std::shared_ptr<OpState>> byes;
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    if (peers_[i].dead) continue;
+    auto bye = PostControl(static_cast<PeerId>(i), kKindBye, {});
+    if (bye.ok()) byes.push_back(std::move(bye).value());
+  }
   // Byes are eager sends: they complete locally once handed to the wire.
   auto byes_done = [&] {
     for (auto& b : byes) {
@@ -360,16 +366,19 @@ UcxTransport::~UcxTransport() {
     }
     return true;
   };
-  while (!byes_done() && Clock::now() < deadline) ucp_worker_progress(worker_.get());
-  // Force-close every endpoint: a flushing close would wait for peers that may be gone or not
-  // progressing. Peers learn of it from the bye (or from keepalive if the bye did not go out).
-  std::vector<void*> closing;
+  // A bye not out within 100 ms goes to a peer that is gone or stuck: don't wait for it.
+  const Deadline bye_deadline = std::min(deadline, DeadlineIn(std::chrono::milliseconds(100)));
+  while (!byes_done() && Clock::now() < bye_deadline) ucp_worker_progress(worker_.get());
+  // Error mode peer: force-close every endpoint, as a flushing close would wait for peers that
+  // may be gone or not progressing; peers learn of it from the bye (or keepalive). Error mode
+  // none: force is not allowed, so flush-close within the deadline, then destroy the worker.
+  std::vector<void*> closing = std::move(closing_);
   for (auto& peer : peers_) {
     peer.rkeys.clear();
     if (!peer.ep) continue;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    p.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &p);
     peer.ep = nullptr;
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
@@ -460,6 +469,10 @@ void UcxTransport::OnRecv(void* request, ucs_status_t status, const ucp_tag_recv
 void UcxTransport::Finish(OpState* s, void* request, ucs_status_t status, size_t bytes) {
   if (request) ucp_request_free(request);
   s->request = nullptr;
+  if (s->done) {  // detached at its peer's death: already reported
+    inflight_.erase(s);
+    return;
+  }
   s->bytes = bytes;
   if (!s->forced.ok()) {
     s->status = s->forced;
@@ -510,12 +523,14 @@ StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address) {
   const PeerId id = static_cast<PeerId>(peers_.size());
   ep_args_.push_back({this, id});
   ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   ep_params.address = reinterpret_cast<const ucp_address_t*>(raw.data());
-  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep_params.err_handler.cb = &UcxTransport::OnEpError;
-  ep_params.err_handler.arg = &ep_args_.back();
+  ep_params.err_mode = peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (peer_errors_) {
+    ep_params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.err_handler.cb = &UcxTransport::OnEpError;
+    ep_params.err_handler.arg = &ep_args_.back();
+  }
   ucp_ep_h ep = nullptr;
   const ucs_status_t st = ucp_ep_create(worker_.get(), &ep_params, &ep);
   if (st != UCS_OK) {
@@ -543,12 +558,22 @@ void UcxTransport::MarkDead(PeerId peer, Status why) {
     s->forced = p.death;
     ucp_request_cancel(worker_.get(), s->request);
   }
+  // Sends, puts and flushes to the peer end now for the caller; UCX may still hold their
+  // requests (error mode none) until the endpoint closes: they stay in flight, detached.
+  for (auto& [ptr, st] : inflight_) {
+    if (st->peer != peer || st->is_recv || st->done) continue;
+    st->forced = p.death;
+    st->status = p.death;
+    st->done = true;
+  }
   if (p.ep) {
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;  // fails the endpoint's pending sends
+    // Force (fails the endpoint's requests) needs error mode peer on both sides; otherwise a
+    // flushing close that completes when it can (or when the worker is destroyed).
+    prm.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &prm);
-    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
     p.ep = nullptr;
   }
 }
@@ -570,7 +595,7 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   auto s = NewOp(peer, false);
   if (kind == kKindData && !p.hello_sent) kind = kKindHello;
   s->payload.push_back(static_cast<std::byte>(kind));
-  if (kind == kKindHello) {
+  if (kind == kKindHello || kind == kKindBye) {
     const uint32_t n = static_cast<uint32_t>(address_.size());
     for (int i = 0; i < 4; ++i) s->payload.push_back(static_cast<std::byte>(n >> (8 * i)));
     const auto* a = reinterpret_cast<const std::byte*>(address_.data());
@@ -583,7 +608,7 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   auto keep = s;
   auto op = Posted(std::move(s), r, "ucx control send");
   if (op->Done() && !op->status().ok()) return op->status();
-  p.hello_sent = true;
+  if (kind == kKindHello) p.hello_sent = true;
   return keep;  // a later failure shows as the peer's death
 }
 
@@ -625,6 +650,19 @@ void UcxTransport::DrainControl() {
     const auto* p = reinterpret_cast<const uint8_t*>(s->payload.data());
     const size_t n = s->payload.size();
     size_t off = 1;
+    if (p[0] == kKindBye) {
+      if (n < 5 || n - 5 < GetU32(p + 1)) continue;
+      auto it = peer_by_instance_.find(instance);
+      auto by_addr =
+          peer_by_address_.find(std::string(reinterpret_cast<const char*>(p + 5), GetU32(p + 1)));
+      const PeerId gone = it != peer_by_instance_.end()       ? it->second
+                          : by_addr != peer_by_address_.end() ? by_addr->second
+                                                              : kAnyPeer;
+      if (gone != kAnyPeer) {
+        MarkDead(gone, Status::Unavailable("ucx peer " + std::to_string(gone) + " shut down"));
+      }
+      continue;
+    }
     if (p[0] == kKindHello) {
       if (n < 5 || n - 5 < GetU32(p + 1)) {
         Log(LogLevel::kWarn, "ucx: dropped a malformed hello");
@@ -643,11 +681,6 @@ void UcxTransport::DrainControl() {
     auto it = peer_by_instance_.find(instance);
     if (it == peer_by_instance_.end()) {
       Log(LogLevel::kWarn, "ucx: dropped a control message from an unknown sender");
-      continue;
-    }
-    if (p[0] == kKindBye) {
-      MarkDead(it->second,
-               Status::Unavailable("ucx peer " + std::to_string(it->second) + " shut down"));
       continue;
     }
     ControlMessage m;
@@ -669,6 +702,13 @@ bool UcxTransport::Progress() {
   bool any = false;
   for (int i = 0; i < progress_spin_; ++i) any |= ucp_worker_progress(worker_.get()) != 0;
   HandleDeaths();
+  if (!closing_.empty()) {
+    std::erase_if(closing_, [](void* r) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+      ucp_request_free(r);
+      return true;
+    });
+  }
   const size_t before = control_ready_.size();
   DrainControl();
   return any || control_ready_.size() != before;

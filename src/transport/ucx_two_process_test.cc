@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvferry/config.h"
 #include "transport/bandwidth.h"
 #include "transport/transport.h"
 
@@ -22,11 +23,11 @@ using std::chrono::milliseconds;
 
 class Child {
  public:
-  Child(const std::string& mode, const std::string& address) {
+  Child(const std::string& mode, const std::string& address, const std::string& extra = "0") {
     pid_ = fork();
     if (pid_ == 0) {
       execl(KVFERRY_UCX_PEER_HELPER, KVFERRY_UCX_PEER_HELPER, mode.c_str(), address.c_str(),
-            nullptr);
+            extra.c_str(), nullptr);
       _exit(127);
     }
   }
@@ -130,36 +131,56 @@ TEST_F(UcxTwoProcess, KilledPeerFailsPendingOpsWithinDeadline) {
   EXPECT_EQ(t_->SendControl(peer, Bytes("x")).code(), StatusCode::kUnavailable);
 }
 
-TEST_F(UcxTwoProcess, PutAndSendBandwidth4MiBMessages) {
-  Child child("bw", t_->LocalAddress());
-  const PeerId peer = AwaitReady();
-  ASSERT_NE(peer, kAnyPeer);
-  std::optional<ControlMessage> key;
+// Raw UCX bandwidth between two processes for the same bytes the benchmarks move; printed for
+// both error modes (peer: TCP on UCX 1.13; none: shared memory / CMA).
+void RunBandwidth(const std::string& mode) {
+  ASSERT_TRUE(Config::Global().Set("ucx.error_mode", mode).ok());
+  setenv("KVFERRY_UCX_ERROR_MODE", mode.c_str(), 1);
+  TransportOptions o;
+  o.name = "ucx";
+  auto made = CreateTransport(o);
+  (void)Config::Global().Reset("ucx.error_mode");
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  Transport& t = **made;
+  BandwidthParams p;  // 4 MiB messages, 8 in flight
+  p.total_bytes = mode == "peer" ? size_t{256} << 20 : size_t{1} << 30;
+  Child child("bw", t.LocalAddress(), std::to_string(p.total_bytes >> 20));
+  unsetenv("KVFERRY_UCX_ERROR_MODE");
   const Deadline deadline = DeadlineIn(milliseconds(60000));
-  while (!key && Clock::now() < deadline) key = t_->PollControl();
+  std::optional<ControlMessage> ready, key;
+  while (!key && Clock::now() < deadline) {
+    auto m = t.PollControl();
+    if (m && !ready) {
+      ready = std::move(m);
+    } else if (m) {
+      key = std::move(m);
+    }
+  }
   ASSERT_TRUE(key.has_value());
+  const PeerId peer = key->from;
   uint64_t addr = 0;
   std::memcpy(&addr, key->bytes.data(), 8);
   std::span<const std::byte> rkey(key->bytes.data() + 8, key->bytes.size() - 8);
   std::vector<std::byte> src(size_t{64} << 20, std::byte{7});
-  auto reg = t_->RegisterMemory(src.data(), src.size(), MemoryKind::kHost);
+  auto reg = t.RegisterMemory(src.data(), src.size(), MemoryKind::kHost);
   ASSERT_TRUE(reg.ok()) << reg.status().ToString();
-  BandwidthParams p;  // 1 GiB in 4 MiB messages, 8 in flight
-  auto put = MeasurePutBandwidth(*t_, peer, src.data(), src.size(), MemoryKind::kHost, addr,
+  auto put = MeasurePutBandwidth(t, peer, src.data(), src.size(), MemoryKind::kHost, addr,
                                  size_t{64} << 20, rkey, p, deadline);
   ASSERT_TRUE(put.ok()) << put.status().ToString();
-  auto send = SendBandwidth(*t_, peer, src.data(), src.size(), MemoryKind::kHost, uint64_t{1} << 40,
+  auto send = SendBandwidth(t, peer, src.data(), src.size(), MemoryKind::kHost, uint64_t{1} << 40,
                             p, deadline);
   ASSERT_TRUE(send.ok()) << send.status().ToString();
   std::printf(
-      "[ info ] ucx two processes, 4 MiB messages x8 in flight, 1 GiB: put %.2f GB/s, "
-      "tag send %.2f GB/s\n",
-      put->GBps(), send->GBps());
-  ASSERT_TRUE(t_->SendControl(peer, Bytes("exit")).ok());
-  const Deadline exit_deadline = DeadlineIn(milliseconds(10000));
-  for (int i = 0; i < 1000; ++i) t_->Progress();
-  EXPECT_EQ(child.Wait(exit_deadline), 0);
+      "[ info ] ucx.error_mode=%s, two processes, 4 MiB messages x8 in flight, %zu MiB: "
+      "put %.2f GB/s, tag send %.2f GB/s\n",
+      mode.c_str(), p.total_bytes >> 20, put->GBps(), send->GBps());
+  ASSERT_TRUE(t.SendControl(peer, Bytes("exit")).ok());
+  for (int i = 0; i < 1000; ++i) t.Progress();
+  EXPECT_EQ(child.Wait(DeadlineIn(milliseconds(10000))), 0);
 }
+
+TEST(UcxTwoProcessBandwidth, PutAndSend4MiBMessagesErrorModePeer) { RunBandwidth("peer"); }
+TEST(UcxTwoProcessBandwidth, PutAndSend4MiBMessagesErrorModeNone) { RunBandwidth("none"); }
 
 }  // namespace
 }  // namespace kvferry
