@@ -56,10 +56,14 @@ using PeerId = int32_t;
 inline constexpr PeerId kAnyPeer = -1;
 
 struct TransportCaps {
-  std::string name;              // "inproc", "ucx", "mpi"
-  int tag_bits = 64;             // usable bits of a data tag (ucx 63, mpi from MPI_TAG_UB)
-  bool device_memory = false;    // Send/Recv/Put accept MemoryKind::kDevice buffers
-  bool one_sided = false;        // RegisterMemory/Put/Flush are implemented
+  std::string name;            // "inproc", "ucx", "mpi"
+  int tag_bits = 64;           // usable bits of a data tag (ucx 63, mpi from MPI_TAG_UB)
+  bool device_memory = false;  // Send/Recv/Put accept MemoryKind::kDevice buffers
+  bool one_sided = false;      // RegisterMemory/Put/Flush are implemented
+  // A peer that dies without shutting down (crash, kill -9) fails pending ops with kUnavailable.
+  // When false (ucx with ucx.error_mode=none, mpi) only an orderly shutdown is noticed; callers
+  // rely on their own deadlines.
+  bool detects_crashed_peers = false;
   size_t max_control_bytes = 0;  // largest control message
 };
 
@@ -76,7 +80,8 @@ class TransportOp {
 
 // A memory region registered for one-sided access. Move-only owner: deregisters when destroyed
 // (it must not outlive its transport). PackedKey() travels to peers, which Put into the region
-// at addresses [address(), address() + size()).
+// at addresses [address(), address() + size()). A region the transport allocated
+// (RegisterMemory with ptr == nullptr) is also used locally at address(), and freed with it.
 class MemoryRegistration {
  public:
   virtual ~MemoryRegistration() = default;
@@ -122,6 +127,9 @@ class Transport {
   // `remote_addr` inside a peer's registration whose PackedKey() is `rkey`; it completes when
   // `local` may be reused (local completion: the bytes need not be visible remotely yet).
   // Flush completes when every Put issued to `peer` before it is visible in the peer's memory.
+  // RegisterMemory(nullptr, bytes, kind) lets the transport allocate the region, in the memory
+  // peers reach fastest (ucx on one host: shared memory, so a Put is one copy; user memory is
+  // reached through CMA or emulation, far slower on UCX 1.13).
   virtual StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
                                                                        MemoryKind kind);
   virtual StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,

@@ -70,9 +70,10 @@ int Main(int argc, char** argv) {
     while (Clock::now() < deadline) t.Progress();
     return 3;
   } else if (mode == "bw") {
-    std::vector<std::byte> region(size_t{64} << 20, std::byte{1});
-    auto reg = t.RegisterMemory(region.data(), region.size(), MemoryKind::kHost);
+    // The transport allocates the region (shared memory on one host: the fastest put target).
+    auto reg = t.RegisterMemory(nullptr, size_t{64} << 20, MemoryKind::kHost);
     if (!reg.ok()) return Fail(reg.status());
+    std::span<std::byte> region(reinterpret_cast<std::byte*>((*reg)->address()), (*reg)->size());
     std::vector<std::byte> msg(8);
     const uint64_t addr = (*reg)->address();
     std::memcpy(msg.data(), &addr, 8);

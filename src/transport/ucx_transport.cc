@@ -331,6 +331,7 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   t->caps_.tag_bits = 63;
   t->caps_.device_memory = t->device_is_host_ || t->cuda_;
   t->caps_.one_sided = true;
+  t->caps_.detects_crashed_peers = t->peer_errors_;
   t->caps_.max_control_bytes = size_t{1} << 20;
   Log(LogLevel::kDebug, "ucx transport up: cuda={} address {} bytes", t->cuda_, addr_len);
   return std::unique_ptr<Transport>(std::move(t));
@@ -762,10 +763,18 @@ void UcxTransport::Cancel(TransportOp& op) {
 StatusOr<std::unique_ptr<MemoryRegistration>> UcxTransport::RegisterMemory(void* ptr, size_t bytes,
                                                                            MemoryKind kind) {
   KVF_RETURN_IF_ERROR(CheckKind(kind));
-  if (ptr == nullptr || bytes == 0) return Status::InvalidArgument("ucx: empty registration");
+  if (bytes == 0) return Status::InvalidArgument("ucx: empty registration");
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+  if (ptr == nullptr) {
+    // UCX allocates: on one host, shared memory that peers' puts reach with a plain copy.
+    if (kind == MemoryKind::kDevice && !device_is_host_) {
+      return Status::InvalidArgument("ucx: allocating device memory is not supported");
+    }
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+  }
   mp.address = ptr;
   mp.length = bytes;
   mp.memory_type = (kind == MemoryKind::kDevice && !device_is_host_) ? UCS_MEMORY_TYPE_CUDA
@@ -773,6 +782,16 @@ StatusOr<std::unique_ptr<MemoryRegistration>> UcxTransport::RegisterMemory(void*
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context_.get(), &mp, &memh);
   if (st != UCS_OK) return FromUcs(st, "ucp_mem_map");
+  if (ptr == nullptr) {
+    ucp_mem_attr_t ma{};
+    ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
+    st = ucp_mem_query(memh, &ma);
+    if (st != UCS_OK) {
+      ucp_mem_unmap(context_.get(), memh);
+      return FromUcs(st, "ucp_mem_query");
+    }
+    ptr = ma.address;
+  }
   void* key = nullptr;
   size_t key_len = 0;
   st = ucp_rkey_pack(context_.get(), memh, &key, &key_len);
