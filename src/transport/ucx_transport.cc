@@ -373,7 +373,10 @@ UcxTransport::~UcxTransport() {
   // Error mode peer: force-close every endpoint, as a flushing close would wait for peers that
   // may be gone or not progressing; peers learn of it from the bye (or keepalive). Error mode
   // none: force is not allowed, so flush-close within the deadline, then destroy the worker.
-  std::vector<void*> closing = std::move(closing_);
+  // Dead peers' endpoints (error mode none) may never finish closing: don't wait for them.
+  for (void* r : closing_) ucp_request_free(r);
+  closing_.clear();
+  std::vector<void*> closing;
   for (auto& peer : peers_) {
     peer.rkeys.clear();
     if (!peer.ep) continue;
@@ -384,7 +387,16 @@ UcxTransport::~UcxTransport() {
     peer.ep = nullptr;
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
   }
-  while (!closing.empty() && Clock::now() < deadline) {
+  // Closing completes the endpoints' requests (force: cancelled; flush: when done): wait for
+  // them too, so UCX hands back every request before the worker goes.
+  auto requests_pending = [&] {
+    for (auto& [p, s] : inflight_) {
+      // Error mode none: a detached op's peer is gone and its request never ends; don't wait.
+      if (s->request && (peer_errors_ || !s->done)) return true;
+    }
+    return false;
+  };
+  while ((!closing.empty() || requests_pending()) && Clock::now() < deadline) {
     ucp_worker_progress(worker_.get());
     std::erase_if(closing, [](void* r) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
@@ -397,12 +409,17 @@ UcxTransport::~UcxTransport() {
         closing.size());
     for (void* r : closing) ucp_request_free(r);
   }
-  // What UCX did not complete, we do: buffers are released with the worker.
+  // What UCX did not complete, we do (ucp_request_free: no callback will follow); buffers are
+  // released with the worker. States stay alive until the worker is gone.
+  std::vector<std::shared_ptr<OpState>> keep;
   for (auto& [p, s] : inflight_) {
     if (s->request) ucp_request_free(s->request);
     s->request = nullptr;
-    s->status = s->forced.ok() ? Status::Cancelled("ucx transport destroyed") : s->forced;
-    s->done = true;
+    if (!s->done) {
+      s->status = s->forced.ok() ? Status::Cancelled("ucx transport destroyed") : s->forced;
+      s->done = true;
+    }
+    keep.push_back(s);
   }
   inflight_.clear();
   control_in_.clear();
