@@ -1,6 +1,9 @@
-// The MPI transport: MPI_Isend/MPI_Irecv on a duplicate of MPI_COMM_WORLD for data, and a second
+// The MPI transport: MPI_Isend/MPI_Imrecv on a duplicate of MPI_COMM_WORLD for data, and a second
 // duplicate for control messages (MPI_Iprobe + MPI_Recv from any source), so every data tag in
 // [0, MPI_TAG_UB] is usable. PeerId = world rank; LocalAddress() = the rank as decimal text.
+//
+// Creating (MPI_Comm_dup) and destroying (MPI_Comm_free) are collective over MPI_COMM_WORLD:
+// every rank creates its MpiTransports in the same order.
 //
 // Receives are matched by MPI_Improbe + MPI_Imrecv during Progress(), in posting order.
 //
