@@ -9,6 +9,9 @@
 #include "kvferry_build_config.h"
 #include "transport/inproc_transport.h"
 #include "transport/transport_conformance.h"
+#if KVFERRY_HAVE_UCX
+#include "transport/ucx_address.h"
+#endif
 
 namespace kvferry::testing {
 namespace {
@@ -191,6 +194,30 @@ TEST(Transport, OpsOutliveTheirTransport) {
     EXPECT_FALSE(op->status().ok()) << name;
   }
 }
+
+#if KVFERRY_HAVE_UCX
+TEST(UcxAddress, RoundTripsAndRejectsEveryMutation) {
+  std::vector<uint8_t> raw(123);
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(i * 37 + 1);
+  const std::string text = EncodeUcxAddress(raw.data(), raw.size());
+  auto back = DecodeUcxAddress(text);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, raw);
+  // Every single-character change and every truncation is caught (length + FNV-1a checksum).
+  for (size_t i = 0; i < text.size(); ++i) {
+    for (char c : {'0', '7', 'f', 'F', 'x', ':'}) {
+      if (text[i] == c) continue;
+      std::string bad = text;
+      bad[i] = c;
+      EXPECT_EQ(DecodeUcxAddress(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+    }
+  }
+  for (size_t n = 0; n < text.size(); ++n) {
+    EXPECT_EQ(DecodeUcxAddress(text.substr(0, n)).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(DecodeUcxAddress(text + "00").ok());
+}
+#endif
 
 }  // namespace
 }  // namespace kvferry::testing

@@ -1,5 +1,6 @@
 // The UCX transport. One ucp_context (TAG | RMA), one single-threaded worker, one endpoint per
-// peer with error handling mode PEER so a dead peer fails operations instead of hanging them.
+// peer, with error handling mode PEER (ucx.error_mode=peer, the default) so a dead peer fails
+// operations instead of hanging them; ucx.error_mode=none trades that for shared memory.
 //
 // Tags: bit 63 set = control message, its low 63 bits the sender's random instance id; bit 63
 // clear = data (caps().tag_bits = 63), matched with a full 64-bit mask.
@@ -13,8 +14,7 @@
 // The first control message to a peer is a hello; a transport being destroyed sends bye to every
 // live peer, which fails that peer's pending ops at the receiver with kUnavailable at once.
 //
-// Address text: "ucx1:" + hex( u32 LE length N | N worker-address bytes | u32 LE FNV-1a of them ),
-// so a truncated or garbage address is rejected before UCX parses it.
+// Address text: see ucx_address.h.
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
@@ -29,12 +29,12 @@
 #include "base/log.h"
 #include "kvferry/config.h"
 #include "transport/transport.h"
+#include "transport/ucx_address.h"
 
 namespace kvferry {
 namespace {
 
 constexpr uint64_t kCtrlBit = uint64_t{1} << 63;
-constexpr std::string_view kScheme = "ucx1:";
 constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
 
 Status FromUcs(ucs_status_t st, std::string_view what) {
@@ -64,60 +64,6 @@ Status FromUcs(ucs_status_t st, std::string_view what) {
     default:
       return Status::Internal(std::move(msg));
   }
-}
-
-uint32_t Fnv1a(const uint8_t* p, size_t n) {
-  uint32_t h = 2166136261u;
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 16777619u;
-  return h;
-}
-
-void PutU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-uint32_t GetU32(const uint8_t* p) {
-  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
-}
-
-std::string EncodeAddress(const void* addr, size_t len) {
-  std::vector<uint8_t> raw;
-  PutU32(raw, static_cast<uint32_t>(len));
-  const auto* p = static_cast<const uint8_t*>(addr);
-  raw.insert(raw.end(), p, p + len);
-  PutU32(raw, Fnv1a(p, len));
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(kScheme);
-  for (uint8_t b : raw) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
-}
-
-StatusOr<std::vector<uint8_t>> DecodeAddress(std::string_view text) {
-  auto bad = [&](std::string_view why) {
-    std::string shown(text.substr(0, 48));
-    return Status::InvalidArgument("not a ucx address ('" + shown +
-                                   (text.size() > 48 ? "...'" : "'") + "): " + std::string(why));
-  };
-  if (text.substr(0, kScheme.size()) != kScheme) return bad("missing 'ucx1:' prefix");
-  std::string_view hex = text.substr(kScheme.size());
-  if (hex.size() % 2 != 0 || hex.size() < 16) return bad("bad length");
-  std::vector<uint8_t> raw(hex.size() / 2);
-  auto nib = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  for (size_t i = 0; i < raw.size(); ++i) {
-    int hi = nib(hex[2 * i]), lo = nib(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return bad("not lowercase hex");
-    raw[i] = static_cast<uint8_t>(hi << 4 | lo);
-  }
-  const uint32_t n = GetU32(raw.data());
-  if (size_t{n} + 8 != raw.size()) return bad("length field does not match");
-  if (Fnv1a(raw.data() + 4, n) != GetU32(raw.data() + 4 + n)) return bad("checksum mismatch");
-  return std::vector<uint8_t>(raw.begin() + 4, raw.begin() + 4 + n);
 }
 
 // ---- move-only owners of UCX handles ----------------------------------------------------------
@@ -321,7 +267,7 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   size_t addr_len = 0;
   st = ucp_worker_get_address(worker, &addr, &addr_len);
   if (st != UCS_OK) return FromUcs(st, "ucp_worker_get_address").WithContext("ucx transport");
-  t->address_ = EncodeAddress(addr, addr_len);
+  t->address_ = EncodeUcxAddress(addr, addr_len);
   ucp_worker_release_address(worker, addr);
 
   std::random_device rd;
@@ -528,7 +474,7 @@ StatusOr<Peer*> UcxTransport::LivePeer(PeerId peer) {
 }
 
 StatusOr<PeerId> UcxTransport::Connect(std::string_view address, Deadline) {
-  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeAddress(address));
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(address));
   (void)raw;
   return ConnectAddress(std::string(address));
 }
@@ -536,7 +482,7 @@ StatusOr<PeerId> UcxTransport::Connect(std::string_view address, Deadline) {
 StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address) {
   auto it = peer_by_address_.find(address);
   if (it != peer_by_address_.end() && !peers_[it->second].dead) return it->second;
-  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeAddress(address));
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(address));
   if (address == address_) return Status::InvalidArgument("ucx: connecting to self");
   const PeerId id = static_cast<PeerId>(peers_.size());
   ep_args_.push_back({this, id});
@@ -669,10 +615,10 @@ void UcxTransport::DrainControl() {
     const size_t n = s->payload.size();
     size_t off = 1;
     if (p[0] == kKindBye) {
-      if (n < 5 || n - 5 < GetU32(p + 1)) continue;
+      if (n < 5 || n - 5 < LoadU32Le(p + 1)) continue;
       auto it = peer_by_instance_.find(instance);
-      auto by_addr =
-          peer_by_address_.find(std::string(reinterpret_cast<const char*>(p + 5), GetU32(p + 1)));
+      auto by_addr = peer_by_address_.find(
+          std::string(reinterpret_cast<const char*>(p + 5), LoadU32Le(p + 1)));
       const PeerId gone = it != peer_by_instance_.end()       ? it->second
                           : by_addr != peer_by_address_.end() ? by_addr->second
                                                               : kAnyPeer;
@@ -682,11 +628,11 @@ void UcxTransport::DrainControl() {
       continue;
     }
     if (p[0] == kKindHello) {
-      if (n < 5 || n - 5 < GetU32(p + 1)) {
+      if (n < 5 || n - 5 < LoadU32Le(p + 1)) {
         Log(LogLevel::kWarn, "ucx: dropped a malformed hello");
         continue;
       }
-      const uint32_t len = GetU32(p + 1);
+      const uint32_t len = LoadU32Le(p + 1);
       std::string addr(reinterpret_cast<const char*>(p + 5), len);
       auto peer = ConnectAddress(addr);
       if (!peer.ok()) {
