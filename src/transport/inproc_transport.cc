@@ -116,6 +116,7 @@ class InProcTransport final : public Transport {
     caps_.tag_bits = 64;
     caps_.device_memory = device_is_host;
     caps_.one_sided = false;
+    caps_.detects_crashed_peers = true;  // InProcFabric::Kill
     caps_.max_control_bytes = size_t{1} << 20;
     std::lock_guard lock(fabric_->mu);
     address_ = std::string(kScheme) + std::to_string(fabric_->next_id++);

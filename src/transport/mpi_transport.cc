@@ -1,6 +1,11 @@
-// The MPI transport: MPI_Isend/MPI_Irecv on a duplicate of MPI_COMM_WORLD for data, and a second
+// The MPI transport: MPI_Isend/MPI_Imrecv on a duplicate of MPI_COMM_WORLD for data, and a second
 // duplicate for control messages (MPI_Iprobe + MPI_Recv from any source), so every data tag in
 // [0, MPI_TAG_UB] is usable. PeerId = world rank; LocalAddress() = the rank as decimal text.
+//
+// Creating (MPI_Comm_dup) and destroying (MPI_Comm_free) are collective over MPI_COMM_WORLD:
+// every rank creates its MpiTransports in the same order.
+//
+// Receives are matched by MPI_Improbe + MPI_Imrecv during Progress(), in posting order.
 //
 // MPI is initialized here (MPI_THREAD_MULTIPLE requested, SERIALIZED accepted) unless the program
 // did it, and then finalized at process exit. Communicators get MPI_ERRORS_RETURN so a truncated
@@ -13,6 +18,7 @@
 
 #include <cstdlib>
 #include <deque>
+#include <list>
 #include <string>
 #include <unordered_map>
 
@@ -47,6 +53,11 @@ struct OpState {
   Status status;
   size_t bytes = 0;
   std::vector<std::byte> payload;  // control sends own their bytes
+  // Receives not yet matched (request == MPI_REQUEST_NULL, see MatchReceives).
+  int source = MPI_ANY_SOURCE;
+  int tag = 0;
+  void* buf = nullptr;
+  size_t capacity = 0;
 };
 
 class MpiOp final : public TransportOp {
@@ -109,9 +120,11 @@ class MpiTransport final : public Transport {
   ~MpiTransport() override {
     const Deadline deadline =
         DeadlineIn(std::chrono::milliseconds(Config::Global().Int("transport.close_timeout_ms")));
-    for (auto& [p, s] : inflight_) {
-      if (s->is_recv && s->request != MPI_REQUEST_NULL) MPI_Cancel(&s->request);
+    for (auto& s : unmatched_) {
+      s->status = Status::Cancelled("mpi transport destroyed");
+      s->done = true;
     }
+    unmatched_.clear();
     while (!inflight_.empty() && Clock::now() < deadline) TestAll();
     for (auto& [p, s] : inflight_) {  // sends nobody received: abandon them
       if (s->request != MPI_REQUEST_NULL) MPI_Request_free(&s->request);
@@ -154,19 +167,28 @@ class MpiTransport final : public Transport {
     KVF_RETURN_IF_ERROR(Check(peer, tag, capacity, kind, true));
     auto s = std::make_shared<OpState>();
     s->is_recv = true;
-    KVF_RETURN_IF_ERROR(FromMpi(MPI_Irecv(buf, static_cast<int>(capacity), MPI_BYTE,
-                                          peer == kAnyPeer ? MPI_ANY_SOURCE : peer,
-                                          static_cast<int>(tag), data_, &s->request),
-                                "MPI_Irecv"));
-    return Track(std::move(s));
+    s->source = peer == kAnyPeer ? MPI_ANY_SOURCE : peer;
+    s->tag = static_cast<int>(tag);
+    s->buf = buf;
+    s->capacity = capacity;
+    unmatched_.push_back(s);
+    MatchReceives();
+    return std::unique_ptr<TransportOp>(std::make_unique<MpiOp>(std::move(s)));
   }
 
   void Cancel(TransportOp& op) override {
     auto* mine = dynamic_cast<MpiOp*>(&op);
     if (mine == nullptr || mine->Done()) return;
     OpState& s = mine->state();
-    // Sends are not cancelled: MPI_Cancel of a send is deprecated and unreliable.
-    if (s.is_recv && s.request != MPI_REQUEST_NULL) MPI_Cancel(&s.request);
+    // Only unmatched receives are cancelled: MPI_Cancel of a send is deprecated and unreliable,
+    // and a matched receive is already being filled.
+    for (auto it = unmatched_.begin(); it != unmatched_.end(); ++it) {
+      if (it->get() != &s) continue;
+      s.status = Status::Cancelled("mpi receive cancelled");
+      s.done = true;
+      unmatched_.erase(it);
+      return;
+    }
   }
 
   Status SendControl(PeerId peer, std::span<const std::byte> bytes) override {
@@ -208,7 +230,10 @@ class MpiTransport final : public Transport {
     return m;
   }
 
-  bool Progress() override { return TestAll(); }
+  bool Progress() override {
+    const bool matched = MatchReceives();
+    return TestAll() || matched;
+  }
 
  private:
   MpiTransport() = default;
@@ -231,6 +256,48 @@ class MpiTransport final : public Transport {
     return Status::Ok();
   }
 
+  // Matches posted receives to arrived messages in posting order (MPI_Improbe), so a message
+  // larger than its receive buffer is drained into scratch memory and the receive fails with
+  // kInvalidArgument, instead of relying on MPI's truncation handling.
+  bool MatchReceives() {
+    bool any = false;
+    for (auto it = unmatched_.begin(); it != unmatched_.end();) {
+      OpState& s = **it;
+      int flag = 0;
+      MPI_Message msg;
+      MPI_Status st;
+      int rc = MPI_Improbe(s.source, s.tag, data_, &flag, &msg, &st);
+      if (rc == MPI_SUCCESS && !flag) {
+        ++it;
+        continue;
+      }
+      int count = 0;
+      if (rc == MPI_SUCCESS) MPI_Get_count(&st, MPI_BYTE, &count);
+      if (rc != MPI_SUCCESS) {
+        s.status = FromMpi(rc, "MPI_Improbe");
+        s.done = true;
+      } else if (static_cast<size_t>(count) > s.capacity) {
+        std::vector<std::byte> scratch(static_cast<size_t>(count));
+        MPI_Mrecv(scratch.data(), count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+        s.status = Status::InvalidArgument("mpi: message of " + std::to_string(count) +
+                                           " bytes is larger than the receive buffer (" +
+                                           std::to_string(s.capacity) + ")");
+        s.done = true;
+      } else {
+        rc = MPI_Imrecv(s.buf, count, MPI_BYTE, &msg, &s.request);
+        if (rc != MPI_SUCCESS) {
+          s.status = FromMpi(rc, "MPI_Imrecv");
+          s.done = true;
+        } else {
+          inflight_.emplace(&s, *it);
+        }
+      }
+      any = true;
+      it = unmatched_.erase(it);
+    }
+    return any;
+  }
+
   std::unique_ptr<TransportOp> Track(std::shared_ptr<OpState> s) {
     inflight_.emplace(s.get(), s);
     return std::make_unique<MpiOp>(std::move(s));
@@ -242,6 +309,8 @@ class MpiTransport final : public Transport {
       OpState& s = *it->second;
       int flag = 0;
       MPI_Status st;
+      // Errors come back as the return code (MPI_ERRORS_RETURN); st.MPI_ERROR is not set by
+      // MPI_Test.
       const int rc = MPI_Test(&s.request, &flag, &st);
       if (rc != MPI_SUCCESS) {
         s.status = FromMpi(rc, s.is_recv ? "mpi receive" : "mpi send");
@@ -251,8 +320,6 @@ class MpiTransport final : public Transport {
         if (s.is_recv) MPI_Test_cancelled(&st, &cancelled);
         if (cancelled) {
           s.status = Status::Cancelled("mpi receive cancelled");
-        } else if (s.is_recv && st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != 0) {
-          s.status = FromMpi(st.MPI_ERROR, "mpi receive");
         } else if (s.is_recv) {
           int count = 0;
           MPI_Get_count(&st, MPI_BYTE, &count);
@@ -277,6 +344,7 @@ class MpiTransport final : public Transport {
   int size_ = 0;
   uint64_t tag_ub_ = 0;
   std::unordered_map<OpState*, std::shared_ptr<OpState>> inflight_;
+  std::list<std::shared_ptr<OpState>> unmatched_;  // receives in posting order
 };
 
 }  // namespace

@@ -23,12 +23,13 @@
 // Completion: Send/Recv/Put/Flush return an Op immediately. An Op is complete when Done(); a
 // send's buffer may be reused then, a receive's bytes are visible then. Nothing completes without
 // Progress(), which the caller drives (one progress thread per transport). Cancel() ends a
-// pending receive with kCancelled; a send can only be cancelled once the transport has released
-// its buffer (see Cancel). A peer's failure (its process died, it was destroyed, or, for inproc,
-// it was killed) completes every pending op naming it with kUnavailable: sends, puts, flushes and
-// receives posted with that PeerId (not kAnyPeer receives), within the transport's failure
-// detection time (ucx: immediate on orderly shutdown and on TCP, keepalive interval otherwise;
-// mpi: no detection, a dead rank aborts the job).
+// pending receive with kCancelled; sends can't be cancelled (see Cancel). A peer's failure (it
+// was destroyed, its process died, or, for inproc, it was killed) completes every pending op
+// naming it with kUnavailable: sends, puts, flushes and receives posted with that PeerId (not
+// kAnyPeer receives). When: a destroyed peer says so (ucx: a "bye" control message; inproc: at
+// once); a crashed one is noticed only when caps().detects_crashed_peers (ucx with
+// ucx.error_mode=peer: transport error or keepalive, ucx.keepalive_ms). mpi: no detection, a
+// dead rank makes mpirun abort the job. Callers keep their own deadlines regardless.
 //
 // Ops: an Op may be destroyed at any time, but the buffer it names must stay valid until the op
 // is Done or the transport is destroyed (destroying an op does not cancel it). Ops may outlive
@@ -56,10 +57,14 @@ using PeerId = int32_t;
 inline constexpr PeerId kAnyPeer = -1;
 
 struct TransportCaps {
-  std::string name;              // "inproc", "ucx", "mpi"
-  int tag_bits = 64;             // usable bits of a data tag (ucx 63, mpi from MPI_TAG_UB)
-  bool device_memory = false;    // Send/Recv/Put accept MemoryKind::kDevice buffers
-  bool one_sided = false;        // RegisterMemory/Put/Flush are implemented
+  std::string name;            // "inproc", "ucx", "mpi"
+  int tag_bits = 64;           // usable bits of a data tag (ucx 63, mpi from MPI_TAG_UB)
+  bool device_memory = false;  // Send/Recv/Put accept MemoryKind::kDevice buffers
+  bool one_sided = false;      // RegisterMemory/Put/Flush are implemented
+  // A peer that dies without shutting down (crash, kill -9) fails pending ops with kUnavailable.
+  // When false (ucx with ucx.error_mode=none, mpi) only an orderly shutdown is noticed; callers
+  // rely on their own deadlines.
+  bool detects_crashed_peers = false;
   size_t max_control_bytes = 0;  // largest control message
 };
 
@@ -76,7 +81,8 @@ class TransportOp {
 
 // A memory region registered for one-sided access. Move-only owner: deregisters when destroyed
 // (it must not outlive its transport). PackedKey() travels to peers, which Put into the region
-// at addresses [address(), address() + size()).
+// at addresses [address(), address() + size()). A region the transport allocated
+// (RegisterMemory with ptr == nullptr) is also used locally at address(), and freed with it.
 class MemoryRegistration {
  public:
   virtual ~MemoryRegistration() = default;
@@ -105,10 +111,11 @@ class Transport {
                                                       size_t bytes, MemoryKind kind) = 0;
   virtual StatusOr<std::unique_ptr<TransportOp>> Recv(PeerId peer, uint64_t tag, void* buf,
                                                       size_t capacity, MemoryKind kind) = 0;
-  // Receives complete with kCancelled (promptly, at the next Progress()). Sends: inproc cancels
-  // at once; ucx and mpi can't take back a send the peer may be reading, so the op completes when
-  // the transport releases the buffer (the receiver matched it, the peer died, or the transport
-  // is destroyed), with kCancelled if it had not completed before. No-op on a Done op.
+  // A receive not yet matched completes with kCancelled at once (one already being filled by a
+  // rendezvous completes as it would have). Sends: inproc cancels at once; ucx and mpi can't
+  // take back a send the peer may be reading, so Cancel has no effect on them: the op completes
+  // when the receiver matches it, the peer dies, or the transport is destroyed (kCancelled).
+  // No-op on a Done op.
   virtual void Cancel(TransportOp& op) = 0;
 
   // Control plane: copied at the call; delivered in order per (sender, receiver) pair.
@@ -122,6 +129,9 @@ class Transport {
   // `remote_addr` inside a peer's registration whose PackedKey() is `rkey`; it completes when
   // `local` may be reused (local completion: the bytes need not be visible remotely yet).
   // Flush completes when every Put issued to `peer` before it is visible in the peer's memory.
+  // RegisterMemory(nullptr, bytes, kind) lets the transport allocate the region, in the memory
+  // peers reach fastest (ucx on one host: shared memory, so a Put is one copy; user memory is
+  // reached through CMA or emulation, far slower on UCX 1.13).
   virtual StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
                                                                        MemoryKind kind);
   virtual StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,

@@ -5,9 +5,13 @@
 #include <atomic>
 #include <thread>
 
+#include "kvferry/config.h"
 #include "kvferry_build_config.h"
 #include "transport/inproc_transport.h"
 #include "transport/transport_conformance.h"
+#if KVFERRY_HAVE_UCX
+#include "transport/ucx_address.h"
+#endif
 
 namespace kvferry::testing {
 namespace {
@@ -42,6 +46,18 @@ class ThreadHarness final : public Harness {
     TransportOptions o;
     o.name = name_;
     o.fabric = InProcFabric::Create();
+    // "ucx_nopeer": UCX with ucx.error_mode=none (shared memory instead of TCP on UCX 1.13).
+    const bool nopeer = name_ == "ucx_nopeer";
+    if (nopeer) {
+      o.name = "ucx";
+      EXPECT_TRUE(Config::Global().Set("ucx.error_mode", "none").ok());
+    }
+    struct Restore {
+      bool on;
+      ~Restore() {
+        if (on) (void)Config::Global().Reset("ucx.error_mode");
+      }
+    } restore{nopeer};
     for (auto& t : t_) {
       auto made = CreateTransport(o);
       if (!made.ok()) {
@@ -105,6 +121,7 @@ std::vector<std::string> HarnessNames() {
   std::vector<std::string> names = {"inproc"};
 #if KVFERRY_HAVE_UCX
   names.push_back("ucx");
+  names.push_back("ucx_nopeer");
 #endif
   return names;
 }
@@ -167,7 +184,7 @@ TEST(InProcTransport, DeviceMemoryFollowsOption) {
 TEST(Transport, OpsOutliveTheirTransport) {
   for (const std::string& name : HarnessNames()) {
     TransportOptions o;
-    o.name = name;
+    o.name = name == "ucx_nopeer" ? "ucx" : name;
     o.fabric = InProcFabric::Create();
     auto t = std::move(CreateTransport(o)).value();
     char buf[64];
@@ -177,6 +194,30 @@ TEST(Transport, OpsOutliveTheirTransport) {
     EXPECT_FALSE(op->status().ok()) << name;
   }
 }
+
+#if KVFERRY_HAVE_UCX
+TEST(UcxAddress, RoundTripsAndRejectsEveryMutation) {
+  std::vector<uint8_t> raw(123);
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(i * 37 + 1);
+  const std::string text = EncodeUcxAddress(raw.data(), raw.size());
+  auto back = DecodeUcxAddress(text);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, raw);
+  // Every single-character change and every truncation is caught (length + FNV-1a checksum).
+  for (size_t i = 0; i < text.size(); ++i) {
+    for (char c : {'0', '7', 'f', 'F', 'x', ':'}) {
+      if (text[i] == c) continue;
+      std::string bad = text;
+      bad[i] = c;
+      EXPECT_EQ(DecodeUcxAddress(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+    }
+  }
+  for (size_t n = 0; n < text.size(); ++n) {
+    EXPECT_EQ(DecodeUcxAddress(text.substr(0, n)).status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(DecodeUcxAddress(text + "00").ok());
+}
+#endif
 
 }  // namespace
 }  // namespace kvferry::testing

@@ -1,4 +1,4 @@
-// The child side of ucx_two_process_test: ucx_peer_helper MODE PARENT_ADDRESS
+// The child side of ucx_two_process_test: ucx_peer_helper MODE PARENT_ADDRESS [BW_TOTAL_MIB]
 //   echo  receive 64 MiB (tag 1) and send it back (tag 2)
 //   hang  connect, say ready, then only progress (the parent kills it)
 //   bw    register a 64 MiB region, send (address, key), receive tag-send bandwidth traffic
@@ -41,8 +41,8 @@ bool AwaitExit(Transport& t, Deadline deadline) {
 }
 
 int Main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: ucx_peer_helper echo|hang|bw PARENT_ADDRESS\n");
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: ucx_peer_helper echo|hang|bw PARENT_ADDRESS [BW_TOTAL_MIB]\n");
     return 2;
   }
   alarm(90);  // never outlive a broken parent
@@ -70,17 +70,20 @@ int Main(int argc, char** argv) {
     while (Clock::now() < deadline) t.Progress();
     return 3;
   } else if (mode == "bw") {
-    std::vector<std::byte> region(size_t{64} << 20, std::byte{1});
-    auto reg = t.RegisterMemory(region.data(), region.size(), MemoryKind::kHost);
+    // The transport allocates the region (shared memory on one host: the fastest put target).
+    auto reg = t.RegisterMemory(nullptr, size_t{64} << 20, MemoryKind::kHost);
     if (!reg.ok()) return Fail(reg.status());
+    std::span<std::byte> region(reinterpret_cast<std::byte*>((*reg)->address()), (*reg)->size());
     std::vector<std::byte> msg(8);
     const uint64_t addr = (*reg)->address();
     std::memcpy(msg.data(), &addr, 8);
     auto key = (*reg)->PackedKey();
     msg.insert(msg.end(), key.begin(), key.end());
     if (st = t.SendControl(*parent, msg); !st.ok()) return Fail(st);
+    BandwidthParams params;
+    if (argc == 4) params.total_bytes = std::stoull(argv[3]) << 20;
     auto r = ReceiveBandwidth(t, *parent, region.data(), region.size(), MemoryKind::kHost,
-                              uint64_t{1} << 40, BandwidthParams{}, deadline);
+                              uint64_t{1} << 40, params, deadline);
     if (!r.ok()) return Fail(r.status());
   } else {
     return Fail(Status::InvalidArgument("unknown mode " + mode));

@@ -1,5 +1,6 @@
 // The UCX transport. One ucp_context (TAG | RMA), one single-threaded worker, one endpoint per
-// peer with error handling mode PEER so a dead peer fails operations instead of hanging them.
+// peer, with error handling mode PEER (ucx.error_mode=peer, the default) so a dead peer fails
+// operations instead of hanging them; ucx.error_mode=none trades that for shared memory.
 //
 // Tags: bit 63 set = control message, its low 63 bits the sender's random instance id; bit 63
 // clear = data (caps().tag_bits = 63), matched with a full 64-bit mask.
@@ -8,14 +9,15 @@
 //   byte 0: kind  (0 = data, 1 = hello + data, 2 = bye)
 //   kind 1: bytes 1..4 address length L (little-endian u32), then L bytes of the sender's
 //           LocalAddress() text, so the receiver can connect back; then the data.
-//   kind 0: the data follows byte 0.     kind 2: nothing follows.
+//   kind 2: like kind 1 without data (the receiver looks the sender up, never connects back).
+//   kind 0: the data follows byte 0.
 // The first control message to a peer is a hello; a transport being destroyed sends bye to every
 // live peer, which fails that peer's pending ops at the receiver with kUnavailable at once.
 //
-// Address text: "ucx1:" + hex( u32 LE length N | N worker-address bytes | u32 LE FNV-1a of them ),
-// so a truncated or garbage address is rejected before UCX parses it.
+// Address text: see ucx_address.h.
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -27,12 +29,12 @@
 #include "base/log.h"
 #include "kvferry/config.h"
 #include "transport/transport.h"
+#include "transport/ucx_address.h"
 
 namespace kvferry {
 namespace {
 
 constexpr uint64_t kCtrlBit = uint64_t{1} << 63;
-constexpr std::string_view kScheme = "ucx1:";
 constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
 
 Status FromUcs(ucs_status_t st, std::string_view what) {
@@ -62,60 +64,6 @@ Status FromUcs(ucs_status_t st, std::string_view what) {
     default:
       return Status::Internal(std::move(msg));
   }
-}
-
-uint32_t Fnv1a(const uint8_t* p, size_t n) {
-  uint32_t h = 2166136261u;
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 16777619u;
-  return h;
-}
-
-void PutU32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-uint32_t GetU32(const uint8_t* p) {
-  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
-}
-
-std::string EncodeAddress(const void* addr, size_t len) {
-  std::vector<uint8_t> raw;
-  PutU32(raw, static_cast<uint32_t>(len));
-  const auto* p = static_cast<const uint8_t*>(addr);
-  raw.insert(raw.end(), p, p + len);
-  PutU32(raw, Fnv1a(p, len));
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out(kScheme);
-  for (uint8_t b : raw) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
-}
-
-StatusOr<std::vector<uint8_t>> DecodeAddress(std::string_view text) {
-  auto bad = [&](std::string_view why) {
-    std::string shown(text.substr(0, 48));
-    return Status::InvalidArgument("not a ucx address ('" + shown +
-                                   (text.size() > 48 ? "...'" : "'") + "): " + std::string(why));
-  };
-  if (text.substr(0, kScheme.size()) != kScheme) return bad("missing 'ucx1:' prefix");
-  std::string_view hex = text.substr(kScheme.size());
-  if (hex.size() % 2 != 0 || hex.size() < 16) return bad("bad length");
-  std::vector<uint8_t> raw(hex.size() / 2);
-  auto nib = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  for (size_t i = 0; i < raw.size(); ++i) {
-    int hi = nib(hex[2 * i]), lo = nib(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return bad("not lowercase hex");
-    raw[i] = static_cast<uint8_t>(hi << 4 | lo);
-  }
-  const uint32_t n = GetU32(raw.data());
-  if (size_t{n} + 8 != raw.size()) return bad("length field does not match");
-  if (Fnv1a(raw.data() + 4, n) != GetU32(raw.data() + 4 + n)) return bad("checksum mismatch");
-  return std::vector<uint8_t>(raw.begin() + 4, raw.begin() + 4 + n);
 }
 
 // ---- move-only owners of UCX handles ----------------------------------------------------------
@@ -256,6 +204,7 @@ class UcxTransport final : public Transport {
   TransportCaps caps_;
   bool device_is_host_ = true;
   bool cuda_ = false;
+  bool peer_errors_ = true;  // ucx.error_mode == "peer"
   int progress_spin_ = 1;
   ContextPtr context_;
   WorkerPtr worker_;
@@ -269,12 +218,14 @@ class UcxTransport final : public Transport {
   std::deque<std::shared_ptr<OpState>> control_in_;  // control receives, in arrival order
   std::deque<ControlMessage> control_ready_;
   std::vector<std::pair<PeerId, ucs_status_t>> deaths_;  // reported by OnEpError
+  std::vector<void*> closing_;  // close requests of dead peers' endpoints (error mode none)
 };
 
 StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions& options) {
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   t->device_is_host_ = options.device_memory_is_host;
   t->progress_spin_ = static_cast<int>(Config::Global().Int("ucx.progress_spin"));
+  t->peer_errors_ = Config::Global().String("ucx.error_mode") == "peer";
 
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
@@ -316,7 +267,7 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   size_t addr_len = 0;
   st = ucp_worker_get_address(worker, &addr, &addr_len);
   if (st != UCS_OK) return FromUcs(st, "ucp_worker_get_address").WithContext("ucx transport");
-  t->address_ = EncodeAddress(addr, addr_len);
+  t->address_ = EncodeUcxAddress(addr, addr_len);
   ucp_worker_release_address(worker, addr);
 
   std::random_device rd;
@@ -326,6 +277,7 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   t->caps_.tag_bits = 63;
   t->caps_.device_memory = t->device_is_host_ || t->cuda_;
   t->caps_.one_sided = true;
+  t->caps_.detects_crashed_peers = t->peer_errors_;
   t->caps_.max_control_bytes = size_t{1} << 20;
   Log(LogLevel::kDebug, "ucx transport up: cuda={} address {} bytes", t->cuda_, addr_len);
   return std::unique_ptr<Transport>(std::move(t));
@@ -335,14 +287,8 @@ UcxTransport::~UcxTransport() {
   if (!worker_) return;
   const Deadline deadline =
       DeadlineIn(std::chrono::milliseconds(Config::Global().Int("transport.close_timeout_ms")));
-  // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
-  std::vector<std::shared_ptr<OpState>> byes;
-  for (size_t i = 0; i < peers_.size(); ++i) {
-    if (peers_[i].dead || !peers_[i].hello_sent) continue;
-    auto bye = PostControl(static_cast<PeerId>(i), kKindBye, {});
-    if (bye.ok()) byes.push_back(std::move(bye).value());
-  }
-  // Cancel every pending receive (completes them synchronously with UCS_ERR_CANCELED).
+  // Cancel every pending receive first, so no peer's data lands in them after the byes
+  // (completes them synchronously with UCS_ERR_CANCELED).
   std::vector<OpState*> recvs;
   for (auto& [p, s] : inflight_) {
     if (s->is_recv && s->request) recvs.push_back(p);
@@ -353,6 +299,13 @@ UcxTransport::~UcxTransport() {
       ucp_request_cancel(worker_.get(), s->request);
     }
   }
+  // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
+  std::vector<std::shared_ptr<OpState>> byes;
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    if (peers_[i].dead) continue;
+    auto bye = PostControl(static_cast<PeerId>(i), kKindBye, {});
+    if (bye.ok()) byes.push_back(std::move(bye).value());
+  }
   // Byes are eager sends: they complete locally once handed to the wire.
   auto byes_done = [&] {
     for (auto& b : byes) {
@@ -360,21 +313,36 @@ UcxTransport::~UcxTransport() {
     }
     return true;
   };
-  while (!byes_done() && Clock::now() < deadline) ucp_worker_progress(worker_.get());
-  // Force-close every endpoint: a flushing close would wait for peers that may be gone or not
-  // progressing. Peers learn of it from the bye (or from keepalive if the bye did not go out).
+  // A bye not out within 100 ms goes to a peer that is gone or stuck: don't wait for it.
+  const Deadline bye_deadline = std::min(deadline, DeadlineIn(std::chrono::milliseconds(100)));
+  while (!byes_done() && Clock::now() < bye_deadline) ucp_worker_progress(worker_.get());
+  // Error mode peer: force-close every endpoint, as a flushing close would wait for peers that
+  // may be gone or not progressing; peers learn of it from the bye (or keepalive). Error mode
+  // none: force is not allowed, so flush-close within the deadline, then destroy the worker.
+  // Dead peers' endpoints (error mode none) may never finish closing: don't wait for them.
+  for (void* r : closing_) ucp_request_free(r);
+  closing_.clear();
   std::vector<void*> closing;
   for (auto& peer : peers_) {
     peer.rkeys.clear();
     if (!peer.ep) continue;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    p.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &p);
     peer.ep = nullptr;
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
   }
-  while (!closing.empty() && Clock::now() < deadline) {
+  // Closing completes the endpoints' requests (force: cancelled; flush: when done): wait for
+  // them too, so UCX hands back every request before the worker goes.
+  auto requests_pending = [&] {
+    for (auto& [p, s] : inflight_) {
+      // Error mode none: a detached op's peer is gone and its request never ends; don't wait.
+      if (s->request && (peer_errors_ || !s->done)) return true;
+    }
+    return false;
+  };
+  while ((!closing.empty() || requests_pending()) && Clock::now() < deadline) {
     ucp_worker_progress(worker_.get());
     std::erase_if(closing, [](void* r) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
@@ -387,12 +355,17 @@ UcxTransport::~UcxTransport() {
         closing.size());
     for (void* r : closing) ucp_request_free(r);
   }
-  // What UCX did not complete, we do: buffers are released with the worker.
+  // What UCX did not complete, we do (ucp_request_free: no callback will follow); buffers are
+  // released with the worker. States stay alive until the worker is gone.
+  std::vector<std::shared_ptr<OpState>> keep;
   for (auto& [p, s] : inflight_) {
     if (s->request) ucp_request_free(s->request);
     s->request = nullptr;
-    s->status = s->forced.ok() ? Status::Cancelled("ucx transport destroyed") : s->forced;
-    s->done = true;
+    if (!s->done) {
+      s->status = s->forced.ok() ? Status::Cancelled("ucx transport destroyed") : s->forced;
+      s->done = true;
+    }
+    keep.push_back(s);
   }
   inflight_.clear();
   control_in_.clear();
@@ -460,6 +433,10 @@ void UcxTransport::OnRecv(void* request, ucs_status_t status, const ucp_tag_recv
 void UcxTransport::Finish(OpState* s, void* request, ucs_status_t status, size_t bytes) {
   if (request) ucp_request_free(request);
   s->request = nullptr;
+  if (s->done) {  // detached at its peer's death: already reported
+    inflight_.erase(s);
+    return;
+  }
   s->bytes = bytes;
   if (!s->forced.ok()) {
     s->status = s->forced;
@@ -497,7 +474,7 @@ StatusOr<Peer*> UcxTransport::LivePeer(PeerId peer) {
 }
 
 StatusOr<PeerId> UcxTransport::Connect(std::string_view address, Deadline) {
-  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeAddress(address));
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(address));
   (void)raw;
   return ConnectAddress(std::string(address));
 }
@@ -505,17 +482,19 @@ StatusOr<PeerId> UcxTransport::Connect(std::string_view address, Deadline) {
 StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address) {
   auto it = peer_by_address_.find(address);
   if (it != peer_by_address_.end() && !peers_[it->second].dead) return it->second;
-  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeAddress(address));
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(address));
   if (address == address_) return Status::InvalidArgument("ucx: connecting to self");
   const PeerId id = static_cast<PeerId>(peers_.size());
   ep_args_.push_back({this, id});
   ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   ep_params.address = reinterpret_cast<const ucp_address_t*>(raw.data());
-  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep_params.err_handler.cb = &UcxTransport::OnEpError;
-  ep_params.err_handler.arg = &ep_args_.back();
+  ep_params.err_mode = peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (peer_errors_) {
+    ep_params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.err_handler.cb = &UcxTransport::OnEpError;
+    ep_params.err_handler.arg = &ep_args_.back();
+  }
   ucp_ep_h ep = nullptr;
   const ucs_status_t st = ucp_ep_create(worker_.get(), &ep_params, &ep);
   if (st != UCS_OK) {
@@ -543,12 +522,22 @@ void UcxTransport::MarkDead(PeerId peer, Status why) {
     s->forced = p.death;
     ucp_request_cancel(worker_.get(), s->request);
   }
+  // Sends, puts and flushes to the peer end now for the caller; UCX may still hold their
+  // requests (error mode none) until the endpoint closes: they stay in flight, detached.
+  for (auto& [ptr, st] : inflight_) {
+    if (st->peer != peer || st->is_recv || st->done) continue;
+    st->forced = p.death;
+    st->status = p.death;
+    st->done = true;
+  }
   if (p.ep) {
     ucp_request_param_t prm{};
     prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;  // fails the endpoint's pending sends
+    // Force (fails the endpoint's requests) needs error mode peer on both sides; otherwise a
+    // flushing close that completes when it can (or when the worker is destroyed).
+    prm.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &prm);
-    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
     p.ep = nullptr;
   }
 }
@@ -570,7 +559,7 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   auto s = NewOp(peer, false);
   if (kind == kKindData && !p.hello_sent) kind = kKindHello;
   s->payload.push_back(static_cast<std::byte>(kind));
-  if (kind == kKindHello) {
+  if (kind == kKindHello || kind == kKindBye) {
     const uint32_t n = static_cast<uint32_t>(address_.size());
     for (int i = 0; i < 4; ++i) s->payload.push_back(static_cast<std::byte>(n >> (8 * i)));
     const auto* a = reinterpret_cast<const std::byte*>(address_.data());
@@ -583,7 +572,7 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   auto keep = s;
   auto op = Posted(std::move(s), r, "ucx control send");
   if (op->Done() && !op->status().ok()) return op->status();
-  p.hello_sent = true;
+  if (kind == kKindHello) p.hello_sent = true;
   return keep;  // a later failure shows as the peer's death
 }
 
@@ -625,12 +614,25 @@ void UcxTransport::DrainControl() {
     const auto* p = reinterpret_cast<const uint8_t*>(s->payload.data());
     const size_t n = s->payload.size();
     size_t off = 1;
+    if (p[0] == kKindBye) {
+      if (n < 5 || n - 5 < LoadU32Le(p + 1)) continue;
+      auto it = peer_by_instance_.find(instance);
+      auto by_addr = peer_by_address_.find(
+          std::string(reinterpret_cast<const char*>(p + 5), LoadU32Le(p + 1)));
+      const PeerId gone = it != peer_by_instance_.end()       ? it->second
+                          : by_addr != peer_by_address_.end() ? by_addr->second
+                                                              : kAnyPeer;
+      if (gone != kAnyPeer) {
+        MarkDead(gone, Status::Unavailable("ucx peer " + std::to_string(gone) + " shut down"));
+      }
+      continue;
+    }
     if (p[0] == kKindHello) {
-      if (n < 5 || n - 5 < GetU32(p + 1)) {
+      if (n < 5 || n - 5 < LoadU32Le(p + 1)) {
         Log(LogLevel::kWarn, "ucx: dropped a malformed hello");
         continue;
       }
-      const uint32_t len = GetU32(p + 1);
+      const uint32_t len = LoadU32Le(p + 1);
       std::string addr(reinterpret_cast<const char*>(p + 5), len);
       auto peer = ConnectAddress(addr);
       if (!peer.ok()) {
@@ -643,11 +645,6 @@ void UcxTransport::DrainControl() {
     auto it = peer_by_instance_.find(instance);
     if (it == peer_by_instance_.end()) {
       Log(LogLevel::kWarn, "ucx: dropped a control message from an unknown sender");
-      continue;
-    }
-    if (p[0] == kKindBye) {
-      MarkDead(it->second,
-               Status::Unavailable("ucx peer " + std::to_string(it->second) + " shut down"));
       continue;
     }
     ControlMessage m;
@@ -669,6 +666,13 @@ bool UcxTransport::Progress() {
   bool any = false;
   for (int i = 0; i < progress_spin_; ++i) any |= ucp_worker_progress(worker_.get()) != 0;
   HandleDeaths();
+  if (!closing_.empty()) {
+    std::erase_if(closing_, [](void* r) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+      ucp_request_free(r);
+      return true;
+    });
+  }
   const size_t before = control_ready_.size();
   DrainControl();
   return any || control_ready_.size() != before;
@@ -722,10 +726,18 @@ void UcxTransport::Cancel(TransportOp& op) {
 StatusOr<std::unique_ptr<MemoryRegistration>> UcxTransport::RegisterMemory(void* ptr, size_t bytes,
                                                                            MemoryKind kind) {
   KVF_RETURN_IF_ERROR(CheckKind(kind));
-  if (ptr == nullptr || bytes == 0) return Status::InvalidArgument("ucx: empty registration");
+  if (bytes == 0) return Status::InvalidArgument("ucx: empty registration");
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+  if (ptr == nullptr) {
+    // UCX allocates: on one host, shared memory that peers' puts reach with a plain copy.
+    if (kind == MemoryKind::kDevice && !device_is_host_) {
+      return Status::InvalidArgument("ucx: allocating device memory is not supported");
+    }
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+  }
   mp.address = ptr;
   mp.length = bytes;
   mp.memory_type = (kind == MemoryKind::kDevice && !device_is_host_) ? UCS_MEMORY_TYPE_CUDA
@@ -733,6 +745,16 @@ StatusOr<std::unique_ptr<MemoryRegistration>> UcxTransport::RegisterMemory(void*
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(context_.get(), &mp, &memh);
   if (st != UCS_OK) return FromUcs(st, "ucp_mem_map");
+  if (ptr == nullptr) {
+    ucp_mem_attr_t ma{};
+    ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
+    st = ucp_mem_query(memh, &ma);
+    if (st != UCS_OK) {
+      ucp_mem_unmap(context_.get(), memh);
+      return FromUcs(st, "ucp_mem_query");
+    }
+    ptr = ma.address;
+  }
   void* key = nullptr;
   size_t key_len = 0;
   st = ucp_rkey_pack(context_.get(), memh, &key, &key_len);
