@@ -1,6 +1,7 @@
 // kvferry: check and measure a machine for KV-cache movement.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 
 #include "kvferry/build_info.h"
 #include "kvferry/config.h"
@@ -23,6 +24,10 @@ int main(int argc, char** argv) {
               ? kvferry::Status::InvalidArgument("--set expects NAME=VALUE, got '" + kv + "'")
               : kvferry::Config::Global().Set(kv.substr(0, eq), kv.substr(eq + 1));
       if (!st.ok()) throw CLI::ValidationError("--set", st.ToString());
+      // Rank processes started by this one (selftest, bench transfer) inherit the setting.
+      for (const kvferry::KnobView& k : kvferry::Config::Global().List()) {
+        if (k.name == kv.substr(0, eq)) setenv(k.env_var.c_str(), k.value.c_str(), 1);
+      }
     }
   });
   kvferry::tools::AddInfoCommand(app);
