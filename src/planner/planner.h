@@ -30,12 +30,16 @@ struct InstanceDesc {
 struct PlanInput {
   InstanceDesc ctx;
   InstanceDesc gen;
-  int64_t prompt_tokens = 0;             // tokens of the request's KV (the last block may be partial)
-  std::vector<int64_t> ctx_blocks;       // the request's blocks on every context rank, in order
-  std::vector<int64_t> gen_blocks;       // destination blocks on every generation rank, in order
-  int64_t gen_reused_blocks = 0;         // leading blocks the generation side already holds
-  int64_t chunk_bytes = 4 << 20;         // staging chunk size bound
+  int64_t prompt_tokens = 0;        // tokens of the request's KV (the last block may be partial)
+  std::vector<int64_t> ctx_blocks;  // the request's blocks on every context rank, in order
+  std::vector<int64_t> gen_blocks;  // destination blocks on every generation rank, in order
+  int64_t gen_reused_blocks = 0;    // leading blocks the generation side already holds
+  int64_t chunk_bytes = 4 << 20;    // staging chunk size bound
   int64_t direct_min_bytes = 256 << 10;  // contiguous pieces at least this large go direct
+  // Every piece holds one layer, so a chunk can be sent as soon as its layer is computed
+  // (layer-wise transfer overlapping prefill). Otherwise a piece may span layers when the
+  // layouts allow it (fewer, larger pieces; a chunk then waits for its last_layer).
+  bool layer_wise = false;
 };
 
 // A 2-D copy: `rows` rows of `bytes`, at src_offset + r * src_pitch in the context rank's pool
@@ -61,7 +65,7 @@ struct Piece {
 // rows are packed back to back, in order, into a staging buffer of `bytes` <= chunk_bytes on the
 // sender and unpacked from it on the receiver.
 struct Chunk {
-  bool direct = false;     // one contiguous piece, sent from the source pool into the destination pool
+  bool direct = false;  // one contiguous piece, sent from the source pool into the destination pool
   int32_t last_layer = 0;  // highest global layer among its pieces
   int64_t bytes = 0;       // sum of piece totals (packed size)
   std::vector<Piece> pieces;
@@ -80,7 +84,7 @@ struct PairPlan {
 };
 
 struct TransferPlan {
-  std::vector<PairPlan> pairs;   // sorted by (ctx_rank, gen_rank)
+  std::vector<PairPlan> pairs;  // sorted by (ctx_rank, gen_rank)
   int64_t total_bytes = 0;
   // The generation ranks each context rank sends to, and the reverse (for completion counting).
   std::vector<std::vector<int32_t>> gen_peers_of_ctx;  // indexed by ctx rank
