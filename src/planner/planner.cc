@@ -163,7 +163,7 @@ Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src
     }
   }
   // The row axis: the chain of axes (each stepping over the ones before on both sides) with the
-  // most rows. Ties go to the smaller source stride.
+  // most rows. Ties go to the first axis in (layer, kv, head, token) order.
   std::array<bool, kBoxAxes> best_set{};
   int64_t best_rows = 1;
   for (int a0 = 0; a0 < kBoxAxes; ++a0) {

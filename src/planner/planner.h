@@ -9,6 +9,23 @@
 // kernel or a memcpy loop handles in one descriptor. A piece whose bytes are contiguous on both
 // sides and large goes pool to pool directly (a "direct" chunk); smaller or strided pieces are
 // packed back to back into a bounded staging chunk on the sender and unpacked on the receiver.
+//
+// Who sends what:
+// - Only the context ranks of the DP group that served the request (ctx.parallel.dp_rank) send,
+//   and only the generation ranks of the DP group that will decode it (gen.parallel.dp_rank)
+//   receive. Ranks are pp_rank * tp + tp_rank on both sides.
+// - Each generation rank receives every (layer, kv, head, token) it holds exactly once, from one
+//   context rank holding it. When several context ranks hold a head (KV heads < attention TP),
+//   generation rank g takes it from the replica with index g.tp_rank % replicas. Every
+//   generation replica of a duplicated head gets its own copy.
+// - Blocks [gen_reused_blocks, ceil(prompt_tokens / tokens_per_block)) move; a block that ends
+//   mid-prompt moves only its valid tokens; nothing else on the generation side is written.
+//
+// Cost: validation is O(blocks); each pair costs one step per run of consecutive block ids
+// (consecutive on both sides) when a block's share is one 2-D piece, otherwise one step per
+// emitted piece. Never one step per element or token.
+//
+// Thread-safety: all functions are pure and thread-safe.
 #pragma once
 
 #include <cstdint>
