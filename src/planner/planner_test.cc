@@ -30,6 +30,7 @@ struct Case {
   int64_t chunk_bytes = 4 << 20;
   int64_t direct_min = 256 << 10;
   bool layer_wise = false;
+  bool tight_pools = false;  // pool_blocks = the request's blocks
 
   std::string Name() const {
     return fmt::format(
@@ -65,6 +66,13 @@ PlanInput MakeInput(const Case& c) {
         in.ctx_blocks.push_back(2 * n + 2 - i);
         in.gen_blocks.push_back(n - 1 - i);
         break;
+    }
+  }
+  if (c.tight_pools) {  // pools of exactly the request's blocks
+    in.ctx.pool_blocks = in.gen.pool_blocks = n;
+    for (int64_t i = 0; i < n; ++i) {
+      in.ctx_blocks[i] = c.block_pattern == 2 ? n - 1 - i : i;
+      in.gen_blocks[i] = c.block_pattern == 1 ? (i + 1) % n : i;
     }
   }
   in.gen_reused_blocks = c.reused;
@@ -265,6 +273,12 @@ void RunCase(const Case& c) {
   ++g_executed;
 }
 
+// Prints how many configurations a test planned, executed and checked.
+struct CountConfigs {
+  int before = g_executed;
+  ~CountConfigs() { std::printf("executed %d configurations\n", g_executed - before); }
+};
+
 const std::vector<int32_t> kTps{1, 2, 3, 4, 6, 8};
 const std::vector<int32_t> kPps{1, 2, 3};
 const std::vector<int32_t> kKvHeads{8, 6, 2};
@@ -287,12 +301,12 @@ std::vector<ParallelConfig> ValidConfigs(const KvShape& shape) {
 // {1,2,3}, 7 layers), all four layout pairs, all five prompt lengths; block ids, reuse and
 // chunking rotate with the case index so that each meets every other often.
 TEST(PlannerMatrix, TpPpLayoutsPrompts) {
+  CountConfigs count;
   const int64_t tpb = 4;
   const int64_t prompts[] = {1, tpb - 1, tpb, tpb + 1, 5 * tpb + 3};
   const int64_t chunks[] = {4 << 20, 100, 48};
   const int64_t directs[] = {256 << 10, 0, 64};
   int idx = 0;
-  const int before = g_executed;
   for (int32_t kvh : kKvHeads) {
     KvShape shape{7, kvh, 8, DType::kBf16, 2, tpb};
     auto configs = ValidConfigs(shape);
@@ -322,11 +336,11 @@ TEST(PlannerMatrix, TpPpLayoutsPrompts) {
       }
     }
   }
-  std::printf("executed %d configurations\n", g_executed - before);
 }
 
 // Every prompt length x reuse x block pattern on a few representative splits.
 TEST(PlannerMatrix, PromptLengthsReuseAndBlockIds) {
+  CountConfigs count;
   const int64_t tpb = 4;
   const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
                                                               {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
@@ -359,6 +373,7 @@ TEST(PlannerMatrix, PromptLengthsReuseAndBlockIds) {
 }
 
 TEST(PlannerMatrix, UnevenPipelineStages) {
+  CountConfigs count;
   KvShape shape{7, 4, 8, DType::kFp32, 2, 4};
   const std::vector<ParallelConfig> configs = {{1, 3, {1, 4, 2}, 1, 0}, {2, 3, {3, 3, 1}, 1, 0},
                                                {4, 2, {6, 1}, 1, 0},    {1, 2, {2, 5}, 1, 0},
@@ -386,6 +401,7 @@ TEST(PlannerMatrix, UnevenPipelineStages) {
 }
 
 TEST(PlannerMatrix, Mla) {
+  CountConfigs count;
   KvShape shape{5, 1, 16, DType::kInt8, 1, 4};
   std::vector<ParallelConfig> configs;
   for (int32_t tp : {1, 2, 4, 3}) {
@@ -417,6 +433,7 @@ TEST(PlannerMatrix, Mla) {
 }
 
 TEST(PlannerMatrix, AttentionDataParallel) {
+  CountConfigs count;
   // kv_heads 4: DP groups with attention TP 1, 2, 4 (and duplication when attention TP > 4).
   KvShape shape{4, 4, 8, DType::kBf16, 2, 4};
   std::vector<ParallelConfig> configs = {
@@ -461,6 +478,7 @@ TEST(PlannerMatrix, AttentionDataParallel) {
 }
 
 TEST(PlannerMatrix, ChunkingExtremes) {
+  CountConfigs count;
   // chunk_bytes smaller than one row (rows split by bytes), equal to one row, odd sizes; direct
   // thresholds from 0 (every contiguous piece direct) to huge (nothing direct).
   for (int64_t chunk : {1, 7, 16, 33, 1000, 1 << 30}) {
@@ -745,6 +763,30 @@ TEST(PlannerErrors, BadBlocks) {
   // Extra blocks beyond the prompt are allowed and ignored.
   in.ctx_blocks.push_back(in.ctx.pool_blocks - 1);
   EXPECT_TRUE(PlanTransfer(in).ok());
+}
+
+TEST(Planner, SingleBlockAndTightPools) {
+  CountConfigs count;
+  for (int64_t prompt : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{9}}) {
+    for (int pattern = 0; pattern < 3; ++pattern) {
+      for (LayoutKind cl : kLayouts) {
+        for (LayoutKind gl : kLayouts) {
+          Case c;
+          c.shape = KvShape{3, 2, 4, DType::kFp32, 2, 4};
+          c.ctx = {2, 1, {}, 1, 0};
+          c.gen = {1, 3, {}, 1, 0};
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = prompt;
+          c.block_pattern = pattern;
+          c.tight_pools = true;
+          c.direct_min = 16;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
 }
 
 TEST(Planner, FullyReusedPromptMovesNothing) {
