@@ -374,25 +374,46 @@ std::vector<BlockRun> BlockRuns(const PlanInput& in, int64_t needed) {
   return runs;
 }
 
-// For a template of one piece per block: turns `p` (bytes, rows, pitches of one block) into the
-// one piece covering `count` consecutive blocks, if there is one.
-bool EmitRun(const Template& t, const Side& src, const Side& dst, int64_t count, Piece& p) {
-  if (count == 1) return true;
-  if (src.block_stride == t.bytes && dst.block_stride == t.bytes) {  // rows grow side by side
-    p.bytes = t.bytes * count;
-    return true;
-  }
-  if (t.rows == 1) {  // one row per block
-    p.rows = count;
+// Whether the pieces of consecutive blocks (consecutive ids on both sides) at the same
+// enumerated-axes index merge into one piece.
+bool RunMerges(const Template& t, const Side& src, const Side& dst) {
+  return (src.block_stride == t.bytes && dst.block_stride == t.bytes) || t.rows == 1 ||
+         (src.block_stride == t.rows * t.src_pitch && dst.block_stride == t.rows * t.dst_pitch);
+}
+
+// Turns `p` (bytes, rows and pitches of one block's piece) into the piece covering `count`
+// consecutive blocks. Requires RunMerges.
+void MergeRun(const Template& t, const Side& src, const Side& dst, int64_t count, Piece& p) {
+  if (src.block_stride == t.bytes && dst.block_stride == t.bytes) {
+    p.bytes = t.bytes * count;  // rows grow side by side
+  } else if (t.rows == 1) {
+    p.rows = count;  // one row per block
     p.src_pitch = src.block_stride;
     p.dst_pitch = dst.block_stride;
-    return true;
-  }
-  if (src.block_stride == t.rows * t.src_pitch && dst.block_stride == t.rows * t.dst_pitch) {
+  } else {
     p.rows = t.rows * count;  // the row axis continues into the next block
-    return true;
   }
-  return false;
+}
+
+// Calls fn(src_delta, dst_delta) for every index of the template's enumerated axes, innermost
+// fastest.
+template <typename Fn>
+void ForEachIndex(const Template& t, Fn&& fn) {
+  std::array<int64_t, 3> idx{};
+  while (true) {
+    int64_t sd = 0, dd = 0;
+    for (int k = 0; k < t.n; ++k) {
+      sd += idx[k] * t.src_step[k];
+      dd += idx[k] * t.dst_step[k];
+    }
+    fn(sd, dd);
+    int k = t.n - 1;
+    for (; k >= 0; --k) {
+      if (++idx[k] < t.ext[k]) break;
+      idx[k] = 0;
+    }
+    if (k < 0) return;
+  }
 }
 
 struct Context {
@@ -466,52 +487,59 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
     const int64_t pair_bytes = (l1 - l0) * shape.kv_factor * (h1 - h0) * moved_tokens * row_bytes;
     out.chunks.reserve(static_cast<size_t>(pair_bytes / in.chunk_bytes + 1));
   }
+  // Enumerated axes outside the block loop when that lets runs of blocks merge into one piece
+  // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
+  // order is then (layer, enumerated axes, block) instead of (layer, block, enumerated axes).
+  bool long_runs = false;
+  for (const BlockRun& run : cx.runs) long_runs = long_runs || (!run.partial && run.count > 1);
+  const bool axes_outside = full.n > 0 && long_runs && RunMerges(full, src, dst);
+
   Chunker chunker(in, out);
   Piece p;
+  int64_t src_l = 0, dst_l = 0;  // offset of the current layer (layouts without layer regions)
+  // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
+  // (sd, dd), as one piece when they merge.
+  auto emit = [&](const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd) {
+    p.bytes = t.bytes;
+    p.rows = t.rows;
+    p.src_pitch = t.rows > 1 ? t.src_pitch : 0;
+    p.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
+    if (count > 1 && RunMerges(t, src, dst)) {
+      MergeRun(t, src, dst, count, p);
+      count = 1;
+    }
+    for (int64_t i = first; i < first + count; ++i) {
+      p.src_offset = src.base + in.ctx_blocks[i] * src.block_stride + src_l + sd;
+      p.dst_offset = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l + dd;
+      chunker.Add(p);
+    }
+  };
   for (int64_t li = 0; li < layer_iters; ++li) {
     p.layer = layer_outer ? static_cast<int32_t>(l0 + li) : l1 - 1;
     p.src_region = src.layer_regions ? static_cast<int32_t>(src.layer0 + li) : 0;
     p.dst_region = dst.layer_regions ? static_cast<int32_t>(dst.layer0 + li) : 0;
-    const int64_t src_l = src.layer_regions ? 0 : li * src.stride[kL];
-    const int64_t dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
+    src_l = src.layer_regions ? 0 : li * src.stride[kL];
+    dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
+    if (axes_outside) {
+      ForEachIndex(full, [&](int64_t sd, int64_t dd) {
+        for (const BlockRun& run : cx.runs) {
+          if (!run.partial) emit(full, run.first, run.count, sd, dd);
+        }
+      });
+      const BlockRun& last = cx.runs.back();  // the partial block, if any, is the last run
+      if (last.partial) {
+        ForEachIndex(part, [&](int64_t sd, int64_t dd) { emit(part, last.first, 1, sd, dd); });
+      }
+      continue;
+    }
     for (const BlockRun& run : cx.runs) {
       const Template& t = run.partial ? part : full;
-      p.bytes = t.bytes;
-      p.rows = t.rows;
-      p.src_pitch = t.rows > 1 ? t.src_pitch : 0;
-      p.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
-      if (t.n == 0 && EmitRun(t, src, dst, run.count, p)) {
-        p.src_offset = src.base + in.ctx_blocks[run.first] * src.block_stride + src_l;
-        p.dst_offset = dst.base + in.gen_blocks[run.first] * dst.block_stride + dst_l;
-        chunker.Add(p);
+      if (t.n == 0) {
+        emit(t, run.first, run.count, 0, 0);
         continue;
       }
       for (int64_t i = run.first; i < run.first + run.count; ++i) {
-        const int64_t sb = src.base + in.ctx_blocks[i] * src.block_stride + src_l;
-        const int64_t db = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l;
-        if (t.n == 0) {
-          p.src_offset = sb;
-          p.dst_offset = db;
-          chunker.Add(p);
-          continue;
-        }
-        std::array<int64_t, 3> idx{};
-        while (true) {
-          int64_t so = sb, dof = db;
-          for (int k = 0; k < t.n; ++k) {
-            so += idx[k] * t.src_step[k];
-            dof += idx[k] * t.dst_step[k];
-          }
-          p.src_offset = so;
-          p.dst_offset = dof;
-          chunker.Add(p);
-          int k = t.n - 1;  // innermost last
-          for (; k >= 0; --k) {
-            if (++idx[k] < t.ext[k]) break;
-            idx[k] = 0;
-          }
-          if (k < 0) break;
-        }
+        ForEachIndex(t, [&](int64_t sd, int64_t dd) { emit(t, i, 1, sd, dd); });
       }
     }
   }

@@ -89,9 +89,10 @@ struct Chunk {
   bool operator==(const Chunk&) const = default;
 };
 
-// Everything one context rank sends to one generation rank. Chunks are ordered by last_layer
-// (pieces by global layer, then by block), so layer-wise sending can gate each chunk on its
-// last_layer; both sides derive the same chunk sequence.
+// Everything one context rank sends to one generation rank. Pieces are ordered by global layer
+// first, so chunks come in non-decreasing last_layer and layer-wise sending can gate each chunk
+// on its last_layer; within a layer, by block (or, when that lets runs of consecutive blocks
+// merge into one piece, by kv / head, then block). Both sides derive the same chunk sequence.
 struct PairPlan {
   int32_t ctx_rank = 0;
   int32_t gen_rank = 0;

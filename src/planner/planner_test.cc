@@ -588,6 +588,21 @@ TEST(PlannerShape, PerLayerIdenticalIsOnePiecePerLayer) {
   }
 }
 
+TEST(PlannerShape, PerLayerTp1ToTp2IsOnePiecePerLayerAndKv) {
+  PlanInput in = Llama70B(4096, LayoutKind::kPerLayer, LayoutKind::kPerLayer, {1, 1, {}, 1, 0},
+                          {2, 1, {}, 1, 0});
+  in.chunk_bytes = int64_t{1} << 40;
+  auto plan = PlanTransfer(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->pairs.size(), 2u);
+  for (const PairPlan& p : plan->pairs) {
+    ASSERT_EQ(CountPieces(p), 80 * 2);  // rows of 4 heads, one row per token of all 128 blocks
+    const Piece& piece = p.chunks[0].pieces[0];
+    EXPECT_EQ(piece.rows, 128 * 32);
+    EXPECT_EQ(piece.bytes, 4 * 128 * 2);
+  }
+}
+
 TEST(PlannerShape, LayerWiseKeepsLayersApart) {
   PlanInput in = Llama70B(4096, LayoutKind::kBlockMajor, LayoutKind::kBlockMajor, {1, 1, {}, 1, 0},
                           {1, 1, {}, 1, 0});
