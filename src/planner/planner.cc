@@ -8,13 +8,14 @@
 //      contiguous run (dim first); the axis, or chain of axes, giving the most rows becomes the row
 //      axis (any pitch on each side); the rest are enumerated. A block that ends mid-prompt has
 //      its own template (fewer tokens).
-//   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block,
-//      and each is merged with the previous one when the result is still one 2-D piece:
-//      consecutive block ids on both sides usually collapse to one piece.
+//   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block
+//      (or by the other enumerated axes, then block, when runs of blocks merge), and each is
+//      merged with the previous one when the result is still one 2-D piece: runs of consecutive
+//      block ids on both sides usually collapse to one piece.
 //   4. Merged pieces go to a chunker: big contiguous pieces become direct chunks, others are
 //      packed into chunks of at most chunk_bytes (split by rows, or by bytes for huge rows).
-// The cost is one step per block (block ids are arbitrary) plus one per emitted piece; no step
-// per element or per token.
+// The cost is one step per run of consecutive block ids plus one per emitted piece; no step per
+// element or per token.
 #include "planner/planner.h"
 
 #include <fmt/format.h>
@@ -483,7 +484,7 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
   out.bytes = 0;
   out.chunks.clear();
   {
-    int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * tpb;
+    const int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * tpb;
     const int64_t pair_bytes = (l1 - l0) * shape.kv_factor * (h1 - h0) * moved_tokens * row_bytes;
     out.chunks.reserve(static_cast<size_t>(pair_bytes / in.chunk_bytes + 1));
   }
