@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "kvferry/pool.h"
@@ -23,7 +24,8 @@ inline WriteCounts MakeWriteCounts(const std::vector<BlockPool>& gen_pools) {
   WriteCounts w(gen_pools.size());
   for (size_t r = 0; r < gen_pools.size(); ++r) {
     w[r].resize(static_cast<size_t>(gen_pools[r].num_regions()));
-    for (auto& region : w[r]) region.assign(static_cast<size_t>(gen_pools[r].layout().region_bytes()), 0);
+    for (auto& region : w[r])
+      region.assign(static_cast<size_t>(gen_pools[r].layout().region_bytes()), 0);
   }
   return w;
 }
@@ -33,8 +35,8 @@ inline Status CheckPieceBounds(const Piece& p, const BlockPool& src, const Block
   auto check = [&](const BlockPool& pool, int32_t region, int64_t offset, int64_t pitch,
                    const char* side) -> Status {
     if (region < 0 || region >= pool.num_regions()) {
-      return Status::Internal(fmt::format("{} region {} is outside [0, {})", side, region,
-                                          pool.num_regions()));
+      return Status::Internal(
+          fmt::format("{} region {} is outside [0, {})", side, region, pool.num_regions()));
     }
     const int64_t last = offset + (p.rows - 1) * pitch;
     const int64_t lo = std::min(offset, last);
@@ -50,10 +52,15 @@ inline Status CheckPieceBounds(const Piece& p, const BlockPool& src, const Block
   return check(dst, p.dst_region, p.dst_offset, p.dst_pitch, "destination");
 }
 
-// Executes the chunks of `pairs`; pools are indexed by instance rank.
+// Called before each chunk is sent (e.g. to make layers up to chunk.last_layer "computed").
+using BeforeChunk = std::function<void(const PairPlan&, const Chunk&)>;
+
+// Executes the chunks of `pairs`, pair by pair, chunks in order; pools are indexed by instance
+// rank.
 inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
                                  const std::vector<BlockPool>& ctx_pools,
-                                 const std::vector<BlockPool>& gen_pools, WriteCounts& counts) {
+                                 const std::vector<BlockPool>& gen_pools, WriteCounts& counts,
+                                 const BeforeChunk& before_chunk = {}) {
   std::vector<std::byte> staging;
   for (const PairPlan& pair : pairs) {
     const BlockPool& src = ctx_pools.at(static_cast<size_t>(pair.ctx_rank));
@@ -65,6 +72,7 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
     };
     for (const Chunk& chunk : pair.chunks) {
       for (const Piece& p : chunk.pieces) KVF_RETURN_IF_ERROR(CheckPieceBounds(p, src, dst));
+      if (before_chunk) before_chunk(pair, chunk);
       if (chunk.direct) {
         for (const Piece& p : chunk.pieces) {
           for (int64_t r = 0; r < p.rows; ++r) {
@@ -81,8 +89,10 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
       int64_t at = 0;
       for (const Piece& p : chunk.pieces) {
         for (int64_t r = 0; r < p.rows; ++r) {
-          if (at + p.bytes > chunk.bytes) return Status::Internal("chunk pieces exceed chunk.bytes");
-          std::memcpy(staging.data() + at, src.region(p.src_region) + p.src_offset + r * p.src_pitch,
+          if (at + p.bytes > chunk.bytes)
+            return Status::Internal("chunk pieces exceed chunk.bytes");
+          std::memcpy(staging.data() + at,
+                      src.region(p.src_region) + p.src_offset + r * p.src_pitch,
                       static_cast<size_t>(p.bytes));
           at += p.bytes;
         }

@@ -8,13 +8,14 @@
 //      contiguous run (dim first); the axis, or chain of axes, giving the most rows becomes the row
 //      axis (any pitch on each side); the rest are enumerated. A block that ends mid-prompt has
 //      its own template (fewer tokens).
-//   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block,
-//      and each is merged with the previous one when the result is still one 2-D piece:
-//      consecutive block ids on both sides usually collapse to one piece.
+//   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block
+//      (or by the other enumerated axes, then block, when runs of blocks merge), and each is
+//      merged with the previous one when the result is still one 2-D piece: runs of consecutive
+//      block ids on both sides usually collapse to one piece.
 //   4. Merged pieces go to a chunker: big contiguous pieces become direct chunks, others are
 //      packed into chunks of at most chunk_bytes (split by rows, or by bytes for huge rows).
-// The cost is one step per block (block ids are arbitrary) plus one per emitted piece; no step
-// per element or per token.
+// The cost is one step per run of consecutive block ids plus one per emitted piece; no step per
+// element or per token.
 #include "planner/planner.h"
 
 #include <fmt/format.h>
@@ -66,8 +67,8 @@ Status CheckBlocks(std::string_view side, const std::vector<int64_t>& blocks, in
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t b = blocks[i];
     if (b < 0 || b >= pool_blocks) {
-      return Status::InvalidArgument(fmt::format("{}[{}]: block id {} is outside the pool's [0, {})",
-                                                 side, i, b, pool_blocks));
+      return Status::InvalidArgument(fmt::format(
+          "{}[{}]: block id {} is outside the pool's [0, {})", side, i, b, pool_blocks));
     }
     if (static_cast<int64_t>(i) >= needed) continue;
     uint64_t& word = seen[static_cast<size_t>(b / 64)];
@@ -117,8 +118,8 @@ struct Side {
   std::array<int64_t, kBoxAxes> stride{};  // bytes
   int64_t block_stride = 0;                // bytes
   bool layer_regions = false;              // each layer its own region (not a stride)
-  int64_t base = 0;     // offset of (block 0, first layer, kv 0, first head, token 0)
-  int32_t layer0 = 0;   // local index of the box's first layer
+  int64_t base = 0;    // offset of (block 0, first layer, kv 0, first head, token 0)
+  int32_t layer0 = 0;  // local index of the box's first layer
 };
 
 Side MakeSide(const PoolLayout& layout, int64_t local_layer0, int64_t local_head0) {
@@ -163,7 +164,7 @@ Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src
     }
   }
   // The row axis: the chain of axes (each stepping over the ones before on both sides) with the
-  // most rows. Ties go to the smaller source stride.
+  // most rows. Ties go to the first axis in (layer, kv, head, token) order.
   std::array<bool, kBoxAxes> best_set{};
   int64_t best_rows = 1;
   for (int a0 = 0; a0 < kBoxAxes; ++a0) {
@@ -213,8 +214,10 @@ Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src
 // ---- merging and chunking ---------------------------------------------------------------------
 
 // Merges `next` into `p` when the result is still one 2-D piece covering exactly both.
-bool TryMerge(Piece& p, const Piece& next) {
+// With `one_layer`, pieces of different layers stay apart.
+bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
   if (p.src_region != next.src_region || p.dst_region != next.dst_region) return false;
+  if (one_layer && p.layer != next.layer) return false;
   // Side by side: each row grows.
   if (p.rows == next.rows && next.src_offset == p.src_offset + p.bytes &&
       next.dst_offset == p.dst_offset + p.bytes &&
@@ -250,10 +253,13 @@ bool TryMerge(Piece& p, const Piece& next) {
 class Chunker {
  public:
   Chunker(const PlanInput& in, PairPlan& out)
-      : chunk_bytes_(in.chunk_bytes), direct_min_(in.direct_min_bytes), out_(out) {}
+      : chunk_bytes_(in.chunk_bytes),
+        direct_min_(in.direct_min_bytes),
+        one_layer_(in.layer_wise),
+        out_(out) {}
 
   void Add(const Piece& p) {
-    if (pending_ && TryMerge(*pending_, p)) return;
+    if (pending_ && TryMerge(*pending_, p, one_layer_)) return;
     if (pending_) Place(*pending_);
     pending_ = p;
   }
@@ -271,13 +277,23 @@ class Chunker {
       p.rows = 1;
     }
     out_.bytes += p.total();
-    if (p.rows == 1 && p.bytes >= direct_min_) {
+    if (p.bytes >= direct_min_) {  // each row is contiguous on both sides and big: direct
       open_ = nullptr;
-      Chunk& c = out_.chunks.emplace_back();
-      c.direct = true;
-      c.last_layer = p.layer;
-      c.bytes = p.bytes;
-      c.pieces.push_back(p);
+      for (int64_t r = 0; r < p.rows; ++r) {
+        Chunk& c = out_.chunks.emplace_back();
+        c.direct = true;
+        c.last_layer = p.layer;
+        c.bytes = p.bytes;
+        Piece& row = c.pieces.emplace_back(p);
+        row.rows = 1;
+        row.src_offset += r * p.src_pitch;
+        row.dst_offset += r * p.dst_pitch;
+        row.src_pitch = row.dst_pitch = 0;
+      }
+      return;
+    }
+    if (open_ && p.total() <= chunk_bytes_ - open_->bytes) {  // the common case: it fits
+      Append(p);
       return;
     }
     int64_t row = 0;
@@ -292,10 +308,10 @@ class Chunker {
         Append(part);
         row += part.rows;
       } else if (p.bytes <= chunk_bytes_) {
-        Open();
+        Open(p);
       } else {  // a row larger than a chunk: split it by bytes
         for (int64_t off = 0; off < p.bytes;) {
-          if (!open_ || open_->bytes == chunk_bytes_) Open();
+          if (!open_ || open_->bytes == chunk_bytes_) Open(p);
           Piece part = p;
           part.rows = 1;
           part.src_pitch = part.dst_pitch = 0;
@@ -310,9 +326,11 @@ class Chunker {
     }
   }
 
-  void Open() {
+  // Opens a packed chunk, reserving room for as many pieces like `p` as fit.
+  void Open(const Piece& p) {
     open_ = &out_.chunks.emplace_back();
-    open_->pieces.reserve(8);
+    open_->pieces.reserve(
+        static_cast<size_t>(std::min<int64_t>(chunk_bytes_ / p.total() + 1, 4096)));
   }
 
   void Append(const Piece& part) {
@@ -324,6 +342,7 @@ class Chunker {
 
   const int64_t chunk_bytes_;
   const int64_t direct_min_;
+  const bool one_layer_;
   PairPlan& out_;
   std::optional<Piece> pending_;
   Chunk* open_ = nullptr;  // the packed chunk being filled (always out_.chunks.back())
@@ -331,9 +350,77 @@ class Chunker {
 
 // ---- ranks and pairs --------------------------------------------------------------------------
 
+// Consecutive blocks of the request whose ids are consecutive on both sides, and that share a
+// template (the partial last block is a run of its own).
+struct BlockRun {
+  int64_t first = 0;  // index into ctx_blocks / gen_blocks
+  int64_t count = 0;
+  bool partial = false;
+};
+
+std::vector<BlockRun> BlockRuns(const PlanInput& in, int64_t needed) {
+  std::vector<BlockRun> runs;
+  const int64_t tpb = in.ctx.shape.tokens_per_block;
+  const bool last_partial = in.prompt_tokens < needed * tpb;
+  for (int64_t i = in.gen_reused_blocks; i < needed; ++i) {
+    const bool partial = last_partial && i == needed - 1;
+    if (!runs.empty() && !partial && !runs.back().partial &&
+        in.ctx_blocks[i] == in.ctx_blocks[i - 1] + 1 &&
+        in.gen_blocks[i] == in.gen_blocks[i - 1] + 1) {
+      ++runs.back().count;
+    } else {
+      runs.push_back(BlockRun{i, 1, partial});
+    }
+  }
+  return runs;
+}
+
+// Whether the pieces of consecutive blocks (consecutive ids on both sides) at the same
+// enumerated-axes index merge into one piece.
+bool RunMerges(const Template& t, const Side& src, const Side& dst) {
+  return (src.block_stride == t.bytes && dst.block_stride == t.bytes) || t.rows == 1 ||
+         (src.block_stride == t.rows * t.src_pitch && dst.block_stride == t.rows * t.dst_pitch);
+}
+
+// Turns `p` (bytes, rows and pitches of one block's piece) into the piece covering `count`
+// consecutive blocks. Requires RunMerges.
+void MergeRun(const Template& t, const Side& src, const Side& dst, int64_t count, Piece& p) {
+  if (src.block_stride == t.bytes && dst.block_stride == t.bytes) {
+    p.bytes = t.bytes * count;  // rows grow side by side
+  } else if (t.rows == 1) {
+    p.rows = count;  // one row per block
+    p.src_pitch = src.block_stride;
+    p.dst_pitch = dst.block_stride;
+  } else {
+    p.rows = t.rows * count;  // the row axis continues into the next block
+  }
+}
+
+// Calls fn(src_delta, dst_delta) for every index of the template's enumerated axes, innermost
+// fastest.
+template <typename Fn>
+void ForEachIndex(const Template& t, Fn&& fn) {
+  std::array<int64_t, 3> idx{};
+  while (true) {
+    int64_t sd = 0, dd = 0;
+    for (int k = 0; k < t.n; ++k) {
+      sd += idx[k] * t.src_step[k];
+      dd += idx[k] * t.dst_step[k];
+    }
+    fn(sd, dd);
+    int k = t.n - 1;
+    for (; k >= 0; --k) {
+      if (++idx[k] < t.ext[k]) break;
+      idx[k] = 0;
+    }
+    if (k < 0) return;
+  }
+}
+
 struct Context {
   const PlanInput& in;
-  int64_t needed = 0;  // blocks of the prompt
+  int64_t needed = 0;          // blocks of the prompt
+  std::vector<BlockRun> runs;  // the blocks that move
   std::vector<RankSlice> ctx;  // ctx ranks of the serving DP group (ascending rank)
   std::vector<RankSlice> gen;  // gen ranks of the receiving DP group (ascending rank)
 };
@@ -367,8 +454,10 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
   if (in.gen_reused_blocks >= cx.needed) return false;
 
   const int64_t eb = shape.ElementBytes();
-  const PoolLayout cl = *PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb);
-  const PoolLayout gl = *PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb);
+  const PoolLayout cl =
+      *PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb);
+  const PoolLayout gl =
+      *PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb);
   const Side src = MakeSide(cl, l0 - c.layer_begin, h0 - c.head_begin);
   const Side dst = MakeSide(gl, l0 - g.layer_begin, h0 - g.head_begin);
 
@@ -377,9 +466,9 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
   const int64_t row_bytes = shape.head_dim * eb;
   std::array<int64_t, kBoxAxes> ext{l1 - l0, shape.kv_factor, h1 - h0, tpb};
   const bool has_full = in.gen_reused_blocks < cx.needed - 1 || last_valid == tpb;
-  Template full = BuildTemplate(ext, src, dst, row_bytes, false);
+  Template full = BuildTemplate(ext, src, dst, row_bytes, in.layer_wise);
   ext[kT] = last_valid;
-  Template part = BuildTemplate(ext, src, dst, row_bytes, false);
+  Template part = BuildTemplate(ext, src, dst, row_bytes, in.layer_wise);
   if (last_valid < tpb && has_full && full.layer_outer != part.layer_outer) {
     // Keep one piece order (layer, then block) for both: enumerate layers in both.
     ext[kT] = tpb;
@@ -394,44 +483,64 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
   out.gen_rank = g.rank;
   out.bytes = 0;
   out.chunks.clear();
+  {
+    const int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * tpb;
+    const int64_t pair_bytes = (l1 - l0) * shape.kv_factor * (h1 - h0) * moved_tokens * row_bytes;
+    out.chunks.reserve(static_cast<size_t>(pair_bytes / in.chunk_bytes + 1));
+  }
+  // Enumerated axes outside the block loop when that lets runs of blocks merge into one piece
+  // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
+  // order is then (layer, enumerated axes, block) instead of (layer, block, enumerated axes).
+  bool long_runs = false;
+  for (const BlockRun& run : cx.runs) long_runs = long_runs || (!run.partial && run.count > 1);
+  const bool axes_outside = full.n > 0 && long_runs && RunMerges(full, src, dst);
+
   Chunker chunker(in, out);
   Piece p;
+  int64_t src_l = 0, dst_l = 0;  // offset of the current layer (layouts without layer regions)
+  // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
+  // (sd, dd), as one piece when they merge.
+  auto emit = [&](const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd) {
+    p.bytes = t.bytes;
+    p.rows = t.rows;
+    p.src_pitch = t.rows > 1 ? t.src_pitch : 0;
+    p.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
+    if (count > 1 && RunMerges(t, src, dst)) {
+      MergeRun(t, src, dst, count, p);
+      count = 1;
+    }
+    for (int64_t i = first; i < first + count; ++i) {
+      p.src_offset = src.base + in.ctx_blocks[i] * src.block_stride + src_l + sd;
+      p.dst_offset = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l + dd;
+      chunker.Add(p);
+    }
+  };
   for (int64_t li = 0; li < layer_iters; ++li) {
     p.layer = layer_outer ? static_cast<int32_t>(l0 + li) : l1 - 1;
     p.src_region = src.layer_regions ? static_cast<int32_t>(src.layer0 + li) : 0;
     p.dst_region = dst.layer_regions ? static_cast<int32_t>(dst.layer0 + li) : 0;
-    const int64_t src_l = src.layer_regions ? 0 : li * src.stride[kL];
-    const int64_t dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
-    for (int64_t i = in.gen_reused_blocks; i < cx.needed; ++i) {
-      const Template& t = (i == cx.needed - 1) ? part : full;
-      p.bytes = t.bytes;
-      p.rows = t.rows;
-      p.src_pitch = t.rows > 1 ? t.src_pitch : 0;
-      p.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
-      const int64_t sb = src.base + in.ctx_blocks[i] * src.block_stride + src_l;
-      const int64_t db = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l;
+    src_l = src.layer_regions ? 0 : li * src.stride[kL];
+    dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
+    if (axes_outside) {
+      ForEachIndex(full, [&](int64_t sd, int64_t dd) {
+        for (const BlockRun& run : cx.runs) {
+          if (!run.partial) emit(full, run.first, run.count, sd, dd);
+        }
+      });
+      const BlockRun& last = cx.runs.back();  // the partial block, if any, is the last run
+      if (last.partial) {
+        ForEachIndex(part, [&](int64_t sd, int64_t dd) { emit(part, last.first, 1, sd, dd); });
+      }
+      continue;
+    }
+    for (const BlockRun& run : cx.runs) {
+      const Template& t = run.partial ? part : full;
       if (t.n == 0) {
-        p.src_offset = sb;
-        p.dst_offset = db;
-        chunker.Add(p);
+        emit(t, run.first, run.count, 0, 0);
         continue;
       }
-      std::array<int64_t, 3> idx{};
-      while (true) {
-        int64_t so = sb, dof = db;
-        for (int k = 0; k < t.n; ++k) {
-          so += idx[k] * t.src_step[k];
-          dof += idx[k] * t.dst_step[k];
-        }
-        p.src_offset = so;
-        p.dst_offset = dof;
-        chunker.Add(p);
-        int k = t.n - 1;  // innermost last
-        for (; k >= 0; --k) {
-          if (++idx[k] < t.ext[k]) break;
-          idx[k] = 0;
-        }
-        if (k < 0) break;
+      for (int64_t i = run.first; i < run.first + run.count; ++i) {
+        ForEachIndex(t, [&](int64_t sd, int64_t dd) { emit(t, i, 1, sd, dd); });
       }
     }
   }
@@ -443,14 +552,15 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
                                           std::optional<int32_t> gen_rank) {
   KVF_RETURN_IF_ERROR(CheckInput(in));
   if (ctx_rank && (*ctx_rank < 0 || *ctx_rank >= in.ctx.parallel.world_size())) {
-    return Status::InvalidArgument(fmt::format("context rank {} is outside [0, {})", *ctx_rank,
-                                               in.ctx.parallel.world_size()));
+    return Status::InvalidArgument(
+        fmt::format("context rank {} is outside [0, {})", *ctx_rank, in.ctx.parallel.world_size()));
   }
   if (gen_rank && (*gen_rank < 0 || *gen_rank >= in.gen.parallel.world_size())) {
-    return Status::InvalidArgument(fmt::format("generation rank {} is outside [0, {})",
-                                               *gen_rank, in.gen.parallel.world_size()));
+    return Status::InvalidArgument(fmt::format("generation rank {} is outside [0, {})", *gen_rank,
+                                               in.gen.parallel.world_size()));
   }
-  Context cx{in, NeededBlocks(in), {}, {}};
+  Context cx{in, NeededBlocks(in), {}, {}, {}};
+  cx.runs = BlockRuns(in, cx.needed);
   KVF_ASSIGN_OR_RETURN(cx.ctx, GroupSlices(in.ctx, ctx_rank));
   KVF_ASSIGN_OR_RETURN(cx.gen, GroupSlices(in.gen, gen_rank));
   std::vector<PairPlan> pairs;

@@ -9,6 +9,23 @@
 // kernel or a memcpy loop handles in one descriptor. A piece whose bytes are contiguous on both
 // sides and large goes pool to pool directly (a "direct" chunk); smaller or strided pieces are
 // packed back to back into a bounded staging chunk on the sender and unpacked on the receiver.
+//
+// Who sends what:
+// - Only the context ranks of the DP group that served the request (ctx.parallel.dp_rank) send,
+//   and only the generation ranks of the DP group that will decode it (gen.parallel.dp_rank)
+//   receive. Ranks are pp_rank * tp + tp_rank on both sides.
+// - Each generation rank receives every (layer, kv, head, token) it holds exactly once, from one
+//   context rank holding it. When several context ranks hold a head (KV heads < attention TP),
+//   generation rank g takes it from the replica with index g.tp_rank % replicas. Every
+//   generation replica of a duplicated head gets its own copy.
+// - Blocks [gen_reused_blocks, ceil(prompt_tokens / tokens_per_block)) move; a block that ends
+//   mid-prompt moves only its valid tokens; nothing else on the generation side is written.
+//
+// Cost: validation is O(blocks); each pair costs one step per run of consecutive block ids
+// (consecutive on both sides) when a block's share is one 2-D piece, otherwise one step per
+// emitted piece. Never one step per element or token.
+//
+// Thread-safety: all functions are pure and thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -30,12 +47,16 @@ struct InstanceDesc {
 struct PlanInput {
   InstanceDesc ctx;
   InstanceDesc gen;
-  int64_t prompt_tokens = 0;             // tokens of the request's KV (the last block may be partial)
-  std::vector<int64_t> ctx_blocks;       // the request's blocks on every context rank, in order
-  std::vector<int64_t> gen_blocks;       // destination blocks on every generation rank, in order
-  int64_t gen_reused_blocks = 0;         // leading blocks the generation side already holds
-  int64_t chunk_bytes = 4 << 20;         // staging chunk size bound
+  int64_t prompt_tokens = 0;        // tokens of the request's KV (the last block may be partial)
+  std::vector<int64_t> ctx_blocks;  // the request's blocks on every context rank, in order
+  std::vector<int64_t> gen_blocks;  // destination blocks on every generation rank, in order
+  int64_t gen_reused_blocks = 0;    // leading blocks the generation side already holds
+  int64_t chunk_bytes = 4 << 20;    // staging chunk size bound
   int64_t direct_min_bytes = 256 << 10;  // contiguous pieces at least this large go direct
+  // Every piece holds one layer, so a chunk can be sent as soon as its layer is computed
+  // (layer-wise transfer overlapping prefill). Otherwise a piece may span layers when the
+  // layouts allow it (fewer, larger pieces; a chunk then waits for its last_layer).
+  bool layer_wise = false;
 };
 
 // A 2-D copy: `rows` rows of `bytes`, at src_offset + r * src_pitch in the context rank's pool
@@ -61,16 +82,17 @@ struct Piece {
 // rows are packed back to back, in order, into a staging buffer of `bytes` <= chunk_bytes on the
 // sender and unpacked from it on the receiver.
 struct Chunk {
-  bool direct = false;     // one contiguous piece, sent from the source pool into the destination pool
+  bool direct = false;  // one contiguous piece, sent from the source pool into the destination pool
   int32_t last_layer = 0;  // highest global layer among its pieces
   int64_t bytes = 0;       // sum of piece totals (packed size)
   std::vector<Piece> pieces;
   bool operator==(const Chunk&) const = default;
 };
 
-// Everything one context rank sends to one generation rank. Chunks are ordered by last_layer
-// (pieces by global layer, then by block), so layer-wise sending can gate each chunk on its
-// last_layer; both sides derive the same chunk sequence.
+// Everything one context rank sends to one generation rank. Pieces are ordered by global layer
+// first, so chunks come in non-decreasing last_layer and layer-wise sending can gate each chunk
+// on its last_layer; within a layer, by block (or, when that lets runs of consecutive blocks
+// merge into one piece, by kv / head, then block). Both sides derive the same chunk sequence.
 struct PairPlan {
   int32_t ctx_rank = 0;
   int32_t gen_rank = 0;
@@ -80,7 +102,7 @@ struct PairPlan {
 };
 
 struct TransferPlan {
-  std::vector<PairPlan> pairs;   // sorted by (ctx_rank, gen_rank)
+  std::vector<PairPlan> pairs;  // sorted by (ctx_rank, gen_rank)
   int64_t total_bytes = 0;
   // The generation ranks each context rank sends to, and the reverse (for completion counting).
   std::vector<std::vector<int32_t>> gen_peers_of_ctx;  // indexed by ctx rank

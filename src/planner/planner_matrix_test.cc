@@ -1,0 +1,242 @@
+// The planner's test matrix: every configuration is planned, executed on CPU pools and checked
+// byte for byte (see RunCase).
+#include <gtest/gtest.h>
+
+#include "planner/planner_test_util.h"
+
+namespace kvferry::planner_test {
+namespace {
+
+// ---- the matrix ---------------------------------------------------------------------------------
+
+// Every valid ctx (TP, PP) x gen (TP, PP) for kv_heads 8, 6 and 2 (TP in {1,2,3,4,6,8}, PP in
+// {1,2,3}, 7 layers), all four layout pairs, all five prompt lengths; block ids, reuse and
+// chunking rotate with the case index so that each meets every other often.
+TEST(PlannerMatrix, TpPpLayoutsPrompts) {
+  CountConfigs count;
+  const int64_t tpb = 4;
+  const int64_t prompts[] = {1, tpb - 1, tpb, tpb + 1, 5 * tpb + 3};
+  const int64_t chunks[] = {4 << 20, 100, 48};
+  const int64_t directs[] = {256 << 10, 0, 64};
+  int idx = 0;
+  for (int32_t kvh : kKvHeads) {
+    KvShape shape{7, kvh, 8, DType::kBf16, 2, tpb};
+    auto configs = ValidConfigs(shape);
+    for (const ParallelConfig& cp : configs) {
+      for (const ParallelConfig& gp : configs) {
+        for (LayoutKind cl : kLayouts) {
+          for (LayoutKind gl : kLayouts) {
+            for (int64_t prompt : prompts) {
+              Case c;
+              c.shape = shape;
+              c.ctx = cp;
+              c.gen = gp;
+              c.ctx_layout = cl;
+              c.gen_layout = gl;
+              c.prompt = prompt;
+              c.block_pattern = idx % 3;
+              c.reused = (idx % 7 == 3) ? std::min<int64_t>(1, Needed(c) - 1) : 0;
+              c.chunk_bytes = chunks[(idx / 3) % 3];
+              c.direct_min = directs[(idx / 9) % 3];
+              c.layer_wise = idx % 4 == 1;
+              ++idx;
+              RunCase(c);
+              if (HasFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every prompt length x reuse x block pattern on a few representative splits.
+TEST(PlannerMatrix, PromptLengthsReuseAndBlockIds) {
+  CountConfigs count;
+  const int64_t tpb = 4;
+  const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
+                                                              {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
+                                                              {{4, 2, {}, 1, 0}, {2, 3, {}, 1, 0}},
+                                                              {{8, 1, {}, 1, 0}, {1, 2, {}, 1, 0}}};
+  for (const auto& [cp, gp] : splits) {
+    for (int64_t prompt : {int64_t{1}, tpb - 1, tpb, tpb + 1, 2 * tpb, 5 * tpb + 3}) {
+      const int64_t n = (prompt + tpb - 1) / tpb;
+      for (int64_t reused = 0; reused <= n; ++reused) {
+        for (int pattern = 0; pattern < 3; ++pattern) {
+          for (LayoutKind cl : kLayouts) {
+            for (LayoutKind gl : kLayouts) {
+              Case c;
+              c.shape = KvShape{5, 8, 16, DType::kFp16, 2, tpb};
+              c.ctx = cp;
+              c.gen = gp;
+              c.ctx_layout = cl;
+              c.gen_layout = gl;
+              c.prompt = prompt;
+              c.reused = reused;
+              c.block_pattern = pattern;
+              RunCase(c);
+              if (HasFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PlannerMatrix, UnevenPipelineStages) {
+  CountConfigs count;
+  KvShape shape{7, 4, 8, DType::kFp32, 2, 4};
+  const std::vector<ParallelConfig> configs = {{1, 3, {1, 4, 2}, 1, 0}, {2, 3, {3, 3, 1}, 1, 0},
+                                               {4, 2, {6, 1}, 1, 0},    {1, 2, {2, 5}, 1, 0},
+                                               {2, 3, {}, 1, 0},        {1, 1, {}, 1, 0}};
+  for (const auto& cp : configs) {
+    for (const auto& gp : configs) {
+      for (LayoutKind cl : kLayouts) {
+        for (LayoutKind gl : kLayouts) {
+          Case c;
+          c.shape = shape;
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = 9;
+          c.block_pattern = 1;
+          c.chunk_bytes = 200;
+          c.direct_min = 32;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(PlannerMatrix, Mla) {
+  CountConfigs count;
+  KvShape shape{5, 1, 16, DType::kInt8, 1, 4};
+  std::vector<ParallelConfig> configs;
+  for (int32_t tp : {1, 2, 4, 3}) {
+    for (int32_t pp : {1, 2}) configs.push_back({tp, pp, {}, 1, 0});
+  }
+  configs.push_back({4, 1, {}, 4, 2});  // attention DP: each rank its own group
+  configs.push_back({4, 2, {}, 2, 1});
+  configs.push_back({8, 1, {}, 4, 3});
+  for (const auto& cp : configs) {
+    for (const auto& gp : configs) {
+      for (LayoutKind cl : kLayouts) {
+        for (LayoutKind gl : kLayouts) {
+          Case c;
+          c.shape = shape;
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = 11;
+          c.block_pattern = 2;
+          c.chunk_bytes = 64;
+          c.direct_min = 16;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(PlannerMatrix, AttentionDataParallel) {
+  CountConfigs count;
+  // kv_heads 4: DP groups with attention TP 1, 2, 4 (and duplication when attention TP > 4).
+  KvShape shape{4, 4, 8, DType::kBf16, 2, 4};
+  std::vector<ParallelConfig> configs = {
+      {4, 1, {}, 2, 0}, {4, 1, {}, 2, 1}, {4, 1, {}, 4, 3}, {8, 1, {}, 2, 1},  // 8/2: 4 heads/4
+      {8, 2, {}, 4, 2}, {2, 2, {}, 2, 1}, {2, 1, {}, 1, 0}, {4, 2, {}, 1, 0},
+      {8, 1, {}, 1, 0},  // duplicated heads without DP
+  };
+  for (const auto& cp : configs) {
+    for (const auto& gp : configs) {
+      for (LayoutKind cl : kLayouts) {
+        for (LayoutKind gl : kLayouts) {
+          Case c;
+          c.shape = shape;
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = 13;
+          c.reused = 1;
+          c.block_pattern = 1;
+          c.chunk_bytes = 96;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  // Duplicated heads inside DP groups: kv_heads 2, attention TP 4 on either side.
+  KvShape dup{3, 2, 8, DType::kBf16, 2, 4};
+  for (const auto& [cp, gp] : std::vector<std::pair<ParallelConfig, ParallelConfig>>{
+           {{8, 1, {}, 2, 1}, {2, 1, {}, 1, 0}},
+           {{2, 1, {}, 1, 0}, {8, 1, {}, 2, 1}},
+           {{8, 1, {}, 2, 0}, {8, 3, {}, 2, 1}},
+           {{6, 1, {}, 1, 0}, {4, 1, {}, 1, 0}}}) {
+    Case c;
+    c.shape = dup;
+    c.ctx = cp;
+    c.gen = gp;
+    c.prompt = 7;
+    RunCase(c);
+  }
+}
+
+TEST(PlannerMatrix, ChunkingExtremes) {
+  CountConfigs count;
+  // chunk_bytes smaller than one row (rows split by bytes), equal to one row, odd sizes; direct
+  // thresholds from 0 (every contiguous piece direct) to huge (nothing direct).
+  for (int64_t chunk : {1, 7, 16, 33, 1000, 1 << 30}) {
+    for (int64_t direct : {int64_t{0}, int64_t{1}, int64_t{100}, int64_t{1} << 40}) {
+      for (LayoutKind cl : kLayouts) {
+        for (LayoutKind gl : kLayouts) {
+          Case c;
+          c.shape = KvShape{3, 4, 8, DType::kBf16, 2, 4};
+          c.ctx = {2, 1, {}, 1, 0};
+          c.gen = {4, 2, {}, 1, 0};
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = 10;
+          c.chunk_bytes = chunk;
+          c.direct_min = direct;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(Planner, SingleBlockAndTightPools) {
+  CountConfigs count;
+  for (int64_t prompt : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{9}}) {
+    for (int pattern = 0; pattern < 3; ++pattern) {
+      for (LayoutKind cl : kLayouts) {
+        for (LayoutKind gl : kLayouts) {
+          Case c;
+          c.shape = KvShape{3, 2, 4, DType::kFp32, 2, 4};
+          c.ctx = {2, 1, {}, 1, 0};
+          c.gen = {1, 3, {}, 1, 0};
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = prompt;
+          c.block_pattern = pattern;
+          c.tight_pools = true;
+          c.direct_min = 16;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvferry::planner_test
