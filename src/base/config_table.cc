@@ -30,6 +30,9 @@ constexpr KnobDecl kKnobs[] = {
     {"transfer.max_inflight_per_pair", KnobType::kInt, "16",
      "transport operations in flight per (context rank, generation rank) pair and request", 1,
      4096, ""},
+    {"transfer.abort_grace_ms", KnobType::kInt, "1000",
+     "after a request fails, how long a context rank waits for sends a dead peer never takes "
+     "before it ends the request anyway (sends only read the blocks)", 0, 600 * 1000, ""},
     {"transfer.unknown_request_wait_ms", KnobType::kInt, "2000",
      "how long a context rank holds a fetch for a request it does not know yet (its MarkReady may "
      "come later than another rank's) before refusing it", 0, 3600 * 1000, ""},

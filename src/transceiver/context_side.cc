@@ -33,6 +33,7 @@ struct SendPair {
 
 struct CtxRequest {
   uint64_t id = 0;
+  bool layer_wise = false;  // planned one layer per piece, so each layer moves once it is ready
   std::vector<int64_t> blocks;
   int64_t tokens = 0;
   AccessToken token{};
@@ -49,6 +50,7 @@ struct CtxRequest {
   TransferState state = TransferState::kInit;
   Status reason;
   bool ending = false;  // a terminal state is decided; waiting for operations to finish
+  Clock::time_point ended_at;
 };
 
 struct PendingFetch {
@@ -270,6 +272,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       r.tokens = tokens;
       r.token = MakeAccessToken(options_.secret, id, r.blocks, tokens);
       r.ready_end = all_ready ? pool_.shape().layers : 0;
+      r.layer_wise = !all_ready;
       r.start = Clock::now();
       r.deadline = r.start + options_.timeout;
       ContextHandle h;
@@ -280,6 +283,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       h.layout = pool_.spec().layout;
       h.pool_blocks = pool_.blocks();
       h.prompt_tokens = tokens;
+      h.layer_wise = !all_ready;
       h.blocks = r.blocks;
       h.addresses = addresses_;
       requests_.emplace(id, std::move(r));
@@ -352,6 +356,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       in.gen_reused_blocks = f.reused_blocks;
       in.chunk_bytes = options_.chunk_bytes;
       in.direct_min_bytes = options_.direct_min_bytes;
+      in.layer_wise = r->layer_wise;
       auto plan = PlanForCtxRank(in, pool_.slice().rank);
       if (!plan.ok()) return Reject(peer, f, plan.status());
       r->plan = std::move(plan).value();
@@ -463,10 +468,24 @@ class ContextSideImpl final : public ContextSide, public Engine {
     return n;
   }
 
-  bool Finished(const CtxRequest& r) const {
+  bool Finished(CtxRequest& r) {
     if (r.ending) {
-      for (const auto& [g, p] : r.pairs) {
-        if (!p.inflight.empty()) return false;
+      size_t stuck = 0;
+      for (const auto& [g, p] : r.pairs) stuck += p.inflight.size();
+      if (stuck == 0) return true;
+      // UCX and MPI can't take back a send a dead peer never matches. Sends only read the
+      // blocks, so after a grace period the request ends anyway; the abandoned operations are
+      // dropped (the transport completes them when it lets go of them).
+      if (Clock::now() < r.ended_at + options_.abort_grace) return false;
+      Log(LogLevel::kWarn,
+          "context side: request {} ends with {} sends still held by the transport", r.id, stuck);
+      for (auto& [g, p] : r.pairs) {
+        for (SendOp& op : p.inflight) {
+          // A pending pack is ordered on the stream before any later use of its slot.
+          if (op.slot >= 0) ReleaseSlot(op.slot);
+          if (op.packed) ReleaseEvent(op.packed);
+        }
+        p.inflight.clear();
       }
       return true;
     }
@@ -491,6 +510,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void End(CtxRequest& r, TransferState state, Status why, bool tell_peers) {
     if (r.ending) return;
     r.ending = true;
+    r.ended_at = Clock::now();
     r.state = state;
     r.reason = std::move(why);
     for (auto& [g, p] : r.pairs) {

@@ -38,6 +38,7 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
       o.direct_min_bytes > 0 ? o.direct_min_bytes : c.Int("transfer.direct_min_bytes");
   e.max_inflight = c.Int("transfer.max_inflight_per_pair");
   e.unknown_request_wait = std::chrono::milliseconds(c.Int("transfer.unknown_request_wait_ms"));
+  e.abort_grace = std::chrono::milliseconds(c.Int("transfer.abort_grace_ms"));
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)

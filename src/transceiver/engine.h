@@ -30,6 +30,7 @@ struct EngineOptions {
   int64_t direct_min_bytes;
   int64_t max_inflight;
   std::chrono::milliseconds unknown_request_wait;
+  std::chrono::milliseconds abort_grace;
   std::array<uint8_t, 16> secret;
   uint64_t instance_id;
 };

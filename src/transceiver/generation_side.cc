@@ -65,6 +65,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.gen_reused_blocks = reused_blocks;
     in.chunk_bytes = options_.chunk_bytes;
     in.direct_min_bytes = options_.direct_min_bytes;
+    in.layer_wise = h.layer_wise;
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
     return Call([&]() -> Status {

@@ -11,6 +11,7 @@ namespace {
 constexpr uint32_t kMaxRanks = 1 << 16;
 constexpr uint32_t kMaxBlocks = 1 << 24;
 constexpr size_t kMaxAddress = 1 << 16;
+constexpr uint16_t kFlagLayerWise = 1;
 
 uint64_t Checksum(std::span<const std::byte> b) { return XXH3_64bits(b.data(), b.size()); }
 
@@ -63,7 +64,7 @@ std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
   WireWriter w;
   w.U32(kHandleMagic);
   w.U16(kHandleVersion);
-  w.U16(0);  // flags, none defined
+  w.U16(h.layer_wise ? kFlagLayerWise : 0);
   w.U64(h.request_id);
   for (uint8_t b : h.token) w.U8(b);
   EncodeShape(w, h.shape);
@@ -106,9 +107,10 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   WireReader body(bytes.first(bytes.size() - 8));
   body.U32("magic");
   body.U16("version");
-  if (uint16_t flags = body.U16("flags"); flags != 0)
-    body.Fail(fmt::format("unknown flags {:#x}", flags));
+  uint16_t flags = body.U16("flags");
+  if ((flags & ~kFlagLayerWise) != 0) body.Fail(fmt::format("unknown flags {:#x}", flags));
   ContextHandle h;
+  h.layer_wise = (flags & kFlagLayerWise) != 0;
   h.request_id = body.U64("request_id");
   for (auto& b : h.token) b = body.U8("token");
   h.shape = DecodeShape(body);

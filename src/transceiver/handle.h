@@ -26,6 +26,7 @@ struct ContextHandle {
   LayoutKind layout = LayoutKind::kBlockMajor;
   int64_t pool_blocks = 0;
   int64_t prompt_tokens = 0;
+  bool layer_wise = false;  // flag bit 0: layers become ready one by one; plan one layer per piece
   std::vector<int64_t> blocks;
   std::vector<std::string> addresses;  // transport address of every context rank
 

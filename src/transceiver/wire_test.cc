@@ -18,6 +18,7 @@ ContextHandle SampleHandle() {
   h.layout = LayoutKind::kPerLayer;
   h.pool_blocks = 100;
   h.prompt_tokens = 70;
+  h.layer_wise = true;
   h.blocks = {4, 5, 6};
   h.addresses = {"a", "bb", "ccc", "dddd"};
   return h;
