@@ -35,6 +35,13 @@ using files_internal::ScopedFd;
 constexpr int64_t kPage = 4096;
 
 int64_t RoundUp(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+int64_t SlabSlotBytes(int64_t slot_payload_bytes) {
+  return kSlotHeaderBlock + RoundUp(slot_payload_bytes, kPage);
+}
+
+namespace {
 int64_t RoundDown(int64_t v, int64_t a) { return v / a * a; }
 bool Aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
@@ -116,7 +123,7 @@ class SlabStoreImpl : public SlabStore {
         caps_(backend->caps()),
         lock_fd_(std::move(lock)),
         payload_cap_(o.slot_payload_bytes),
-        stride_(kSlotHeaderBlock + RoundUp(o.slot_payload_bytes, kPage)),
+        stride_(SlabSlotBytes(o.slot_payload_bytes)),
         window_(std::max(1, o.max_in_flight)),
         cpu_device_(o.device != nullptr && o.device->info().platform == "cpu"),
         slots_(static_cast<size_t>(o.max_slots)),
@@ -124,8 +131,6 @@ class SlabStoreImpl : public SlabStore {
 
   const FileBackendCaps& backend() const override { return caps_; }
   int64_t capacity() const override { return options_.max_slots; }
-  int64_t payload_capacity() const override { return payload_cap_; }
-  int64_t slot_bytes() const override { return stride_; }
   int64_t free_slots() const override {
     std::lock_guard<std::mutex> l(mu_);
     return static_cast<int64_t>(free_.size()) + (options_.max_slots - next_fresh_);

@@ -75,6 +75,10 @@ struct SlabStoreOptions {
 // files.* knobs; dir, slot_payload_bytes and max_slots are the caller's.
 SlabStoreOptions SlabStoreOptionsFromConfig();
 
+// Bytes one slot takes in its slab file: a 4096-byte header block plus the payload capacity
+// rounded up to 4096 (docs/file_format.md). A slab file is slots_per_file times that.
+int64_t SlabSlotBytes(int64_t slot_payload_bytes);
+
 class SlabStore {
  public:
   // Probes options.dir (kNotFound when it does not exist), opens the backend (falling back to
@@ -89,8 +93,6 @@ class SlabStore {
   virtual const FileBackendCaps& backend() const = 0;
   virtual int64_t capacity() const = 0;  // slots
   virtual int64_t free_slots() const = 0;
-  virtual int64_t payload_capacity() const = 0;  // bytes of payload one slot holds
-  virtual int64_t slot_bytes() const = 0;        // bytes one slot takes in its file
   // A free slot, or kResourceExhausted. Lowest never-used ids first, then released ones.
   virtual StatusOr<SlotId> Allocate() = 0;
   // Returns a slot to the free list; its contents are forgotten. Releasing a free slot is a no-op.

@@ -172,7 +172,7 @@ TEST_P(SlabStoreConformance, RoundTripManySlotsInBatches) {
   auto s = OpenStore(Options());
   ASSERT_TRUE(s);
   EXPECT_EQ(s->capacity(), 24);
-  EXPECT_EQ(s->slot_bytes(), 4096 + 4 * 4096);
+  EXPECT_EQ(SlabSlotBytes(kPayload), 4096 + 4 * 4096);
   const int kSlots = 24;
   const int64_t sizes[] = {0, 1, 4095, 4096, 4097, 8192, kPayload, 12345};
   // Sources: aligned ones in place, unaligned ones (offset by 1) through staging.
@@ -214,7 +214,8 @@ TEST_P(SlabStoreConformance, RoundTripManySlotsInBatches) {
   // Files were made lazily, 5 slots each, the last one short.
   EXPECT_TRUE(std::filesystem::exists(SlabPath(4)));
   EXPECT_FALSE(std::filesystem::exists(SlabPath(5)));
-  EXPECT_EQ(static_cast<int64_t>(std::filesystem::file_size(SlabPath(4))), 4 * s->slot_bytes());
+  EXPECT_EQ(static_cast<int64_t>(std::filesystem::file_size(SlabPath(4))),
+            4 * SlabSlotBytes(kPayload));
 }
 
 TEST_P(SlabStoreConformance, LazyFilesAndReleaseReuse) {
@@ -266,14 +267,14 @@ TEST_P(SlabStoreConformance, CorruptedPayloadByteIsDataLoss) {
   SlotId id = -1;
   for (int i = 0; i < 8; ++i) id = *s->Allocate();  // id 7: file 1, slot 2 of it
   WriteOne(*s, id, {5, 5}, kPayload, 5);
-  Poke(1, 2 * s->slot_bytes() + kSlotHeaderBlock + 1000, std::byte{0x5A});
+  Poke(1, 2 * SlabSlotBytes(kPayload) + kSlotHeaderBlock + 1000, std::byte{0x5A});
   std::vector<std::byte> dst(kPayload);
   Status st = ReadOne(*s, id, {5, 5}, dst);
   EXPECT_EQ(st.code(), StatusCode::kDataLoss);
   EXPECT_EQ(st.message(), "slot 7: checksum mismatch") << st.ToString();
   // A corrupted byte in the unaligned tail is caught too.
   WriteOne(*s, id, {5, 5}, kPayload, 6);
-  Poke(1, 2 * s->slot_bytes() + kSlotHeaderBlock + kPayload - 1, std::byte{0x01});
+  Poke(1, 2 * SlabSlotBytes(kPayload) + kSlotHeaderBlock + kPayload - 1, std::byte{0x01});
   EXPECT_EQ(ReadOne(*s, id, {5, 5}, dst).code(), StatusCode::kDataLoss);
 }
 
@@ -297,7 +298,7 @@ TEST_P(SlabStoreConformance, TruncatedFileIsDataLoss) {
   for (int i = 0; i < 5; ++i) ids.push_back(*s->Allocate());
   for (SlotId id : ids) WriteOne(*s, id, {9, uint64_t(id)}, kPayload, id);
   // Cut file 0 in the middle of slot 4's payload.
-  ASSERT_EQ(::truncate(SlabPath(0).c_str(), 4 * s->slot_bytes() + 8192), 0);
+  ASSERT_EQ(::truncate(SlabPath(0).c_str(), 4 * SlabSlotBytes(kPayload) + 8192), 0);
   std::vector<std::byte> dst(kPayload);
   Status st = ReadOne(*s, 4, {9, 4}, dst);
   EXPECT_EQ(st.code(), StatusCode::kDataLoss);
@@ -328,11 +329,11 @@ TEST_P(SlabStoreConformance, MisplacedSlotOnDiskIsDataLoss) {
   ASSERT_TRUE(s);
   for (int i = 0; i < 3; ++i) ASSERT_EQ(*s->Allocate(), i);
   for (int i = 1; i < 3; ++i) WriteOne(*s, i, {4, 4}, 4096, 1);  // same key, same bytes
-  std::vector<char> slot1(s->slot_bytes());
+  std::vector<char> slot1(SlabSlotBytes(kPayload));
   int fd = ::open(SlabPath(0).c_str(), O_RDWR);
-  ASSERT_EQ(::pread(fd, slot1.data(), slot1.size(), s->slot_bytes()),
+  ASSERT_EQ(::pread(fd, slot1.data(), slot1.size(), SlabSlotBytes(kPayload)),
             static_cast<ssize_t>(slot1.size()));
-  ASSERT_EQ(::pwrite(fd, slot1.data(), slot1.size(), 2 * s->slot_bytes()),
+  ASSERT_EQ(::pwrite(fd, slot1.data(), slot1.size(), 2 * SlabSlotBytes(kPayload)),
             static_cast<ssize_t>(slot1.size()));
   ::fsync(fd);
   ::close(fd);
@@ -365,7 +366,7 @@ TEST_P(SlabStoreConformance, InjectedWriteFaultsLeaveSlotUnwritten) {
       ws.push_back({ids[i], {10, uint64_t(i)}, srcs[i].data(), 6000, MemoryKind::kHost});
     }
     faulty_->fault = c.fault;
-    faulty_->fail_offset = 1 * s->slot_bytes();
+    faulty_->fail_offset = 1 * SlabSlotBytes(kPayload);
     auto st = s->Write(ws);
     faulty_->fault = Fault::kNone;
     EXPECT_TRUE(st[0].ok()) << st[0].ToString();
