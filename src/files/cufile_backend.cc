@@ -15,8 +15,11 @@
 #include <dlfcn.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
-#include <mutex>
+#include <future>
+#include <memory>
+#include <thread>
 
 #include "base/log.h"
 #include "files/file_backend.h"
@@ -40,6 +43,34 @@ struct CufileApi {
 std::string CufileErrorText(CUfileError_t e) {
   return fmt::format("{} (cufile error {}, CUresult {})", CUFILE_ERRSTR(e.err),
                      static_cast<int>(e.err), static_cast<int>(e.cu_err));
+}
+
+constexpr std::chrono::seconds kDriverOpenTimeout{20};
+
+// GDS needs the CUDA driver and a GPU; cuFileDriverOpen without them can spin (seen with the
+// nvidia-cufile 1.15 wheel and no libcuda), so check first, through the driver API by dlopen.
+Status CheckCudaDriver() {
+  void* cuda = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (cuda == nullptr) {
+    const char* err = ::dlerror();
+    return Status::Unavailable(fmt::format("no CUDA driver (libcuda.so.1: {})", err ? err : "?"));
+  }
+  using InitFn = int (*)(unsigned);
+  using CountFn = int (*)(int*);
+  auto init = reinterpret_cast<InitFn>(::dlsym(cuda, "cuInit"));
+  auto count = reinterpret_cast<CountFn>(::dlsym(cuda, "cuDeviceGetCount"));
+  if (init == nullptr || count == nullptr) {
+    return Status::Unavailable("libcuda.so.1 lacks cuInit/cuDeviceGetCount");
+  }
+  int rc = init(0);
+  int n = 0;
+  if (rc != 0) return Status::Unavailable(fmt::format("cuInit failed (CUresult {})", rc));
+  rc = count(&n);
+  if (rc != 0 || n == 0) {
+    return Status::Unavailable(
+        fmt::format("no GPU (cuDeviceGetCount: CUresult {}, {} devices)", rc, n));
+  }
+  return Status::Ok();  // libcuda stays loaded: cuFile uses it
 }
 
 // Loads the library and opens the driver once per process. The handle is never dlclose'd: the
@@ -67,7 +98,17 @@ const StatusOr<CufileApi>& LoadCufile() {
     if (!a.driver_open || !a.handle_register || !a.handle_deregister || !a.read || !a.write) {
       return Status::Unavailable("libcufile lacks cuFileDriverOpen/HandleRegister/Read/Write");
     }
-    CUfileError_t e = a.driver_open();
+    KVF_RETURN_IF_ERROR(CheckCudaDriver());
+    // cuFileDriverOpen has been seen to spin instead of failing where the CUDA driver is broken;
+    // run it on a helper thread and give up after kDriverOpenTimeout (the thread is left behind).
+    auto result = std::make_shared<std::promise<CUfileError_t>>();
+    std::future<CUfileError_t> done = result->get_future();
+    std::thread([open = a.driver_open, result] { result->set_value(open()); }).detach();
+    if (done.wait_for(kDriverOpenTimeout) != std::future_status::ready) {
+      return Status::Unavailable(
+          fmt::format("cuFileDriverOpen did not return within {} s", kDriverOpenTimeout.count()));
+    }
+    CUfileError_t e = done.get();
     if (e.err != CU_FILE_SUCCESS) {
       return Status::Unavailable("cuFileDriverOpen failed: " + CufileErrorText(e));
     }

@@ -159,6 +159,45 @@ TEST_P(BackendConformance, BatchRoundTripAndTruncatedRead) {
   EXPECT_NE(st[0].message().find("truncated"), std::string_view::npos) << st[0].ToString();
 }
 
+TEST_P(BackendConformance, PastDeadlineEndsEveryItemAndLeavesTheBackendUsable) {
+  ScratchDir d;
+  FileBackendOptions o;
+  o.dir = d.path();
+  o.queue_depth = 4;
+  StatusOr<std::unique_ptr<FileBackend>> b = Status::Unavailable("?");
+  if (GetParam() == "posix") b = OpenPosixFileBackend(o);
+  if (GetParam() == "io_uring") b = OpenUringFileBackend(o);
+  if (GetParam() == "cufile") b = OpenCufileFileBackend(o);
+  if (!b.ok() && b.status().code() == StatusCode::kUnavailable) {
+    GTEST_SKIP() << GetParam() << " unavailable here: " << b.status().message();
+  }
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  FileBackend& be = **b;
+  const int64_t kChunk = 1 << 20;
+  const int kItems = 16;
+  auto f = be.Open(d.path() + "/f", kChunk * kItems);
+  ASSERT_TRUE(f.ok());
+  auto src = AlignedAlloc(kChunk * kItems);
+  FillPattern(src.get(), kChunk * kItems, 4);
+  std::vector<IoSegment> segs(kItems);
+  std::vector<FileIo> ios(kItems);
+  for (int i = 0; i < kItems; ++i) {
+    segs[i] = {src.get() + i * kChunk, kChunk, MemoryKind::kHost};
+    ios[i] = {f->get(), i * kChunk, {&segs[i], 1}};
+  }
+  auto st = be.Write(ios, Clock::now() - std::chrono::seconds(1));
+  ASSERT_EQ(st.size(), ios.size());
+  int late = 0;
+  for (const Status& s : st) {
+    EXPECT_TRUE(s.ok() || s.code() == StatusCode::kDeadlineExceeded) << s.ToString();
+    late += !s.ok();
+  }
+  EXPECT_GT(late, 0);
+  for (const Status& s : be.Write(ios, DeadlineIn(std::chrono::seconds(30)))) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, BackendConformance, ::testing::Values("posix", "io_uring", "cufile"));
 
 }  // namespace

@@ -72,7 +72,9 @@ StatusOr<DirProbe> ProbeDir(const std::string& dir, bool want_direct) {
     // EOPNOTSUPP/EISDIR: no O_TMPFILE here; try a named file.
     std::string probe_path = dir + "/.kvferry-direct-probe";
     fd = ::open(probe_path.c_str(), O_CREAT | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
-    if (fd >= 0) ::unlink(probe_path.c_str());
+    int err = errno;
+    ::unlink(probe_path.c_str());  // a refused O_DIRECT open may still have created it
+    errno = err;
   }
   if (fd >= 0) {
     ::close(fd);

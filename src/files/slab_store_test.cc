@@ -541,6 +541,42 @@ TEST_P(SlabStoreConformance, RealEnospcOnSmallTmpfs) {
   }
 }
 
+// A filesystem that refuses O_DIRECT (ramfs; tmpfs accepts it since Linux 6.6): the backend
+// says so in its caps and the store works buffered.
+TEST(SlabStore, NoODirectFallsBackToBuffered) {
+  ScratchDir mnt;
+  if (::mount("ramfs", mnt.path().c_str(), "ramfs", 0, nullptr) != 0) {
+    GTEST_SKIP() << "can't mount a ramfs here (" << std::strerror(errno) << ")";
+  }
+  struct Unmount {
+    std::string p;
+    ~Unmount() { ::umount2(p.c_str(), MNT_DETACH); }
+  } unmount{mnt.path()};
+  for (const std::string& name : FileBackendNames()) {
+    if (name == "cufile") continue;  // needs O_DIRECT: falls back to posix, tested elsewhere
+    SlabStoreOptions o;
+    o.dir = mnt.path();
+    o.backend = name;
+    o.slot_payload_bytes = 5000;
+    o.max_slots = 2;
+    auto s = SlabStore::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_EQ((*s)->backend().name, name);
+    EXPECT_FALSE((*s)->backend().direct_io);
+    EXPECT_NE((*s)->backend().note.find("refuses O_DIRECT"), std::string::npos)
+        << (*s)->backend().note;
+    EXPECT_FALSE(std::filesystem::exists(mnt.path() + "/.kvferry-direct-probe"));
+    std::vector<std::byte> src(5000), dst(5000);
+    FillPattern(src.data(), src.size(), 3);
+    SlotId id = *(*s)->Allocate();
+    SlotWrite w{id, {1, 1}, src.data() + 1, 4999, MemoryKind::kHost};
+    ASSERT_TRUE((*s)->Write({&w, 1})[0].ok());
+    SlotRead r{id, {1, 1}, dst.data(), 4999, MemoryKind::kHost};
+    ASSERT_TRUE((*s)->Read({&r, 1})[0].ok());
+    EXPECT_EQ(std::memcmp(dst.data(), src.data() + 1, 4999), 0);
+  }
+}
+
 TEST(SlabStore, MissingDirIsNotFoundNamingIt) {
   SlabStoreOptions o;
   o.dir = "/nonexistent/kv-tier";

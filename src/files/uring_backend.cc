@@ -172,6 +172,31 @@ std::vector<Status> UringFileBackend::Run(bool write, std::span<const FileIo> io
     ++in_flight;
   };
 
+  // Records a completion; false when the item needs another submission (short transfer, EINTR).
+  auto complete = [&](size_t i, int res) {
+    ItemState& st = items[i];
+    st.in_flight = false;
+    --in_flight;
+    if (res == -EINTR || res == -EAGAIN) return false;
+    if (res < 0) {
+      out[i] = ErrnoStatus(-res, op, ios[i].file->path(), ios[i].offset + st.done);
+    } else if (res == 0) {
+      out[i] =
+          write
+              ? Status::DataLoss(fmt::format("short write to {} at offset {}: {} of {} bytes",
+                                             ios[i].file->path(), ios[i].offset, st.done, st.total))
+              : Status::DataLoss(fmt::format("truncated file {}: read {} of {} bytes at "
+                                             "offset {}",
+                                             ios[i].file->path(), st.done, st.total,
+                                             ios[i].offset));
+    } else {
+      st.done += res;
+      if (st.done < st.total) return false;
+    }
+    st.finished = true;
+    return true;
+  };
+
   bool timed_out = false;
   while (true) {
     // Refill: retries first, then new items, up to the depth.
@@ -221,32 +246,7 @@ std::vector<Status> UringFileBackend::Run(bool write, std::span<const FileIo> io
       ++seen;
       uint64_t tag = io_uring_cqe_get_data64(cqe);
       if (tag == kCancelTag) continue;
-      size_t i = static_cast<size_t>(tag);
-      ItemState& st = items[i];
-      st.in_flight = false;
-      --in_flight;
-      int res = cqe->res;
-      if (res == -EINTR || res == -EAGAIN) {
-        resubmit.push_back(i);
-      } else if (res < 0) {
-        out[i] = ErrnoStatus(-res, op, ios[i].file->path(), ios[i].offset + st.done);
-        st.finished = true;
-      } else if (res == 0) {
-        out[i] = write ? Status::DataLoss(
-                             fmt::format("short write to {} at offset {}: {} of {} bytes",
-                                         ios[i].file->path(), ios[i].offset, st.done, st.total))
-                       : Status::DataLoss(
-                             fmt::format("truncated file {}: read {} of {} bytes at offset {}",
-                                         ios[i].file->path(), st.done, st.total, ios[i].offset));
-        st.finished = true;
-      } else {
-        st.done += res;
-        if (st.done < st.total) {
-          resubmit.push_back(i);
-        } else {
-          st.finished = true;
-        }
-      }
+      if (!complete(static_cast<size_t>(tag), cqe->res)) resubmit.push_back(tag);
     }
     io_uring_cq_advance(r, seen);
   }
@@ -281,8 +281,13 @@ std::vector<Status> UringFileBackend::Run(bool write, std::span<const FileIo> io
       if (tag == kCancelTag) {
         --cancels;
       } else {
-        items[tag].in_flight = false;
-        --in_flight;
+        // A cancelled item completes with -ECANCELED (an error, recorded below as the deadline);
+        // one that finished anyway keeps its result.
+        if (cqe->res != -ECANCELED) (void)complete(tag, cqe->res);
+        if (items[tag].in_flight) {
+          items[tag].in_flight = false;
+          --in_flight;
+        }
       }
       io_uring_cqe_seen(r, cqe);
     }
