@@ -31,6 +31,10 @@ struct BackendParam {
   bool direct_io;
 };
 
+void PrintTo(const BackendParam& p, std::ostream* os) {
+  *os << p.name << (p.direct_io ? " (O_DIRECT)" : " (buffered)");
+}
+
 std::string ParamName(const ::testing::TestParamInfo<BackendParam>& p) {
   return p.param.name + (p.param.direct_io ? "" : "_buffered");
 }
