@@ -1,0 +1,197 @@
+#include "files/posix_io.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+namespace kvferry::files_internal {
+
+void ScopedFd::Reset() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+std::string DirName(const std::string& path) {
+  size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+Status ErrnoStatus(int err, std::string_view op, const std::string& path, int64_t offset) {
+  std::string where = offset >= 0 ? fmt::format("{} {} at offset {}", op, path, offset)
+                                  : fmt::format("{} {}", op, path);
+  switch (err) {
+    case ENOSPC:
+    case EDQUOT:
+      return Status::ResourceExhausted(
+          fmt::format("no space left in {} ({}: {})", DirName(path), where, std::strerror(err)));
+    case EIO:
+      return Status::DataLoss(fmt::format("{}: I/O error ({})", where, std::strerror(err)));
+    case ENOENT:
+      return Status::NotFound(fmt::format("{}: {}", where, std::strerror(err)));
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return Status::InvalidArgument(
+          fmt::format("{} is not writable ({}: {})", DirName(path), where, std::strerror(err)));
+    default:
+      return Status::Internal(fmt::format("{}: {} (errno {})", where, std::strerror(err), err));
+  }
+}
+
+StatusOr<DirProbe> ProbeDir(const std::string& dir, bool want_direct) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return Status::NotFound(fmt::format("file tier directory {} does not exist", dir));
+    }
+    return ErrnoStatus(err, "stat", dir, -1);
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return Status::InvalidArgument(fmt::format("file tier path {} is not a directory", dir));
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return Status::InvalidArgument(
+        fmt::format("file tier directory {} is not writable: {}", dir, std::strerror(errno)));
+  }
+  DirProbe probe;
+  if (!want_direct) {
+    probe.note = "O_DIRECT off by configuration";
+    return probe;
+  }
+  // O_TMPFILE leaves nothing behind; fall back to a named probe file where it is unsupported.
+  int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0 && errno != EINVAL) {
+    // EOPNOTSUPP/EISDIR: no O_TMPFILE here; try a named file.
+    std::string probe_path = dir + "/.kvferry-direct-probe";
+    fd = ::open(probe_path.c_str(), O_CREAT | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
+    int err = errno;
+    ::unlink(probe_path.c_str());  // a refused O_DIRECT open may still have created it
+    errno = err;
+  }
+  if (fd >= 0) {
+    ::close(fd);
+    probe.direct_io = true;
+    return probe;
+  }
+  probe.note = fmt::format("the filesystem of {} refuses O_DIRECT ({}); using buffered I/O", dir,
+                           std::strerror(errno));
+  return probe;
+}
+
+StatusOr<std::unique_ptr<PosixFile>> OpenPosixFile(const std::string& path, int64_t size,
+                                                   bool direct) {
+  int flags = O_RDWR | O_CREAT | O_CLOEXEC | (direct ? O_DIRECT : 0);
+  ScopedFd fd(::open(path.c_str(), flags, 0644));
+  if (!fd.valid()) {
+    int err = errno;
+    if (err == ENOENT) {
+      return Status::NotFound(
+          fmt::format("file tier directory {} does not exist (opening {})", DirName(path), path));
+    }
+    return ErrnoStatus(err, "open", path, -1);
+  }
+  int rc;
+  do {
+    rc = ::fallocate(fd.get(), 0, 0, size);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    int err = errno;
+    if (err == EOPNOTSUPP) {
+      if (::ftruncate(fd.get(), size) != 0) return ErrnoStatus(errno, "ftruncate", path, -1);
+    } else {
+      return ErrnoStatus(err, "fallocate", path, -1);
+    }
+  }
+  return std::make_unique<PosixFile>(std::move(fd), path, size, direct);
+}
+
+int64_t IoBytes(const FileIo& io) {
+  int64_t total = 0;
+  for (const IoSegment& s : io.segments) total += s.bytes;
+  return total;
+}
+
+Status CheckIo(const FileBackendCaps& caps, const FileIo& io) {
+  if (io.file == nullptr) return Status::InvalidArgument("file I/O without a file");
+  const int64_t a = caps.alignment;
+  if (io.offset < 0 || io.offset + IoBytes(io) > io.file->size()) {
+    return Status::InvalidArgument(
+        fmt::format("I/O of {} bytes at offset {} is outside {} ({} bytes)", IoBytes(io), io.offset,
+                    io.file->path(), io.file->size()));
+  }
+  if (caps.direct_io && io.offset % a != 0) {
+    return Status::InvalidArgument(
+        fmt::format("offset {} in {} is not a multiple of {}", io.offset, io.file->path(), a));
+  }
+  for (const IoSegment& s : io.segments) {
+    if (s.kind == MemoryKind::kFile) {
+      return Status::InvalidArgument("a file-kind segment is not memory");
+    }
+    if (s.kind == MemoryKind::kDevice) {
+      if (!caps.device_memory) {
+        return Status::InvalidArgument(
+            fmt::format("backend {} can't read or write device memory", caps.name));
+      }
+      continue;
+    }
+    if (caps.direct_io &&
+        (reinterpret_cast<uintptr_t>(s.data) % a != 0 || s.bytes % a != 0 || s.bytes < 0)) {
+      return Status::InvalidArgument(fmt::format(
+          "segment {} ({} bytes) is not aligned to {} for O_DIRECT", s.data, s.bytes, a));
+    }
+  }
+  return Status::Ok();
+}
+
+Status TransferFully(const PosixIoFns& fns, bool write, const PosixFile& file, int64_t offset,
+                     std::span<const IoSegment> segments, int64_t done) {
+  // An iovec array per call; at most a handful of segments per slot, so keep it on the stack.
+  constexpr size_t kMaxIov = 16;
+  if (segments.size() > kMaxIov) {
+    return Status::InvalidArgument(
+        fmt::format("{} segments in one I/O; at most {}", segments.size(), kMaxIov));
+  }
+  int64_t total = 0;
+  for (const IoSegment& s : segments) total += s.bytes;
+  while (done < total) {
+    struct iovec iov[kMaxIov];
+    int n = 0;
+    int64_t skip = done;
+    for (const IoSegment& s : segments) {
+      if (skip >= s.bytes) {
+        skip -= s.bytes;
+        continue;
+      }
+      iov[n].iov_base = static_cast<char*>(s.data) + skip;
+      iov[n].iov_len = static_cast<size_t>(s.bytes - skip);
+      skip = 0;
+      ++n;
+    }
+    ssize_t r = write ? fns.pwritev(file.fd(), iov, n, offset + done)
+                      : fns.preadv(file.fd(), iov, n, offset + done);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, write ? "write" : "read", file.path(), offset + done);
+    }
+    if (r == 0) {
+      if (write) {
+        return Status::DataLoss(fmt::format("short write to {} at offset {}: {} of {} bytes",
+                                            file.path(), offset, done, total));
+      }
+      return Status::DataLoss(fmt::format("truncated file {}: read {} of {} bytes at offset {}",
+                                          file.path(), done, total, offset));
+    }
+    done += r;
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvferry::files_internal

@@ -1,0 +1,563 @@
+// SlabStore over a FileBackend: slot map, lazy slab files, slot format (docs/file_format.md).
+#include "files/slab_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <utility>
+
+#include "base/log.h"
+#include "files/posix_io.h"
+#include "files/slot_header.h"
+#include "kvferry/config.h"
+
+namespace kvferry {
+
+SlabStoreOptions SlabStoreOptionsFromConfig() {
+  const Config& c = Config::Global();
+  SlabStoreOptions o;
+  o.backend = c.String("files.backend");
+  o.slots_per_file = c.Int("files.slots_per_file");
+  o.direct_io = c.Bool("files.direct_io");
+  o.max_in_flight = static_cast<int32_t>(c.Int("files.max_in_flight"));
+  o.io_timeout_ms = c.Int("files.io_timeout_ms");
+  return o;
+}
+
+namespace {
+
+using files_internal::ScopedFd;
+
+constexpr int64_t kPage = 4096;
+
+int64_t RoundUp(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+int64_t SlabSlotBytes(int64_t slot_payload_bytes) {
+  return kSlotHeaderBlock + RoundUp(slot_payload_bytes, kPage);
+}
+
+namespace {
+int64_t RoundDown(int64_t v, int64_t a) { return v / a * a; }
+bool Aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// An aligned host allocation: pinned through the device when there is a non-CPU one, else
+// posix_memalign'ed. Move-only.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  static StatusOr<HostBuffer> Allocate(Device* device, int64_t bytes) {
+    HostBuffer b;
+    if (device != nullptr) {
+      KVF_ASSIGN_OR_RETURN(b.device_buffer_,
+                           device->Allocate(MemoryKind::kPinnedHost, static_cast<size_t>(bytes)));
+      if (Aligned(b.device_buffer_.data(), kPage)) {
+        b.data_ = b.device_buffer_.data();
+        return b;
+      }
+      b.device_buffer_.Reset();  // not aligned enough for O_DIRECT: use plain memory
+    }
+    void* p = nullptr;
+    if (posix_memalign(&p, kPage, static_cast<size_t>(bytes)) != 0) {
+      return Status::ResourceExhausted(
+          fmt::format("file tier: no memory for {} staging bytes", bytes));
+    }
+    b.owned_.reset(static_cast<std::byte*>(p));
+    b.data_ = b.owned_.get();
+    return b;
+  }
+  std::byte* data() const { return data_; }
+
+ private:
+  struct FreeDeleter {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  Buffer device_buffer_;
+  std::unique_ptr<std::byte, FreeDeleter> owned_;
+  std::byte* data_ = nullptr;
+};
+
+// Staging memory for one batch window: two pages per slot (header, tail), full-slot buffers made
+// lazily for unaligned or device payloads, and a stream for device staging copies. One thread
+// uses an arena at a time; arenas are pooled by the store.
+struct Arena {
+  HostBuffer pages;                // 2 * window pages
+  std::vector<HostBuffer> full;    // lazily, up to window, each payload_capacity rounded up
+  std::unique_ptr<Stream> stream;  // lazily, for non-CPU device staging
+
+  std::byte* header_page(int i) const { return pages.data() + (2 * i) * kPage; }
+  std::byte* tail_page(int i) const { return pages.data() + (2 * i + 1) * kPage; }
+};
+
+enum class SlotState : uint8_t { kFree, kAllocated, kWritten };
+
+struct SlotInfo {
+  SlotState state = SlotState::kFree;
+  SlotKey key;
+  int64_t bytes = 0;
+};
+
+// How one slot's payload moves, decided per item before I/O.
+struct Plan {
+  Status status;                    // not OK: skip the I/O
+  const std::byte* host = nullptr;  // host-visible payload (write: source; read: where it lands)
+  bool staged = false;              // payload goes through arena.full[i]
+  bool device_direct = false;       // device memory handed to the backend (cuFile)
+  int64_t body = 0;                 // bytes moved in place before the tail page
+  int64_t tail = 0;                 // bytes that go through the tail page
+  IoSegment segs[3];
+  int nsegs = 0;
+};
+
+class SlabStoreImpl : public SlabStore {
+ public:
+  SlabStoreImpl(const SlabStoreOptions& o, std::unique_ptr<FileBackend> owned, FileBackend* backend,
+                ScopedFd lock)
+      : options_(o),
+        owned_backend_(std::move(owned)),
+        backend_(backend),
+        caps_(backend->caps()),
+        lock_fd_(std::move(lock)),
+        payload_cap_(o.slot_payload_bytes),
+        stride_(SlabSlotBytes(o.slot_payload_bytes)),
+        window_(std::max(1, o.max_in_flight)),
+        cpu_device_(o.device != nullptr && o.device->info().platform == "cpu"),
+        slots_(static_cast<size_t>(o.max_slots)),
+        files_(static_cast<size_t>((o.max_slots + o.slots_per_file - 1) / o.slots_per_file)) {}
+
+  const FileBackendCaps& backend() const override { return caps_; }
+  int64_t capacity() const override { return options_.max_slots; }
+  int64_t free_slots() const override {
+    std::lock_guard<std::mutex> l(mu_);
+    return static_cast<int64_t>(free_.size()) + (options_.max_slots - next_fresh_);
+  }
+
+  StatusOr<SlotId> Allocate() override {
+    std::lock_guard<std::mutex> l(mu_);
+    SlotId s;
+    if (!free_.empty()) {
+      s = free_.back();
+      free_.pop_back();
+    } else if (next_fresh_ < options_.max_slots) {
+      s = next_fresh_++;
+    } else {
+      return Status::ResourceExhausted(fmt::format("file tier in {} is full: all {} slots in use",
+                                                   options_.dir, options_.max_slots));
+    }
+    slots_[s] = SlotInfo{SlotState::kAllocated, {}, 0};
+    return s;
+  }
+
+  void Release(SlotId slot) override {
+    std::lock_guard<std::mutex> l(mu_);
+    if (slot < 0 || slot >= options_.max_slots || slot >= next_fresh_ ||
+        slots_[slot].state == SlotState::kFree) {
+      return;
+    }
+    slots_[slot] = SlotInfo{};
+    free_.push_back(slot);
+  }
+
+  std::vector<Status> Write(std::span<const SlotWrite> writes) override;
+  std::vector<Status> Read(std::span<const SlotRead> reads) override;
+
+ private:
+  StatusOr<BackendFile*> FileOf(SlotId slot);
+  int64_t OffsetOf(SlotId slot) const { return (slot % options_.slots_per_file) * stride_; }
+  StatusOr<std::unique_ptr<Arena>> AcquireArena();
+  void ReleaseArena(std::unique_ptr<Arena> a);
+  Status EnsureFull(Arena& a, int i);
+  // Where a kDevice payload can be touched by the host without a copy (CPU device), or not.
+  bool DeviceIsHost(MemoryKind kind) const { return kind != MemoryKind::kDevice || cpu_device_; }
+  Plan PlanPayload(Arena& a, int i, MemoryKind kind, const void* user, int64_t bytes, bool write);
+  Deadline BatchDeadline() const {
+    return DeadlineIn(std::chrono::milliseconds(options_.io_timeout_ms));
+  }
+
+  void WriteWindow(std::span<const SlotWrite> w, std::span<Status> out, Arena& a);
+  void ReadWindow(std::span<const SlotRead> r, std::span<Status> out, Arena& a);
+
+  const SlabStoreOptions options_;
+  const std::unique_ptr<FileBackend> owned_backend_;
+  FileBackend* const backend_;
+  const FileBackendCaps caps_;
+  const ScopedFd lock_fd_;
+  const int64_t payload_cap_;
+  const int64_t stride_;
+  const int window_;
+  const bool cpu_device_;
+
+  mutable std::mutex mu_;
+  std::vector<SlotInfo> slots_;  // guarded by mu_
+  std::vector<SlotId> free_;     // guarded by mu_
+  SlotId next_fresh_ = 0;        // guarded by mu_; slots >= it were never allocated
+
+  std::mutex files_mu_;
+  std::vector<std::unique_ptr<BackendFile>> files_;  // guarded by files_mu_; never shrink
+
+  std::mutex arenas_mu_;
+  std::vector<std::unique_ptr<Arena>> arenas_;  // guarded by arenas_mu_
+};
+
+StatusOr<BackendFile*> SlabStoreImpl::FileOf(SlotId slot) {
+  const int64_t index = slot / options_.slots_per_file;
+  std::lock_guard<std::mutex> l(files_mu_);
+  if (files_[index]) return files_[index].get();
+  const int64_t first = index * options_.slots_per_file;
+  const int64_t nslots = std::min(options_.slots_per_file, options_.max_slots - first);
+  std::string path = fmt::format("{}/kvferry-slab-{:05d}.kvf", options_.dir, index);
+  KVF_ASSIGN_OR_RETURN(files_[index], backend_->Open(path, nslots * stride_));
+  Log(LogLevel::kDebug, "file tier: opened {} ({} slots of {} bytes)", path, nslots, stride_);
+  return files_[index].get();
+}
+
+StatusOr<std::unique_ptr<Arena>> SlabStoreImpl::AcquireArena() {
+  {
+    std::lock_guard<std::mutex> l(arenas_mu_);
+    if (!arenas_.empty()) {
+      std::unique_ptr<Arena> a = std::move(arenas_.back());
+      arenas_.pop_back();
+      return a;
+    }
+  }
+  auto a = std::make_unique<Arena>();
+  KVF_ASSIGN_OR_RETURN(
+      a->pages, HostBuffer::Allocate(cpu_device_ ? nullptr : options_.device, 2 * window_ * kPage));
+  a->full.resize(window_);
+  return a;
+}
+
+void SlabStoreImpl::ReleaseArena(std::unique_ptr<Arena> a) {
+  std::lock_guard<std::mutex> l(arenas_mu_);
+  arenas_.push_back(std::move(a));
+}
+
+Status SlabStoreImpl::EnsureFull(Arena& a, int i) {
+  if (a.full[i].data() != nullptr) return Status::Ok();
+  KVF_ASSIGN_OR_RETURN(a.full[i], HostBuffer::Allocate(cpu_device_ ? nullptr : options_.device,
+                                                       RoundUp(payload_cap_, kPage)));
+  return Status::Ok();
+}
+
+Plan SlabStoreImpl::PlanPayload(Arena& a, int i, MemoryKind kind, const void* user, int64_t bytes,
+                                bool write) {
+  Plan p;
+  const int64_t align = caps_.direct_io ? caps_.alignment : 1;
+  p.segs[p.nsegs++] = {a.header_page(i), kSlotHeaderBlock, MemoryKind::kHost};
+  if (kind == MemoryKind::kFile) {
+    p.status = Status::InvalidArgument("a kFile buffer is not memory");
+    return p;
+  }
+  if (bytes == 0) return p;
+  if (kind == MemoryKind::kDevice && caps_.device_memory) {
+    p.device_direct = true;
+    p.segs[p.nsegs++] = {const_cast<void*>(user), bytes, MemoryKind::kDevice};
+    return p;
+  }
+  if (!DeviceIsHost(kind) && options_.device == nullptr) {
+    p.status = Status::InvalidArgument(
+        fmt::format("device memory with the {} backend needs SlabStoreOptions::device for staging",
+                    caps_.name));
+    return p;
+  }
+  const bool in_place = DeviceIsHost(kind) && Aligned(user, std::max<int64_t>(align, 1));
+  if (!in_place) {
+    p.status = EnsureFull(a, i);
+    if (!p.status.ok()) return p;
+    p.staged = true;
+    p.host = a.full[i].data();
+    p.segs[p.nsegs++] = {a.full[i].data(), RoundUp(bytes, align), MemoryKind::kHost};
+    if (write) {
+      if (DeviceIsHost(kind)) {
+        std::memcpy(a.full[i].data(), user, bytes);
+      } else {
+        if (!a.stream) {
+          auto s = options_.device->CreateStream();
+          if (!s.ok()) {
+            p.status = s.status();
+            return p;
+          }
+          a.stream = std::move(s).value();
+        }
+        p.status = a.stream->Copy(a.full[i].data(), user, bytes);
+        if (p.status.ok()) p.status = a.stream->Synchronize(BatchDeadline());
+        if (!p.status.ok()) {
+          p.status = p.status.WithContext("staging device memory");
+          return p;
+        }
+      }
+      std::memset(a.full[i].data() + bytes, 0, RoundUp(bytes, align) - bytes);
+    }
+    return p;
+  }
+  p.host = static_cast<const std::byte*>(user);
+  p.body = RoundDown(bytes, align);
+  p.tail = bytes - p.body;
+  if (p.body > 0) p.segs[p.nsegs++] = {const_cast<void*>(user), p.body, MemoryKind::kHost};
+  if (p.tail > 0) {
+    if (write) {
+      std::memcpy(a.tail_page(i), p.host + p.body, p.tail);
+      std::memset(a.tail_page(i) + p.tail, 0, kPage - p.tail);
+    }
+    p.segs[p.nsegs++] = {a.tail_page(i), RoundUp(p.tail, align), MemoryKind::kHost};
+  }
+  return p;
+}
+
+// Checksum of a payload held as body (in place) + tail (in the tail page), or staged.
+uint64_t PayloadChecksum(const Plan& p, const Arena& a, int i, int64_t bytes) {
+  if (p.staged || p.tail == 0) return Checksum64(p.host, bytes);
+  return Checksum64(p.host, p.body, a.tail_page(i), p.tail);
+}
+
+std::string SlotPrefix(SlotId s) { return fmt::format("slot {}", s); }
+
+std::vector<Status> SlabStoreImpl::Write(std::span<const SlotWrite> writes) {
+  std::vector<Status> out(writes.size());
+  auto arena = AcquireArena();
+  if (!arena.ok()) {
+    for (auto& s : out) s = arena.status();
+    return out;
+  }
+  for (size_t begin = 0; begin < writes.size(); begin += window_) {
+    size_t n = std::min<size_t>(window_, writes.size() - begin);
+    WriteWindow(writes.subspan(begin, n), std::span<Status>(out).subspan(begin, n), **arena);
+  }
+  ReleaseArena(std::move(arena).value());
+  return out;
+}
+
+void SlabStoreImpl::WriteWindow(std::span<const SlotWrite> w, std::span<Status> out, Arena& a) {
+  std::vector<Plan> plans(w.size());
+  std::vector<FileIo> ios;
+  std::vector<int> io_item;
+  ios.reserve(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    const SlotWrite& sw = w[i];
+    Plan& p = plans[i];
+    if (sw.slot < 0 || sw.slot >= options_.max_slots) {
+      p.status = Status::InvalidArgument(
+          fmt::format("slot {} is out of range [0, {})", sw.slot, options_.max_slots));
+    } else if (sw.bytes < 0 || sw.bytes > payload_cap_) {
+      p.status = Status::InvalidArgument(fmt::format("{}: payload of {} bytes; a slot holds {}",
+                                                     SlotPrefix(sw.slot), sw.bytes, payload_cap_));
+    } else if (sw.bytes > 0 && sw.src == nullptr) {
+      p.status = Status::InvalidArgument(fmt::format("{}: null source", SlotPrefix(sw.slot)));
+    } else {
+      std::lock_guard<std::mutex> l(mu_);
+      SlotInfo& info = slots_[sw.slot];
+      if (info.state == SlotState::kFree) {
+        p.status = Status::InvalidArgument(
+            fmt::format("{}: not allocated (Allocate() it first)", SlotPrefix(sw.slot)));
+      } else {
+        info = SlotInfo{SlotState::kAllocated, {}, 0};  // old contents are gone from now on
+      }
+    }
+    if (!p.status.ok()) continue;
+    auto file = FileOf(sw.slot);
+    if (!file.ok()) {
+      p.status = file.status();
+      continue;
+    }
+    Plan planned = PlanPayload(a, static_cast<int>(i), sw.kind, sw.src, sw.bytes, true);
+    p = std::move(planned);
+    if (!p.status.ok()) continue;
+    SlotHeader h;
+    h.key_hi = sw.key.hi;
+    h.key_lo = sw.key.lo;
+    h.slot = static_cast<uint64_t>(sw.slot);
+    h.payload_bytes = static_cast<uint64_t>(sw.bytes);
+    if (!p.device_direct) {
+      h.flags |= kSlotFlagPayloadChecksum;
+      h.payload_checksum = PayloadChecksum(p, a, static_cast<int>(i), sw.bytes);
+    }
+    std::byte* page = a.header_page(static_cast<int>(i));
+    std::memset(page, 0, kSlotHeaderBlock);
+    EncodeSlotHeader(h, std::span<std::byte>(page, kSlotHeaderBlock));
+    ios.push_back(FileIo{*file, OffsetOf(sw.slot), std::span<const IoSegment>(p.segs, p.nsegs)});
+    io_item.push_back(static_cast<int>(i));
+  }
+  std::vector<Status> done = backend_->Write(ios, BatchDeadline());
+  for (size_t k = 0; k < io_item.size(); ++k) {
+    Status st = k < done.size() ? std::move(done[k]) : Status::Internal("backend lost an item");
+    plans[io_item[k]].status = std::move(st);
+  }
+  for (size_t i = 0; i < w.size(); ++i) {
+    const SlotWrite& sw = w[i];
+    if (plans[i].status.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      SlotInfo& info = slots_[sw.slot];
+      if (info.state == SlotState::kAllocated)
+        info = SlotInfo{SlotState::kWritten, sw.key, sw.bytes};
+      out[i] = Status::Ok();
+    } else {
+      const Status& st = plans[i].status;
+      bool prefixed = st.message().starts_with("slot ");
+      out[i] = prefixed ? st : st.WithContext(SlotPrefix(sw.slot));
+      Log(LogLevel::kDebug, "file tier write failed: {}", out[i].ToString());
+    }
+  }
+}
+
+std::vector<Status> SlabStoreImpl::Read(std::span<const SlotRead> reads) {
+  std::vector<Status> out(reads.size());
+  auto arena = AcquireArena();
+  if (!arena.ok()) {
+    for (auto& s : out) s = arena.status();
+    return out;
+  }
+  for (size_t begin = 0; begin < reads.size(); begin += window_) {
+    size_t n = std::min<size_t>(window_, reads.size() - begin);
+    ReadWindow(reads.subspan(begin, n), std::span<Status>(out).subspan(begin, n), **arena);
+  }
+  ReleaseArena(std::move(arena).value());
+  return out;
+}
+
+void SlabStoreImpl::ReadWindow(std::span<const SlotRead> r, std::span<Status> out, Arena& a) {
+  std::vector<Plan> plans(r.size());
+  std::vector<FileIo> ios;
+  std::vector<int> io_item;
+  for (size_t i = 0; i < r.size(); ++i) {
+    const SlotRead& sr = r[i];
+    Plan& p = plans[i];
+    const std::string prefix = SlotPrefix(sr.slot);
+    if (sr.slot < 0 || sr.slot >= options_.max_slots) {
+      p.status = Status::InvalidArgument(
+          fmt::format("slot {} is out of range [0, {})", sr.slot, options_.max_slots));
+    } else if (sr.bytes < 0 || sr.bytes > payload_cap_ || (sr.bytes > 0 && sr.dst == nullptr)) {
+      p.status = Status::InvalidArgument(
+          fmt::format("{}: bad destination ({} bytes at {}; a slot holds {})", prefix, sr.bytes,
+                      sr.dst, payload_cap_));
+    } else {
+      std::lock_guard<std::mutex> l(mu_);
+      const SlotInfo& info = slots_[sr.slot];
+      if (info.state != SlotState::kWritten) {
+        p.status = Status::NotFound(fmt::format("{}: not written", prefix));
+      } else if (!(info.key == sr.key)) {
+        p.status = Status::DataLoss(fmt::format("{}: key differs (reused slot)", prefix));
+      } else if (info.bytes != sr.bytes) {
+        p.status = Status::DataLoss(
+            fmt::format("{}: holds {} payload bytes, {} expected", prefix, info.bytes, sr.bytes));
+      }
+    }
+    if (!p.status.ok()) continue;
+    auto file = FileOf(sr.slot);
+    if (!file.ok()) {
+      p.status = file.status();
+      continue;
+    }
+    Plan planned = PlanPayload(a, static_cast<int>(i), sr.kind, sr.dst, sr.bytes, false);
+    p = std::move(planned);
+    if (!p.status.ok()) continue;
+    ios.push_back(FileIo{*file, OffsetOf(sr.slot), std::span<const IoSegment>(p.segs, p.nsegs)});
+    io_item.push_back(static_cast<int>(i));
+  }
+  std::vector<Status> done = backend_->Read(ios, BatchDeadline());
+  for (size_t k = 0; k < io_item.size(); ++k) {
+    Status st = k < done.size() ? std::move(done[k]) : Status::Internal("backend lost an item");
+    plans[io_item[k]].status = std::move(st);
+  }
+  for (size_t i = 0; i < r.size(); ++i) {
+    const SlotRead& sr = r[i];
+    Plan& p = plans[i];
+    const std::string prefix = SlotPrefix(sr.slot);
+    if (!p.status.ok()) {
+      bool prefixed = p.status.message().starts_with("slot ");
+      out[i] = prefixed ? p.status : p.status.WithContext(prefix);
+      continue;
+    }
+    const int ii = static_cast<int>(i);
+    auto h = DecodeSlotHeader(std::span<const std::byte>(a.header_page(ii), kSlotHeaderBlock));
+    if (!h.ok()) {
+      out[i] = Status::DataLoss(fmt::format("{}: {}", prefix, h.status().message()));
+      continue;
+    }
+    if (h->slot != static_cast<uint64_t>(sr.slot)) {
+      out[i] = Status::DataLoss(
+          fmt::format("{}: header names slot {} (misplaced or stale slot)", prefix, h->slot));
+      continue;
+    }
+    if (h->key_hi != sr.key.hi || h->key_lo != sr.key.lo) {
+      out[i] = Status::DataLoss(fmt::format("{}: key differs (reused slot)", prefix));
+      continue;
+    }
+    if (h->payload_bytes != static_cast<uint64_t>(sr.bytes)) {
+      out[i] = Status::DataLoss(fmt::format("{}: header says {} payload bytes, {} expected", prefix,
+                                            h->payload_bytes, sr.bytes));
+      continue;
+    }
+    if (p.device_direct) {
+      out[i] = Status::Ok();  // no host copy to hash; the header was checked (format doc)
+      continue;
+    }
+    if (h->flags & kSlotFlagPayloadChecksum) {
+      uint64_t sum = sr.bytes == 0 ? Checksum64(nullptr, 0) : PayloadChecksum(p, a, ii, sr.bytes);
+      if (sum != h->payload_checksum) {
+        out[i] = Status::DataLoss(fmt::format("{}: checksum mismatch", prefix));
+        continue;
+      }
+    }
+    // Verified: move the staged or tail bytes to the destination.
+    Status st;
+    if (p.staged) {
+      if (DeviceIsHost(sr.kind)) {
+        std::memcpy(sr.dst, a.full[ii].data(), sr.bytes);
+      } else {
+        if (!a.stream) {
+          auto s = options_.device->CreateStream();
+          if (s.ok()) a.stream = std::move(s).value();
+          st = s.status();
+        }
+        if (st.ok()) st = a.stream->Copy(sr.dst, a.full[ii].data(), sr.bytes);
+        if (st.ok()) st = a.stream->Synchronize(BatchDeadline());
+      }
+    } else if (p.tail > 0) {
+      std::memcpy(static_cast<std::byte*>(sr.dst) + p.body, a.tail_page(ii), p.tail);
+    }
+    out[i] = st.ok() ? Status::Ok() : st.WithContext(prefix + ": staging to device memory");
+  }
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<SlabStore>> SlabStore::Open(const SlabStoreOptions& o) {
+  if (o.slot_payload_bytes <= 0 || o.slots_per_file <= 0 || o.max_slots <= 0 ||
+      o.max_in_flight <= 0 || o.io_timeout_ms <= 0) {
+    return Status::InvalidArgument(fmt::format(
+        "slab store options: slot_payload_bytes={}, slots_per_file={}, max_slots={}, "
+        "max_in_flight={}, io_timeout_ms={} must all be > 0",
+        o.slot_payload_bytes, o.slots_per_file, o.max_slots, o.max_in_flight, o.io_timeout_ms));
+  }
+  KVF_ASSIGN_OR_RETURN(files_internal::DirProbe probe, files_internal::ProbeDir(o.dir, false));
+  (void)probe;
+  std::unique_ptr<FileBackend> owned;
+  FileBackend* backend = o.file_backend;
+  if (backend == nullptr) {
+    FileBackendOptions fo;
+    fo.dir = o.dir;
+    fo.direct_io = o.direct_io;
+    fo.queue_depth = o.max_in_flight;
+    KVF_ASSIGN_OR_RETURN(owned, OpenFileBackend(o.backend, fo));
+    backend = owned.get();
+  }
+  std::string lock_path = o.dir + "/kvferry-slab.lock";
+  ScopedFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (!lock.valid()) return files_internal::ErrnoStatus(errno, "open", lock_path, -1);
+  if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    return Status::Unavailable(fmt::format(
+        "file tier directory {} is in use by another SlabStore ({} is locked)", o.dir, lock_path));
+  }
+  Log(LogLevel::kInfo, "file tier: {} backend in {} ({} slots of {} payload bytes{}{})",
+      backend->caps().name, o.dir, o.max_slots, o.slot_payload_bytes,
+      backend->caps().direct_io ? ", O_DIRECT" : ", buffered",
+      backend->caps().note.empty() ? "" : "; " + backend->caps().note);
+  return std::unique_ptr<SlabStore>(
+      new SlabStoreImpl(o, std::move(owned), backend, std::move(lock)));
+}
+
+}  // namespace kvferry
