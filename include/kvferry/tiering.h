@@ -150,6 +150,7 @@ class TransferManager {
   SlabStore* file() const;
   bool has_tier(Tier tier) const;
   int64_t tier_blocks(Tier tier) const;  // capacity in blocks (slots for the file tier)
+  int64_t file_staging_blocks() const;   // the largest file batch
   TransferStats stats() const;
 
   struct Impl;

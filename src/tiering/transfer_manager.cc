@@ -660,6 +660,7 @@ bool TransferManager::has_tier(Tier tier) const {
   return false;
 }
 int64_t TransferManager::tier_blocks(Tier tier) const { return impl_->Blocks(tier); }
+int64_t TransferManager::file_staging_blocks() const { return impl_->staging_blocks; }
 TransferStats TransferManager::stats() const {
   std::lock_guard lock(impl_->mu);
   return impl_->stats;
