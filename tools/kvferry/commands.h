@@ -7,5 +7,11 @@
 namespace kvferry::tools {
 
 void AddInfoCommand(CLI::App& app);
+// `bench`: a group of measurements; each Add*Command registers one under it.
+void AddBenchCommands(CLI::App& app);
+void AddBenchOffloadCommand(CLI::App& bench);
+// `demo`: short narrated runs of the library, for scripts/demo.
+void AddDemoCommands(CLI::App& app);
+void AddDemoTieringCommand(CLI::App& demo);
 
 }  // namespace kvferry::tools

@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
     }
   });
   kvferry::tools::AddInfoCommand(app);
+  kvferry::tools::AddBenchCommands(app);
+  kvferry::tools::AddDemoCommands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }
