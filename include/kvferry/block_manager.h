@@ -26,6 +26,7 @@
 // Thread-safety: not thread-safe; one scheduler thread drives a BlockManager.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -59,6 +60,9 @@ struct BlockManagerOptions {
   int32_t offload_min_priority = 0;  // victims below it are dropped, not offloaded
   bool partial_reuse = true;
   std::chrono::milliseconds io_timeout{30000};  // waits for file I/O on the eviction path
+  // Defaults from the config knobs (tiering.offload_min_priority, tiering.partial_reuse,
+  // tiering.io_timeout_ms); the identity is left empty.
+  static BlockManagerOptions FromConfig();
 };
 
 enum class KvEventKind { kStored, kMoved, kRemoved };

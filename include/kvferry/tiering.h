@@ -97,6 +97,8 @@ class TransferBatch {
 
 struct TransferOptions {
   int64_t file_staging_blocks = 32;  // pinned staging of the file tier, in blocks
+  // Defaults from the config knobs (tiering.file_staging_blocks).
+  static TransferOptions FromConfig();
 };
 
 struct TransferStats {

@@ -18,6 +18,18 @@ constexpr KnobDecl kKnobs[] = {
      0, kMaxInt, ""},
     {"transfer.timeout_ms", KnobType::kInt, "30000",
      "deadline of one KV transfer, from first contact to the last byte", 1, 3600 * 1000, ""},
+    {"tiering.file_staging_blocks", KnobType::kInt, "32",
+     "pinned staging of the file tier, in blocks; also the largest batch to or from files", 1,
+     1 << 20, ""},
+    {"tiering.offload_min_priority", KnobType::kInt, "0",
+     "evicted primary blocks with a retention priority below this are dropped, not offloaded "
+     "(101 = never offload)",
+     0, 101, ""},
+    {"tiering.partial_reuse", KnobType::kBool, "true",
+     "reuse the leading tokens of a partially matching cached block by copying them", 0, 0, ""},
+    {"tiering.io_timeout_ms", KnobType::kInt, "30000",
+     "how long the block manager waits for file-tier I/O on the eviction and onboard paths", 1,
+     3600 * 1000, ""},
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "base/log.h"
 #include "files/slab_store.h"
+#include "kvferry/config.h"
 #include "tiering/priority_lru.h"
 
 #define XXH_INLINE_ALL
@@ -26,6 +27,15 @@ std::string_view KvEventKindName(KvEventKind kind) {
       return "removed";
   }
   return "?";
+}
+
+BlockManagerOptions BlockManagerOptions::FromConfig() {
+  BlockManagerOptions o;
+  const Config& c = Config::Global();
+  o.offload_min_priority = static_cast<int32_t>(c.Int("tiering.offload_min_priority"));
+  o.partial_reuse = c.Bool("tiering.partial_reuse");
+  o.io_timeout = std::chrono::milliseconds(c.Int("tiering.io_timeout_ms"));
+  return o;
 }
 
 namespace {

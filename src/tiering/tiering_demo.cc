@@ -28,8 +28,9 @@ StatusOr<TieringDemoReport> RunTieringDemo(Device& device, const TieringDemoOpti
     mem.emplace(primary.layout().block_bytes(), o.file_slots);
     file = &*mem;
   }
-  KVF_ASSIGN_OR_RETURN(auto tm, TransferManager::Create(device, primary, &host, file));
-  BlockManagerOptions bo;
+  KVF_ASSIGN_OR_RETURN(auto tm, TransferManager::Create(device, primary, &host, file,
+                                                        TransferOptions::FromConfig()));
+  BlockManagerOptions bo = BlockManagerOptions::FromConfig();
   bo.identity.model_id = "demo-model";
   bo.identity.shape = spec.shape;
   KVF_ASSIGN_OR_RETURN(auto bm, BlockManager::Create(*tm, bo));

@@ -10,6 +10,7 @@
 
 #include "base/log.h"
 #include "files/slab_store.h"
+#include "kvferry/config.h"
 #include "kvferry/tiering.h"
 #include "tiering/copy_plan.h"
 
@@ -25,6 +26,12 @@ std::string_view TierName(Tier tier) {
       return "file";
   }
   return "?";
+}
+
+TransferOptions TransferOptions::FromConfig() {
+  TransferOptions o;
+  o.file_staging_blocks = Config::Global().Int("tiering.file_staging_blocks");
+  return o;
 }
 
 namespace internal {
