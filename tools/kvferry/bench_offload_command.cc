@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
@@ -59,19 +60,6 @@ struct Row {
 
 double Gbps(int64_t bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0; }
 
-template <typename F>
-StatusOr<double> Median(int iters, F&& once) {
-  std::vector<double> t;
-  for (int i = 0; i < iters + 1; ++i) {  // the first is a warm-up
-    auto t0 = Clock::now();
-    KVF_RETURN_IF_ERROR(once());
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (i > 0) t.push_back(s);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 // Raw O_DIRECT I/O on `dir`: writes (or reads back) `bytes` in `chunk`-sized requests from one
 // aligned buffer. Stands in for the files helper's RawDirectIoGbps(dir, bytes, block, write) in
 // src/files/raw_io_bench.h until that branch is merged.
@@ -103,7 +91,6 @@ StatusOr<double> RawDirectIoSeconds(const std::string& dir, int64_t bytes, int64
   double s = std::chrono::duration<double>(Clock::now() - t0).count();
   std::free(buf);
   ::close(fd);
-  if (!write) ::unlink(path.c_str());
   if (!st.ok()) return st;
   return s;
 }
@@ -161,22 +148,23 @@ class Bench {
     std::vector<std::byte*> pp, hp;
     const tiering::TierView pv = view(primary, pp), hv = view(host, hp);
     // A plain memcpy loop over the fragments the manager would copy (CPU device only).
-    auto pattern = [&](const std::vector<BlockMove>& m, bool to_host) -> StatusOr<double> {
-      if (dev_.info().platform != "cpu") return 0.0;
-      std::vector<CopyDesc> d;
+    using Fn = std::function<Status()>;
+    auto pattern = [&](const std::vector<BlockMove>& m, bool to_host) -> Fn {
+      if (dev_.info().platform != "cpu") return nullptr;
+      auto d = std::make_shared<std::vector<CopyDesc>>();
       for (const BlockMove& mv : m) {
         tiering::AppendRunCopies(to_host ? pv : hv, mv.src, to_host ? hv : pv, mv.dst, 1,
-                                 mv.tokens == 0 ? tpb : mv.tokens, d);
+                                 mv.tokens == 0 ? tpb : mv.tokens, *d);
       }
-      return Median(o_.iters, [&] {
-        for (const CopyDesc& c : d) {
+      return [d] {
+        for (const CopyDesc& c : *d) {
           for (size_t r = 0; r < c.rows; ++r) {
             std::memcpy(static_cast<std::byte*>(c.dst) + r * c.dst_pitch,
                         static_cast<const std::byte*>(c.src) + r * c.src_pitch, c.bytes);
           }
         }
         return Status::Ok();
-      });
+      };
     };
     if (o_.verify) {
       for (int64_t i = 0; i < n; ++i) {
@@ -203,7 +191,7 @@ class Bench {
     };
     const std::string prefix = w.name;
     const int64_t bytes = n * bb;
-    KVF_ASSIGN_OR_RETURN(auto base, Baselines(bytes));
+    KVF_RETURN_IF_ERROR(MakeBaselineBuffers(bytes));
 
     auto run_batch = [&](Tier from, Tier to, const std::vector<BlockMove>& m,
                          int64_t* desc) -> Status {
@@ -225,35 +213,39 @@ class Bench {
       if (desc) *desc = d;
       return Status::Ok();
     };
+    auto d2h = [&](int64_t size) -> Fn { return [this, size] { return Copy(0, size); }; };
+    auto h2d = [&](int64_t size) -> Fn { return [this, size] { return Copy(1, size); }; };
+    Fn both_base = [this, bytes] { return CopyBoth(bytes); };
 
     // Offload, onboard.
     auto off = moves(A, X, 0);
-    Row r{prefix + " offload", bytes, 0, "copy dev->pinned", base.d2h, "no", 0, bb, n};
-    KVF_ASSIGN_OR_RETURN(r.seconds, Median(o_.iters, [&] {
-                           return run_batch(Tier::kPrimary, Tier::kHost, off, &r.descriptors);
-                         }));
+    Row r{prefix + " offload", bytes, 0, "copy dev->pinned", 0, "no", 0, bb, n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kPrimary, Tier::kHost, off, &r.descriptors); }, d2h(bytes),
+        pattern(off, true)));
     r.verified = verify(host, X, 1000, tpb);
-    KVF_ASSIGN_OR_RETURN(r.pattern_seconds, pattern(off, true));
     rows.push_back(r);
     auto on = moves(X, B, 0);
-    r = Row{prefix + " onboard", bytes, 0, "copy pinned->dev", base.h2d, "no", 0, bb, n};
-    KVF_ASSIGN_OR_RETURN(r.seconds, Median(o_.iters, [&] {
-                           return run_batch(Tier::kHost, Tier::kPrimary, on, &r.descriptors);
-                         }));
+    r = Row{prefix + " onboard", bytes, 0, "copy pinned->dev", 0, "no", 0, bb, n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kHost, Tier::kPrimary, on, &r.descriptors); }, h2d(bytes),
+        pattern(on, false)));
     r.verified = verify(primary, B, 1000, tpb);
-    KVF_ASSIGN_OR_RETURN(r.pattern_seconds, pattern(on, false));
     rows.push_back(r);
     // Both at once: onboard X -> B while offloading C -> Y.
     auto off2 = moves(C, Y, 0);
-    r = Row{prefix + " both", 2 * bytes, 0, "both copies at once", base.both, "no", 0, bb, 2 * n};
-    KVF_ASSIGN_OR_RETURN(r.seconds, Median(o_.iters, [&]() -> Status {
-                           KVF_ASSIGN_OR_RETURN(auto b1, tm->Onboard(Tier::kHost, on));
-                           KVF_ASSIGN_OR_RETURN(auto b2, tm->Offload(Tier::kHost, off2));
-                           KVF_RETURN_IF_ERROR(b1.Wait(DeadlineIn(600s)));
-                           KVF_RETURN_IF_ERROR(b2.Wait(DeadlineIn(600s)));
-                           r.descriptors = b1.descriptors() + b2.descriptors();
-                           return Status::Ok();
-                         }));
+    r = Row{prefix + " both", 2 * bytes, 0, "both copies at once", 0, "no", 0, bb, 2 * n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r,
+        [&]() -> Status {
+          KVF_ASSIGN_OR_RETURN(auto b1, tm->Onboard(Tier::kHost, on));
+          KVF_ASSIGN_OR_RETURN(auto b2, tm->Offload(Tier::kHost, off2));
+          KVF_RETURN_IF_ERROR(b1.Wait(DeadlineIn(600s)));
+          KVF_RETURN_IF_ERROR(b2.Wait(DeadlineIn(600s)));
+          r.descriptors = static_cast<int64_t>(b1.descriptors() + b2.descriptors());
+          return Status::Ok();
+        },
+        both_base, nullptr));
     if (o_.verify) {
       r.verified = verify(host, Y, 5000, tpb);
       if (r.verified == "yes") r.verified = verify(primary, B, 1000, tpb);
@@ -263,22 +255,19 @@ class Bench {
     const int32_t half = std::max(1, tpb / 2);
     auto part = moves(C, X, half);
     const int64_t pbytes = bytes / tpb * half;
-    KVF_ASSIGN_OR_RETURN(double pbase,
-                         CopySeconds(MemoryKind::kDevice, MemoryKind::kPinnedHost, pbytes));
     r = Row{prefix + fmt::format(" partial {}/{}", half, tpb),
             pbytes,
             0,
             "copy dev->pinned",
-            pbase,
+            0,
             "no",
             0,
             bb,
             n};
-    KVF_ASSIGN_OR_RETURN(r.seconds, Median(o_.iters, [&] {
-                           return run_batch(Tier::kPrimary, Tier::kHost, part, &r.descriptors);
-                         }));
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kPrimary, Tier::kHost, part, &r.descriptors); },
+        d2h(pbytes), pattern(part, true)));
     r.verified = verify(host, X, 5000, half);
-    KVF_ASSIGN_OR_RETURN(r.pattern_seconds, pattern(part, true));
     rows.push_back(r);
     if (!file) return Status::Ok();
     // File tier (backend "memory" until the files branch lands; see the report).
@@ -288,69 +277,91 @@ class Bench {
       fo.emplace_back(A[i], s, 0, BlockKey{7, uint64_t(i)});
       fi.emplace_back(s, B[i], 0, BlockKey{7, uint64_t(i)});
     }
-    double fw_base = base.d2h, fr_base = base.h2d;
+    Fn fw_base = d2h(bytes), fr_base = h2d(bytes);
     std::string fw_name = "copy dev->pinned", fr_name = "copy pinned->dev";
     if (!o_.dir.empty()) {
-      KVF_ASSIGN_OR_RETURN(fw_base, RawDirectIoSeconds(o_.dir, bytes, bb, true));
-      KVF_ASSIGN_OR_RETURN(fr_base, RawDirectIoSeconds(o_.dir, bytes, bb, false));
+      const std::string dir = o_.dir;
+      fw_base = [dir, bytes, bb] { return RawDirectIoSeconds(dir, bytes, bb, true).status(); };
+      fr_base = [dir, bytes, bb] { return RawDirectIoSeconds(dir, bytes, bb, false).status(); };
+      KVF_RETURN_IF_ERROR(RawDirectIoSeconds(dir, bytes, bb, true).status());  // for the reads
       fw_name = "raw O_DIRECT write";
       fr_name = "raw O_DIRECT read";
     }
     const std::string be = mem->backend().name;
-    r = Row{prefix + " file[" + be + "] offload", bytes, 0, fw_name, fw_base, "no", 0, bb, n};
-    KVF_ASSIGN_OR_RETURN(r.seconds, Median(o_.iters, [&] {
-                           return run_batch(Tier::kPrimary, Tier::kFile, fo, &r.descriptors);
-                         }));
+    r = Row{prefix + " file[" + be + "] offload", bytes, 0, fw_name, 0, "no", 0, bb, n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kPrimary, Tier::kFile, fo, &r.descriptors); }, fw_base,
+        nullptr));
     rows.push_back(r);
     if (o_.verify) {  // scramble B so the onboard check proves the bytes came from the file
       for (int64_t b : B) KVF_RETURN_IF_ERROR(FillBlock(primary, 99, BlockTokens{b, 0, tpb}));
     }
-    r = Row{prefix + " file[" + be + "] onboard", bytes, 0, fr_name, fr_base, "no", 0, bb, n};
-    KVF_ASSIGN_OR_RETURN(r.seconds, Median(o_.iters, [&] {
-                           return run_batch(Tier::kFile, Tier::kPrimary, fi, &r.descriptors);
-                         }));
+    r = Row{prefix + " file[" + be + "] onboard", bytes, 0, fr_name, 0, "no", 0, bb, n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kFile, Tier::kPrimary, fi, &r.descriptors); }, fr_base,
+        nullptr));
     r.verified = verify(primary, B, 1000, tpb);
     rows.push_back(r);
+    if (!o_.dir.empty()) ::unlink((o_.dir + "/kvferry_bench_rawio.tmp").c_str());
     return Status::Ok();
   }
 
  private:
-  struct Base {
-    double d2h = 0, h2d = 0, both = 0;
-  };
+  using Fn = std::function<Status()>;
 
-  StatusOr<double> CopySeconds(MemoryKind from, MemoryKind to, int64_t bytes) {
-    KVF_ASSIGN_OR_RETURN(Buffer src, dev_.Allocate(from, bytes));
-    KVF_ASSIGN_OR_RETURN(Buffer dst, dev_.Allocate(to, bytes));
-    std::memset(src.data(), 1, bytes);
-    std::memset(dst.data(), 2, bytes);
-    KVF_ASSIGN_OR_RETURN(auto s, dev_.CreateStream());
-    return Median(o_.iters, [&]() -> Status {
-      KVF_RETURN_IF_ERROR(s->Copy(dst.data(), src.data(), bytes));
-      return s->Synchronize(DeadlineIn(600s));
-    });
+  // Times the case, its baseline and (if any) its fragment pattern interleaved, iteration by
+  // iteration, so that load from other processes hits all three alike; medians after a warm-up.
+  Status Measure(Row& r, const Fn& fn, const Fn& base, const Fn& pat) {
+    std::vector<double> t[3];
+    const Fn* fns[3] = {&fn, &base, &pat};
+    for (int i = 0; i < o_.iters + 1; ++i) {
+      for (int k = 0; k < 3; ++k) {
+        if (!*fns[k]) continue;
+        auto t0 = Clock::now();
+        KVF_RETURN_IF_ERROR((*fns[k])());
+        if (i > 0) t[k].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+    }
+    auto med = [](std::vector<double>& v) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    r.seconds = med(t[0]);
+    r.baseline_seconds = med(t[1]);
+    r.pattern_seconds = med(t[2]);
+    return Status::Ok();
   }
 
-  StatusOr<Base> Baselines(int64_t bytes) {
-    Base b;
-    KVF_ASSIGN_OR_RETURN(b.d2h, CopySeconds(MemoryKind::kDevice, MemoryKind::kPinnedHost, bytes));
-    KVF_ASSIGN_OR_RETURN(b.h2d, CopySeconds(MemoryKind::kPinnedHost, MemoryKind::kDevice, bytes));
-    KVF_ASSIGN_OR_RETURN(Buffer d1, dev_.Allocate(MemoryKind::kDevice, bytes));
-    KVF_ASSIGN_OR_RETURN(Buffer h1, dev_.Allocate(MemoryKind::kPinnedHost, bytes));
-    KVF_ASSIGN_OR_RETURN(Buffer d2, dev_.Allocate(MemoryKind::kDevice, bytes));
-    KVF_ASSIGN_OR_RETURN(Buffer h2, dev_.Allocate(MemoryKind::kPinnedHost, bytes));
-    for (Buffer* x : {&d1, &h1, &d2, &h2}) std::memset(x->data(), 3, bytes);
-    KVF_ASSIGN_OR_RETURN(auto s1, dev_.CreateStream());
-    KVF_ASSIGN_OR_RETURN(auto s2, dev_.CreateStream());
-    KVF_ASSIGN_OR_RETURN(b.both, Median(o_.iters, [&]() -> Status {
-                           KVF_RETURN_IF_ERROR(s1->Copy(h1.data(), d1.data(), bytes));
-                           KVF_RETURN_IF_ERROR(s2->Copy(d2.data(), h2.data(), bytes));
-                           KVF_RETURN_IF_ERROR(s1->Synchronize(DeadlineIn(600s)));
-                           return s2->Synchronize(DeadlineIn(600s));
-                         }));
-    return b;
+  // Baseline buffers: dev_[i] / pinned_[i], two pairs, so "both" runs two copies at once.
+  Status MakeBaselineBuffers(int64_t bytes) {
+    for (int i = 0; i < 2; ++i) {
+      KVF_ASSIGN_OR_RETURN(dev_buf_[i], dev_.Allocate(MemoryKind::kDevice, bytes));
+      KVF_ASSIGN_OR_RETURN(pinned_buf_[i], dev_.Allocate(MemoryKind::kPinnedHost, bytes));
+      std::memset(dev_buf_[i].data(), 1, bytes);
+      std::memset(pinned_buf_[i].data(), 2, bytes);
+      if (!streams_[i]) {
+        KVF_ASSIGN_OR_RETURN(streams_[i], dev_.CreateStream());
+      }
+    }
+    return Status::Ok();
+  }
+  // One Stream::Copy of one contiguous buffer: dir 0 = device -> pinned, 1 = pinned -> device.
+  Status Copy(int dir, int64_t size) {
+    KVF_RETURN_IF_ERROR(dir == 0
+                            ? streams_[0]->Copy(pinned_buf_[0].data(), dev_buf_[0].data(), size)
+                            : streams_[0]->Copy(dev_buf_[0].data(), pinned_buf_[0].data(), size));
+    return streams_[0]->Synchronize(DeadlineIn(600s));
+  }
+  Status CopyBoth(int64_t size) {
+    KVF_RETURN_IF_ERROR(streams_[0]->Copy(pinned_buf_[0].data(), dev_buf_[0].data(), size));
+    KVF_RETURN_IF_ERROR(streams_[1]->Copy(dev_buf_[1].data(), pinned_buf_[1].data(), size));
+    KVF_RETURN_IF_ERROR(streams_[0]->Synchronize(DeadlineIn(600s)));
+    return streams_[1]->Synchronize(DeadlineIn(600s));
   }
 
+  Buffer dev_buf_[2], pinned_buf_[2];
+  std::unique_ptr<Stream> streams_[2];
   Device& dev_;
   const Options& o_;
 };
@@ -418,12 +429,12 @@ int RunBenchOffload(const Options& o) {
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); "
       "pattern = GB/s of a plain memcpy loop over the same fragments (cpu only)\n");
-  fmt::print("{:<38} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
+  fmt::print("{:<44} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
              "GB/s", "baseline", "GB/s", "ratio", "pattern", "verified");
   for (const Row& r : rows) {
     const double g = Gbps(r.bytes, r.seconds), bg = Gbps(r.bytes, r.baseline_seconds);
     const double pg = Gbps(r.bytes, r.pattern_seconds);
-    fmt::print("{:<38} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
+    fmt::print("{:<44} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
                r.bytes / double(1 << 20), r.descriptors, g, r.baseline, bg, bg > 0 ? g / bg : 0,
                pg > 0 ? fmt::format("{:.2f}", pg) : "-", r.verified);
   }
