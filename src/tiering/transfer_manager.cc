@@ -102,6 +102,7 @@ struct BlockState {
   BlockRef write;
   BlockRef read[2];
   uint64_t dst_mark = 0;  // seq of the last batch that wrote it: catches duplicate destinations
+  uint64_t src_mark = 0;  // seq of the last batch that read it: catches a block read and written
 };
 
 struct FileItem {
@@ -492,9 +493,15 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
       }
       d.dst_mark = seq;
     }
-    if (from == to && mv.src == mv.dst) {
-      return Status::InvalidArgument(
-          fmt::format("move item {}: block {} copied onto itself", i, mv.src));
+    if (from == to) {
+      // Within one tier the copies of a batch are unordered: no block may be read and written.
+      BlockState& src = m.state[static_cast<int>(from)][mv.src];
+      if (src.dst_mark == seq || m.state[static_cast<int>(to)][mv.dst].src_mark == seq) {
+        return Status::InvalidArgument(
+            fmt::format("move item {}: {} block {} is both read and written by one batch", i,
+                        TierName(from), src.dst_mark == seq ? mv.src : mv.dst));
+      }
+      src.src_mark = seq;
     }
   }
   const bool file_io = from == Tier::kFile || to == Tier::kFile;

@@ -216,6 +216,11 @@ TEST(TransferManager, RejectsBadMoves) {
   EXPECT_NE(f.tm->Offload(Tier::kFile, m).status().message().find("not attached"),
             std::string_view::npos);
   EXPECT_FALSE(f.tm->Move(Tier::kHost, Tier::kHost, m).ok());
+  m = {{1, 2, 2}, {2, 3, 2}};  // block 2 read and written in one batch
+  EXPECT_NE(f.tm->Move(Tier::kPrimary, Tier::kPrimary, m).status().message().find("both read"),
+            std::string_view::npos);
+  m = {{4, 4, 2}};
+  EXPECT_FALSE(f.tm->Move(Tier::kPrimary, Tier::kPrimary, m).ok());
 }
 
 TEST(TransferManager, RejectsMismatchedPools) {
