@@ -60,6 +60,10 @@ struct BlockManagerOptions {
   int32_t offload_min_priority = 0;  // victims below it are dropped, not offloaded
   bool partial_reuse = true;
   std::chrono::milliseconds io_timeout{30000};  // waits for file I/O on the eviction path
+  // The engine's compute stream (not owned), if known: before offloading evicted blocks, the copy
+  // streams then wait for the work queued on it so far, so a block compute has just written is
+  // never copied half-written. Without it, call WaitForCompute before calls that may evict.
+  Stream* compute = nullptr;
   // Defaults from the config knobs (tiering.offload_min_priority, tiering.partial_reuse,
   // tiering.io_timeout_ms); the identity is left empty.
   static BlockManagerOptions FromConfig();

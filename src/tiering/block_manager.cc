@@ -289,6 +289,10 @@ struct BlockManager::Impl {
       moves.emplace_back(v, h, 0, key);
     }
     if (moves.empty()) return;
+    if (opt.compute != nullptr) {
+      Status st = tm->WaitForCompute(*opt.compute);
+      if (!st.ok()) Log(LogLevel::kError, "tiering: WaitForCompute failed: {}", st.ToString());
+    }
     auto batch = tm->Offload(Tier::kHost, moves);
     for (const BlockMove& m : moves) {
       if (!batch.ok()) {  // a programming error: keep the books straight anyway

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <future>
 #include <numeric>
+#include <thread>
 
 #include "tiering/memory_slab_store.h"
 #include "tiering/tiering_test_util.h"
@@ -298,6 +300,38 @@ TEST(BlockManager, AppendTokensStoresBlocksAsTheyFill) {
   auto b = e.bm->AddSequence(2, Conv(1, 8));
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(b->hits[0], 2);
+}
+
+TEST(BlockManager, EvictionWaitsForTheComputeStream) {
+  auto dev = OpenCpuDevice();
+  auto compute = std::move(dev->CreateStream()).value();
+  BlockManagerOptions o;
+  o.compute = compute.get();
+  Env e(2, 2, 0, o);
+  e.Run(1, 1, 8);
+  // The engine queues a write of conv 1's KV on compute (held back by a gate), then a request
+  // evicts those blocks: the offload must copy what compute writes, not what is there now.
+  std::promise<void> open;
+  auto f = open.get_future().share();
+  ASSERT_TRUE(compute->HostCallback([f] { f.wait(); }).ok());
+  ASSERT_TRUE(compute
+                  ->HostCallback([&e] {
+                    for (int64_t b = 0; b < 2; ++b) {
+                      (void)FillBlock(e.primary, 1, BlockTokens{b, b * 4, 4});
+                    }
+                  })
+                  .ok());
+  for (int64_t b = 0; b < 2; ++b) ASSERT_TRUE(FillBlock(e.primary, 666, BlockTokens{b, 0, 4}).ok());
+  auto a = e.bm->AddSequence(2, Conv(2, 8));  // evicts conv 1 to the host tier
+  ASSERT_TRUE(a.ok());
+  std::this_thread::sleep_for(30ms);
+  open.set_value();
+  ASSERT_TRUE(compute->Synchronize(DeadlineIn(10s)).ok());
+  ASSERT_TRUE(e.bm->RemoveSequence(2).ok());
+  auto c = e.bm->AddSequence(3, Conv(1, 8));  // back from the host tier
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->hits[1], 2);
+  e.ExpectHolds(c->blocks, 1, 8);
 }
 
 }  // namespace
