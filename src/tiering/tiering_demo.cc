@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "kvferry/testdata.h"
+#include "tiering/host_mirror.h"
 #include "tiering/memory_slab_store.h"
 
 namespace kvferry {
@@ -54,6 +55,7 @@ StatusOr<TieringDemoReport> RunTieringDemo(Device& device, const TieringDemoOpti
   uint64_t seq_id = 1;
   auto stream = device.CreateStream();
   if (!stream.ok()) return stream.status();
+  KVF_ASSIGN_OR_RETURN(BlockPool mirror, tiering::MakeHostMirror(device, primary));
   for (int32_t round = 0; round < o.rounds; ++round) {
     for (int32_t k = 0; k < o.conversations; ++k) {
       // Later rounds revisit the most recent conversations first: they are still in upper tiers.
@@ -63,23 +65,24 @@ StatusOr<TieringDemoReport> RunTieringDemo(Device& device, const TieringDemoOpti
       KVF_RETURN_IF_ERROR(tm->Drain(DeadlineIn(std::chrono::seconds(30))));
       rep.prompt_tokens += static_cast<int64_t>(p.size());
       rep.reused_tokens += a.reused_tokens;
-      // Check what was reused, compute the rest.
+      // Check what was reused, compute the rest (through the host mirror: on a GPU, host
+      // threads can't touch the primary pool).
+      KVF_RETURN_IF_ERROR(tiering::CopySameBlocks(**stream, primary, mirror, a.blocks));
       for (size_t i = 0; i < a.blocks.size(); ++i) {
         const int64_t first = static_cast<int64_t>(i) * tpb;
         BlockTokens where{a.blocks[i], first, tpb};
         if (first < a.reused_tokens) {
-          KVF_ASSIGN_OR_RETURN(auto bad, CheckBlock(primary, request_of(c, i), where));
+          KVF_ASSIGN_OR_RETURN(auto bad, CheckBlock(mirror, request_of(c, i), where));
           if (bad) {
-            return Status::DataLoss(
-                fmt::format("demo: reused block {} of conversation {} is "
-                            "wrong: {}",
-                            i, c, bad->ToString()));
+            return Status::DataLoss(fmt::format(
+                "demo: reused block {} of conversation {} is wrong: {}", i, c, bad->ToString()));
           }
           ++rep.verified_blocks;
         } else {
-          KVF_RETURN_IF_ERROR(FillBlock(primary, request_of(c, i), where));
+          KVF_RETURN_IF_ERROR(FillBlock(mirror, request_of(c, i), where));
         }
       }
+      KVF_RETURN_IF_ERROR(tiering::CopySameBlocks(**stream, mirror, primary, a.blocks));
       say(
           fmt::format("round {} conversation {}: {} prompt tokens, reused {} (hits primary {}, "
                       "host {}, file {}){}",

@@ -22,6 +22,7 @@
 #include "kvferry/testdata.h"
 #include "kvferry/tiering.h"
 #include "tiering/copy_plan.h"
+#include "tiering/host_mirror.h"
 #include "tiering/memory_slab_store.h"
 #include "tools/kvferry/commands.h"
 
@@ -179,24 +180,37 @@ class Bench {
         return Status::Ok();
       };
     };
+    // Test data goes through a host mirror of the primary pool: on a GPU, host threads can't
+    // touch the primary pool.
+    KVF_ASSIGN_OR_RETURN(auto io, dev_.CreateStream());
+    std::optional<BlockPool> mirror;
     if (o_.verify) {
+      KVF_ASSIGN_OR_RETURN(mirror, tiering::MakeHostMirror(dev_, primary));
       for (int64_t i = 0; i < n; ++i) {
-        KVF_RETURN_IF_ERROR(FillBlock(primary, 1000 + i, BlockTokens{A[i], 0, tpb}));
-        KVF_RETURN_IF_ERROR(FillBlock(primary, 5000 + i, BlockTokens{C[i], 0, tpb}));
+        KVF_RETURN_IF_ERROR(FillBlock(*mirror, 1000 + i, BlockTokens{A[i], 0, tpb}));
+        KVF_RETURN_IF_ERROR(FillBlock(*mirror, 5000 + i, BlockTokens{C[i], 0, tpb}));
       }
+      KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
     } else {  // touch every page once
       for (int32_t r = 0; r < primary.num_regions(); ++r) {
-        std::memset(primary.region(r), 1, primary.layout().region_bytes());
+        KVF_RETURN_IF_ERROR(io->Fill(primary.region(r), 1, primary.layout().region_bytes()));
       }
-      for (int32_t r = 0; r < host.num_regions(); ++r) {
-        std::memset(host.region(r), 2, host.layout().region_bytes());
-      }
+      KVF_RETURN_IF_ERROR(io->Synchronize(DeadlineIn(600s)));
+    }
+    for (int32_t r = 0; r < host.num_regions(); ++r) {  // pinned host: host-accessible
+      if (!o_.verify) std::memset(host.region(r), 2, host.layout().region_bytes());
     }
     auto verify = [&](const BlockPool& pool, const std::vector<int64_t>& blocks, uint64_t req,
                       int64_t tokens) -> std::string {
       if (!o_.verify) return "no";
+      const BlockPool* check = &pool;
+      if (&pool == &primary) {
+        Status st = tiering::CopyWholePool(*io, primary, *mirror);
+        if (!st.ok()) return "FAILED: " + st.ToString();
+        check = &*mirror;
+      }
       for (int64_t i = 0; i < n; ++i) {
-        auto r = CheckBlock(pool, req + i, BlockTokens{blocks[i], 0, tokens});
+        auto r = CheckBlock(*check, req + i, BlockTokens{blocks[i], 0, tokens});
         if (!r.ok()) return "FAILED: " + r.status().ToString();
         if (r->has_value()) return "FAILED: " + (*r)->ToString();
       }
@@ -316,7 +330,8 @@ class Bench {
           nullptr));
       rows.push_back(r);
       if (o_.verify) {  // scramble B so the onboard check proves the bytes came from the file
-        for (int64_t b : B) KVF_RETURN_IF_ERROR(FillBlock(primary, 99, BlockTokens{b, 0, tpb}));
+        for (int64_t b : B) KVF_RETURN_IF_ERROR(FillBlock(*mirror, 99, BlockTokens{b, 0, tpb}));
+        KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
       }
       r = Row{prefix + " file[" + be + "] onboard", bytes, 0, fr_name, 0, "no", 0, bb, n};
       KVF_RETURN_IF_ERROR(Measure(
