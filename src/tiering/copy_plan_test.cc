@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
+#include "tiering/priority_lru.h"
 #include "tiering/tiering_test_util.h"
 
 namespace kvferry::tiering {
@@ -74,6 +77,62 @@ TEST(CopyPlan, PackedLayoutKeepsTheInBlockOrder) {
   // with K and V as rows.
   EXPECT_EQ(AppendRunCopies(va.view, 3, vp, 0, 1, 4, out), 3u);
   EXPECT_EQ(out[0].rows, 2u);
+}
+
+// Random runs between random layouts and dtypes, executed with plain memcpy, against the
+// element-by-element reference.
+TEST(CopyPlan, RandomRunsMatchTheReference) {
+  auto dev = OpenCpuDevice();
+  std::mt19937 rng(7);
+  const LayoutKind kinds[] = {LayoutKind::kBlockMajor, LayoutKind::kPerLayer};
+  const DType dtypes[] = {DType::kInt8, DType::kBf16, DType::kFp32};
+  for (int iter = 0; iter < 60; ++iter) {
+    const DType dt = dtypes[rng() % 3];
+    auto a = MakePool(*dev, kinds[rng() % 2], MemoryKind::kDevice, 7, dt);
+    auto b = MakePool(*dev, kinds[rng() % 2], MemoryKind::kHost, 6, dt);
+    testing::FillAll(a, 1);
+    testing::FillAll(b, 50);
+    const int64_t count = 1 + rng() % 4;
+    const int64_t sb = rng() % (7 - count + 1), db = rng() % (6 - count + 1);
+    const int64_t tokens = 1 + rng() % 4;
+    auto src = testing::Snapshot(a);
+    auto want = testing::Snapshot(b);
+    for (int64_t i = 0; i < count; ++i) {
+      testing::ReferenceCopy(a, src, sb + i, b, want, db + i, tokens);
+    }
+    Views va(a), vb(b);
+    std::vector<CopyDesc> out;
+    AppendRunCopies(va.view, sb, vb.view, db, count, tokens, out);
+    for (const CopyDesc& c : out) {
+      for (size_t r = 0; r < c.rows; ++r) {
+        std::memcpy(static_cast<std::byte*>(c.dst) + r * c.dst_pitch,
+                    static_cast<const std::byte*>(c.src) + r * c.src_pitch, c.bytes);
+      }
+    }
+    ASSERT_EQ(testing::Snapshot(b), want)
+        << "iter " << iter << ": " << a.layout().ToString() << " -> " << b.layout().ToString()
+        << " blocks " << sb << "->" << db << " x" << count << " tokens " << tokens;
+  }
+}
+
+TEST(PriorityLru, LowestPriorityFirstThenOldest) {
+  PriorityLru lru(8);
+  lru.Push(3, 50);
+  lru.Push(1, 10);
+  lru.Push(5, 50);
+  lru.Push(2, 10);
+  lru.Push(7, 100);
+  EXPECT_EQ(lru.size(), 5);
+  lru.Remove(1);
+  EXPECT_FALSE(lru.Contains(1));
+  EXPECT_EQ(lru.PopVictim(), 2);
+  EXPECT_EQ(lru.PopVictim(), 3);
+  lru.Push(3, 50);  // re-queued: now the newest of 50
+  EXPECT_EQ(lru.PopVictim(), 5);
+  EXPECT_EQ(lru.PopVictim(), 3);
+  EXPECT_EQ(lru.PopVictim(), 7);
+  EXPECT_EQ(lru.PopVictim(), -1);
+  EXPECT_EQ(lru.size(), 0);
 }
 
 }  // namespace
