@@ -68,6 +68,18 @@ constexpr KnobDecl kKnobs[] = {
     {"ucx.progress_spin", KnobType::kInt, "1",
      "ucp_worker_progress calls per Transport::Progress() (more: less call overhead per byte)", 1,
      1000, ""},
+    {"tiering.file_staging_blocks", KnobType::kInt, "32",
+     "pinned staging of the file tier, in blocks; also the largest batch to or from files", 1,
+     1 << 20, ""},
+    {"tiering.offload_min_priority", KnobType::kInt, "0",
+     "evicted primary blocks with a retention priority below this are dropped, not offloaded "
+     "(101 = never offload)",
+     0, 101, ""},
+    {"tiering.partial_reuse", KnobType::kBool, "true",
+     "reuse the leading tokens of a partially matching cached block by copying them", 0, 0, ""},
+    {"tiering.io_timeout_ms", KnobType::kInt, "30000",
+     "how long the block manager waits for file-tier I/O on the eviction and onboard paths", 1,
+     3600 * 1000, ""},
 };
 
 }  // namespace

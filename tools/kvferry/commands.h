@@ -10,5 +10,11 @@ void AddInfoCommand(CLI::App& app);
 void AddSelftestCommand(CLI::App& app);
 // Adds `transfer` under the `bench` group.
 void AddBenchTransferCommand(CLI::App& bench);
+// `bench`: a group of measurements; each Add*Command registers one under it.
+void AddBenchCommands(CLI::App& app);
+void AddBenchOffloadCommand(CLI::App& bench);
+// `demo`: short narrated runs of the library, for scripts/demo.
+void AddDemoCommands(CLI::App& app);
+void AddDemoTieringCommand(CLI::App& demo);
 
 }  // namespace kvferry::tools

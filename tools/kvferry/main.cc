@@ -32,9 +32,8 @@ int main(int argc, char** argv) {
   });
   kvferry::tools::AddInfoCommand(app);
   kvferry::tools::AddSelftestCommand(app);
-  auto* bench = app.add_subcommand("bench", "benchmarks, each beside its same-run baseline");
-  bench->require_subcommand(1);
-  kvferry::tools::AddBenchTransferCommand(*bench);
+  kvferry::tools::AddBenchCommands(app);
+  kvferry::tools::AddDemoCommands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

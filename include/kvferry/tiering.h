@@ -1,0 +1,165 @@
+// The tiered KV cache, part 1: the TransferManager moves KV blocks between the primary pool
+// (device memory), a secondary pool (pinned host memory) and a file tier (a SlabStore of slots).
+//
+// Why it exists: eviction should move a reusable block down a tier instead of dropping it, and a
+// prefix hit should bring it back, without stalling the compute stream and without per-block
+// copies. Each Move() is one batch: neighbouring blocks (consecutive ids on both sides) coalesce
+// into one descriptor, and the whole batch is one Stream::CopyBatch.
+//
+// Streams and ordering. The manager owns an offload stream (moves to a lower tier) and an onboard
+// stream (moves to a higher tier, and primary-to-primary partial copies). For every block of the
+// primary and host pools it keeps the batch that last wrote it and, per stream, the batch that
+// last read it (preallocated arrays; nothing is allocated per block). A new copy waits for the
+// last write of its source and for the last write and reads of its destination; so an onboard of a
+// block waits for a pending offload of that block, and a block is never overwritten under a read.
+// File slots are ordered by the file worker, which runs file batches one at a time, in order.
+// The compute stream is not tracked: call WaitForCompute(compute) before moving blocks compute has
+// just written, and SyncWithCompute(compute) before compute uses blocks a move has written.
+//
+// File tier. Offload: pool -> pinned staging on the offload stream, then one SlabStore::Write
+// batch on the worker thread. Onboard: one SlabStore::Read batch on the worker, then staging ->
+// pool on the onboard stream. Staging is bounded (TransferOptions::file_staging_blocks). A failed
+// write leaves the source block where it was, untouched, and the batch reports the item's error;
+// a corrupt slot fails its item with kDataLoss and the reason, and its destination is not written.
+//
+// Completion: Move() returns once the batch is queued. TransferBatch::Query()/Wait() say when
+// every copy of the batch has finished (for the file tier: including the file I/O); from then the
+// sources may be reused and the destinations read. Item errors are per item.
+//
+// Thread-safety: Move, SyncWithCompute, WaitForCompute and Drain may be called from one thread at
+// a time. TransferBatch handles may be queried and waited on from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/device.h"
+#include "kvferry/pool.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+class SlabStore;  // the file tier (src/files/slab_store.h)
+
+enum class Tier : uint8_t { kPrimary = 0, kHost = 1, kFile = 2 };
+inline constexpr int kNumTiers = 3;
+std::string_view TierName(Tier tier);
+
+// The identity of a block's bytes (see BlockKeyChain in block_manager.h); names file slots.
+struct BlockKey {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  bool operator==(const BlockKey&) const = default;
+};
+
+// One block of a batch.
+struct BlockMove {
+  BlockMove() = default;
+  BlockMove(int64_t s, int64_t d, int32_t t = 0, BlockKey k = {})
+      : src(s), dst(d), tokens(t), key(k) {}
+  int64_t src = 0;     // block id in the source tier (slot id in the file tier)
+  int64_t dst = 0;     // block id in the destination tier (slot id in the file tier)
+  int32_t tokens = 0;  // copy the first `tokens` tokens of each (layer, kv, head); 0 = all
+  BlockKey key;        // identity of the bytes; written with and checked against file slots
+};
+
+namespace internal {
+struct BatchState;
+}
+
+// A handle to one queued batch. Cheap to copy; valid after the manager is gone only for items()
+// of a finished batch.
+class TransferBatch {
+ public:
+  TransferBatch() = default;
+  explicit TransferBatch(std::shared_ptr<internal::BatchState> s) : s_(std::move(s)) {}
+
+  // True when every copy and file I/O of the batch has finished (successfully or not).
+  bool Query() const;
+  // Waits until Query() is true or the deadline passes (kDeadlineExceeded; the batch keeps
+  // going). Returns the first item error of a finished batch, or OK.
+  Status Wait(Deadline deadline) const;
+  // Per-item results, in the order of the moves; valid once Query() is true.
+  const std::vector<Status>& items() const;
+  size_t size() const;
+  // Descriptors the batch was planned into (after coalescing).
+  size_t descriptors() const;
+  explicit operator bool() const { return s_ != nullptr; }
+
+ private:
+  std::shared_ptr<internal::BatchState> s_;
+};
+
+struct TransferOptions {
+  int64_t file_staging_blocks = 32;  // pinned staging of the file tier, in blocks
+  // Defaults from the config knobs (tiering.file_staging_blocks).
+  static TransferOptions FromConfig();
+};
+
+struct TransferStats {
+  int64_t batches = 0;
+  int64_t blocks = 0;
+  int64_t descriptors = 0;
+  int64_t bytes = 0;  // bytes copied by streams (partial copies count what they copy)
+  int64_t file_writes = 0, file_write_errors = 0;
+  int64_t file_reads = 0, file_read_errors = 0;
+};
+
+class TransferManager {
+ public:
+  // `primary` must be device memory; `host` (optional) a pinned-host or host pool whose blocks
+  // have the same shape and element size; `file` (optional) a SlabStore whose slot payload holds
+  // one whole block. All must outlive the manager.
+  static StatusOr<std::unique_ptr<TransferManager>> Create(Device& device, BlockPool& primary,
+                                                           BlockPool* host, SlabStore* file,
+                                                           const TransferOptions& options = {});
+  ~TransferManager();
+  TransferManager(const TransferManager&) = delete;
+  TransferManager& operator=(const TransferManager&) = delete;
+
+  // Queues one batch copying blocks from tier `from` to tier `to`. Supported: primary <-> host,
+  // primary <-> file, host <-> file, and primary -> primary (a partial copy into a new block).
+  // Errors (nothing is queued): an id outside its tier, tokens outside [0, tokens_per_block], a
+  // tier that is not attached, two moves writing one destination, a file batch larger than the
+  // staging.
+  StatusOr<TransferBatch> Move(Tier from, Tier to, std::span<const BlockMove> moves);
+  StatusOr<TransferBatch> Offload(Tier to, std::span<const BlockMove> moves) {
+    return Move(Tier::kPrimary, to, moves);
+  }
+  StatusOr<TransferBatch> Onboard(Tier from, std::span<const BlockMove> moves) {
+    return Move(from, Tier::kPrimary, moves);
+  }
+
+  // Later work on `compute` waits for every copy queued so far (both streams). Pending file
+  // onboards whose reads have not finished are waited for on the host first.
+  Status SyncWithCompute(Stream& compute);
+  // Later copies wait for the work queued on `compute` so far.
+  Status WaitForCompute(Stream& compute);
+  // Waits for every queued batch.
+  Status Drain(Deadline deadline);
+
+  // The copy streams, for callers that order their own work against the copies (and tests).
+  Stream& offload_stream() const;
+  Stream& onboard_stream() const;
+
+  BlockPool& primary() const;
+  BlockPool* host() const;
+  SlabStore* file() const;
+  bool has_tier(Tier tier) const;
+  int64_t tier_blocks(Tier tier) const;  // capacity in blocks (slots for the file tier)
+  int64_t file_staging_blocks() const;   // the largest file batch
+  TransferStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit TransferManager(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry

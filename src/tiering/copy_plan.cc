@@ -1,0 +1,139 @@
+#include "tiering/copy_plan.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace kvferry::tiering {
+
+bool SameBlockShape(const PoolLayout& a, const PoolLayout& b) {
+  if (a.element_bytes() != b.element_bytes()) return false;
+  for (int ax = kLayerAxis; ax < kNumAxes; ++ax) {
+    if (a.dims()[ax] != b.dims()[ax]) return false;
+  }
+  return true;
+}
+
+namespace {
+
+// One axis of the copy: its extent and its byte strides on both sides. A "region" axis is the
+// layer axis of a layout with one region per layer: it selects a region instead of striding.
+struct Axis {
+  int64_t n = 0;
+  int64_t s = 0;  // source stride, bytes
+  int64_t d = 0;  // destination stride, bytes
+  bool src_region = false;
+  bool dst_region = false;
+};
+
+}  // namespace
+
+size_t AppendRunCopies(const TierView& src, int64_t src_block, const TierView& dst,
+                       int64_t dst_block, int64_t count, int64_t tokens,
+                       std::vector<CopyDesc>& out) {
+  const PoolLayout& sl = *src.layout;
+  const PoolLayout& dl = *dst.layout;
+  const int64_t eb = sl.element_bytes();
+  const PoolDims& dims = sl.dims();
+  tokens = std::min(tokens, dims[kTokenAxis]);
+  if (tokens <= 0 || count <= 0) return 0;
+
+  Axis axes[5];
+  int na = 0;
+  auto add = [&](int a, int64_t n) {
+    if (n <= 1) return;
+    axes[na++] =
+        Axis{n, sl.strides()[a] * eb, dl.strides()[a] * eb,
+             sl.region_per_layer() && a == kLayerAxis, dl.region_per_layer() && a == kLayerAxis};
+  };
+  add(kBlockAxis, count);
+  add(kLayerAxis, dims[kLayerAxis]);
+  add(kKvAxis, dims[kKvAxis]);
+  add(kHeadAxis, dims[kHeadAxis]);
+  add(kTokenAxis, tokens);
+
+  // Strided axes first, innermost (by source stride) first; region axes last.
+  auto before = [](const Axis& x, const Axis& y) {
+    const bool rx = x.src_region || x.dst_region, ry = y.src_region || y.dst_region;
+    if (rx != ry) return ry;
+    if (x.s != y.s) return x.s < y.s;
+    return x.d < y.d;
+  };
+  for (int a = 1; a < na; ++a) {  // insertion sort (na <= 5)
+    for (int b = a; b > 0 && before(axes[b], axes[b - 1]); --b) std::swap(axes[b], axes[b - 1]);
+  }
+  int i = 0;
+  auto strided = [&](int k) { return k < na && !axes[k].src_region && !axes[k].dst_region; };
+  // 1. The contiguous run: axes whose stride equals the run so far on both sides.
+  int64_t run = dims[kDimAxis] * eb;
+  while (strided(i) && axes[i].s == run && axes[i].d == run) run *= axes[i++].n;
+  // 2. Rows of a 2-D descriptor: the next axis, extended by outer axes of uniform pitch.
+  int64_t rows = 1, sp = 0, dp = 0;
+  if (strided(i)) {
+    rows = axes[i].n;
+    sp = axes[i].s;
+    dp = axes[i].d;
+    ++i;
+    while (strided(i) && axes[i].s == rows * sp && axes[i].d == rows * dp) rows *= axes[i++].n;
+  }
+  // 3. Everything else is an outer loop, one descriptor per point.
+  const Axis* outer = axes + i;
+  const int no = na - i;
+  const int64_t sbase = sl.ByteOffset(src_block, 0, 0, 0, 0, 0);
+  const int64_t dbase = dl.ByteOffset(dst_block, 0, 0, 0, 0, 0);
+  int64_t idx[5] = {0, 0, 0, 0, 0};
+  size_t emitted = 0;
+  while (true) {
+    int64_t so = sbase, doff = dbase;
+    int32_t sr = 0, dr = 0;
+    for (int k = 0; k < no; ++k) {
+      if (outer[k].src_region) {
+        sr = static_cast<int32_t>(idx[k]);
+      } else {
+        so += idx[k] * outer[k].s;
+      }
+      if (outer[k].dst_region) {
+        dr = static_cast<int32_t>(idx[k]);
+      } else {
+        doff += idx[k] * outer[k].d;
+      }
+    }
+    CopyDesc c{dst.regions[dr] + doff, src.regions[sr] + so, static_cast<size_t>(run)};
+    if (rows > 1) {
+      c.rows = static_cast<size_t>(rows);
+      c.src_pitch = static_cast<size_t>(sp);
+      c.dst_pitch = static_cast<size_t>(dp);
+    }
+    out.push_back(c);
+    ++emitted;
+    int k = 0;
+    for (; k < no; ++k) {
+      if (++idx[k] < outer[k].n) break;
+      idx[k] = 0;
+    }
+    if (k == no) break;
+  }
+  return emitted;
+}
+
+StatusOr<PoolLayout> PackedLayoutLike(const PoolLayout& like, int64_t blocks) {
+  PoolDims dims = like.dims();
+  dims[kBlockAxis] = blocks;
+  // Order the in-block axes as `like` does: region (layer) axis outermost, then by stride.
+  int order[4] = {kLayerAxis, kKvAxis, kHeadAxis, kTokenAxis};
+  auto key = [&](int a) -> int64_t {
+    if (like.region_per_layer() && a == kLayerAxis) return INT64_MAX;
+    return like.strides()[a];
+  };
+  std::sort(order, order + 4, [&](int x, int y) { return key(x) < key(y); });
+  PoolStrides strides{};
+  strides[kDimAxis] = 1;
+  int64_t s = dims[kDimAxis];
+  for (int a : order) {
+    strides[a] = s;
+    s *= dims[a];
+  }
+  strides[kBlockAxis] = s;
+  return PoolLayout::Custom(dims, strides, /*region_per_layer=*/false, like.element_bytes());
+}
+
+}  // namespace kvferry::tiering

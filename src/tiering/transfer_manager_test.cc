@@ -1,0 +1,337 @@
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "kvferry/tiering.h"
+#include "tiering/memory_slab_store.h"
+#include "tiering/tiering_test_util.h"
+
+namespace kvferry::tiering {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::ExpectBlockHolds;
+using testing::FillAll;
+using testing::MakePool;
+
+Deadline Soon() { return DeadlineIn(10s); }
+
+// Holds a stream back until Open() (a HostCallback gate).
+class Gate {
+ public:
+  explicit Gate(Stream& s) {
+    auto f = open_.get_future().share();
+    EXPECT_TRUE(s.HostCallback([f] { f.wait(); }).ok());
+  }
+  void Open() { open_.set_value(); }
+
+ private:
+  std::promise<void> open_;
+};
+
+struct Fixture {
+  explicit Fixture(LayoutKind layout = LayoutKind::kBlockMajor, DType dtype = DType::kBf16,
+                   bool with_file = false, int64_t staging = 8)
+      : dev(OpenCpuDevice()),
+        primary(MakePool(*dev, layout, MemoryKind::kDevice, 8, dtype)),
+        host(MakePool(*dev, layout, MemoryKind::kPinnedHost, 8, dtype)),
+        mem(primary.layout().block_bytes(), 16),
+        faults(&mem) {
+    TransferOptions o;
+    o.file_staging_blocks = staging;
+    auto m = TransferManager::Create(*dev, primary, &host, with_file ? &faults : nullptr, o);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    tm = std::move(m).value();
+  }
+  std::unique_ptr<Device> dev;
+  BlockPool primary, host;
+  MemorySlabStore mem;
+  FaultInjectingSlabStore faults;
+  std::unique_ptr<TransferManager> tm;
+};
+
+TEST(TransferManager, OffloadOnboardRoundTrip) {
+  Fixture f;
+  FillAll(f.primary, 100);
+  std::vector<BlockMove> out = {{0, 4}, {1, 5}, {2, 6}, {5, 0}};
+  auto b = f.tm->Offload(Tier::kHost, out);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  ASSERT_TRUE(b->Wait(Soon()).ok());
+  EXPECT_EQ(b->descriptors(), 2u);  // 0..2 -> 4..6 coalesce; 5 -> 0 alone
+  ExpectBlockHolds(f.host, 4, 100);
+  ExpectBlockHolds(f.host, 6, 102);
+  ExpectBlockHolds(f.host, 0, 105);
+  FillAll(f.primary, 900);  // overwrite, then bring back
+  std::vector<BlockMove> in = {{4, 7}, {0, 3}};
+  auto c = f.tm->Onboard(Tier::kHost, in);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(c->Wait(Soon()).ok());
+  ExpectBlockHolds(f.primary, 7, 100);
+  ExpectBlockHolds(f.primary, 3, 105);
+  auto st = f.tm->stats();
+  EXPECT_EQ(st.batches, 2);
+  EXPECT_EQ(st.blocks, 6);
+  EXPECT_EQ(st.descriptors, 4);
+}
+
+TEST(TransferManager, OnboardWaitsForPendingOffloadOfTheSameBlock) {
+  Fixture f;
+  FillAll(f.primary, 100);
+  FillAll(f.host, 500);
+  Gate gate(f.tm->offload_stream());
+  std::vector<BlockMove> out = {{0, 3}};
+  auto off = f.tm->Offload(Tier::kHost, out);
+  ASSERT_TRUE(off.ok());
+  std::vector<BlockMove> in = {{3, 6}};  // reads host 3, which the offload is writing
+  auto on = f.tm->Onboard(Tier::kHost, in);
+  ASSERT_TRUE(on.ok());
+  std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(off->Query());
+  EXPECT_FALSE(on->Query());
+  ExpectBlockHolds(f.primary, 6, 106);  // untouched while the offload is held back
+  gate.Open();
+  ASSERT_TRUE(on->Wait(Soon()).ok());
+  ExpectBlockHolds(f.primary, 6, 100);  // the offloaded bytes, not the stale host bytes
+}
+
+TEST(TransferManager, WriteWaitsForPendingReadOfItsDestination) {
+  Fixture f;
+  FillAll(f.primary, 100);
+  FillAll(f.host, 500);
+  Gate gate(f.tm->offload_stream());
+  std::vector<BlockMove> out = {{2, 3}};  // reads primary 2 (held back)
+  auto off = f.tm->Offload(Tier::kHost, out);
+  ASSERT_TRUE(off.ok());
+  std::vector<BlockMove> in = {{5, 2}};  // overwrites primary 2 from host 5
+  auto on = f.tm->Onboard(Tier::kHost, in);
+  ASSERT_TRUE(on.ok());
+  std::this_thread::sleep_for(50ms);
+  EXPECT_FALSE(on->Query());
+  ExpectBlockHolds(f.primary, 2, 102);
+  gate.Open();
+  ASSERT_TRUE(on->Wait(Soon()).ok());
+  ASSERT_TRUE(off->Wait(Soon()).ok());
+  ExpectBlockHolds(f.host, 3, 102);  // the offload saw the old bytes
+  ExpectBlockHolds(f.primary, 2, 505);
+}
+
+TEST(TransferManager, SyncWithComputeOrdersComputeAfterCopies) {
+  Fixture f;
+  FillAll(f.primary, 100);
+  auto compute = std::move(f.dev->CreateStream()).value();
+  Gate gate(f.tm->offload_stream());
+  std::vector<BlockMove> out = {{1, 1}};
+  ASSERT_TRUE(f.tm->Offload(Tier::kHost, out).ok());
+  ASSERT_TRUE(f.tm->SyncWithCompute(*compute).ok());
+  std::atomic<bool> ran{false};
+  ASSERT_TRUE(compute->HostCallback([&] { ran = true; }).ok());
+  std::this_thread::sleep_for(30ms);
+  EXPECT_FALSE(ran.load());
+  gate.Open();
+  ASSERT_TRUE(compute->Synchronize(Soon()).ok());
+  EXPECT_TRUE(ran.load());
+  ExpectBlockHolds(f.host, 1, 101);
+}
+
+struct PartialCase {
+  LayoutKind src_layout, dst_layout;
+  DType dtype;
+};
+
+class PartialCopy : public ::testing::TestWithParam<PartialCase> {};
+
+TEST_P(PartialCopy, MatchesCpuReference) {
+  const PartialCase pc = GetParam();
+  auto dev = OpenCpuDevice();
+  auto primary = MakePool(*dev, pc.src_layout, MemoryKind::kDevice, 6, pc.dtype);
+  auto host = MakePool(*dev, pc.dst_layout, MemoryKind::kPinnedHost, 6, pc.dtype);
+  auto tm = std::move(TransferManager::Create(*dev, primary, &host, nullptr)).value();
+  FillAll(primary, 10);
+  FillAll(host, 70);
+  for (int32_t n : {1, 2, 3}) {
+    auto src = testing::Snapshot(primary);
+    auto want = testing::Snapshot(host);
+    std::vector<BlockMove> moves = {{0, 1, n}, {1, 2, n}, {4, 0, n}};
+    for (const BlockMove& m : moves) {
+      testing::ReferenceCopy(primary, src, m.src, host, want, m.dst, n);
+    }
+    auto b = tm->Offload(Tier::kHost, moves);
+    ASSERT_TRUE(b.ok());
+    ASSERT_TRUE(b->Wait(Soon()).ok());
+    EXPECT_EQ(testing::Snapshot(host), want) << "tokens=" << n;
+    ExpectBlockHolds(host, 1, 10, n);
+    // And back, partially, into other primary blocks.
+    src = testing::Snapshot(host);
+    want = testing::Snapshot(primary);
+    std::vector<BlockMove> back = {{1, 5, n}};
+    testing::ReferenceCopy(host, src, 1, primary, want, 5, n);
+    auto c = tm->Onboard(Tier::kHost, back);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(c->Wait(Soon()).ok());
+    EXPECT_EQ(testing::Snapshot(primary), want);
+    FillAll(host, 70);
+    FillAll(primary, 10);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndLayouts, PartialCopy,
+    ::testing::Values(PartialCase{LayoutKind::kBlockMajor, LayoutKind::kBlockMajor, DType::kInt8},
+                      PartialCase{LayoutKind::kBlockMajor, LayoutKind::kBlockMajor, DType::kBf16},
+                      PartialCase{LayoutKind::kBlockMajor, LayoutKind::kBlockMajor, DType::kFp32},
+                      PartialCase{LayoutKind::kPerLayer, LayoutKind::kPerLayer, DType::kFp8E4M3},
+                      PartialCase{LayoutKind::kPerLayer, LayoutKind::kPerLayer, DType::kFp16},
+                      PartialCase{LayoutKind::kPerLayer, LayoutKind::kPerLayer, DType::kFp32},
+                      PartialCase{LayoutKind::kPerLayer, LayoutKind::kBlockMajor, DType::kBf16},
+                      PartialCase{LayoutKind::kBlockMajor, LayoutKind::kPerLayer, DType::kInt8}));
+
+TEST(TransferManager, PrimaryToPrimaryPartialCopy) {
+  Fixture f;
+  FillAll(f.primary, 100);
+  std::vector<BlockMove> m = {{2, 6, 3}};
+  auto b = f.tm->Move(Tier::kPrimary, Tier::kPrimary, m);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(b->Wait(Soon()).ok());
+  ExpectBlockHolds(f.primary, 6, 102, 3);
+  auto r = CheckBlock(f.primary, 106, BlockTokens{6, 0, 4});  // token 3 still the old block's
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->at.token, 0);  // tokens < 3 changed
+}
+
+TEST(TransferManager, RejectsBadMoves) {
+  Fixture f;
+  std::vector<BlockMove> m = {{0, 8}};
+  auto b = f.tm->Offload(Tier::kHost, m);
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("block 0 -> 8"), std::string_view::npos);
+  m = {{0, 1, 5}};
+  EXPECT_NE(f.tm->Offload(Tier::kHost, m).status().message().find("tokens=5"),
+            std::string_view::npos);
+  m = {{0, 1}, {2, 1}};
+  EXPECT_NE(f.tm->Offload(Tier::kHost, m).status().message().find("two moves"),
+            std::string_view::npos);
+  m = {{0, 1}};
+  EXPECT_NE(f.tm->Offload(Tier::kFile, m).status().message().find("not attached"),
+            std::string_view::npos);
+  EXPECT_FALSE(f.tm->Move(Tier::kHost, Tier::kHost, m).ok());
+  m = {{1, 2, 2}, {2, 3, 2}};  // block 2 read and written in one batch
+  EXPECT_NE(f.tm->Move(Tier::kPrimary, Tier::kPrimary, m).status().message().find("both read"),
+            std::string_view::npos);
+  m = {{4, 4, 2}};
+  EXPECT_FALSE(f.tm->Move(Tier::kPrimary, Tier::kPrimary, m).ok());
+}
+
+TEST(TransferManager, RejectsMismatchedPools) {
+  auto dev = OpenCpuDevice();
+  auto primary = MakePool(*dev, LayoutKind::kBlockMajor, MemoryKind::kDevice, 4);
+  auto host8 = MakePool(*dev, LayoutKind::kBlockMajor, MemoryKind::kPinnedHost, 4, DType::kInt8);
+  auto r = TransferManager::Create(*dev, primary, &host8, nullptr);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("differ"), std::string_view::npos);
+  auto dev_host = MakePool(*dev, LayoutKind::kBlockMajor, MemoryKind::kDevice, 4);
+  EXPECT_NE(TransferManager::Create(*dev, primary, &dev_host, nullptr)
+                .status()
+                .message()
+                .find("host tier must be"),
+            std::string_view::npos);
+  auto host_primary = MakePool(*dev, LayoutKind::kBlockMajor, MemoryKind::kHost, 4);
+  EXPECT_FALSE(TransferManager::Create(*dev, host_primary, nullptr, nullptr).ok());
+}
+
+BlockMove FileMove(int64_t src, int64_t dst, uint64_t k, int32_t tokens = 0) {
+  return BlockMove{src, dst, tokens, BlockKey{k, ~k}};
+}
+
+TEST(TransferManager, FileTierRoundTripBothLayouts) {
+  for (LayoutKind layout : {LayoutKind::kBlockMajor, LayoutKind::kPerLayer}) {
+    Fixture f(layout, DType::kBf16, /*with_file=*/true);
+    FillAll(f.primary, 100);
+    std::vector<BlockMove> out = {FileMove(0, 3, 1), FileMove(1, 4, 2), FileMove(6, 9, 3)};
+    for (int i = 0; i < 10; ++i) ASSERT_TRUE(f.mem.Allocate().ok());
+    auto b = f.tm->Offload(Tier::kFile, out);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    ASSERT_TRUE(b->Wait(Soon()).ok());
+    FillAll(f.primary, 900);
+    std::vector<BlockMove> in = {FileMove(3, 5, 1), FileMove(4, 6, 2), FileMove(9, 2, 3, 2)};
+    auto c = f.tm->Onboard(Tier::kFile, in);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(c->Wait(Soon()).ok());
+    ExpectBlockHolds(f.primary, 5, 100);
+    ExpectBlockHolds(f.primary, 6, 101);
+    ExpectBlockHolds(f.primary, 2, 106, 2);  // partial onboard
+    // Host <-> file too.
+    std::vector<BlockMove> h = {FileMove(5, 7, 8)};
+    FillAll(f.host, 300);
+    ASSERT_TRUE(f.tm->Move(Tier::kHost, Tier::kFile, h).value().Wait(Soon()).ok());
+    std::vector<BlockMove> hb = {FileMove(7, 0, 8)};
+    ASSERT_TRUE(f.tm->Move(Tier::kFile, Tier::kHost, hb).value().Wait(Soon()).ok());
+    ExpectBlockHolds(f.host, 0, 305);
+  }
+}
+
+TEST(TransferManager, FailedFileWriteLeavesBlockIntactAndReportsIt) {
+  Fixture f(LayoutKind::kBlockMajor, DType::kBf16, true);
+  FillAll(f.primary, 100);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(f.mem.Allocate().ok());
+  f.faults.FailNextWrites(1);
+  std::vector<BlockMove> out = {FileMove(0, 0, 1), FileMove(1, 1, 2)};
+  auto b = f.tm->Offload(Tier::kFile, out);
+  ASSERT_TRUE(b.ok());
+  Status st = b->Wait(Soon());
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("primary block 0"), std::string_view::npos) << st.ToString();
+  EXPECT_EQ(b->items()[0].code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(b->items()[1].ok());
+  ExpectBlockHolds(f.primary, 0, 100);
+  ExpectBlockHolds(f.primary, 1, 101);
+  EXPECT_EQ(f.tm->stats().file_write_errors, 1);
+}
+
+TEST(TransferManager, CorruptSlotOnboardsAsDataLossAndLeavesDestination) {
+  Fixture f(LayoutKind::kPerLayer, DType::kBf16, true);
+  FillAll(f.primary, 100);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(f.mem.Allocate().ok());
+  std::vector<BlockMove> out = {FileMove(0, 0, 1), FileMove(1, 1, 2)};
+  ASSERT_TRUE(f.tm->Offload(Tier::kFile, out).value().Wait(Soon()).ok());
+  ASSERT_TRUE(f.mem.CorruptForTest(1, 17));
+  std::vector<BlockMove> in = {FileMove(0, 4, 1), FileMove(1, 5, 2)};
+  auto c = f.tm->Onboard(Tier::kFile, in);
+  ASSERT_TRUE(c.ok());
+  Status st = c->Wait(Soon());
+  EXPECT_EQ(st.code(), StatusCode::kDataLoss);
+  EXPECT_NE(st.message().find("checksum"), std::string_view::npos) << st.ToString();
+  ExpectBlockHolds(f.primary, 4, 100);
+  ExpectBlockHolds(f.primary, 5, 105);  // not written
+  // A wrong key is a miss too.
+  std::vector<BlockMove> wrong = {FileMove(0, 6, 77)};
+  EXPECT_EQ(f.tm->Onboard(Tier::kFile, wrong).value().Wait(Soon()).code(), StatusCode::kDataLoss);
+}
+
+TEST(TransferManager, FileBatchLargerThanStagingIsRejected) {
+  Fixture f(LayoutKind::kBlockMajor, DType::kBf16, true, /*staging=*/2);
+  std::vector<BlockMove> out = {FileMove(0, 0, 1), FileMove(1, 1, 2), FileMove(2, 2, 3)};
+  EXPECT_NE(f.tm->Offload(Tier::kFile, out).status().message().find("staging"),
+            std::string_view::npos);
+}
+
+TEST(TransferManager, OffloadAfterFileOnboardWaitsForIt) {
+  Fixture f(LayoutKind::kBlockMajor, DType::kBf16, true);
+  FillAll(f.primary, 100);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(f.mem.Allocate().ok());
+  std::vector<BlockMove> out = {FileMove(3, 0, 1)};
+  ASSERT_TRUE(f.tm->Offload(Tier::kFile, out).value().Wait(Soon()).ok());
+  std::vector<BlockMove> in = {FileMove(0, 7, 1)};
+  auto c = f.tm->Onboard(Tier::kFile, in);  // writes primary 7 later, from the worker
+  ASSERT_TRUE(c.ok());
+  std::vector<BlockMove> down = {{7, 2}};  // reads primary 7: must see the onboarded bytes
+  auto d = f.tm->Offload(Tier::kHost, down);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(d->Wait(Soon()).ok());
+  ExpectBlockHolds(f.host, 2, 103);
+  ASSERT_TRUE(f.tm->Drain(Soon()).ok());
+}
+
+}  // namespace
+}  // namespace kvferry::tiering

@@ -1,0 +1,502 @@
+// `kvferry bench offload`: GB/s of the tiered KV cache's copies (offload, onboard, both at once,
+// partial, file tier) on model-shaped pools, each beside a baseline measured in the same run:
+// one Stream::Copy of one contiguous buffer of the same bytes between the same memory kinds
+// (= memcpy on the CPU device, cudaMemcpyAsync on CUDA), and for file backends raw O_DIRECT I/O
+// on the same directory.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <optional>
+#include <random>
+
+#include "kvferry/config.h"
+#include "kvferry/testdata.h"
+#include "kvferry/tiering.h"
+#include "tiering/copy_plan.h"
+#include "tiering/host_mirror.h"
+#include "tiering/memory_slab_store.h"
+#include "tools/kvferry/commands.h"
+
+namespace kvferry::tools {
+namespace {
+
+using namespace std::chrono_literals;
+
+struct Options {
+  std::string device;
+  std::string tier = "host";
+  std::string dir;
+  std::string model = "all";
+  std::string layout = "all";
+  bool verify = false;
+  bool json = false;
+  bool contiguous = false;
+  int iters = 5;
+  int64_t total_bytes = 128 << 20;
+};
+
+struct Row {
+  std::string name;
+  int64_t bytes = 0;
+  double seconds = 0;
+  std::string baseline;
+  double baseline_seconds = 0;
+  std::string verified = "no";  // "yes", "no" (not asked), "FAILED: ..."
+  int64_t descriptors = 0;
+  int64_t block_bytes = 0;
+  int64_t blocks = 0;
+  // The same fragments copied by a plain memcpy loop on this thread (host memory only): what
+  // the layout itself costs, apart from the manager. 0 when not measured.
+  double pattern_seconds = 0;
+};
+
+double Gbps(int64_t bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0; }
+
+// Raw O_DIRECT I/O on `dir`: writes (or reads back) `bytes` in `chunk`-sized requests from one
+// aligned buffer. Stands in for the files helper's RawDirectIoGbps(dir, bytes, block, write) in
+// src/files/raw_io_bench.h until that branch is merged.
+StatusOr<double> RawDirectIoSeconds(const std::string& dir, int64_t bytes, int64_t chunk,
+                                    bool write) {
+  std::string path = dir + "/kvferry_bench_rawio.tmp";
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+  if (fd < 0) {
+    return Status::Unavailable(
+        fmt::format("raw O_DIRECT baseline: open {}: {}", path, std::strerror(errno)));
+  }
+  void* buf = nullptr;
+  if (posix_memalign(&buf, 4096, static_cast<size_t>(chunk)) != 0) {
+    ::close(fd);
+    return Status::ResourceExhausted("raw O_DIRECT baseline: no memory");
+  }
+  std::memset(buf, 0x5a, static_cast<size_t>(chunk));
+  auto t0 = Clock::now();
+  Status st;
+  for (int64_t off = 0; off < bytes && st.ok(); off += chunk) {
+    ssize_t n = write ? ::pwrite(fd, buf, chunk, off) : ::pread(fd, buf, chunk, off);
+    if (n != chunk) {
+      st = Status::Unavailable(fmt::format("raw O_DIRECT baseline: {} at {}: {}",
+                                           write ? "pwrite" : "pread", off,
+                                           n < 0 ? std::strerror(errno) : "short"));
+    }
+  }
+  if (write && st.ok()) ::fdatasync(fd);
+  double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::free(buf);
+  ::close(fd);
+  if (!st.ok()) return st;
+  return s;
+}
+
+// The file tiers to measure, one per SlabStore backend available.
+// MERGE NOTE (files branch): add the real backends here, e.g.
+//   for (const char* b : {"posix", "io_uring", "cufile"}) {
+//     auto s = SlabStore::Open({dir, block_bytes, 256, blocks, b});
+//     if (s.ok()) out.push_back(std::move(s).value());   // (cufile falls back to posix: skip dups)
+//   }
+// and use RawDirectIoGbps from src/files/raw_io_bench.h instead of RawDirectIoSeconds above.
+StatusOr<std::vector<std::unique_ptr<SlabStore>>> OpenFileTiers(const std::string& dir,
+                                                                int64_t block_bytes,
+                                                                int64_t blocks) {
+  (void)dir;
+  std::vector<std::unique_ptr<SlabStore>> out;
+  out.push_back(std::make_unique<tiering::MemorySlabStore>(block_bytes, blocks));
+  return out;
+}
+
+struct Workload {
+  std::string name;
+  int32_t layers;
+  int32_t tokens_per_block;
+  LayoutKind layout;
+};
+
+class Bench {
+ public:
+  Bench(Device& dev, const Options& o) : dev_(dev), o_(o) {}
+
+  Status Run(const Workload& w, std::vector<Row>& rows) {
+    PoolSpec spec;
+    spec.shape = KvShape{w.layers, 8, 128, DType::kBf16, 2, w.tokens_per_block};
+    spec.layout = w.layout;
+    spec.memory = MemoryKind::kDevice;
+    const int64_t bb = static_cast<int64_t>(w.layers) * 2 * 8 * 128 * 2 * w.tokens_per_block;
+    const int64_t n = std::max<int64_t>(1, o_.total_bytes / bb);
+    spec.blocks = 3 * n;
+    KVF_ASSIGN_OR_RETURN(BlockPool primary, BlockPool::Create(dev_, spec));
+    spec.memory = MemoryKind::kPinnedHost;
+    spec.blocks = 2 * n;
+    KVF_ASSIGN_OR_RETURN(BlockPool host, BlockPool::Create(dev_, spec));
+    const bool file = o_.tier == "file";
+    TransferOptions topt;
+    topt.file_staging_blocks = std::min<int64_t>(n, std::max<int64_t>(1, (256 << 20) / bb));
+    KVF_ASSIGN_OR_RETURN(auto tm, TransferManager::Create(dev_, primary, &host, nullptr, topt));
+    // Block ids: A, B, C are disjoint primary sets, X, Y host sets; shuffled unless
+    // --contiguous, so neighbours do not coalesce (eviction victims are rarely neighbours).
+    std::mt19937_64 rng(42);
+    auto ids = [&](int64_t first) {
+      std::vector<int64_t> v(n);
+      std::iota(v.begin(), v.end(), first);
+      if (!o_.contiguous) std::shuffle(v.begin(), v.end(), rng);
+      return v;
+    };
+    const auto A = ids(0), B = ids(n), C = ids(2 * n), X = ids(0), Y = ids(n);
+    auto moves = [&](const std::vector<int64_t>& s, const std::vector<int64_t>& d, int32_t t) {
+      std::vector<BlockMove> m;
+      for (int64_t i = 0; i < n; ++i) m.emplace_back(s[i], d[i], t, BlockKey{1, uint64_t(i)});
+      return m;
+    };
+    const int32_t tpb = w.tokens_per_block;
+    auto view = [](const BlockPool& p, std::vector<std::byte*>& ptrs) {
+      for (int32_t i = 0; i < p.num_regions(); ++i) ptrs.push_back(p.region(i));
+      return tiering::TierView{&p.layout(), ptrs};
+    };
+    std::vector<std::byte*> pp, hp;
+    const tiering::TierView pv = view(primary, pp), hv = view(host, hp);
+    // A plain memcpy loop over the fragments the manager would copy (CPU device only).
+    using Fn = std::function<Status()>;
+    auto pattern = [&](const std::vector<BlockMove>& m, bool to_host) -> Fn {
+      if (dev_.info().platform != "cpu") return nullptr;
+      auto d = std::make_shared<std::vector<CopyDesc>>();
+      for (const BlockMove& mv : m) {
+        tiering::AppendRunCopies(to_host ? pv : hv, mv.src, to_host ? hv : pv, mv.dst, 1,
+                                 mv.tokens == 0 ? tpb : mv.tokens, *d);
+      }
+      return [d] {
+        for (const CopyDesc& c : *d) {
+          for (size_t r = 0; r < c.rows; ++r) {
+            std::memcpy(static_cast<std::byte*>(c.dst) + r * c.dst_pitch,
+                        static_cast<const std::byte*>(c.src) + r * c.src_pitch, c.bytes);
+          }
+        }
+        return Status::Ok();
+      };
+    };
+    // Test data goes through a host mirror of the primary pool: on a GPU, host threads can't
+    // touch the primary pool.
+    KVF_ASSIGN_OR_RETURN(auto io, dev_.CreateStream());
+    std::optional<BlockPool> mirror;
+    if (o_.verify) {
+      KVF_ASSIGN_OR_RETURN(mirror, tiering::MakeHostMirror(dev_, primary));
+      for (int64_t i = 0; i < n; ++i) {
+        KVF_RETURN_IF_ERROR(FillBlock(*mirror, 1000 + i, BlockTokens{A[i], 0, tpb}));
+        KVF_RETURN_IF_ERROR(FillBlock(*mirror, 5000 + i, BlockTokens{C[i], 0, tpb}));
+      }
+      KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
+    } else {  // touch every page once
+      for (int32_t r = 0; r < primary.num_regions(); ++r) {
+        KVF_RETURN_IF_ERROR(io->Fill(primary.region(r), 1, primary.layout().region_bytes()));
+      }
+      KVF_RETURN_IF_ERROR(io->Synchronize(DeadlineIn(600s)));
+    }
+    for (int32_t r = 0; r < host.num_regions(); ++r) {  // pinned host: host-accessible
+      if (!o_.verify) std::memset(host.region(r), 2, host.layout().region_bytes());
+    }
+    auto verify = [&](const BlockPool& pool, const std::vector<int64_t>& blocks, uint64_t req,
+                      int64_t tokens) -> std::string {
+      if (!o_.verify) return "no";
+      const BlockPool* check = &pool;
+      if (&pool == &primary) {
+        Status st = tiering::CopyWholePool(*io, primary, *mirror);
+        if (!st.ok()) return "FAILED: " + st.ToString();
+        check = &*mirror;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        auto r = CheckBlock(*check, req + i, BlockTokens{blocks[i], 0, tokens});
+        if (!r.ok()) return "FAILED: " + r.status().ToString();
+        if (r->has_value()) return "FAILED: " + (*r)->ToString();
+      }
+      return "yes";
+    };
+    const std::string prefix = w.name;
+    const int64_t bytes = n * bb;
+    KVF_RETURN_IF_ERROR(MakeBaselineBuffers(bytes));
+
+    auto run_on = [&](TransferManager& t, Tier from, Tier to, const std::vector<BlockMove>& m,
+                      int64_t* desc) -> Status {
+      const size_t chunk = (from == Tier::kFile || to == Tier::kFile)
+                               ? static_cast<size_t>(t.file_staging_blocks())
+                               : m.size();
+      std::vector<TransferBatch> batches;
+      int64_t d = 0;
+      for (size_t at = 0; at < m.size(); at += chunk) {
+        std::span<const BlockMove> part(m.data() + at, std::min(chunk, m.size() - at));
+        KVF_ASSIGN_OR_RETURN(TransferBatch b, t.Move(from, to, part));
+        if (chunk != m.size()) KVF_RETURN_IF_ERROR(b.Wait(DeadlineIn(600s)));
+        batches.push_back(b);
+      }
+      for (auto& b : batches) {
+        KVF_RETURN_IF_ERROR(b.Wait(DeadlineIn(600s)));
+        d += static_cast<int64_t>(b.descriptors());
+      }
+      if (desc) *desc = d;
+      return Status::Ok();
+    };
+    auto run_batch = [&](Tier from, Tier to, const std::vector<BlockMove>& m, int64_t* desc) {
+      return run_on(*tm, from, to, m, desc);
+    };
+    auto d2h = [&](int64_t size) -> Fn { return [this, size] { return Copy(0, size); }; };
+    auto h2d = [&](int64_t size) -> Fn { return [this, size] { return Copy(1, size); }; };
+    Fn both_base = [this, bytes] { return CopyBoth(bytes); };
+
+    // Offload, onboard.
+    auto off = moves(A, X, 0);
+    Row r{prefix + " offload", bytes, 0, "copy dev->pinned", 0, "no", 0, bb, n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kPrimary, Tier::kHost, off, &r.descriptors); }, d2h(bytes),
+        pattern(off, true)));
+    r.verified = verify(host, X, 1000, tpb);
+    rows.push_back(r);
+    auto on = moves(X, B, 0);
+    r = Row{prefix + " onboard", bytes, 0, "copy pinned->dev", 0, "no", 0, bb, n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kHost, Tier::kPrimary, on, &r.descriptors); }, h2d(bytes),
+        pattern(on, false)));
+    r.verified = verify(primary, B, 1000, tpb);
+    rows.push_back(r);
+    // Both at once: onboard X -> B while offloading C -> Y.
+    auto off2 = moves(C, Y, 0);
+    r = Row{prefix + " both", 2 * bytes, 0, "both copies at once", 0, "no", 0, bb, 2 * n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r,
+        [&]() -> Status {
+          KVF_ASSIGN_OR_RETURN(auto b1, tm->Onboard(Tier::kHost, on));
+          KVF_ASSIGN_OR_RETURN(auto b2, tm->Offload(Tier::kHost, off2));
+          KVF_RETURN_IF_ERROR(b1.Wait(DeadlineIn(600s)));
+          KVF_RETURN_IF_ERROR(b2.Wait(DeadlineIn(600s)));
+          r.descriptors = static_cast<int64_t>(b1.descriptors() + b2.descriptors());
+          return Status::Ok();
+        },
+        both_base, nullptr));
+    if (o_.verify) {
+      r.verified = verify(host, Y, 5000, tpb);
+      if (r.verified == "yes") r.verified = verify(primary, B, 1000, tpb);
+    }
+    rows.push_back(r);
+    // Partial: the first half of each block's tokens.
+    const int32_t half = std::max(1, tpb / 2);
+    auto part = moves(C, X, half);
+    const int64_t pbytes = bytes / tpb * half;
+    r = Row{prefix + fmt::format(" partial {}/{}", half, tpb),
+            pbytes,
+            0,
+            "copy dev->pinned",
+            0,
+            "no",
+            0,
+            bb,
+            n};
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return run_batch(Tier::kPrimary, Tier::kHost, part, &r.descriptors); },
+        d2h(pbytes), pattern(part, true)));
+    r.verified = verify(host, X, 5000, half);
+    rows.push_back(r);
+    if (!file) return Status::Ok();
+    KVF_ASSIGN_OR_RETURN(auto stores, OpenFileTiers(o_.dir, bb, n));
+    for (auto& store : stores) {
+      KVF_ASSIGN_OR_RETURN(auto ftm,
+                           TransferManager::Create(dev_, primary, &host, store.get(), topt));
+      std::vector<BlockMove> fo, fi;
+      for (int64_t i = 0; i < n; ++i) {
+        KVF_ASSIGN_OR_RETURN(SlotId s, store->Allocate());
+        fo.emplace_back(A[i], s, 0, BlockKey{7, uint64_t(i)});
+        fi.emplace_back(s, B[i], 0, BlockKey{7, uint64_t(i)});
+      }
+      const std::string be = store->backend().name;
+      // A file backend is measured against raw O_DIRECT I/O on the same directory; the memory
+      // backend (no file at all) against the same-bytes copy.
+      Fn fw_base = d2h(bytes), fr_base = h2d(bytes);
+      std::string fw_name = "copy dev->pinned", fr_name = "copy pinned->dev";
+      if (be != "memory") {
+        if (o_.dir.empty()) return Status::InvalidArgument("the file tier needs --dir");
+        const std::string dir = o_.dir;
+        fw_base = [dir, bytes, bb] { return RawDirectIoSeconds(dir, bytes, bb, true).status(); };
+        fr_base = [dir, bytes, bb] { return RawDirectIoSeconds(dir, bytes, bb, false).status(); };
+        KVF_RETURN_IF_ERROR(RawDirectIoSeconds(dir, bytes, bb, true).status());  // for reads
+        fw_name = "raw O_DIRECT write";
+        fr_name = "raw O_DIRECT read";
+      }
+      r = Row{prefix + " file[" + be + "] offload", bytes, 0, fw_name, 0, "no", 0, bb, n};
+      KVF_RETURN_IF_ERROR(Measure(
+          r, [&] { return run_on(*ftm, Tier::kPrimary, Tier::kFile, fo, &r.descriptors); }, fw_base,
+          nullptr));
+      rows.push_back(r);
+      if (o_.verify) {  // scramble B so the onboard check proves the bytes came from the file
+        for (int64_t b : B) KVF_RETURN_IF_ERROR(FillBlock(*mirror, 99, BlockTokens{b, 0, tpb}));
+        KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
+      }
+      r = Row{prefix + " file[" + be + "] onboard", bytes, 0, fr_name, 0, "no", 0, bb, n};
+      KVF_RETURN_IF_ERROR(Measure(
+          r, [&] { return run_on(*ftm, Tier::kFile, Tier::kPrimary, fi, &r.descriptors); }, fr_base,
+          nullptr));
+      r.verified = verify(primary, B, 1000, tpb);
+      rows.push_back(r);
+    }
+    if (!o_.dir.empty()) ::unlink((o_.dir + "/kvferry_bench_rawio.tmp").c_str());
+    return Status::Ok();
+  }
+
+ private:
+  using Fn = std::function<Status()>;
+
+  // Times the case, its baseline and (if any) its fragment pattern interleaved, iteration by
+  // iteration, so that load from other processes hits all three alike; medians after a warm-up.
+  Status Measure(Row& r, const Fn& fn, const Fn& base, const Fn& pat) {
+    std::vector<double> t[3];
+    const Fn* fns[3] = {&fn, &base, &pat};
+    for (int i = 0; i < o_.iters + 1; ++i) {
+      for (int k = 0; k < 3; ++k) {
+        if (!*fns[k]) continue;
+        auto t0 = Clock::now();
+        KVF_RETURN_IF_ERROR((*fns[k])());
+        if (i > 0) t[k].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+    }
+    auto med = [](std::vector<double>& v) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    r.seconds = med(t[0]);
+    r.baseline_seconds = med(t[1]);
+    r.pattern_seconds = med(t[2]);
+    return Status::Ok();
+  }
+
+  // Baseline buffers: dev_[i] / pinned_[i], two pairs, so "both" runs two copies at once.
+  Status MakeBaselineBuffers(int64_t bytes) {
+    for (int i = 0; i < 2; ++i) {
+      KVF_ASSIGN_OR_RETURN(dev_buf_[i], dev_.Allocate(MemoryKind::kDevice, bytes));
+      KVF_ASSIGN_OR_RETURN(pinned_buf_[i], dev_.Allocate(MemoryKind::kPinnedHost, bytes));
+      std::memset(dev_buf_[i].data(), 1, bytes);
+      std::memset(pinned_buf_[i].data(), 2, bytes);
+      if (!streams_[i]) {
+        KVF_ASSIGN_OR_RETURN(streams_[i], dev_.CreateStream());
+      }
+    }
+    return Status::Ok();
+  }
+  // One Stream::Copy of one contiguous buffer: dir 0 = device -> pinned, 1 = pinned -> device.
+  Status Copy(int dir, int64_t size) {
+    KVF_RETURN_IF_ERROR(dir == 0
+                            ? streams_[0]->Copy(pinned_buf_[0].data(), dev_buf_[0].data(), size)
+                            : streams_[0]->Copy(dev_buf_[0].data(), pinned_buf_[0].data(), size));
+    return streams_[0]->Synchronize(DeadlineIn(600s));
+  }
+  Status CopyBoth(int64_t size) {
+    KVF_RETURN_IF_ERROR(streams_[0]->Copy(pinned_buf_[0].data(), dev_buf_[0].data(), size));
+    KVF_RETURN_IF_ERROR(streams_[1]->Copy(dev_buf_[1].data(), pinned_buf_[1].data(), size));
+    KVF_RETURN_IF_ERROR(streams_[0]->Synchronize(DeadlineIn(600s)));
+    return streams_[1]->Synchronize(DeadlineIn(600s));
+  }
+
+  Buffer dev_buf_[2], pinned_buf_[2];
+  std::unique_ptr<Stream> streams_[2];
+  Device& dev_;
+  const Options& o_;
+};
+
+int RunBenchOffload(const Options& o) {
+  std::string device = o.device.empty() ? Config::Global().String("device.default") : o.device;
+  auto dev = OpenDevice(device);
+  if (!dev.ok()) {
+    fmt::print(stderr, "bench offload: {}\n", dev.status().ToString());
+    return 2;
+  }
+  if (o.tier != "host" && o.tier != "file") {
+    fmt::print(stderr, "bench offload: --tier must be host or file, not '{}'\n", o.tier);
+    return 2;
+  }
+  if (!o.dir.empty()) {
+    struct stat sb;
+    if (::stat(o.dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+      fmt::print(stderr, "bench offload: --dir {}: no such directory\n", o.dir);
+      return 2;
+    }
+  }
+  std::vector<Workload> all = {
+      {"llama3-8b block-major", 32, 16, LayoutKind::kBlockMajor},  // 2 MiB blocks
+      {"llama3-8b per-layer", 32, 16, LayoutKind::kPerLayer},      // 32 KiB fragments
+      {"llama3-70b block-major", 80, 8, LayoutKind::kBlockMajor},  // 2.5 MiB blocks
+      {"llama3-70b per-layer", 80, 8, LayoutKind::kPerLayer},      // 16 KiB fragments
+  };
+  std::vector<Row> rows;
+  Bench bench(**dev, o);
+  for (const Workload& w : all) {
+    if (o.model != "all" && w.name.find("llama3-" + o.model + " ") != 0) continue;
+    if (o.layout != "all" && w.name.find(o.layout) == std::string::npos) continue;
+    Status st = bench.Run(w, rows);
+    if (!st.ok()) {
+      fmt::print(stderr, "bench offload: {}: {}\n", w.name, st.ToString());
+      return 1;
+    }
+  }
+  bool failed = false;
+  for (const Row& r : rows) failed |= r.verified.rfind("FAILED", 0) == 0;
+  if (o.json) {
+    for (const Row& r : rows) {
+      const double g = Gbps(r.bytes, r.seconds), bg = Gbps(r.bytes, r.baseline_seconds);
+      nlohmann::json j = {{"case", r.name},
+                          {"device", (*dev)->info().name},
+                          {"bytes", r.bytes},
+                          {"seconds", r.seconds},
+                          {"gbps", g},
+                          {"baseline", r.baseline},
+                          {"baseline_gbps", bg},
+                          {"ratio", bg > 0 ? g / bg : 0},
+                          {"verified", r.verified},
+                          {"blocks", r.blocks},
+                          {"block_bytes", r.block_bytes},
+                          {"descriptors", r.descriptors},
+                          {"pattern_gbps", Gbps(r.bytes, r.pattern_seconds)},
+                          {"iters", o.iters}};
+      std::puts(j.dump().c_str());
+    }
+    return failed ? 1 : 0;
+  }
+  fmt::print("kvferry bench offload: device {} ({}), median of {} after a warm-up, ids {}\n",
+             device, (*dev)->info().name, o.iters, o.contiguous ? "contiguous" : "shuffled");
+  fmt::print(
+      "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); "
+      "pattern = GB/s of a plain memcpy loop over the same fragments (cpu only)\n");
+  fmt::print("{:<44} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
+             "GB/s", "baseline", "GB/s", "ratio", "pattern", "verified");
+  for (const Row& r : rows) {
+    const double g = Gbps(r.bytes, r.seconds), bg = Gbps(r.bytes, r.baseline_seconds);
+    const double pg = Gbps(r.bytes, r.pattern_seconds);
+    fmt::print("{:<44} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
+               r.bytes / double(1 << 20), r.descriptors, g, r.baseline, bg, bg > 0 ? g / bg : 0,
+               pg > 0 ? fmt::format("{:.2f}", pg) : "-", r.verified);
+  }
+  return failed ? 1 : 0;
+}
+
+}  // namespace
+
+void AddBenchOffloadCommand(CLI::App& bench) {
+  auto* cmd = bench.add_subcommand("offload", "GB/s of KV offload/onboard between tiers");
+  auto o = std::make_shared<Options>();
+  cmd->add_option("--device", o->device, "cpu | cuda | cuda:N (default: the device.default knob)");
+  cmd->add_option("--tier", o->tier, "host | file (file also runs the host cases)");
+  cmd->add_option("--dir", o->dir, "directory for the file tier and its raw O_DIRECT baseline");
+  cmd->add_option("--model", o->model, "8b | 70b | all");
+  cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
+  cmd->add_flag("--verify", o->verify, "check every byte after each round trip (CheckBlock)");
+  cmd->add_flag("--json", o->json, "one JSON object per case");
+  cmd->add_flag("--contiguous", o->contiguous, "consecutive block ids (coalesce into few copies)");
+  cmd->add_option("--iters", o->iters, "timed repetitions (median), after one warm-up")
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--total-bytes", o->total_bytes, "bytes moved per batch")
+      ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 40));
+  cmd->callback([o] { std::exit(RunBenchOffload(*o)); });
+}
+
+}  // namespace kvferry::tools
