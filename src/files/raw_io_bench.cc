@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -23,9 +24,11 @@ struct FreeDeleter {
 };
 
 // Runs the whole file once with pwrite/pread of `block` bytes.
-Status Pass(int fd, const std::string& path, void* buf, int64_t total, int64_t block, bool write) {
+Status Pass(int fd, const std::string& path, std::byte* buf, int64_t nbuf, int64_t total,
+            int64_t block, bool write) {
   for (int64_t off = 0; off < total; off += block) {
-    ssize_t r = write ? ::pwrite(fd, buf, block, off) : ::pread(fd, buf, block, off);
+    std::byte* p = buf + (off / block % nbuf) * block;
+    ssize_t r = write ? ::pwrite(fd, p, block, off) : ::pread(fd, p, block, off);
     if (r < 0 && errno == EINTR) {
       off -= block;
       continue;
@@ -41,7 +44,8 @@ Status Pass(int fd, const std::string& path, void* buf, int64_t total, int64_t b
 
 }  // namespace
 
-StatusOr<double> RawDirectIoGbps(const std::string& dir, int64_t bytes, int64_t block, bool write) {
+StatusOr<double> RawDirectIoGbps(const std::string& dir, int64_t bytes, int64_t block, bool write,
+                                 int64_t buffer_bytes) {
   if (block <= 0 || block % 4096 != 0 || bytes <= 0) {
     return Status::InvalidArgument(fmt::format(
         "raw I/O bench: block {} must be a positive multiple of 4096, bytes {} > 0", block, bytes));
@@ -59,15 +63,17 @@ StatusOr<double> RawDirectIoGbps(const std::string& dir, int64_t bytes, int64_t 
   if (::fallocate(fd.get(), 0, 0, total) != 0 && errno != EOPNOTSUPP) {
     return ErrnoStatus(errno, "fallocate", path, -1);
   }
+  const int64_t nbuf = std::max<int64_t>(1, (buffer_bytes + block - 1) / block);
   void* raw = nullptr;
-  if (posix_memalign(&raw, 4096, block) != 0) {
+  if (posix_memalign(&raw, 4096, nbuf * block) != 0) {
     return Status::ResourceExhausted("raw I/O bench: no memory for the buffer");
   }
-  std::unique_ptr<void, FreeDeleter> buf(raw);
-  std::memset(raw, 0x5a, block);
-  if (!write) KVF_RETURN_IF_ERROR(Pass(fd.get(), path, raw, total, block, true));
+  std::unique_ptr<void, FreeDeleter> owner(raw);
+  auto* buf = static_cast<std::byte*>(raw);
+  std::memset(raw, 0x5a, nbuf * block);
+  if (!write) KVF_RETURN_IF_ERROR(Pass(fd.get(), path, buf, nbuf, total, block, true));
   auto t0 = std::chrono::steady_clock::now();
-  KVF_RETURN_IF_ERROR(Pass(fd.get(), path, raw, total, block, write));
+  KVF_RETURN_IF_ERROR(Pass(fd.get(), path, buf, nbuf, total, block, write));
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return static_cast<double>(total) / s / 1e9;
 }

@@ -117,8 +117,9 @@ int Main(int argc, char** argv) {
   std::vector<std::vector<double>> w(names.size()), r(names.size());
   std::vector<std::string> errors(names.size());
   for (int round = 0; round < rounds; ++round) {
-    auto rw = RawDirectIoGbps(dir, total, slot, true);
-    auto rr = RawDirectIoGbps(dir, total, slot, false);
+    // Same bytes, same memory footprint (one batch of distinct slots) as the store runs.
+    auto rw = RawDirectIoGbps(dir, total, slot, true, batch * slot);
+    auto rr = RawDirectIoGbps(dir, total, slot, false, batch * slot);
     if (rw.ok() && rr.ok()) {
       w[0].push_back(*rw);
       r[0].push_back(*rr);
