@@ -234,6 +234,26 @@ StatusOr<std::unique_ptr<FileBackend>> OpenCufileFileBackend(const FileBackendOp
   if (!probe.direct_io) return Status::Unavailable("cuFile needs O_DIRECT: " + probe.note);
   const StatusOr<CufileApi>& api = LoadCufile();
   if (!api.ok()) return api.status();
+  // The driver may open and still refuse this filesystem (no GDS support under it, as in a VM):
+  // register one probe file here, so the caller falls back now rather than at every file.
+  {
+    const std::string path = options.dir + "/.kvferry-cufile-probe";
+    auto f = files_internal::OpenPosixFile(path, 4096, /*direct=*/true);
+    if (!f.ok()) return Status::Unavailable("cuFile probe file: " + f.status().ToString());
+    CUfileDescr_t descr;
+    std::memset(&descr, 0, sizeof(descr));
+    descr.handle.fd = (*f)->fd();
+    descr.type = CU_FILE_HANDLE_TYPE_OPAQUE_FD;
+    CUfileHandle_t handle = nullptr;
+    CUfileError_t e = api->handle_register(&handle, &descr);
+    if (e.err == CU_FILE_SUCCESS) api->handle_deregister(handle);
+    f->reset();
+    ::unlink(path.c_str());
+    if (e.err != CU_FILE_SUCCESS) {
+      return Status::Unavailable(fmt::format("cuFileHandleRegister refuses files in {}: {}",
+                                             options.dir, CufileErrorText(e)));
+    }
+  }
   FileBackendCaps caps;
   caps.name = "cufile";
   caps.device_memory = true;

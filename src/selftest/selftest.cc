@@ -536,10 +536,11 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
 StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg) {
   KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
   auto fabric = InProcFabric::Create();
-  TransportMaker make = [fabric]() {
+  TransportMaker make = [fabric, host = cfg.device == "cpu"]() {
     TransportOptions t;
     t.name = "inproc";
     t.fabric = fabric;
+    t.device_memory_is_host = host;  // GPU pools: the in-process transport gets staged bytes
     return CreateTransport(t);
   };
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();

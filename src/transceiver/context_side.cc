@@ -65,7 +65,8 @@ bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
          a.parallel.stage_layers == b.parallel.stage_layers &&
          a.parallel.dp_size == b.parallel.dp_size && a.parallel.dp_rank == b.parallel.dp_rank &&
          a.layout == b.layout && a.pool_blocks == b.pool_blocks &&
-         a.reused_blocks == b.reused_blocks && a.blocks == b.blocks;
+         a.reused_blocks == b.reused_blocks && a.blocks == b.blocks &&
+         a.chunk_bytes == b.chunk_bytes && a.direct_min_bytes == b.direct_min_bytes;
 }
 
 class ContextSideImpl final : public ContextSide, public Engine {
@@ -284,6 +285,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
       h.pool_blocks = pool_.blocks();
       h.prompt_tokens = tokens;
       h.layer_wise = !all_ready;
+      h.ctx_direct = direct_ok();
+      h.chunk_bytes = options_.chunk_bytes;
       h.blocks = r.blocks;
       h.addresses = addresses_;
       requests_.emplace(id, std::move(r));
@@ -340,6 +343,14 @@ class ContextSideImpl final : public ContextSide, public Engine {
                         "request {}: generation rank {} already fetched it (replayed handle)",
                         r->id, f.gen_rank)));
     }
+    if (f.chunk_bytes < 1 || f.chunk_bytes > options_.chunk_bytes ||
+        (!direct_ok() && f.direct_min_bytes != kNoDirect)) {
+      return Reject(peer, f, Status::InvalidArgument(fmt::format(
+                                 "request {}: fetch asks for chunks of {} bytes (direct from {}); this context "
+                                 "rank stages at most {} and {} send from its pool",
+                                 r->id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
+                                 direct_ok() ? "can" : "can't")));
+    }
     if (f.prompt_tokens != r->tokens) {
       return Reject(peer, f,
                     Status::InvalidArgument(
@@ -354,8 +365,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
       in.ctx_blocks = r->blocks;
       in.gen_blocks = f.blocks;
       in.gen_reused_blocks = f.reused_blocks;
-      in.chunk_bytes = options_.chunk_bytes;
-      in.direct_min_bytes = options_.direct_min_bytes;
+      in.chunk_bytes = f.chunk_bytes;
+      in.direct_min_bytes = f.direct_min_bytes;
       in.layer_wise = r->layer_wise;
       auto plan = PlanForCtxRank(in, pool_.slice().rank);
       if (!plan.ok()) return Reject(peer, f, plan.status());

@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,6 +23,9 @@
 #include "transport/transport.h"
 
 namespace kvferry {
+
+// direct_min_bytes meaning "no direct chunks": every chunk is staged.
+inline constexpr int64_t kNoDirect = std::numeric_limits<int64_t>::max();
 
 struct EngineOptions {
   std::chrono::milliseconds timeout;

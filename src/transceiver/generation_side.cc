@@ -63,8 +63,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.ctx_blocks = h.blocks;
     in.gen_blocks.assign(blocks.begin(), blocks.end());
     in.gen_reused_blocks = reused_blocks;
-    in.chunk_bytes = options_.chunk_bytes;
-    in.direct_min_bytes = options_.direct_min_bytes;
+    // Chunking both sides agree on: packed chunks fit both sides' staging slots; direct chunks
+    // only when both can move bytes straight from and into their pools.
+    in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
+    in.direct_min_bytes = h.ctx_direct && direct_ok() ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
@@ -88,6 +90,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       f.pool_blocks = in.gen.pool_blocks;
       f.prompt_tokens = h.prompt_tokens;
       f.reused_blocks = reused_blocks;
+      f.chunk_bytes = in.chunk_bytes;
+      f.direct_min_bytes = in.direct_min_bytes;
       f.blocks = in.gen_blocks;
       f.reply_address = address_;
       // Every context rank of the serving DP group hears from us, even those with nothing to

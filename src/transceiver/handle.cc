@@ -12,6 +12,7 @@ constexpr uint32_t kMaxRanks = 1 << 16;
 constexpr uint32_t kMaxBlocks = 1 << 24;
 constexpr size_t kMaxAddress = 1 << 16;
 constexpr uint16_t kFlagLayerWise = 1;
+constexpr uint16_t kFlagCtxDirect = 2;
 
 uint64_t Checksum(std::span<const std::byte> b) { return XXH3_64bits(b.data(), b.size()); }
 
@@ -64,7 +65,7 @@ std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
   WireWriter w;
   w.U32(kHandleMagic);
   w.U16(kHandleVersion);
-  w.U16(h.layer_wise ? kFlagLayerWise : 0);
+  w.U16((h.layer_wise ? kFlagLayerWise : 0) | (h.ctx_direct ? kFlagCtxDirect : 0));
   w.U64(h.request_id);
   for (uint8_t b : h.token) w.U8(b);
   EncodeShape(w, h.shape);
@@ -72,6 +73,7 @@ std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
   w.U8(static_cast<uint8_t>(h.layout));
   w.I64(h.pool_blocks);
   w.I64(h.prompt_tokens);
+  w.I64(h.chunk_bytes);
   w.U32(static_cast<uint32_t>(h.blocks.size()));
   for (int64_t b : h.blocks) w.I64(b);
   w.U32(static_cast<uint32_t>(h.addresses.size()));
@@ -108,7 +110,10 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   body.U32("magic");
   body.U16("version");
   uint16_t flags = body.U16("flags");
-  if ((flags & ~kFlagLayerWise) != 0) body.Fail(fmt::format("unknown flags {:#x}", flags));
+  if ((flags & ~(kFlagLayerWise | kFlagCtxDirect)) != 0) {
+    body.Fail(fmt::format("unknown flags {:#x}", flags));
+  }
+  h.ctx_direct = (flags & kFlagCtxDirect) != 0;
   ContextHandle h;
   h.layer_wise = (flags & kFlagLayerWise) != 0;
   h.request_id = body.U64("request_id");
@@ -121,6 +126,7 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   h.layout = static_cast<LayoutKind>(layout);
   h.pool_blocks = body.I64("pool_blocks");
   h.prompt_tokens = body.I64("prompt_tokens");
+  h.chunk_bytes = body.I64("chunk_bytes");
   uint32_t nb = body.Count("blocks", kMaxBlocks);
   if (body.ok() && body.remaining() < size_t{nb} * 8) body.Fail("blocks: truncated");
   for (uint32_t i = 0; i < nb && body.ok(); ++i) h.blocks.push_back(body.I64("blocks[]"));
@@ -140,6 +146,7 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   if (st.ok() && h.prompt_tokens < 1)
     st = Status::InvalidArgument("prompt_tokens must be positive");
   if (st.ok() && h.pool_blocks < 1) st = Status::InvalidArgument("pool_blocks must be positive");
+  if (st.ok() && h.chunk_bytes < 1) st = Status::InvalidArgument("chunk_bytes must be positive");
   if (!st.ok()) return refuse(st);
   return h;
 }

@@ -27,6 +27,8 @@ struct ContextHandle {
   int64_t pool_blocks = 0;
   int64_t prompt_tokens = 0;
   bool layer_wise = false;  // flag bit 0: layers become ready one by one; plan one layer per piece
+  bool ctx_direct = true;   // flag bit 1: the context can send chunks straight from its pool
+  int64_t chunk_bytes = 0;  // the context's staging chunk size: the largest packed chunk it sends
   std::vector<int64_t> blocks;
   std::vector<std::string> addresses;  // transport address of every context rank
 

@@ -31,6 +31,8 @@ struct Encoder {
     w.I64(m.pool_blocks);
     w.I64(m.prompt_tokens);
     w.I64(m.reused_blocks);
+    w.I64(m.chunk_bytes);
+    w.I64(m.direct_min_bytes);
     w.U32(static_cast<uint32_t>(m.blocks.size()));
     for (int64_t b : m.blocks) w.I64(b);
     w.Str(m.reply_address);
@@ -112,6 +114,8 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       m.pool_blocks = r.I64("pool_blocks");
       m.prompt_tokens = r.I64("prompt_tokens");
       m.reused_blocks = r.I64("reused_blocks");
+      m.chunk_bytes = r.I64("chunk_bytes");
+      m.direct_min_bytes = r.I64("direct_min_bytes");
       uint32_t n = r.Count("blocks", kMaxBlocks);
       if (r.ok() && r.remaining() < size_t{n} * 8) r.Fail("blocks: truncated");
       for (uint32_t i = 0; i < n && r.ok(); ++i) m.blocks.push_back(r.I64("blocks[]"));

@@ -42,6 +42,10 @@ struct FetchMsg {
   int64_t pool_blocks = 0;
   int64_t prompt_tokens = 0;
   int64_t reused_blocks = 0;
+  // The chunking both sides plan with, chosen by the generation rank within the context's limits
+  // (the handle's chunk_bytes and direct flag): identical plans on both sides depend on it.
+  int64_t chunk_bytes = 0;
+  int64_t direct_min_bytes = 0;
   std::vector<int64_t> blocks;
   std::string reply_address;
   bool operator==(const FetchMsg&) const = default;

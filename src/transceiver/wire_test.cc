@@ -19,6 +19,8 @@ ContextHandle SampleHandle() {
   h.pool_blocks = 100;
   h.prompt_tokens = 70;
   h.layer_wise = true;
+  h.ctx_direct = false;
+  h.chunk_bytes = 1 << 20;
   h.blocks = {4, 5, 6};
   h.addresses = {"a", "bb", "ccc", "dddd"};
   return h;
@@ -77,6 +79,8 @@ TEST(Messages, EveryTypeRoundTrips) {
   f.pool_blocks = 50;
   f.prompt_tokens = 33;
   f.reused_blocks = 1;
+  f.chunk_bytes = 4096;
+  f.direct_min_bytes = 1 << 18;
   f.blocks = {1, 2, 3};
   f.reply_address = "inproc:3";
   for (const ControlMsg& m :
