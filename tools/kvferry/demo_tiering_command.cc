@@ -133,9 +133,10 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option("--host-blocks", o->demo.host_blocks)->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--file-slots", o->demo.file_slots, "0 = no file tier")
       ->check(CLI::Range(0, 1 << 20));
-  cmd->add_option("--dir", o->dir,
-                  "directory of the file tier (must exist; default: a fresh temp dir under /tmp, "
-                  "removed at the end)");
+  cmd->add_option(
+      "--dir", o->dir,
+      "directory of the file tier (must exist; its slab files are left there; default: a "
+      "fresh temp dir under /tmp, removed at the end)");
   cmd->add_option("--file-backend", o->file_backend,
                   "posix | io_uring | cufile (unavailable ones fall back to posix, logged)")
       ->check(CLI::IsMember({"posix", "io_uring", "cufile"}));
