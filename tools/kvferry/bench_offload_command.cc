@@ -518,12 +518,12 @@ int RunBenchOffload(const Options& o) {
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); "
       "pattern = GB/s of a plain memcpy loop over the same fragments (cpu only)\n");
-  fmt::print("{:<44} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
+  fmt::print("{:<48} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
              "GB/s", "baseline", "GB/s", "ratio", "pattern", "verified");
   for (const Row& r : rows) {
     const double g = Gbps(r.bytes, r.seconds), bg = Gbps(r.bytes, r.baseline_seconds);
     const double pg = Gbps(r.bytes, r.pattern_seconds);
-    fmt::print("{:<44} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
+    fmt::print("{:<48} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
                r.bytes / double(1 << 20), r.descriptors, g, r.baseline, bg, bg > 0 ? g / bg : 0,
                pg > 0 ? fmt::format("{:.2f}", pg) : "-", r.verified);
   }
