@@ -294,6 +294,7 @@ class Bench {
       const FileBackendCaps caps = store->backend();
       if (caps.name != want && want != "memory") {
         // cufile / io_uring unavailable: SlabStore fell back to posix. Measured as posix already.
+        if (!fallback_noted_.insert(want).second) continue;
         fmt::print(stderr, "bench offload: file tier {}: runs as {} ({}); not measured twice\n",
                    want, caps.name, caps.note);
         continue;
@@ -428,6 +429,7 @@ class Bench {
     return streams_[1]->Synchronize(DeadlineIn(600s));
   }
 
+  std::set<std::string> fallback_noted_;  // backends whose posix fallback was reported
   Buffer dev_buf_[2], pinned_buf_[2];
   std::unique_ptr<Stream> streams_[2];
   Device& dev_;
