@@ -32,6 +32,9 @@ struct TieringDemoReport {
   std::string file_backend;
 };
 
+// Bytes of one demo block (the slot payload a file tier for the demo needs).
+int64_t TieringDemoBlockBytes();
+
 // `file`: the file tier to use (not owned), or null for an in-memory one (MemorySlabStore).
 // `say` gets one line per step.
 StatusOr<TieringDemoReport> RunTieringDemo(Device& device, const TieringDemoOptions& options,

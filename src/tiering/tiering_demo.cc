@@ -10,13 +10,26 @@
 
 namespace kvferry {
 
+namespace {
+
+KvShape DemoShape() {
+  return KvShape{
+      /*layers=*/4,           /*kv_heads=*/2, /*head_dim=*/64, DType::kBf16, 2,
+      /*tokens_per_block=*/16};
+}
+
+}  // namespace
+
+int64_t TieringDemoBlockBytes() {
+  const KvShape s = DemoShape();
+  return s.BytesPerToken() * s.tokens_per_block;
+}
+
 StatusOr<TieringDemoReport> RunTieringDemo(Device& device, const TieringDemoOptions& o,
                                            SlabStore* file,
                                            const std::function<void(std::string_view)>& say) {
   PoolSpec spec;
-  spec.shape =
-      KvShape{/*layers=*/4,           /*kv_heads=*/2, /*head_dim=*/64, DType::kBf16, 2,
-              /*tokens_per_block=*/16};
+  spec.shape = DemoShape();
   spec.layout = o.layout;
   spec.memory = MemoryKind::kDevice;
   spec.blocks = o.primary_blocks;

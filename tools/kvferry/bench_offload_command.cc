@@ -3,21 +3,23 @@
 // one Stream::Copy of one contiguous buffer of the same bytes between the same memory kinds
 // (= memcpy on the CPU device, cudaMemcpyAsync on CUDA), and for file backends raw O_DIRECT I/O
 // on the same directory.
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 
+#include "files/raw_io_bench.h"
+#include "files/slab_store.h"
 #include "kvferry/config.h"
 #include "kvferry/testdata.h"
 #include "kvferry/tiering.h"
@@ -42,6 +44,8 @@ struct Options {
   bool contiguous = false;
   int iters = 5;
   int64_t total_bytes = 128 << 20;
+  // File tiers measured with --tier file; "memory" = the in-memory stand-in (no file).
+  std::vector<std::string> file_backends = {"posix", "io_uring", "cufile"};
 };
 
 struct Row {
@@ -57,59 +61,29 @@ struct Row {
   // The same fragments copied by a plain memcpy loop on this thread (host memory only): what
   // the layout itself costs, apart from the manager. 0 when not measured.
   double pattern_seconds = 0;
+  // File tier rows: the backend the store runs (caps.name) and its note (fallback reason etc.).
+  std::string file_backend{};
+  std::string file_note{};
 };
 
 double Gbps(int64_t bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0; }
 
-// Raw O_DIRECT I/O on `dir`: writes (or reads back) `bytes` in `chunk`-sized requests from one
-// aligned buffer. Stands in for the files helper's RawDirectIoGbps(dir, bytes, block, write) in
-// src/files/raw_io_bench.h until that branch is merged.
-StatusOr<double> RawDirectIoSeconds(const std::string& dir, int64_t bytes, int64_t chunk,
-                                    bool write) {
-  std::string path = dir + "/kvferry_bench_rawio.tmp";
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
-  if (fd < 0) {
-    return Status::Unavailable(
-        fmt::format("raw O_DIRECT baseline: open {}: {}", path, std::strerror(errno)));
+// The file tier to measure: `backend` ("posix", "io_uring", "cufile") through SlabStore::Open on
+// `dir`, or "memory" (MemorySlabStore, no file at all). One at a time: a SlabStore locks its
+// directory.
+StatusOr<std::unique_ptr<SlabStore>> OpenFileTier(const std::string& backend,
+                                                  const std::string& dir, int64_t block_bytes,
+                                                  int64_t blocks) {
+  if (backend == "memory") {
+    return std::unique_ptr<SlabStore>(
+        std::make_unique<tiering::MemorySlabStore>(block_bytes, blocks));
   }
-  void* buf = nullptr;
-  if (posix_memalign(&buf, 4096, static_cast<size_t>(chunk)) != 0) {
-    ::close(fd);
-    return Status::ResourceExhausted("raw O_DIRECT baseline: no memory");
-  }
-  std::memset(buf, 0x5a, static_cast<size_t>(chunk));
-  auto t0 = Clock::now();
-  Status st;
-  for (int64_t off = 0; off < bytes && st.ok(); off += chunk) {
-    ssize_t n = write ? ::pwrite(fd, buf, chunk, off) : ::pread(fd, buf, chunk, off);
-    if (n != chunk) {
-      st = Status::Unavailable(fmt::format("raw O_DIRECT baseline: {} at {}: {}",
-                                           write ? "pwrite" : "pread", off,
-                                           n < 0 ? std::strerror(errno) : "short"));
-    }
-  }
-  if (write && st.ok()) ::fdatasync(fd);
-  double s = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::free(buf);
-  ::close(fd);
-  if (!st.ok()) return st;
-  return s;
-}
-
-// The file tiers to measure, one per SlabStore backend available.
-// MERGE NOTE (files branch): add the real backends here, e.g.
-//   for (const char* b : {"posix", "io_uring", "cufile"}) {
-//     auto s = SlabStore::Open({dir, block_bytes, 256, blocks, b});
-//     if (s.ok()) out.push_back(std::move(s).value());   // (cufile falls back to posix: skip dups)
-//   }
-// and use RawDirectIoGbps from src/files/raw_io_bench.h instead of RawDirectIoSeconds above.
-StatusOr<std::vector<std::unique_ptr<SlabStore>>> OpenFileTiers(const std::string& dir,
-                                                                int64_t block_bytes,
-                                                                int64_t blocks) {
-  (void)dir;
-  std::vector<std::unique_ptr<SlabStore>> out;
-  out.push_back(std::make_unique<tiering::MemorySlabStore>(block_bytes, blocks));
-  return out;
+  SlabStoreOptions so = SlabStoreOptionsFromConfig();
+  so.dir = dir;
+  so.slot_payload_bytes = block_bytes;
+  so.max_slots = blocks;
+  so.backend = backend;
+  return SlabStore::Open(so);
 }
 
 struct Workload {
@@ -118,6 +92,21 @@ struct Workload {
   int32_t tokens_per_block;
   LayoutKind layout;
 };
+
+// Names of the SlabStore's files (kvferry-slab*) in `dir`; empty when `dir` is empty.
+std::set<std::string> SlabFiles(const std::string& dir) {
+  std::set<std::string> out;
+  if (dir.empty()) return out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    std::string name = e.path().filename().string();
+    if (name.rfind("kvferry-slab", 0) == 0) out.insert(name);
+  }
+  return out;
+}
+
+using Fn = std::function<Status()>;
+using SecFn = std::function<StatusOr<double>()>;  // does the work, returns its own seconds
 
 class Bench {
  public:
@@ -162,7 +151,6 @@ class Bench {
     std::vector<std::byte*> pp, hp;
     const tiering::TierView pv = view(primary, pp), hv = view(host, hp);
     // A plain memcpy loop over the fragments the manager would copy (CPU device only).
-    using Fn = std::function<Status()>;
     auto pattern = [&](const std::vector<BlockMove>& m, bool to_host) -> Fn {
       if (dev_.info().platform != "cpu") return nullptr;
       auto d = std::make_shared<std::vector<CopyDesc>>();
@@ -300,8 +288,17 @@ class Bench {
     r.verified = verify(host, X, 5000, half);
     rows.push_back(r);
     if (!file) return Status::Ok();
-    KVF_ASSIGN_OR_RETURN(auto stores, OpenFileTiers(o_.dir, bb, n));
-    for (auto& store : stores) {
+    const std::set<std::string> slab_files_before = SlabFiles(o_.dir);
+    for (const std::string& want : o_.file_backends) {
+      KVF_ASSIGN_OR_RETURN(std::unique_ptr<SlabStore> store, OpenFileTier(want, o_.dir, bb, n));
+      const FileBackendCaps caps = store->backend();
+      if (caps.name != want && want != "memory") {
+        // cufile / io_uring unavailable: SlabStore fell back to posix. Measured as posix already.
+        if (!fallback_noted_.insert(want).second) continue;
+        fmt::print(stderr, "bench offload: file tier {}: runs as {} ({}); not measured twice\n",
+                   want, caps.name, caps.note);
+        continue;
+      }
       KVF_ASSIGN_OR_RETURN(auto ftm,
                            TransferManager::Create(dev_, primary, &host, store.get(), topt));
       std::vector<BlockMove> fo, fi;
@@ -310,50 +307,84 @@ class Bench {
         fo.emplace_back(A[i], s, 0, BlockKey{7, uint64_t(i)});
         fi.emplace_back(s, B[i], 0, BlockKey{7, uint64_t(i)});
       }
-      const std::string be = store->backend().name;
-      // A file backend is measured against raw O_DIRECT I/O on the same directory; the memory
-      // backend (no file at all) against the same-bytes copy.
+      const std::string be = want == "memory" ? "memory" : caps.name;
+      // A file backend is measured against raw O_DIRECT I/O of the same bytes on the same
+      // directory (src/files/raw_io_bench.h; its own timing: the read's untimed pre-write and
+      // the scratch file's creation are left out); the memory store against the same-bytes copy.
       Fn fw_base = d2h(bytes), fr_base = h2d(bytes);
+      SecFn fw_raw, fr_raw;
       std::string fw_name = "copy dev->pinned", fr_name = "copy pinned->dev";
       if (be != "memory") {
-        if (o_.dir.empty()) return Status::InvalidArgument("the file tier needs --dir");
         const std::string dir = o_.dir;
-        fw_base = [dir, bytes, bb] { return RawDirectIoSeconds(dir, bytes, bb, true).status(); };
-        fr_base = [dir, bytes, bb] { return RawDirectIoSeconds(dir, bytes, bb, false).status(); };
-        KVF_RETURN_IF_ERROR(RawDirectIoSeconds(dir, bytes, bb, true).status());  // for reads
+        auto raw = [dir, bytes, bb](bool write) -> SecFn {
+          return [dir, bytes, bb, write]() -> StatusOr<double> {
+            KVF_ASSIGN_OR_RETURN(double g, RawDirectIoGbps(dir, bytes, bb, write));
+            return g > 0 ? bytes / (g * 1e9) : 0.0;
+          };
+        };
+        fw_base = fr_base = nullptr;
         fw_name = "raw O_DIRECT write";
         fr_name = "raw O_DIRECT read";
+        StatusOr<double> probe = RawDirectIoGbps(dir, 1 << 20, 1 << 20, true);
+        if (probe.ok()) {
+          fw_raw = raw(true);
+          fr_raw = raw(false);
+        } else if (probe.status().code() == StatusCode::kUnavailable) {
+          fmt::print(stderr, "bench offload: no raw O_DIRECT baseline: {}\n",
+                     probe.status().ToString());
+          fw_name = fr_name = "none (no O_DIRECT)";
+        } else {
+          return probe.status().WithContext("raw O_DIRECT baseline");
+        }
       }
       r = Row{prefix + " file[" + be + "] offload", bytes, 0, fw_name, 0, "no", 0, bb, n};
+      r.file_backend = caps.name;
+      r.file_note = caps.note;
       KVF_RETURN_IF_ERROR(Measure(
           r, [&] { return run_on(*ftm, Tier::kPrimary, Tier::kFile, fo, &r.descriptors); }, fw_base,
-          nullptr));
+          nullptr, fw_raw));
       rows.push_back(r);
+      const size_t offload_row = rows.size() - 1;
       if (o_.verify) {  // scramble B so the onboard check proves the bytes came from the file
         for (int64_t b : B) KVF_RETURN_IF_ERROR(FillBlock(*mirror, 99, BlockTokens{b, 0, tpb}));
         KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
       }
       r = Row{prefix + " file[" + be + "] onboard", bytes, 0, fr_name, 0, "no", 0, bb, n};
+      r.file_backend = caps.name;
+      r.file_note = caps.note;
       KVF_RETURN_IF_ERROR(Measure(
           r, [&] { return run_on(*ftm, Tier::kFile, Tier::kPrimary, fi, &r.descriptors); }, fr_base,
-          nullptr));
+          nullptr, fr_raw));
       r.verified = verify(primary, B, 1000, tpb);
       rows.push_back(r);
+      // The offload is checked by the round trip: what the onboard read back is what it wrote.
+      rows[offload_row].verified = r.verified;
     }
-    if (!o_.dir.empty()) ::unlink((o_.dir + "/kvferry_bench_rawio.tmp").c_str());
+    // The stores are closed: remove the slab files (and lock) this run created.
+    for (const std::string& f : SlabFiles(o_.dir)) {
+      if (!slab_files_before.contains(f)) {
+        std::error_code ec;
+        std::filesystem::remove(std::filesystem::path(o_.dir) / f, ec);
+      }
+    }
     return Status::Ok();
   }
 
  private:
-  using Fn = std::function<Status()>;
-
   // Times the case, its baseline and (if any) its fragment pattern interleaved, iteration by
   // iteration, so that load from other processes hits all three alike; medians after a warm-up.
-  Status Measure(Row& r, const Fn& fn, const Fn& base, const Fn& pat) {
+  // `timed_base`, when set, replaces `base` and reports its own seconds.
+  Status Measure(Row& r, const Fn& fn, const Fn& base, const Fn& pat,
+                 const SecFn& timed_base = nullptr) {
     std::vector<double> t[3];
     const Fn* fns[3] = {&fn, &base, &pat};
     for (int i = 0; i < o_.iters + 1; ++i) {
       for (int k = 0; k < 3; ++k) {
+        if (k == 1 && timed_base) {
+          KVF_ASSIGN_OR_RETURN(double s, timed_base());
+          if (i > 0) t[k].push_back(s);
+          continue;
+        }
         if (!*fns[k]) continue;
         auto t0 = Clock::now();
         KVF_RETURN_IF_ERROR((*fns[k])());
@@ -398,6 +429,7 @@ class Bench {
     return streams_[1]->Synchronize(DeadlineIn(600s));
   }
 
+  std::set<std::string> fallback_noted_;  // backends whose posix fallback was reported
   Buffer dev_buf_[2], pinned_buf_[2];
   std::unique_ptr<Stream> streams_[2];
   Device& dev_;
@@ -413,6 +445,23 @@ int RunBenchOffload(const Options& o) {
   }
   if (o.tier != "host" && o.tier != "file") {
     fmt::print(stderr, "bench offload: --tier must be host or file, not '{}'\n", o.tier);
+    return 2;
+  }
+  bool needs_dir = false;
+  for (const std::string& b : o.file_backends) {
+    if (b != "posix" && b != "io_uring" && b != "cufile" && b != "memory") {
+      fmt::print(stderr,
+                 "bench offload: --file-backend must be posix, io_uring, cufile or memory, not "
+                 "'{}'\n",
+                 b);
+      return 2;
+    }
+    needs_dir |= b != "memory";
+  }
+  if (o.tier == "file" && needs_dir && o.dir.empty()) {
+    fmt::print(stderr,
+               "bench offload: --tier file needs --dir (an existing directory on the disk to "
+               "measure), or --file-backend memory\n");
     return 2;
   }
   if (!o.dir.empty()) {
@@ -458,6 +507,10 @@ int RunBenchOffload(const Options& o) {
                           {"descriptors", r.descriptors},
                           {"pattern_gbps", Gbps(r.bytes, r.pattern_seconds)},
                           {"iters", o.iters}};
+      if (!r.file_backend.empty()) {
+        j["file_backend"] = r.file_backend;
+        j["file_note"] = r.file_note;
+      }
       std::puts(j.dump().c_str());
     }
     return failed ? 1 : 0;
@@ -467,14 +520,19 @@ int RunBenchOffload(const Options& o) {
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); "
       "pattern = GB/s of a plain memcpy loop over the same fragments (cpu only)\n");
-  fmt::print("{:<44} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
+  fmt::print("{:<48} {:>7} {:>5} {:>7} {:>20} {:>7} {:>6} {:>8} {}\n", "case", "MiB", "desc",
              "GB/s", "baseline", "GB/s", "ratio", "pattern", "verified");
   for (const Row& r : rows) {
     const double g = Gbps(r.bytes, r.seconds), bg = Gbps(r.bytes, r.baseline_seconds);
     const double pg = Gbps(r.bytes, r.pattern_seconds);
-    fmt::print("{:<44} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
+    fmt::print("{:<48} {:>7.1f} {:>5} {:>7.2f} {:>20} {:>7.2f} {:>6.2f} {:>8} {}\n", r.name,
                r.bytes / double(1 << 20), r.descriptors, g, r.baseline, bg, bg > 0 ? g / bg : 0,
                pg > 0 ? fmt::format("{:.2f}", pg) : "-", r.verified);
+  }
+  std::set<std::string> noted;
+  for (const Row& r : rows) {
+    if (r.file_backend.empty() || !noted.insert(r.file_backend).second) continue;
+    fmt::print("file backend {}: {}\n", r.file_backend, r.file_note.empty() ? "-" : r.file_note);
   }
   return failed ? 1 : 0;
 }
@@ -489,6 +547,11 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--dir", o->dir, "directory for the file tier and its raw O_DIRECT baseline");
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
+  cmd->add_option("--file-backend", o->file_backends,
+                  "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
+                  "(in-memory stand-in); default posix io_uring cufile (one falling back to "
+                  "posix is reported, not measured twice)")
+      ->delimiter(',');
   cmd->add_flag("--verify", o->verify, "check every byte after each round trip (CheckBlock)");
   cmd->add_flag("--json", o->json, "one JSON object per case");
   cmd->add_flag("--contiguous", o->contiguous, "consecutive block ids (coalesce into few copies)");

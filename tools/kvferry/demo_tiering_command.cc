@@ -1,9 +1,16 @@
 // `kvferry demo tiering`: prints RunTieringDemo's narration and its counts.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 
+#include "files/slab_store.h"
 #include "kvferry/config.h"
 #include "kvferry/tiering_demo.h"
 #include "tools/kvferry/commands.h"
@@ -15,7 +22,33 @@ struct Options {
   std::string device;
   std::string layout = "block-major";
   TieringDemoOptions demo;
+  std::string dir;  // empty: a fresh temp dir under /tmp, removed at the end
+  std::string file_backend = "posix";
   bool json = false;
+};
+
+// Removes the directory it was given at destruction (the demo's own temp dir).
+class TempDir {
+ public:
+  TempDir() = default;
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  StatusOr<std::string> Create() {
+    char tmpl[] = "/tmp/kvferry-demo-tiering-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) {
+      return Status::Internal(fmt::format("mkdtemp {}: {}", tmpl, std::strerror(errno)));
+    }
+    path_ = tmpl;
+    return path_;
+  }
+
+ private:
+  std::string path_;
 };
 
 int RunDemo(Options o) {
@@ -30,7 +63,39 @@ int RunDemo(Options o) {
     return 2;
   }
   o.demo.layout = *layout;
-  auto rep = RunTieringDemo(**dev, o.demo, nullptr, [&](std::string_view line) {
+  // The file tier: the real SlabStore on --dir (or a temp dir), unless --file-slots 0.
+  TempDir temp;  // destroyed after the store (declared first)
+  std::unique_ptr<SlabStore> file;
+  if (o.demo.file_slots > 0) {
+    std::string dir = o.dir;
+    if (dir.empty()) {
+      auto d = temp.Create();
+      if (!d.ok()) {
+        fmt::print(stderr, "demo tiering: {}\n", d.status().ToString());
+        return 2;
+      }
+      dir = *d;
+    }
+    SlabStoreOptions so = SlabStoreOptionsFromConfig();
+    so.dir = dir;
+    so.backend = o.file_backend;
+    so.slot_payload_bytes = TieringDemoBlockBytes();
+    so.max_slots = o.demo.file_slots;
+    so.slots_per_file = std::min<int64_t>(so.slots_per_file, o.demo.file_slots);
+    auto store = SlabStore::Open(so);
+    if (!store.ok()) {
+      fmt::print(stderr, "demo tiering: file tier in {}: {}\n", dir, store.status().ToString());
+      return 2;
+    }
+    file = std::move(store).value();
+    if (!o.json) {
+      const FileBackendCaps& caps = file->backend();
+      fmt::print("file tier: {} backend in {}{}{}\n", caps.name, dir,
+                 caps.direct_io ? ", O_DIRECT" : ", buffered",
+                 caps.note.empty() ? "" : " (" + caps.note + ")");
+    }
+  }
+  auto rep = RunTieringDemo(**dev, o.demo, file.get(), [&](std::string_view line) {
     if (!o.json) fmt::print("{}\n", line);
   });
   if (!rep.ok()) {
@@ -47,7 +112,8 @@ int RunDemo(Options o) {
                         {"reused_tokens", rep->reused_tokens},
                         {"prompt_tokens", rep->prompt_tokens},
                         {"verified_blocks", rep->verified_blocks},
-                        {"file_backend", rep->file_backend}};
+                        {"file_backend", rep->file_backend},
+                        {"file_note", file ? file->backend().note : ""}};
     std::puts(j.dump().c_str());
   }
   return 0;
@@ -67,6 +133,13 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option("--host-blocks", o->demo.host_blocks)->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--file-slots", o->demo.file_slots, "0 = no file tier")
       ->check(CLI::Range(0, 1 << 20));
+  cmd->add_option(
+      "--dir", o->dir,
+      "directory of the file tier (must exist; its slab files are left there; default: a "
+      "fresh temp dir under /tmp, removed at the end)");
+  cmd->add_option("--file-backend", o->file_backend,
+                  "posix | io_uring | cufile (unavailable ones fall back to posix, logged)")
+      ->check(CLI::IsMember({"posix", "io_uring", "cufile"}));
   cmd->add_flag("--json", o->json, "counts as one JSON object");
   cmd->callback([o] { std::exit(RunDemo(*o)); });
 }
