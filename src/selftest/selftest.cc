@@ -314,10 +314,12 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
   for (int64_t t : cfg.prompt_tokens) {
-    if (cfg.shared_prefix_blocks < 0 || t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
+    if (cfg.shared_prefix_blocks < 0 ||
+        t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
       return Status::InvalidArgument(fmt::format(
           "--shared-prefix-blocks {} ({} tokens) must be shorter than every prompt ({} tokens)",
-          cfg.shared_prefix_blocks, int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block, t));
+          cfg.shared_prefix_blocks, int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block,
+          t));
     }
   }
   return Status::Ok();
@@ -332,8 +334,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const double cpu0 = CpuSeconds();
   KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  PoolSpec spec{
-      cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
+  PoolSpec spec{cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
@@ -364,8 +365,9 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     KVF_ASSIGN_OR_RETURN(compute, dev->CreateStream());
   }
   for (int64_t b = 0; b < cfg.shared_prefix_blocks; ++b) {
-    KVF_RETURN_IF_ERROR(access.Fill(kPrefixSeed, {BlockId(cfg, bpr, 0, b), b * cfg.shape.tokens_per_block,
-                                                  cfg.shape.tokens_per_block}));
+    KVF_RETURN_IF_ERROR(access.Fill(
+        kPrefixSeed,
+        {BlockId(cfg, bpr, 0, b), b * cfg.shape.tokens_per_block, cfg.shape.tokens_per_block}));
   }
   size_t next = 0;
   int done = 0;
@@ -441,8 +443,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   const double cpu0 = CpuSeconds();
   KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  PoolSpec spec{
-      cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
+  PoolSpec spec{cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
@@ -501,8 +502,9 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         for (int64_t b = 0; ok && b < BlocksFor(cfg, tokens); ++b) {
           int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block,
                                             tokens - b * cfg.shape.tokens_per_block);
-          auto m = access.Check(SeedOf(cfg, b, s.request_id),
-                                {BlockId(cfg, bpr, slot, b), b * cfg.shape.tokens_per_block, valid});
+          auto m =
+              access.Check(SeedOf(cfg, b, s.request_id),
+                           {BlockId(cfg, bpr, slot, b), b * cfg.shape.tokens_per_block, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
             AddError(res, fmt::format("request {} block {}: {}", i, b,
@@ -516,7 +518,8 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         ++res.failed;
       busy[slot] = false;
       if (ok) prefix_resident = true;
-      WriteText(dir / fmt::format("progress-gen-{}", rank), fmt::format("{} {}", done, mine.size())).ok();
+      WriteText(dir / fmt::format("progress-gen-{}", rank), fmt::format("{} {}", done, mine.size()))
+          .ok();
     }
     if (Clock::now() > deadline)
       return Status::DeadlineExceeded("generation rank: requests never ended");

@@ -345,11 +345,13 @@ class ContextSideImpl final : public ContextSide, public Engine {
     }
     if (f.chunk_bytes < 1 || f.chunk_bytes > options_.chunk_bytes ||
         (!direct_ok() && f.direct_min_bytes != kNoDirect)) {
-      return Reject(peer, f, Status::InvalidArgument(fmt::format(
-                                 "request {}: fetch asks for chunks of {} bytes (direct from {}); this context "
-                                 "rank stages at most {} and {} send from its pool",
-                                 r->id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
-                                 direct_ok() ? "can" : "can't")));
+      return Reject(
+          peer, f,
+          Status::InvalidArgument(fmt::format(
+              "request {}: fetch asks for chunks of {} bytes (direct from {}); this context "
+              "rank stages at most {} and {} send from its pool",
+              r->id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
+              direct_ok() ? "can" : "can't")));
     }
     if (f.prompt_tokens != r->tokens) {
       return Reject(peer, f,

@@ -113,9 +113,9 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   if ((flags & ~(kFlagLayerWise | kFlagCtxDirect)) != 0) {
     body.Fail(fmt::format("unknown flags {:#x}", flags));
   }
-  h.ctx_direct = (flags & kFlagCtxDirect) != 0;
   ContextHandle h;
   h.layer_wise = (flags & kFlagLayerWise) != 0;
+  h.ctx_direct = (flags & kFlagCtxDirect) != 0;
   h.request_id = body.U64("request_id");
   for (auto& b : h.token) b = body.U8("token");
   h.shape = DecodeShape(body);
