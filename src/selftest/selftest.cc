@@ -110,10 +110,19 @@ std::array<uint8_t, 16> SecretFor(const SelftestConfig& cfg) {
 // Fills and checks blocks of a pool that may live in GPU memory, through a host mirror.
 class PoolAccess {
  public:
+  // Also touches every page of the pool once: a serving engine's pool is resident, and first
+  // touches inside a timed transfer would measure the kernel's page faults.
   static StatusOr<PoolAccess> Make(Device& dev, const BlockPool& pool) {
     PoolAccess a;
     a.dev_ = &dev;
     a.pool_ = &pool;
+    {
+      KVF_ASSIGN_OR_RETURN(auto s, dev.CreateStream());
+      for (int32_t r = 0; r < pool.num_regions(); ++r) {
+        KVF_RETURN_IF_ERROR(s->Fill(pool.region(r), 0, pool.layout().region_bytes()));
+      }
+      KVF_RETURN_IF_ERROR(s->Synchronize(DeadlineIn(milliseconds(60000))));
+    }
     if (dev.info().platform != "cpu") {
       PoolSpec s = pool.spec();
       s.memory = MemoryKind::kPinnedHost;
@@ -200,42 +209,53 @@ StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker&
   std::memset(src.data(), 1, src.size());
   const int64_t total = BaselineBytes(cfg);
   const int64_t msgs = (total + kBaseMsg - 1) / kBaseMsg;
-  bool put = t->caps().one_sided && info.contains("rkey");
-  *name = fmt::format("{} {} {} MiB messages", t->caps().name, put ? "put" : "tag send",
-                      kBaseMsg >> 20);
+  const bool can_put = t->caps().one_sided && info.contains("rkey");
   std::vector<std::byte> rkey;
   uint64_t raddr = 0;
-  if (put) {
+  if (can_put) {
     rkey = Unhex(info["rkey"].get<std::string>());
     raddr = info["raddr"].get<uint64_t>();
   }
-  // Warm-up message, then the timed run.
-  std::deque<std::unique_ptr<TransportOp>> window;
-  auto start = Clock::now();
-  for (int64_t i = 0; i < msgs; ++i) {
-    size_t slot = static_cast<size_t>(i % kBaseWindow);
-    StatusOr<std::unique_ptr<TransportOp>> op =
-        put ? t->Put(peer, src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost,
-                     raddr + slot * kBaseMsg, rkey)
-            : t->Send(peer, static_cast<uint64_t>(i), src.data() + slot * kBaseMsg, kBaseMsg,
-                      MemoryKind::kHost);
-    if (!op.ok()) return op.status();
-    window.push_back(std::move(op).value());
-    if (window.size() == kBaseWindow) {
+  // One timed pass of `msgs` messages, put or tagged send, kBaseWindow in flight.
+  auto pass = [&](bool put) -> StatusOr<double> {
+    std::deque<std::unique_ptr<TransportOp>> window;
+    auto start = Clock::now();
+    for (int64_t i = 0; i < msgs; ++i) {
+      size_t slot = static_cast<size_t>(i % kBaseWindow);
+      StatusOr<std::unique_ptr<TransportOp>> op =
+          put ? t->Put(peer, src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost,
+                       raddr + slot * kBaseMsg, rkey)
+              : t->Send(peer, static_cast<uint64_t>(i), src.data() + slot * kBaseMsg, kBaseMsg,
+                        MemoryKind::kHost);
+      if (!op.ok()) return op.status();
+      window.push_back(std::move(op).value());
+      if (window.size() == kBaseWindow) {
+        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+        window.pop_front();
+      }
+    }
+    while (!window.empty()) {
       KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
       window.pop_front();
     }
+    if (put) {
+      KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
+    }
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    return msgs * double(kBaseMsg) / secs / 1e9;
+  };
+  // The baseline is the faster of the raw methods the transport has: the honest ceiling.
+  double gbps = 0;
+  if (can_put) {
+    KVF_ASSIGN_OR_RETURN(gbps, pass(true));
+    *name = fmt::format("{} put {} MiB messages", t->caps().name, kBaseMsg >> 20);
   }
-  while (!window.empty()) {
-    KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-    window.pop_front();
+  KVF_ASSIGN_OR_RETURN(double tag, pass(false));
+  if (tag > gbps) {
+    gbps = tag;
+    *name = fmt::format("{} tag send {} MiB messages", t->caps().name, kBaseMsg >> 20);
   }
-  if (put) {
-    KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
-    KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
-  }
-  double secs = std::chrono::duration<double>(Clock::now() - start).count();
-  double gbps = msgs * double(kBaseMsg) / secs / 1e9;
   KVF_RETURN_IF_ERROR(WriteText(dir / "base.done", fmt::format("{}", gbps)));
   // Keep the transport alive until the receiver has seen the end.
   KVF_ASSIGN_OR_RETURN(auto ack, WaitForFile(dir / "base.ack", deadline));
@@ -262,7 +282,7 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make) {
   KVF_RETURN_IF_ERROR(WriteText(dir / "base-gen.info", info.dump()));
   KVF_ASSIGN_OR_RETURN(auto ctx_addr, WaitForFile(dir / "base-ctx.addr", deadline));
   KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(AsString(ctx_addr), deadline));
-  if (!reg) {
+  {  // the tagged-send pass (after the put pass, if any)
     const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
     std::deque<std::unique_ptr<TransportOp>> window;
     for (int64_t i = 0; i < msgs; ++i) {
@@ -382,7 +402,9 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, tokens); ++b) {
         blocks.push_back(BlockId(cfg, bpr, slot, b));
-        if (b < cfg.shared_prefix_blocks) continue;  // resident, filled once
+        // Resident prefix blocks were filled once; without verification (benchmarks) the bytes
+        // don't matter and filling would be what is measured.
+        if (b < cfg.shared_prefix_blocks || !cfg.verify) continue;
         int64_t valid =
             std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
         KVF_RETURN_IF_ERROR(

@@ -233,6 +233,15 @@ class ContextSideImpl final : public ContextSide, public Engine {
     }
   }
 
+  bool InFlight() const override {
+    for (const auto& [id, r] : requests_) {
+      for (const auto& [g, p] : r.pairs) {
+        if (!p.inflight.empty()) return true;
+      }
+    }
+    return false;
+  }
+
   bool OnStop() override {
     for (auto& [id, r] : requests_) {
       if (!r.ending)

@@ -125,7 +125,11 @@ void Engine::Run() {
       if (stop_deadline == Deadline{}) stop_deadline = now + options_.timeout;
       if (OnStop() || now > stop_deadline) break;
     }
-    if (!busy) {
+    if (!busy && InFlight()) {
+      // Transports make progress only when driven (MPI and UCX shared memory copy inside the
+      // progress call): with bytes in flight, keep driving, yielding the core between calls.
+      std::this_thread::yield();
+    } else if (!busy) {
       std::unique_lock lock(cmd_mu_);
       cmd_cv_.wait_for(lock, std::chrono::microseconds(50),
                        [&] { return !commands_.empty() || stop_; });

@@ -76,6 +76,8 @@ class Engine {
   // Ends every live request (kCancelled, "shutting down") and returns true once nothing is in
   // flight any more.
   virtual bool OnStop() = 0;
+  // True while transport operations are outstanding (the loop then polls instead of sleeping).
+  virtual bool InFlight() const = 0;
 
   void Post(std::function<void()> fn);
   void SetStatus(const TransferStatus& status);

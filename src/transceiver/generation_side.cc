@@ -224,6 +224,15 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     }
   }
 
+  bool InFlight() const override {
+    for (const auto& [id, r] : requests_) {
+      for (const RecvPair& p : r.pairs) {
+        if (!p.inflight.empty()) return true;
+      }
+    }
+    return false;
+  }
+
   bool OnStop() override {
     for (auto& [id, r] : requests_) {
       if (!r.ending)

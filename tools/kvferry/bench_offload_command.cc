@@ -407,11 +407,13 @@ class Bench {
     for (int i = 0; i < 2; ++i) {
       KVF_ASSIGN_OR_RETURN(dev_buf_[i], dev_.Allocate(MemoryKind::kDevice, bytes));
       KVF_ASSIGN_OR_RETURN(pinned_buf_[i], dev_.Allocate(MemoryKind::kPinnedHost, bytes));
-      std::memset(dev_buf_[i].data(), 1, bytes);
-      std::memset(pinned_buf_[i].data(), 2, bytes);
       if (!streams_[i]) {
         KVF_ASSIGN_OR_RETURN(streams_[i], dev_.CreateStream());
       }
+      // Device memory is the GPU's on the CUDA device: touch it through the stream.
+      KVF_RETURN_IF_ERROR(streams_[i]->Fill(dev_buf_[i].data(), 1, bytes));
+      KVF_RETURN_IF_ERROR(streams_[i]->Synchronize(DeadlineIn(600s)));
+      std::memset(pinned_buf_[i].data(), 2, bytes);
     }
     return Status::Ok();
   }
