@@ -105,7 +105,8 @@ int RunRank(const SelftestConfig& cfg, bool context, int rank) {
 }
 
 // Waits for children with a deadline; kills the rest when it passes or one fails hard.
-Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline, const std::function<void()>& tick) {
+Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline,
+                    const std::function<void()>& tick) {
   Status first;
   size_t left = pids.size();
   auto next_tick = Clock::now() + std::chrono::seconds(1);

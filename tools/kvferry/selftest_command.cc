@@ -132,8 +132,8 @@ int RunSelftest(const Flags& f) {
     fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
                cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
                f.gen_layout, f.requests, cfg->transport, cfg->device);
-    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}\n", s.requests, s.verified, s.failed,
-               s.prefix_hits);
+    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}\n", s.requests, s.verified,
+               s.failed, s.prefix_hits);
     fmt::print(
         "  {:.1f} MB in {:.3f} s = {:.2f} GB/s; latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
         "ms\n",
