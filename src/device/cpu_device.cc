@@ -72,7 +72,8 @@ class CpuStream final : public Stream {
         }
         auto* d = static_cast<std::byte*>(c.dst);
         auto* s = static_cast<const std::byte*>(c.src);
-        for (size_t r = 0; r < c.rows; ++r) std::memcpy(d + r * c.dst_pitch, s + r * c.src_pitch, c.bytes);
+        for (size_t r = 0; r < c.rows; ++r)
+          std::memcpy(d + r * c.dst_pitch, s + r * c.src_pitch, c.bytes);
       }
     });
   }

@@ -77,8 +77,8 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg);
 struct SelftestSummary {
   int requests = 0, verified = 0, failed = 0;
   int prefix_hits = 0;  // (request, generation rank) pairs that reused the resident prefix
-  int64_t bytes = 0;   // payload bytes received by the generation instance
-  double seconds = 0;  // wall time of the generation instance (max over ranks)
+  int64_t bytes = 0;    // payload bytes received by the generation instance
+  double seconds = 0;   // wall time of the generation instance (max over ranks)
   double gbps = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double cpu_us_per_request = 0;  // process CPU of all ranks / requests

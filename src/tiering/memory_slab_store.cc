@@ -10,8 +10,12 @@
 namespace kvferry::tiering {
 
 MemorySlabStore::MemorySlabStore(int64_t slot_payload_bytes, int64_t max_slots)
-    : caps_{"memory", /*device_memory=*/false, /*direct_io=*/false, /*alignment=*/1,
-            /*max_in_flight=*/1, /*note=*/"in memory, for tests"},
+    : caps_{"memory",
+            /*device_memory=*/false,
+            /*direct_io=*/false,
+            /*alignment=*/1,
+            /*max_in_flight=*/1,
+            /*note=*/"in memory, for tests"},
       payload_bytes_(slot_payload_bytes),
       slots_(static_cast<size_t>(std::max<int64_t>(max_slots, 0))) {
   for (int64_t i = max_slots - 1; i >= 0; --i) free_.push_back(i);
