@@ -12,7 +12,7 @@ constexpr KnobDecl kKnobs[] = {
      "device the tools use when --device is not given: cpu, cuda or cuda:N", 0, 0, ""},
     {"cpu.pinned_alignment", KnobType::kInt, "4096",
      "alignment in bytes of CPU-device allocations (must allow O_DIRECT I/O)", 64, 1 << 21, ""},
-    {"cuda.copy_kernel_threshold", KnobType::kInt, "65536",
+    {"cuda.copy_kernel_threshold", KnobType::kInt, "1048576",
      "fragments below this many bytes are moved by the batched gather kernel, above it by the "
      "copy engine",
      0, kMaxInt, ""},
