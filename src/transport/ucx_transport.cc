@@ -511,7 +511,10 @@ StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address) {
 void UcxTransport::MarkDead(PeerId peer, Status why) {
   Peer& p = peers_[peer];
   if (p.dead) return;
-  Log(LogLevel::kWarn, "ucx: peer {} failed: {}", peer, why.ToString());
+  // An orderly shutdown ("bye") is routine; anything else is worth a warning.
+  const bool orderly = why.message().find("shut down") != std::string_view::npos;
+  Log(orderly ? LogLevel::kDebug : LogLevel::kWarn, "ucx: peer {} {}: {}", peer,
+      orderly ? "closed" : "failed", why.ToString());
   p.dead = true;
   p.death = std::move(why);
   p.rkeys.clear();
