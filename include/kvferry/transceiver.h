@@ -53,6 +53,14 @@ struct TransferStatus {
   double seconds = 0;  // from MarkReady / Fetch to the terminal state
 };
 
+// Counters of one side (one rank), for observability.
+struct TransceiverStats {
+  int64_t requests_ended = 0;   // requests that reached a terminal state
+  double busy_cpu_seconds = 0;  // progress-thread CPU time in iterations that did work
+                                // (control plane, posting and completing operations); idle
+                                // polling is not counted
+};
+
 struct TransceiverOptions {
   std::string transport = "ucx";         // "inproc" (tests), "ucx", "mpi"
   std::chrono::milliseconds timeout{0};  // 0: knob transfer.timeout_ms
@@ -107,6 +115,7 @@ class ContextSide {
   virtual std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) = 0;
   virtual StatusOr<TransferStatus> Query(uint64_t request_id) const = 0;
   virtual Status Cancel(uint64_t request_id) = 0;
+  virtual TransceiverStats stats() const = 0;
 };
 
 // The receiving side, one per generation rank.
@@ -129,6 +138,7 @@ class GenerationSide {
   virtual std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) = 0;
   virtual StatusOr<TransferStatus> Query(uint64_t request_id) const = 0;
   virtual Status Cancel(uint64_t request_id) = 0;
+  virtual TransceiverStats stats() const = 0;
 };
 
 }  // namespace kvferry

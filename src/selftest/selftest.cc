@@ -456,6 +456,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
+  res.control_cpu_seconds = side->stats().busy_cpu_seconds;
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -564,6 +565,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     ? 0
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
+  res.control_cpu_seconds = side->stats().busy_cpu_seconds;
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -612,6 +614,7 @@ std::string ResultToJson(const RankResult& r) {
   j["bytes"] = r.bytes;
   j["seconds"] = r.seconds;
   j["cpu_seconds"] = r.cpu_seconds;
+  j["control_cpu_seconds"] = r.control_cpu_seconds;
   j["latencies"] = r.latencies;
   j["baseline_gbps"] = r.baseline_gbps;
   j["baseline_name"] = r.baseline_name;
@@ -632,6 +635,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.bytes = j.value("bytes", int64_t{0});
   r.seconds = j.value("seconds", 0.0);
   r.cpu_seconds = j.value("cpu_seconds", 0.0);
+  r.control_cpu_seconds = j.value("control_cpu_seconds", 0.0);
   r.latencies = j.value("latencies", std::vector<double>{});
   r.baseline_gbps = j.value("baseline_gbps", 0.0);
   r.baseline_name = j.value("baseline_name", std::string());
@@ -643,7 +647,7 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   SelftestSummary s;
   s.requests = cfg.requests;
   std::vector<double> lat;
-  double cpu = 0;
+  double cpu = 0, control_cpu = 0;
   // A request is verified when every generation rank of its decoding group verified it: count
   // per rank and compare with the number of (request, rank) pairs expected.
   int expected_pairs = 0, verified_pairs = 0, failed_pairs = 0;
@@ -652,6 +656,7 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   }
   for (const RankResult& r : ranks) {
     cpu += r.cpu_seconds;
+    control_cpu += r.control_cpu_seconds;
     for (const std::string& e : r.errors) {
       if (s.errors.size() < 10)
         s.errors.push_back(
@@ -687,6 +692,7 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   s.p90_ms = pct(0.9);
   s.p99_ms = pct(0.99);
   s.cpu_us_per_request = cpu / cfg.requests * 1e6;
+  s.control_cpu_us_per_request = control_cpu / cfg.requests * 1e6;
   return s;
 }
 

@@ -50,10 +50,11 @@ struct RankResult {
   int failed = 0;
   int prefix_hits = 0;  // generation: requests that reused the resident prefix
   int64_t bytes = 0;
-  double seconds = 0;             // first start to last end on this rank
-  double cpu_seconds = 0;         // process CPU time over the run
-  std::vector<double> latencies;  // per request, seconds (generation: fetch to complete)
-  double baseline_gbps = 0;       // raw transport bandwidth, same processes, same bytes (rank 0s)
+  double seconds = 0;              // first start to last end on this rank
+  double cpu_seconds = 0;          // process CPU time over the run
+  double control_cpu_seconds = 0;  // the transceiver's busy progress-thread CPU (its stats())
+  std::vector<double> latencies;   // per request, seconds (generation: fetch to complete)
+  double baseline_gbps = 0;        // raw transport bandwidth, same processes, same bytes (rank 0s)
   std::string baseline_name;
   std::vector<std::string> errors;  // the first few
 };
@@ -82,6 +83,9 @@ struct SelftestSummary {
   double gbps = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double cpu_us_per_request = 0;  // process CPU of all ranks / requests
+  // Transceiver progress-thread CPU in iterations that did work, all ranks of both instances,
+  // per request: the control plane's cost (plus posting operations; no idle polling).
+  double control_cpu_us_per_request = 0;
   double baseline_gbps = 0;
   std::string baseline_name;
   std::vector<std::string> errors;

@@ -131,6 +131,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     return PollStatuses(at_least, deadline);
   }
   StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
+  TransceiverStats stats() const override { return Stats(); }
 
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {

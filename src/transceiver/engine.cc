@@ -1,6 +1,7 @@
 #include "transceiver/engine.h"
 
 #include <fmt/format.h>
+#include <time.h>
 
 #include <random>
 
@@ -92,10 +93,19 @@ void Engine::Post(std::function<void()> fn) {
   cmd_cv_.notify_one();
 }
 
+namespace {
+int64_t ThreadCpuNs() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+}  // namespace
+
 void Engine::Run() {
   auto next_tick = Clock::now();
   Deadline stop_deadline{};
   while (true) {
+    const int64_t cpu0 = ThreadCpuNs();
     bool busy = false;
     std::deque<std::function<void()>> cmds;
     {
@@ -125,6 +135,7 @@ void Engine::Run() {
       if (stop_deadline == Deadline{}) stop_deadline = now + options_.timeout;
       if (OnStop() || now > stop_deadline) break;
     }
+    if (busy) busy_cpu_ns_ += ThreadCpuNs() - cpu0;
     if (!busy && InFlight()) {
       // Transports make progress only when driven (MPI and UCX shared memory copy inside the
       // progress call): with bytes in flight, keep driving, yielding the core between calls.
@@ -150,6 +161,7 @@ void Engine::SetStatus(const TransferStatus& status) {
     statuses_[status.request_id] = status;
     if (IsTerminal(status.state)) reports_.push_back(status);
   }
+  if (IsTerminal(status.state)) ++ended_;
   if (IsTerminal(status.state)) status_cv_.notify_all();
 }
 

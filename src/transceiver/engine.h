@@ -56,6 +56,9 @@ class Engine {
   void Stop();
 
   std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
+  TransceiverStats Stats() const {
+    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9};
+  }
   StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
 
   // Runs `fn` on the progress thread and returns its result.
@@ -120,6 +123,8 @@ class Engine {
   std::condition_variable cmd_cv_;
   std::deque<std::function<void()>> commands_;  // guarded by cmd_mu_
   std::atomic<bool> stop_{false};
+  std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
+  std::atomic<int64_t> ended_{0};
   std::thread thread_;
 
   mutable std::mutex status_mu_;

@@ -126,6 +126,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return PollStatuses(at_least, deadline);
   }
   StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
+  TransceiverStats stats() const override { return Stats(); }
 
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {
