@@ -61,6 +61,27 @@ ParallelConfig DecodeParallel(WireReader& r) {
   return p;
 }
 
+LayoutKind DecodeLayout(WireReader& r) {
+  uint8_t layout = r.U8("layout");
+  if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer)) {
+    r.Fail(fmt::format("layout {} is unknown", layout));
+  }
+  return static_cast<LayoutKind>(layout);
+}
+
+void EncodeBlocks(WireWriter& w, const std::vector<int64_t>& blocks) {
+  w.U32(static_cast<uint32_t>(blocks.size()));
+  for (int64_t b : blocks) w.I64(b);
+}
+
+std::vector<int64_t> DecodeBlocks(WireReader& r) {
+  std::vector<int64_t> blocks;
+  uint32_t n = r.Count("blocks", kMaxBlocks);
+  if (r.ok() && r.remaining() < size_t{n} * 8) r.Fail("blocks: truncated");
+  for (uint32_t i = 0; i < n && r.ok(); ++i) blocks.push_back(r.I64("blocks[]"));
+  return blocks;
+}
+
 std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
   WireWriter w;
   w.U32(kHandleMagic);
@@ -74,8 +95,7 @@ std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
   w.I64(h.pool_blocks);
   w.I64(h.prompt_tokens);
   w.I64(h.chunk_bytes);
-  w.U32(static_cast<uint32_t>(h.blocks.size()));
-  for (int64_t b : h.blocks) w.I64(b);
+  EncodeBlocks(w, h.blocks);
   w.U32(static_cast<uint32_t>(h.addresses.size()));
   for (const std::string& a : h.addresses) w.Str(a);
   uint64_t sum = Checksum(w.buffer());
@@ -120,16 +140,11 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   for (auto& b : h.token) b = body.U8("token");
   h.shape = DecodeShape(body);
   h.parallel = DecodeParallel(body);
-  uint8_t layout = body.U8("layout");
-  if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer))
-    body.Fail(fmt::format("layout {} is unknown", layout));
-  h.layout = static_cast<LayoutKind>(layout);
+  h.layout = DecodeLayout(body);
   h.pool_blocks = body.I64("pool_blocks");
   h.prompt_tokens = body.I64("prompt_tokens");
   h.chunk_bytes = body.I64("chunk_bytes");
-  uint32_t nb = body.Count("blocks", kMaxBlocks);
-  if (body.ok() && body.remaining() < size_t{nb} * 8) body.Fail("blocks: truncated");
-  for (uint32_t i = 0; i < nb && body.ok(); ++i) h.blocks.push_back(body.I64("blocks[]"));
+  h.blocks = DecodeBlocks(body);
   uint32_t na = body.Count("addresses", kMaxRanks);
   for (uint32_t i = 0; i < na && body.ok(); ++i)
     h.addresses.push_back(body.Str("addresses[]", kMaxAddress));

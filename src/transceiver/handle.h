@@ -52,5 +52,8 @@ void EncodeShape(WireWriter& w, const KvShape& s);
 KvShape DecodeShape(WireReader& r);
 void EncodeParallel(WireWriter& w, const ParallelConfig& p);
 ParallelConfig DecodeParallel(WireReader& r);
+LayoutKind DecodeLayout(WireReader& r);
+void EncodeBlocks(WireWriter& w, const std::vector<int64_t>& blocks);
+std::vector<int64_t> DecodeBlocks(WireReader& r);
 
 }  // namespace kvferry

@@ -8,7 +8,6 @@ namespace kvferry {
 namespace {
 
 enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort, kComplete };
-constexpr uint32_t kMaxBlocks = 1 << 24;
 
 void Header(WireWriter& w, MsgType t) {
   w.U16(kMessageMagic);
@@ -33,8 +32,7 @@ struct Encoder {
     w.I64(m.reused_blocks);
     w.I64(m.chunk_bytes);
     w.I64(m.direct_min_bytes);
-    w.U32(static_cast<uint32_t>(m.blocks.size()));
-    for (int64_t b : m.blocks) w.I64(b);
+    EncodeBlocks(w, m.blocks);
     w.Str(m.reply_address);
   }
   void operator()(const AcceptMsg& m) {
@@ -107,18 +105,13 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       m.transfer_id = r.U32("transfer_id");
       m.shape = DecodeShape(r);
       m.parallel = DecodeParallel(r);
-      uint8_t layout = r.U8("layout");
-      if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer))
-        r.Fail(fmt::format("layout {} is unknown", layout));
-      m.layout = static_cast<LayoutKind>(layout);
+      m.layout = DecodeLayout(r);
       m.pool_blocks = r.I64("pool_blocks");
       m.prompt_tokens = r.I64("prompt_tokens");
       m.reused_blocks = r.I64("reused_blocks");
       m.chunk_bytes = r.I64("chunk_bytes");
       m.direct_min_bytes = r.I64("direct_min_bytes");
-      uint32_t n = r.Count("blocks", kMaxBlocks);
-      if (r.ok() && r.remaining() < size_t{n} * 8) r.Fail("blocks: truncated");
-      for (uint32_t i = 0; i < n && r.ok(); ++i) m.blocks.push_back(r.I64("blocks[]"));
+      m.blocks = DecodeBlocks(r);
       m.reply_address = r.Str("reply_address", 1 << 16);
       out = std::move(m);
       break;
