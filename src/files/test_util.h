@@ -17,10 +17,7 @@ class ScratchDir {
  public:
   explicit ScratchDir(const std::string& base = "") {
     std::string root = base;
-    if (root.empty()) {
-      const char* t = std::getenv("TMPDIR");
-      root = t ? t : "/tmp";
-    }
+    if (root.empty()) root = std::filesystem::temp_directory_path().string();  // honours TMPDIR
     std::string tmpl = root + "/kvferry-files-XXXXXX";
     path_ = mkdtemp(tmpl.data()) ? tmpl : std::string();
   }
