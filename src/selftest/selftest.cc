@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -436,6 +437,12 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       }
       if (leader)
         KVF_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("req-{}.handle", i), *handle));
+      if (cfg.crash_ctx_rank == rank) {
+        // Fault injection: die like a crashed process, with the request published and its
+        // blocks leased; the other ranks must end their requests without hanging.
+        std::this_thread::sleep_for(milliseconds(50));
+        std::_Exit(3);
+      }
       slot_of[id] = slot;
       ++res.requests;
     }

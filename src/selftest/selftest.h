@@ -38,6 +38,9 @@ struct SelftestConfig {
   // instances keep them resident; the generation side fetches them once, with the first request,
   // and reuses them afterwards (only the missing blocks move).
   int shared_prefix_blocks = 0;
+  // Fault injection: this context rank exits abruptly right after publishing its first request
+  // (-1: none). Tests that a crashed peer ends the others' requests within their deadlines.
+  int crash_ctx_rank = -1;
   std::chrono::milliseconds timeout{60000};
   std::string dir;  // rendezvous directory
 };

@@ -54,6 +54,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["device"] = c.device;
   j["layer_wise"] = c.layer_wise;
   j["shared_prefix_blocks"] = c.shared_prefix_blocks;
+  j["crash_ctx_rank"] = c.crash_ctx_rank;
   j["verify"] = c.verify;
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
@@ -77,6 +78,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.device = j["device"];
   c.layer_wise = j["layer_wise"];
   c.shared_prefix_blocks = j["shared_prefix_blocks"];
+  c.crash_ctx_rank = j["crash_ctx_rank"];
   c.verify = j["verify"];
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
@@ -207,23 +209,32 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   if (progress) tick = [&] { PrintProgress(dir, cfg, start); };
   Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3), tick);
   std::vector<RankResult> out;
-  Status missing;
+  int missing = 0;
   for (int r = 0; r < nc + ng; ++r) {
+    const bool context = r < nc;
+    const int rank = context ? r : r - nc;
     fs::path f =
-        dir / (r < nc ? fmt::format("ctx-{}.json", r) : fmt::format("gen-{}.json", r - nc));
+        dir / (context ? fmt::format("ctx-{}.json", rank) : fmt::format("gen-{}.json", rank));
     std::ifstream in_file(f);
     if (!in_file) {
-      if (missing.ok())
-        missing = Status::Unavailable(fmt::format(
-            "{} rank {} left no result", r < nc ? "context" : "generation", r < nc ? r : r - nc));
+      // A rank that died or gave up still counts: its failure shows in the summary, beside what
+      // the surviving ranks reported.
+      RankResult dead;
+      dead.context = context;
+      dead.rank = rank;
+      dead.failed = 1;
+      dead.errors.push_back(
+          fmt::format("left no result ({})", waited.ok() ? "exited" : waited.ToString()));
+      out.push_back(std::move(dead));
+      ++missing;
       continue;
     }
     std::string text((std::istreambuf_iterator<char>(in_file)), std::istreambuf_iterator<char>());
     KVF_ASSIGN_OR_RETURN(RankResult res, ResultFromJson(text));
     out.push_back(std::move(res));
   }
-  if (!missing.ok())
-    return waited.ok() ? missing : waited.WithContext(std::string(missing.message()));
+  if (missing == nc + ng)
+    return waited.ok() ? Status::Unavailable("no rank left a result") : waited;
   return out;
 }
 

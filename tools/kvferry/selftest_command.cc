@@ -30,6 +30,7 @@ struct Flags {
   std::string device;
   bool layer_wise = false, json = false, no_verify = false, progress = false;
   int shared_prefix_blocks = 0;
+  int crash_ctx_rank = -1;
   int timeout_ms = 60000;
   std::string model;
 };
@@ -65,6 +66,9 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--transport", f.transport, "inproc|ucx|mpi")->capture_default_str();
   cmd->add_option("--device", f.device, "cpu|cuda (default: knob device.default)");
   cmd->add_flag("--layer-wise", f.layer_wise, "send each layer once prefill marks it ready");
+  cmd->add_option("--crash-ctx-rank", f.crash_ctx_rank,
+                  "fault injection: this context rank dies after publishing its first request "
+                  "(the run must end, failed, within the deadlines)");
   cmd->add_option("--shared-prefix-blocks", f.shared_prefix_blocks,
                   "blocks every request shares (a system prompt): fetched once, then reused")
       ->capture_default_str();
@@ -89,6 +93,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.device = f.device.empty() ? Config::Global().String("device.default") : f.device;
   c.layer_wise = f.layer_wise;
   c.shared_prefix_blocks = f.shared_prefix_blocks;
+  c.crash_ctx_rank = f.crash_ctx_rank;
   c.verify = !f.no_verify;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   c.dir = "(set by RunCluster)";
