@@ -44,6 +44,7 @@ struct CtxRequest {
   uint64_t gen_instance = 0;
   int expected_gen = -1;              // generation ranks that will FETCH (known at the first FETCH)
   std::vector<PairPlan> plan;         // this rank's pairs, cached from the first FETCH
+  bool planned = false;               // an empty plan (this rank sends nothing) is a plan too
   FetchMsg plan_key;                  // the FETCH the cached plan was made for (blocks, split)
   std::map<int32_t, SendPair> pairs;  // by generation rank
   int64_t bytes = 0;
@@ -369,7 +370,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
                         fmt::format("request {}: fetch asks for {} tokens, the context holds {}",
                                     r->id, f.prompt_tokens, r->tokens)));
     }
-    if (r->plan.empty() || !SamePlanInputs(r->plan_key, f)) {
+    if (!r->planned || !SamePlanInputs(r->plan_key, f)) {
       PlanInput in;
       in.ctx = SelfDesc();
       in.gen = InstanceDesc{f.shape, f.parallel, f.layout, f.pool_blocks};
@@ -384,7 +385,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       if (!plan.ok()) return Reject(peer, f, plan.status());
       r->plan = std::move(plan).value();
       r->plan_key = f;
-      r->plan_key.blocks = f.blocks;
+      r->planned = true;
     }
     if (r->expected_gen < 0) {
       r->gen_instance = f.gen_instance;
