@@ -356,6 +356,36 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   return Status::Ok();
 }
 
+// What a rank's run stands on: its device, its pool (on the heap: the side and the access keep
+// references to it), and the access that fills and checks the pool's blocks.
+struct RankMemory {
+  std::unique_ptr<Device> dev;
+  std::unique_ptr<BlockPool> pool;
+  std::unique_ptr<PoolAccess> access;
+};
+
+StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, const ParallelConfig& split,
+                                    LayoutKind layout, int rank) {
+  RankMemory m;
+  KVF_ASSIGN_OR_RETURN(m.dev, OpenDevice(cfg.device));
+  PoolSpec spec{cfg.shape, split, rank, layout, MemoryKind::kDevice, PoolBlocks(cfg)};
+  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*m.dev, spec));
+  m.pool = std::make_unique<BlockPool>(std::move(pool));
+  KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*m.dev, *m.pool));
+  m.access = std::make_unique<PoolAccess>(std::move(access));
+  return m;
+}
+
+// The requests served by DP group `group` of an instance split `split`, in order.
+std::vector<int> RequestsOfGroup(const SelftestConfig& cfg, const ParallelConfig& split,
+                                 int group) {
+  std::vector<int> mine;
+  for (int i = 0; i < cfg.requests; ++i) {
+    if (i % split.dp_size == group) mine.push_back(i);
+  }
+  return mine;
+}
+
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                                     const TransportMaker& make) {
   const fs::path dir(cfg.dir);
@@ -363,14 +393,14 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.context = true;
   res.rank = rank;
   const double cpu0 = CpuSeconds();
-  KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
+  KVF_ASSIGN_OR_RETURN(RankMemory m, OpenRankMemory(cfg, cfg.ctx, cfg.ctx_layout, rank));
+  Device& dev = *m.dev;
+  const BlockPool& pool = *m.pool;
+  PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  PoolSpec spec{cfg.shape, cfg.ctx, rank, cfg.ctx_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
-  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
-  KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
   KVF_ASSIGN_OR_RETURN(auto side,
-                       ContextSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
+                       ContextSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
   auto deadline = DeadlineIn(cfg.timeout);
   std::vector<std::string> addrs;
@@ -382,10 +412,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const RankSlice me = pool.slice();
   std::vector<int> group = GroupRanks(cfg.shape, cfg.ctx, me.dp_group);
   const bool leader = group.front() == rank;
-  std::vector<int> mine;
-  for (int i = 0; i < cfg.requests; ++i) {
-    if (i % cfg.ctx.dp_size == me.dp_group) mine.push_back(i);
-  }
+  const std::vector<int> mine = RequestsOfGroup(cfg, cfg.ctx, me.dp_group);
   // Block ids must be the same on every rank of an instance (one scheduler decides them in a
   // real engine): the k-th request of a DP group always uses slot k % concurrency.
   std::vector<bool> busy(cfg.concurrency, false);
@@ -393,7 +420,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   std::map<uint64_t, std::vector<std::shared_ptr<Event>>> events;
   std::unique_ptr<Stream> compute;
   if (cfg.layer_wise) {
-    KVF_ASSIGN_OR_RETURN(compute, dev->CreateStream());
+    KVF_ASSIGN_OR_RETURN(compute, dev.CreateStream());
   }
   for (int64_t b = 0; b < cfg.shared_prefix_blocks; ++b) {
     KVF_RETURN_IF_ERROR(access.Fill(
@@ -429,7 +456,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
         for (int32_t l = 0; l < me.layer_count; ++l) {
           KVF_RETURN_IF_ERROR(compute->HostCallback(
               [] { std::this_thread::sleep_for(std::chrono::microseconds(20)); }));
-          auto ev = std::shared_ptr<Event>(std::move(dev->CreateEvent().value()));
+          auto ev = std::shared_ptr<Event>(std::move(dev.CreateEvent().value()));
           KVF_RETURN_IF_ERROR(compute->Record(*ev));
           KVF_RETURN_IF_ERROR(side->MarkLayerReadyOn(id, l, ev));
           events[id].push_back(ev);
@@ -485,19 +512,16 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   RankResult res;
   res.rank = rank;
   const double cpu0 = CpuSeconds();
-  KVF_ASSIGN_OR_RETURN(auto dev, OpenDevice(cfg.device));
+  KVF_ASSIGN_OR_RETURN(RankMemory m, OpenRankMemory(cfg, cfg.gen, cfg.gen_layout, rank));
+  Device& dev = *m.dev;
+  const BlockPool& pool = *m.pool;
+  PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  PoolSpec spec{cfg.shape, cfg.gen, rank, cfg.gen_layout, MemoryKind::kDevice, PoolBlocks(cfg)};
-  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*dev, spec));
-  KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*dev, pool));
   KVF_ASSIGN_OR_RETURN(auto transport, make());
   KVF_ASSIGN_OR_RETURN(auto side,
-                       GenerationSide::Create(*dev, pool, SideOptions(cfg), std::move(transport)));
+                       GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   const RankSlice me = pool.slice();
-  std::vector<int> mine;
-  for (int i = 0; i < cfg.requests; ++i) {
-    if (i % cfg.gen.dp_size == me.dp_group) mine.push_back(i);
-  }
+  const std::vector<int> mine = RequestsOfGroup(cfg, cfg.gen, me.dp_group);
   std::vector<bool> busy(cfg.concurrency, false);    // slot k % concurrency, as on the context side
   std::map<uint64_t, std::pair<int, int>> inflight;  // id -> (request index, slot)
   size_t next = 0;
