@@ -10,6 +10,7 @@
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -20,6 +21,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// How long the surviving ranks get, beyond one request deadline, after a rank process died.
+constexpr std::chrono::milliseconds kDeathGrace{3000};
 
 json ParallelJson(const ParallelConfig& p) {
   return {{"tp", p.tp},
@@ -168,8 +172,20 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   auto start = Clock::now();
   std::function<void()> tick;
   if (progress) tick = [&] { PrintProgress(dir, cfg, start); };
-  const Deadline deadline = DeadlineIn(cfg.timeout * 3);
-  Status waited = group->Wait([deadline] { return deadline; }, tick);
+  const Deadline run_deadline = DeadlineIn(cfg.timeout * 3);
+  // Once a rank process has died, the others get one request deadline plus a grace to end what
+  // they have in flight and write their results; then the run is over (nothing waits for a
+  // request that can no longer be served).
+  std::optional<Deadline> after_death;
+  auto deadline = [&] {
+    if (!after_death) {
+      for (const RankGroup::Rank& r : group->ranks()) {
+        if (r.ended && r.wait_status != 0) after_death = DeadlineIn(cfg.timeout + kDeathGrace);
+      }
+    }
+    return after_death ? std::min(*after_death, run_deadline) : run_deadline;
+  };
+  Status waited = group->Wait(deadline, tick);
   std::vector<RankResult> out;
   int missing = 0;
   for (int r = 0; r < nc + ng; ++r) {

@@ -1,13 +1,21 @@
 // The rank processes of one multi-process run (`selftest`, `bench transfer`), and the clean-up
 // that must happen however the run ends.
 //
-// Why this exists: ranks are separate processes that share a rendezvous directory. However the
-// run ends, nothing outside the run may ever be signalled:
+// Why this exists: ranks are separate processes that share a rendezvous directory. Whether the
+// run ends normally, with an error, by SIGINT/SIGTERM or by SIGKILL of this process, no rank and
+// no file may stay behind, and nothing outside the run may ever be signalled:
 // - Ranks run in one process group of their own (the first rank leads it). Only that group
 //   (a pgid > 1) or one of our own rank pids (> 0) is ever passed to kill(); a failed fork is an
 //   error, never a pid.
+// - Each rank gets PR_SET_PDEATHSIG(SIGKILL) before exec and then checks that its parent is
+//   still the process that forked it, so a parent that died in between still takes it along.
+// - A janitor process outlives this one: it holds the read end of a pipe whose write end only
+//   this process has. When the pipe reads end-of-file (this process exited, by any means), the
+//   janitor kills the rank group unless it was told the group was reaped, and removes the
+//   rendezvous directory.
 //
-// Not thread-safe: one thread owns a RankGroup.
+// Not thread-safe: one thread owns a RankGroup, and it must be the thread that outlives the
+// ranks (PR_SET_PDEATHSIG fires when the forking thread ends).
 #pragma once
 
 #include <sys/types.h>
@@ -28,10 +36,12 @@ class RankGroup {
   // fork() by default. Tests pass one that fails (returns -1 with errno set) on the Nth call.
   using ForkFn = std::function<pid_t()>;
 
-  // `dir` (which must exist) is removed when the group ends.
+  // Starts the janitor for `dir` (which must exist; it is removed when the group ends, whatever
+  // ends it).
   static StatusOr<std::unique_ptr<RankGroup>> Create(std::filesystem::path dir,
                                                      ForkFn fork_fn = {});
-  // Kills and reaps every rank still running, then removes the directory.
+  // Kills and reaps every rank still running, then has the janitor remove the directory and
+  // waits for it.
   ~RankGroup();
   RankGroup(const RankGroup&) = delete;
   RankGroup& operator=(const RankGroup&) = delete;
@@ -61,9 +71,12 @@ class RankGroup {
 
   const std::vector<Rank>& ranks() const { return ranks_; }
   pid_t pgid() const { return pgid_; }
+  pid_t janitor_pid() const { return janitor_; }
 
  private:
   RankGroup(std::filesystem::path dir, ForkFn fork_fn) : dir_(std::move(dir)), fork_(fork_fn) {}
+  Status StartJanitor();
+  void TellJanitor(char what, pid_t pgid);
   bool AnyRunning() const;
   void ReapAll();
 
@@ -71,6 +84,8 @@ class RankGroup {
   const ForkFn fork_;
   std::vector<Rank> ranks_;
   pid_t pgid_ = 0;
+  pid_t janitor_ = 0;
+  int janitor_fd_ = -1;  // write end of the janitor's pipe
 };
 
 }  // namespace kvferry::tools

@@ -147,5 +147,67 @@ TEST(RankGroup, HowEachRankEndedIsNamed) {
   EXPECT_EQ(r[2].Describe(), fmt::format("generation rank 1 (pid {}): exit code 127", r[2].pid));
 }
 
+// A parent that dies (SIGKILL: no handler runs; SIGTERM; SIGINT) takes its ranks and its
+// rendezvous directory along, within a few seconds.
+void ParentDiesAndLeavesNothing(int signal) {
+  // Orphans come to this test (not to init), so it can tell "gone" from "a zombie of init".
+  ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  Sentinel sentinel;
+  fs::path dir = MakeDir();
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  pid_t parent = fork();
+  ASSERT_GE(parent, 0);
+  if (parent == 0) {
+    close(fds[0]);
+    auto group = RankGroup::Create(dir);
+    if (!group.ok()) _exit(1);
+    for (const char* who : {"context rank 0", "generation rank 0"}) {
+      if (!(*group)->Spawn(who, {"sh", "-c", "sleep 60 & sleep 60"}).ok()) _exit(1);
+    }
+    pid_t pids[3] = {(*group)->ranks()[0].pid, (*group)->ranks()[1].pid, (*group)->janitor_pid()};
+    if (write(fds[1], pids, sizeof pids) != sizeof pids) _exit(1);
+    for (;;) pause();
+  }
+  close(fds[1]);
+  pid_t pids[3];
+  ASSERT_EQ(read(fds[0], pids, sizeof pids), static_cast<ssize_t>(sizeof pids));
+  close(fds[0]);
+  std::this_thread::sleep_for(milliseconds(100));  // the shells start their background sleeps
+  ASSERT_TRUE(Alive(pids[0]) && Alive(pids[1]));
+  ASSERT_EQ(kill(parent, signal), 0);
+  ASSERT_EQ(waitpid(parent, nullptr, 0), parent);
+  // Everything of the run, grandchildren included, is reparented here; reap what ends.
+  const Deadline limit = DeadlineIn(milliseconds(5000));
+  int left = 0;
+  do {
+    std::this_thread::sleep_for(milliseconds(20));
+    while (waitpid(-1, nullptr, WNOHANG) > 0) {
+    }
+    left = 0;
+    for (pid_t p : pids) left += Alive(p) ? 1 : 0;
+  } while ((left > 0 || fs::exists(dir)) && Clock::now() < limit);
+  EXPECT_EQ(left, 0) << "rank or janitor processes still running";
+  EXPECT_FALSE(fs::exists(dir));
+  // The ranks' own children (the background sleeps) were in the group and are gone too.
+  while (waitpid(-1, nullptr, WNOHANG) > 0) {
+  }
+  std::string out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream st(e.path() / "stat");
+    std::string pid_s, comm, state, ppid;
+    if (st >> pid_s >> comm >> state >> ppid && ppid == std::to_string(getpid()) &&
+        std::stoi(pid_s) != sentinel.pid && state != "Z")
+      out += pid_s + comm + " ";
+  }
+  EXPECT_EQ(out, "") << "processes of the run left";
+  EXPECT_TRUE(sentinel.Running());
+  ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 0), 0);
+}
+
+TEST(RankGroup, KilledParentLeavesNoRankAndNoDirectory) { ParentDiesAndLeavesNothing(SIGKILL); }
+TEST(RankGroup, TerminatedParentLeavesNoRankAndNoDirectory) { ParentDiesAndLeavesNothing(SIGTERM); }
+TEST(RankGroup, InterruptedParentLeavesNoRankAndNoDirectory) { ParentDiesAndLeavesNothing(SIGINT); }
+
 }  // namespace
 }  // namespace kvferry::tools
