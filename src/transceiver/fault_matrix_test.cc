@@ -271,6 +271,50 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
               ::testing::Test::HasFailure() ? "FAILED" : "ok");
 }
 
+// Found by the matrix: a generation rank that cancels made the context ranks end, but they did
+// not tell the other generation ranks, which waited for their deadline.
+TEST(FaultMatrixFindings, OneGenerationRankCancellingEndsTheOthersPromptly) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(3000);
+  RigInstance ctx{Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 16};
+  RigInstance gen{Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 16};
+  auto rig = FaultRig::Create(ctx, gen, o);
+  ASSERT_TRUE(rig.ok()) << rig.status().ToString();
+  auto h = (*rig)->Publish(1, Blocks(0), kTokens, 0, /*layer_wise=*/true);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*rig)->Fetch(*h, Blocks(3), 0).ok());
+  std::this_thread::sleep_for(milliseconds(50));
+  const auto t0 = Clock::now();
+  ASSERT_TRUE((*rig)->gen(0).Cancel(1).ok());
+  auto st = (*rig)->gen(1).Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kError) << st[0].reason.ToString();
+  EXPECT_LT(Clock::now() - t0, milliseconds(1000)) << "generation rank 1 waited for its deadline";
+}
+
+// Found by the matrix: a context rank that ends a request told only the generation ranks that had
+// not said DONE; those that had waited for a COMPLETE that never came, until their deadlines.
+TEST(FaultMatrixFindings, GenerationRanksThatSaidDoneAreToldWhenTheRequestEnds) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(3000);
+  RigInstance ctx{Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 16};
+  RigInstance gen{Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 16};
+  auto rig = FaultRig::Create(ctx, gen, o);
+  ASSERT_TRUE(rig.ok()) << rig.status().ToString();
+  // Generation rank 0 never sees its first chunk: it can't finish; rank 1 does, and says DONE.
+  (*rig)->faulty(false, 0).Arm(FaultSpec{FaultStep::kData, 1, FaultKind::kDrop, milliseconds(1)});
+  auto h = (*rig)->Publish(1, Blocks(0), kTokens, 0, false);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*rig)->Fetch(*h, Blocks(3), 0).ok());
+  std::this_thread::sleep_for(milliseconds(100));
+  const auto t0 = Clock::now();
+  ASSERT_TRUE((*rig)->gen(0).Cancel(1).ok());
+  auto st = (*rig)->gen(1).Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kError) << st[0].reason.ToString();
+  EXPECT_LT(Clock::now() - t0, milliseconds(1000)) << "generation rank 1 waited for its deadline";
+}
+
 std::vector<Cell> AllCells() {
   std::vector<Cell> cells;
   for (FaultKind kind : kAllFaultKinds) {
