@@ -24,9 +24,10 @@ struct SendPair {
   PeerId peer = kAnyPeer;
   uint32_t transfer_id = 0;
   PairPlan plan;
-  size_t next = 0;    // next chunk to start
-  size_t credit = 0;  // the receiver has posted chunks [0, credit)
-  bool done = false;  // DONE received
+  size_t next = 0;          // next chunk to start
+  size_t credit = 0;        // the receiver has posted chunks [0, credit)
+  bool done = false;        // DONE received
+  bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
   std::deque<SendOp> inflight;
   bool drained() const { return next == plan.chunks.size() && inflight.empty(); }
 };
@@ -175,11 +176,14 @@ class ContextSideImpl final : public ContextSide, public Engine {
       });
       if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
         CtxRequest& r = requests_.at(a->request_id);
+        p->done = true;  // it will not send DONE
+        p->peer_ended = true;
+        // The other generation ranks can't complete without this one: tell them now rather
+        // than leave them to their deadlines.
         End(r, TransferState::kError,
             Status(static_cast<StatusCode>(a->code),
                    fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
-            false);
-        p->done = true;  // it will not send DONE
+            true);
       }
       return;
     }
@@ -553,7 +557,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
       for (SendOp& s : p.inflight) {
         if (s.op && !s.op->Done()) transport_->Cancel(*s.op);
       }
-      if (tell_peers && !p.done) {
+      // Generation ranks that said DONE wait for COMPLETE, which will not come: they are told too.
+      if (tell_peers && !p.peer_ended) {
         SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  std::string(r.reason.message())});
       }
