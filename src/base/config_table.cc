@@ -83,6 +83,22 @@ constexpr KnobDecl kKnobs[] = {
     {"tiering.io_timeout_ms", KnobType::kInt, "30000",
      "how long the block manager waits for file-tier I/O on the eviction and onboard paths", 1,
      3600 * 1000, ""},
+    {"cuda.copy_engine_min_row_bytes", KnobType::kInt, "65536",
+     "2-D fragments with rows narrower than this go to the gather kernel even when their total "
+     "reaches cuda.copy_kernel_threshold (the copy engine is slow on narrow rows); 0: never",
+     0, kMaxInt, ""},
+    {"cuda.copy_engine_directions", KnobType::kString, "none",
+     "small fragments (below cuda.copy_kernel_threshold) in these directions go to the copy "
+     "engine in one cudaMemcpyBatchAsync instead of the gather kernel",
+     0, 0, "none|h2d|d2h|both"},
+    {"cuda.batch_copies", KnobType::kBool, "true",
+     "submit a batch's copy-engine fragments with one cudaMemcpyBatchAsync (CUDA 12.8+) instead "
+     "of one cudaMemcpyAsync each",
+     0, 0, ""},
+    {"cuda.gather_max_blocks", KnobType::kInt, "0",
+     "thread blocks of one gather-kernel launch; 0: two per SM, so kernels of two copy streams "
+     "(offload and onboard) run side by side instead of one after the other",
+     0, 65535, ""},
 };
 
 }  // namespace

@@ -80,9 +80,11 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
 
 }  // namespace
 
-cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, cudaStream_t stream) {
+cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, uint32_t max_blocks,
+                         cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  const uint32_t blocks = std::min(count, kMaxBlocks);
+  const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
+  const uint32_t blocks = std::min(count, cap);
   GatherKernel<<<blocks, kThreads, 0, stream>>>(descs, count);
   return cudaGetLastError();
 }
