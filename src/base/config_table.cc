@@ -99,6 +99,13 @@ constexpr KnobDecl kKnobs[] = {
      "thread blocks of one gather-kernel launch; 0: two per SM, so kernels of two copy streams "
      "(offload and onboard) run side by side instead of one after the other",
      0, 65535, ""},
+    {"tiering.device_staging", KnobType::kString, "auto",
+     "primary <-> host copies of fragmented blocks go through device staging (a device-local "
+     "gather, then one contiguous link copy per block): auto = on GPUs, where it helps",
+     0, 0, "auto|always|never"},
+    {"tiering.device_staging_blocks", KnobType::kInt, "32",
+     "device staging per copy stream, in blocks (larger batches go through it in chunks)", 1,
+     1 << 20, ""},
 };
 
 }  // namespace
