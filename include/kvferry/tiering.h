@@ -124,6 +124,7 @@ struct TransferStats {
   int64_t bytes = 0;  // bytes copied by streams (partial copies count what they copy)
   int64_t file_writes = 0, file_write_errors = 0;
   int64_t file_reads = 0, file_read_errors = 0;
+  int64_t file_jobs_queued = 0;  // file batches waiting for or running on the I/O thread
 };
 
 class TransferManager {
@@ -170,6 +171,9 @@ class TransferManager {
   int64_t tier_blocks(Tier tier) const;  // capacity in blocks (slots for the file tier)
   int64_t file_staging_blocks() const;   // the largest file batch
   bool device_staged() const;            // primary <-> host copies go through device staging
+  // File staging blocks free now: a file batch of at most this many blocks is queued without
+  // waiting (Move waits for staging otherwise). Staging only frees up between calls.
+  int64_t file_staging_free() const;
   TransferStats stats() const;
 
   struct Impl;

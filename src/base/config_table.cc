@@ -81,8 +81,9 @@ constexpr KnobDecl kKnobs[] = {
     {"tiering.partial_reuse", KnobType::kBool, "true",
      "reuse the leading tokens of a partially matching cached block by copying them", 0, 0, ""},
     {"tiering.io_timeout_ms", KnobType::kInt, "30000",
-     "how long the block manager waits for file-tier I/O on the eviction and onboard paths", 1,
-     3600 * 1000, ""},
+     "file-tier I/O of the block manager older than this is abandoned (counted and logged; its "
+     "slots stay leased until it ends)",
+     1, 3600 * 1000, ""},
     {"cuda.copy_engine_min_row_bytes", KnobType::kInt, "65536",
      "2-D fragments with rows narrower than this go to the gather kernel even when their total "
      "reaches cuda.copy_kernel_threshold (the copy engine is slow on narrow rows); 0: never",
@@ -106,6 +107,14 @@ constexpr KnobDecl kKnobs[] = {
     {"tiering.device_staging_blocks", KnobType::kInt, "32",
      "device staging per copy stream, in blocks (larger batches go through it in chunks)", 1,
      1 << 20, ""},
+    {"tiering.free_low_pct", KnobType::kInt, "5",
+     "background tiering: below this percent of free blocks (primary, host), LRU victims move "
+     "down a tier ahead of need",
+     0, 100, ""},
+    {"tiering.free_high_pct", KnobType::kInt, "10",
+     "background tiering: victims move down until this percent of blocks is free (0: only on "
+     "demand)",
+     0, 100, ""},
 };
 
 }  // namespace

@@ -773,9 +773,15 @@ bool TransferManager::has_tier(Tier tier) const {
 int64_t TransferManager::tier_blocks(Tier tier) const { return impl_->Blocks(tier); }
 int64_t TransferManager::file_staging_blocks() const { return impl_->staging_blocks; }
 bool TransferManager::device_staged() const { return impl_->dstaging_blocks > 0; }
+int64_t TransferManager::file_staging_free() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->staging_blocks - impl_->staging_used;
+}
 TransferStats TransferManager::stats() const {
   std::lock_guard lock(impl_->mu);
-  return impl_->stats;
+  TransferStats s = impl_->stats;
+  s.file_jobs_queued = static_cast<int64_t>(impl_->jobs.size()) + (impl_->worker_busy ? 1 : 0);
+  return s;
 }
 
 }  // namespace kvferry
