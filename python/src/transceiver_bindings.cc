@@ -112,6 +112,14 @@ class PySide {
     return f(*side_);
   }
 
+  // Runs f(side) under the shared lock; the caller has released the GIL.
+  template <typename F>
+  auto Locked(F&& f) {
+    std::shared_lock lock(mu_);
+    if (!side_) throw ClosedError(name_);
+    return f(*side_);
+  }
+
   void close() {
     {
       nb::gil_scoped_release nogil;
@@ -308,6 +316,46 @@ void BindTransceiver(nb::module_& m) {
           "Starts fetching the request named in `handle` (bytes) into `blocks`; the first "
           "`reused_blocks` are already held and not moved. Later failures arrive through poll.");
   CommonMethods(gen);
+
+  m.def(
+      "_fetch_wait_loop",
+      [](PyContext& ctx, PyGeneration& gen, std::vector<int64_t> ctx_blocks,
+         std::vector<int64_t> gen_blocks, int64_t tokens, int iterations, uint64_t first_id,
+         double timeout) {
+        std::vector<double> out;
+        Status failed;
+        nb::gil_scoped_release nogil;
+        ctx.Locked([&](ContextSide& c) {
+          return gen.Locked([&](GenerationSide& g) {
+            for (int i = 0; i < iterations && failed.ok(); ++i) {
+              const uint64_t id = first_id + static_cast<uint64_t>(i);
+              auto h = c.MarkReady(id, ctx_blocks, tokens);
+              if (!h.ok()) {
+                failed = h.status();
+                break;
+              }
+              const Deadline d = DeadlineAfter(timeout);
+              const auto t0 = Clock::now();
+              failed = g.Fetch(*h, gen_blocks, 0);
+              std::vector<TransferStatus> st;
+              while (failed.ok() && st.empty() && Clock::now() < d) st = g.Poll(1, d);
+              const auto t1 = Clock::now();
+              if (failed.ok() && (st.empty() || st[0].state != TransferState::kComplete)) {
+                failed = Status::Internal("request " + std::to_string(id) + " did not complete");
+              }
+              c.Poll(1, d);
+              out.push_back(std::chrono::duration<double>(t1 - t0).count());
+            }
+            return 0;
+          });
+        });
+        Check(failed);  // StatusError propagates; nanobind translates it with the GIL back
+        return out;
+      },
+      nb::arg("ctx"), nb::arg("gen"), nb::arg("ctx_blocks"), nb::arg("gen_blocks"),
+      nb::arg("tokens"), nb::arg("iterations"), nb::arg("first_id"), nb::arg("timeout"),
+      "Benchmark helper: the fetch-and-wait loop of examples/bench_python_overhead.py in C++ "
+      "(seconds per request), the same-run baseline of the Python loop.");
 }
 
 }  // namespace kvferry::py
