@@ -239,7 +239,9 @@ def generation_process(args, from_ctx, results):
         decode_s = time.perf_counter() - t2
         results.put({"who": "generation", "ok": True, "tokens": tokens, "transfer_s": transfer_s,
                      "join_s": join_s, "decode_s": decode_s, "bytes": nbytes,
-                     "slowest_request_s": slowest.seconds})
+                     "slowest_request_s": slowest.seconds,
+                     "metrics": kvferry.metrics.snapshot(
+                         {f"gen{r}": side for r, side in enumerate(sides)})})
         for s in sides:
             s.close()
         for m in ranks:
@@ -342,6 +344,7 @@ def main(argv=None):
                     "reference_prefill": ref["prefill_s"], "reference_decode": ref["decode_s"]},
         "transfer_bytes": gen.get("bytes"),
         "slowest_request_s": gen.get("slowest_request_s"),
+        "generation_metrics": gen.get("metrics"),
         "kvferry_version": kvferry.version(),
     }
     if not identical:

@@ -17,7 +17,7 @@ block; using a closed object raises :class:`ClosedError`. Failures raise subclas
 
 from __future__ import annotations
 
-from . import errors
+from . import errors, metrics
 from ._kvferry import (
     BlockManager,
     ContextSide,
@@ -66,5 +66,5 @@ __all__ = [
     "InternalError", "InvalidArgumentError", "KvShape", "NotFoundError", "ParallelConfig", "Pool",
     "RankSlice", "ResourceExhaustedError", "Stream", "Tier", "TransferBatch", "TransferManager",
     "TransferState", "TransferStatus", "UnavailableError", "build_features", "errors", "get_knob",
-    "knobs", "list_devices", "reset_knob", "set_knob", "slice_of", "transports", "version",
+    "knobs", "list_devices", "metrics", "reset_knob", "set_knob", "slice_of", "transports", "version",
 ]
