@@ -279,6 +279,17 @@ def reference(args):
     return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "hf_generate": hf}
 
 
+def jsonable(x):
+    """Strict JSON: +Inf histogram bounds become the string "+Inf"."""
+    if isinstance(x, float) and x == float("inf"):
+        return "+Inf"
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -351,7 +362,7 @@ def main(argv=None):
         report["errors"] = ctx.get("statuses", []) + gen.get("statuses", [])
         report["tokens"] = {"disaggregated": gen.get("tokens"), "reference": ref["tokens"]}
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(jsonable(report), indent=2, allow_nan=False))
     else:
         t = report["times_s"]
         print(f"model: Llama {args.layers} layers, {args.heads} heads ({args.kv_heads} KV), "
