@@ -195,6 +195,7 @@ class PySide {
     return side_ == nullptr;
   }
   SideMetrics& metrics() { return metrics_; }
+  const DeviceCore* device_core() const { return dev_.get(); }
 
  private:
   const char* name_;
@@ -342,7 +343,14 @@ void BindTransceiver(nb::module_& m) {
       .def(
           "mark_layer_ready_on",
           [](PyContext& s, uint64_t id, int32_t layer, PyEvent& event) {
-            std::shared_ptr<Event> e = event.core()->event;
+            const std::shared_ptr<EventCore>& ec = event.core();
+            if (s.closed()) throw ClosedError("ContextSide");
+            if (ec->device.get() != s.device_core()) {
+              ThrowInvalid("the event belongs to another Device object (" +
+                           ec->device->device->info().name +
+                           "); create it with the device the side was made with");
+            }
+            std::shared_ptr<Event> e = ec->event;
             Check(s.Run([&](ContextSide& x) { return x.MarkLayerReadyOn(id, layer, e); }));
           },
           nb::arg("request_id"), nb::arg("local_layer"), nb::arg("event"),

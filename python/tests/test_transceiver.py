@@ -203,3 +203,29 @@ def test_ucx_between_two_processes(cpu, small_shape):
         assert "verified" in proc.stdout
         (st,) = ctx.poll(at_least=1, timeout=20.0)
         assert st.ok, st
+
+
+def test_layer_wise_marks_and_events(cpu, small_shape):
+    inst = Instances(cpu, small_shape)
+    ctx, gen = inst.ctx[0], inst.gen[0]
+    g = kv_check.global_kv(small_shape, 2, seed=21)
+    kv_check.fill(inst.ctx_pools[0], [0, 1], g)
+    h = ctx.begin_layer_wise(3, [0, 1], 8)
+    gen.fetch(h, [4, 5])
+    ctx.mark_layers_ready(3, 2)  # 2 of 4 layers
+    assert gen.poll(at_least=1, timeout=0.2) == []  # the rest is not ready
+    stream = cpu.create_stream()
+    event = cpu.create_event()
+    stream.record(event)
+    ctx.mark_layer_ready_on(3, small_shape.layers - 1, event)
+    (st,) = gen.poll(at_least=1, timeout=10.0)
+    assert st.ok, st
+    kv_check.check(inst.gen_pools[0], [4, 5], g, 8)
+    with kvferry.Device("cpu") as other:
+        foreign = other.create_event()
+        h2 = ctx.begin_layer_wise(4, [2], 4)
+        assert h2
+        with pytest.raises(kvferry.InvalidArgumentError, match="another Device"):
+            ctx.mark_layer_ready_on(4, 0, foreign)
+    stream.close()
+    inst.close()
