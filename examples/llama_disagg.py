@@ -279,6 +279,31 @@ def reference(args):
     return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s, "hf_generate": hf}
 
 
+def bench_baseline(args, lengths):
+    """`kvferry bench transfer` on the same shape, layout, split and transport with as many
+    requests of the mean prompt length, in this run (the same-run baseline of the transfer)."""
+    import subprocess
+
+    if not args.bench or not os.path.exists(args.bench):
+        return None
+    mean = max(1, round(sum(lengths) / len(lengths)))
+    cmd = [args.bench, "bench", "transfer", "--layers", str(args.layers),
+           "--kv-heads", str(args.kv_heads), "--head-dim", str(args.hidden // args.heads),
+           "--tokens-per-block", str(args.tokens_per_block), "--dtype", "fp32",
+           "--ctx-layout", "per-layer", "--gen-layout", "per-layer", "--gen-tp", str(args.gen_tp),
+           "--requests", str(len(lengths)), "--concurrency", str(len(lengths)),
+           "--sweep", str(mean), "--transport", args.transport,
+           "--device", "cuda" if args.device.startswith("cuda") else "cpu",
+           "--no-verify", "--json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 4)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        return {"error": f"{' '.join(cmd)}: {e}"}
+    return {"command": " ".join(cmd), "bytes": row.get("bytes"), "seconds": row.get("seconds"),
+            "gbps": row.get("gbps"), "p50_ms": row.get("p50_ms")}
+
+
 def jsonable(x):
     """Strict JSON: +Inf histogram bounds become the string "+Inf"."""
     if isinstance(x, float) and x == float("inf"):
@@ -309,6 +334,10 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds, every wait")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    default_bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build",
+                                 "kvferry")
+    ap.add_argument("--bench", default=default_bench,
+                    help="kvferry binary for the same-run `bench transfer` baseline ('' = none)")
     args = ap.parse_args(argv)
     args.kv_device = "cpu" if args.device == "cpu" else (
         args.device if ":" in args.device else "cuda:0")
@@ -338,6 +367,7 @@ def main(argv=None):
             if p.is_alive():
                 p.kill()
     ctx, gen = got.get("context", {}), got.get("generation", {})
+    baseline = bench_baseline(args, [len(p) for p in prompts(args)])
     identical = gen.get("ok") and gen["tokens"] == ref["tokens"]
     report = {
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
@@ -356,6 +386,7 @@ def main(argv=None):
         "transfer_bytes": gen.get("bytes"),
         "slowest_request_s": gen.get("slowest_request_s"),
         "generation_metrics": gen.get("metrics"),
+        "bench_transfer_baseline": baseline,
         "kvferry_version": kvferry.version(),
     }
     if not identical:
@@ -376,6 +407,10 @@ def main(argv=None):
             print(f"transfer (kvferry, all prompts) {t['transfer'] * 1e3:7.1f} ms   "
                   f"{report['transfer_bytes']} bytes, {gbps:.2f} GB/s, slowest request "
                   f"{report['slowest_request_s'] * 1e3:.1f} ms")
+            if baseline and "seconds" in baseline:
+                print(f"  same run, kvferry bench transfer (same shape, layout, split, "
+                      f"transport; {baseline['bytes']} bytes): {baseline['seconds'] * 1e3:.1f} ms,"
+                      f" {baseline['gbps']:.2f} GB/s")
             if args.gen_tp > 1:
                 print(f"join of the TP halves (copy)   {t['join'] * 1e3:8.1f} ms")
             print(f"decode (generation process)    {t['decode'] * 1e3:8.1f} ms   "
