@@ -364,6 +364,13 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  if (cfg.timeout.count() < 1)
+    return Status::InvalidArgument(
+        fmt::format("--timeout-ms {} must be at least 1", cfg.timeout.count()));
+  if (cfg.crash_ctx_rank < -1 || cfg.crash_ctx_rank >= cfg.ctx.world_size())
+    return Status::InvalidArgument(
+        fmt::format("--crash-ctx-rank {} is not a context rank (0 to {}, or -1 for none)",
+                    cfg.crash_ctx_rank, cfg.ctx.world_size() - 1));
   for (int64_t t : cfg.prompt_tokens) {
     if (cfg.shared_prefix_blocks < 0 ||
         t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
