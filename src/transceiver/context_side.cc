@@ -176,8 +176,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
       if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
         CtxRequest& r = requests_.at(a->request_id);
         End(r, TransferState::kError,
-            Status(static_cast<StatusCode>(a->code),
-                   fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
+            PeerStatus(a->code,
+                       fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
             false);
         p->done = true;  // it will not send DONE
       }
