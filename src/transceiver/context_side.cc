@@ -181,8 +181,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
         // The other generation ranks can't complete without this one: tell them now rather
         // than leave them to their deadlines.
         End(r, TransferState::kError,
-            Status(static_cast<StatusCode>(a->code),
-                   fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
+            PeerStatus(a->code,
+                       fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
             true);
       }
       return;

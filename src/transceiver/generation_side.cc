@@ -147,33 +147,36 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
 
  protected:
-  void OnControl(PeerId, ControlMsg msg) override {
+  void OnControl(PeerId from, ControlMsg msg) override {
+    // A pair hears only from its own context rank: another peer can't accept, complete or end
+    // someone else's transfer (transfer ids are small numbers, easily guessed).
     auto find = [&](uint64_t id, uint32_t tid) -> std::pair<GenRequest*, RecvPair*> {
       auto it = requests_.find(id);
       if (it == requests_.end()) return {nullptr, nullptr};
       for (RecvPair& p : it->second.pairs) {
-        if (p.transfer_id == tid) return {&it->second, &p};
+        if (p.transfer_id == tid && p.peer == from) return {&it->second, &p};
       }
       return {nullptr, nullptr};
     };
     if (auto* a = std::get_if<AcceptMsg>(&msg)) {
       if (auto [r, p] = find(a->request_id, a->transfer_id); p) p->accepted = true;
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
-      if (auto [r, p] = find(c->request_id, c->transfer_id); p) p->completed_ack = true;
+      // COMPLETE answers every generation rank's DONE, ours included: one before it is void.
+      if (auto [r, p] = find(c->request_id, c->transfer_id); p && p->done_sent) {
+        p->completed_ack = true;
+      }
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
       if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(j->code),
-                   fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
+            PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
       if (auto [r, p] = find(b->request_id, b->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(b->code),
-                   fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
+            PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
             true);
       }
     }
