@@ -55,6 +55,10 @@ struct CtxRequest {
   Clock::time_point ended_at;
 };
 
+// FETCHes for requests this rank does not know yet wait (transfer.unknown_request_wait_ms) in a
+// bounded list: a peer sending fetches for made-up ids can't grow it without bound.
+constexpr size_t kMaxPendingFetches = 1024;
+
 struct PendingFetch {
   PeerId from;
   FetchMsg fetch;
@@ -263,7 +267,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
     const KvShape& shape = pool_.shape();
     if (tokens < 1)
       return Status::InvalidArgument(fmt::format("prompt_tokens={} must be positive", tokens));
-    int64_t needed = (tokens + shape.tokens_per_block - 1) / shape.tokens_per_block;
+    const int64_t needed =
+        tokens / shape.tokens_per_block + (tokens % shape.tokens_per_block != 0 ? 1 : 0);
     if (static_cast<int64_t>(blocks.size()) < needed) {
       return Status::InvalidArgument(fmt::format("{} tokens need {} blocks of {} tokens; {} given",
                                                  tokens, needed, shape.tokens_per_block,
@@ -330,6 +335,13 @@ class ContextSideImpl final : public ContextSide, public Engine {
             peer, f,
             Status::InvalidArgument(fmt::format(
                 "request {} was already delivered and released (replayed handle)", f.request_id)));
+      }
+      if (pending_.size() >= kMaxPendingFetches) {
+        return Reject(peer, f,
+                      Status::Unavailable(fmt::format(
+                          "request {} is unknown to context rank {} and {} fetches for unknown "
+                          "requests are already waiting (the limit)",
+                          f.request_id, pool_.slice().rank, kMaxPendingFetches)));
       }
       pending_.push_back(
           PendingFetch{peer, std::move(f), credit, Clock::now() + options_.unknown_request_wait});
