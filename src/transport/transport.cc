@@ -1,7 +1,10 @@
 #include "transport/transport.h"
 
+#include <algorithm>
+
 #include "kvferry_build_config.h"
 #include "transport/inproc_transport.h"
+#include "transport/ucx_info.h"
 
 namespace kvferry {
 
@@ -31,7 +34,8 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& opt
 #if KVFERRY_HAVE_UCX
     return CreateUcxTransport(options);
 #else
-    return Status::Unavailable("transport 'ucx' is not compiled in (libucx-dev not found)");
+    return Status::Unavailable(
+        "transport 'ucx' is not compiled in (the libucx-cu13 wheel was not found: scripts/setup)");
 #endif
   }
   if (options.name == "mpi") {
@@ -63,5 +67,25 @@ Status WaitOp(Transport& transport, TransportOp& op, Deadline deadline) {
   }
   return op.status();
 }
+
+bool UcxRuntimeInfo::cuda() const {
+  return std::find(memory_types.begin(), memory_types.end(), "cuda") != memory_types.end();
+}
+
+std::string DescribeUcxRuntime(const UcxRuntimeInfo& info) {
+  std::string s = "UCX " + info.version + " from " + info.library_path + ":";
+  for (const auto& t : info.transports) s += " " + t.transport + "/" + t.device;
+  s += "; memory";
+  for (size_t i = 0; i < info.memory_types.size(); ++i) {
+    s += (i ? "," : " ") + info.memory_types[i];
+  }
+  return s;
+}
+
+#if !KVFERRY_HAVE_UCX
+StatusOr<UcxRuntimeInfo> QueryUcxRuntime() {
+  return Status::Unavailable("ucx is not compiled in (the libucx-cu13 wheel was not found)");
+}
+#endif
 
 }  // namespace kvferry

@@ -164,6 +164,7 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   t->progress_spin_ = static_cast<int>(Config::Global().Int("ucx.progress_spin"));
   t->peer_errors_ = Config::Global().String("ucx.error_mode") == "peer";
 
+  ucx_detail::PrepareUcx();
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read").WithContext("ucx transport");
