@@ -28,6 +28,13 @@ StatusOr<std::unique_ptr<TransportOp>> Transport::Flush(PeerId) {
   return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
 }
 
+StatusOr<std::unique_ptr<TransportOp>> Transport::Get(PeerId, void*, size_t, MemoryKind, uint64_t,
+                                                      std::span<const std::byte>) {
+  return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
+}
+
+std::string Transport::DescribePeer(PeerId) { return caps().name; }
+
 StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options) {
   if (options.name == "inproc") return CreateInProcTransport(options);
   if (options.name == "ucx") {
