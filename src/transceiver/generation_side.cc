@@ -135,8 +135,15 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
         auto peer = transport_->Connect(h.addresses[c], r.deadline);
         if (!peer.ok()) {
-          return peer.status().WithContext(
+          Status why = peer.status().WithContext(
               fmt::format("request {}: context rank {}", h.request_id, c));
+          // The context ranks already asked would hold the request's blocks leased until their
+          // deadline: tell them it is off.
+          for (const RecvPair& sent : r.pairs) {
+            SendMsg(sent.peer, AbortMsg{r.id, sent.transfer_id, static_cast<uint8_t>(why.code()),
+                                        std::string(why.message())});
+          }
+          return why;
         }
         p.peer = *peer;
         f.transfer_id = p.transfer_id;
@@ -211,9 +218,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         busy |= AdvancePair(r, p);
         local_done &= p.accepted && p.completed == p.plan.chunks.size();
         all_done &= p.completed_ack;
-        drained &= p.inflight.empty() && (!p.watch || p.watch->Done());
-        if (p.watch && !p.watch->Done() && (r.ending || p.completed_ack))
+        // The watch stays until nothing of ours waits for this context rank to stop putting.
+        if (p.watch && !p.watch->Done() && (p.completed_ack || (r.ending && p.inflight.empty())))
           transport_->Cancel(*p.watch);
+        drained &= p.inflight.empty() && (!p.watch || p.watch->Done());
       }
       // Every chunk from every context rank is in place: tell them all.
       if (!r.ending && local_done) {
@@ -365,7 +373,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (op.ok()) p.watch = std::move(op).value();
     }
     if (p.watch && p.watch->Done() && !p.watch->status().ok() &&
-        p.watch->status().code() != StatusCode::kCancelled && !r.ending && !p.completed_ack) {
+        p.watch->status().code() != StatusCode::kCancelled && !p.closed && !p.completed_ack) {
       p.closed = true;  // it can no longer put
       End(r, TransferState::kError,
           Status::Unavailable(fmt::format("context rank {} is unreachable ({})", p.ctx_rank,

@@ -24,7 +24,6 @@
 
 #include <cstdint>
 #include <limits>
-#include <limits>
 #include <memory>
 #include <vector>
 
