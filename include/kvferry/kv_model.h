@@ -41,6 +41,9 @@ struct KvShape {
   bool operator==(const KvShape&) const = default;
 };
 
+// The most ranks (tp * pp) one instance may have; ParallelConfig::Validate refuses more.
+inline constexpr int32_t kMaxWorldSize = 1 << 16;
+
 // How an instance is split. Ranks are numbered pp_rank * tp + tp_rank (TP fastest).
 // With attention data parallelism, the TP ranks form dp_size groups of tp / dp_size ranks; each
 // group serves its own requests and splits heads among its tp / dp_size ranks.

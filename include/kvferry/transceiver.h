@@ -59,6 +59,11 @@ struct TransceiverStats {
   double busy_cpu_seconds = 0;  // progress-thread CPU time in iterations that did work
                                 // (control plane, posting and completing operations); idle
                                 // polling is not counted
+  // Leak checks (tests, `kvferry soak`): requests not yet terminal here (their blocks are
+  // leased), and staging slots held by chunks being packed, moved or unpacked. Both are 0 once
+  // every request this side knew has been reported terminal.
+  int64_t live_requests = 0;
+  int64_t staging_slots_in_use = 0;
 };
 
 struct TransceiverOptions {

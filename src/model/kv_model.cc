@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
+
+#include "base/checked.h"
 
 namespace kvferry {
 
@@ -74,11 +77,21 @@ Status KvShape::Validate() const {
         fmt::format("tokens_per_block={} must be at least 1", tokens_per_block));
   }
   if (DTypeSize(dtype) == 0) return Status::InvalidArgument("unknown dtype");
+  // Every size derived from a shape is at most a block's bytes times a block count: the block
+  // itself must fit in int64 (a pool's total is checked where its block count is known).
+  if (!CheckedProduct(
+          {layers, kv_factor, kv_heads, head_dim, DTypeSize(dtype), tokens_per_block})) {
+    return Status::InvalidArgument(fmt::format(
+        "layers={} * kv_factor={} * kv_heads={} * head_dim={} * {} bytes * tokens_per_block={} "
+        "(bytes of one block) overflows int64",
+        layers, kv_factor, kv_heads, head_dim, DTypeSize(dtype), tokens_per_block));
+  }
   return Status::Ok();
 }
 
 int64_t KvShape::BytesPerToken() const {
-  return int64_t{layers} * kv_factor * kv_heads * head_dim * DTypeSize(dtype);
+  // -1 for a shape whose size overflows (Validate refuses it).
+  return CheckedProduct({layers, kv_factor, kv_heads, head_dim, DTypeSize(dtype)}).value_or(-1);
 }
 
 std::string KvShape::ToString() const {
@@ -102,6 +115,10 @@ std::vector<int32_t> ParallelConfig::ResolvedStageLayers(int32_t layers) const {
 Status ParallelConfig::Validate(const KvShape& shape) const {
   if (tp < 1) return Status::InvalidArgument(fmt::format("tp={} must be at least 1", tp));
   if (pp < 1) return Status::InvalidArgument(fmt::format("pp={} must be at least 1", pp));
+  if (tp > kMaxWorldSize / pp) {
+    return Status::InvalidArgument(
+        fmt::format("tp={} * pp={} exceeds the limit of {} ranks", tp, pp, kMaxWorldSize));
+  }
   if (pp > shape.layers) {
     return Status::InvalidArgument(
         fmt::format("pp={} exceeds layers={}: every pipeline stage needs at least one layer", pp,
@@ -226,6 +243,29 @@ int64_t RegionElements(const PoolDims& d, const PoolStrides& s, RegionSplit spli
   return last + 1;
 }
 
+// The region's bytes, computed with checked arithmetic: kInvalidArgument naming the dims when
+// they overflow int64 (positive dims and non-negative strides assumed).
+Status CheckRegionBytes(const PoolDims& d, const PoolStrides& s, RegionSplit split,
+                        int64_t element_bytes) {
+  std::optional<int64_t> last = 0;
+  for (int a = 0; a < kNumAxes && last; ++a) {
+    if (IsRegionAxis(split, a)) continue;
+    auto step = CheckedMul<int64_t>(d[a] - 1, s[a]);
+    last = step ? CheckedAdd(*last, *step) : std::nullopt;
+  }
+  if (last) last = CheckedAdd<int64_t>(*last, 1);
+  if (last) last = CheckedMul(*last, element_bytes);
+  // Offsets of whole regions (one per layer and/or kv) must fit as well.
+  if (last && IsRegionAxis(split, kLayerAxis)) last = CheckedMul(*last, d[kLayerAxis]);
+  if (last && IsRegionAxis(split, kKvAxis)) last = CheckedMul(*last, d[kKvAxis]);
+  if (!last) {
+    return Status::InvalidArgument(
+        fmt::format("pool (blk,L,kv,h,t,d)={}:{} of {}-byte elements: its size overflows int64", d,
+                    s, element_bytes));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::string_view LayoutKindName(LayoutKind kind) {
@@ -333,6 +373,12 @@ StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
       return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
   }
   if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
+  // Named layouts are dense: a region spans at most the product of all dims.
+  if (!CheckedProduct({dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], element_bytes})) {
+    return Status::InvalidArgument(fmt::format(
+        "pool dims (blk,L,kv,h,t,d)={} of {}-byte elements: the pool's size overflows int64", dims,
+        element_bytes));
+  }
   switch (kind) {
     case LayoutKind::kBlockMajor:
       return BlockMajor(dims, element_bytes);
@@ -399,8 +445,9 @@ StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides&
           "spanned by the axes with smaller strides",
           dims, strides, a, strides[a], covered));
     }
-    covered = strides[a] * dims[a];
+    covered = CheckedMul(strides[a], dims[a]).value_or(INT64_MAX);
   }
+  KVF_RETURN_IF_ERROR(CheckRegionBytes(dims, strides, split, element_bytes));
   PoolStrides clean = strides;
   for (int a = 0; a < kNumAxes; ++a) {
     if (IsRegionAxis(split, a)) clean[a] = 0;

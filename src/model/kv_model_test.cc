@@ -258,5 +258,49 @@ TEST(PoolLayout, ExtentsCoverExactlyTheBox) {
   }
 }
 
+// ---- hostile sizes: refused with a named error, never wrapped (signed overflow is UB) --------
+
+TEST(KvShape, SizesThatOverflowAreRefused) {
+  KvShape huge{1 << 30, 1 << 30, 1 << 30, DType::kFp32, 2, 1 << 30};
+  Status st = huge.Validate();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("overflows int64"), std::string_view::npos) << st.ToString();
+  EXPECT_EQ(huge.BytesPerToken(), -1);
+  // A block that just fits is fine; one token per block more overflows.
+  KvShape edge{1 << 20, 1, 1 << 20, DType::kInt8, 1, 1 << 22};  // 2^62 bytes per block
+  EXPECT_TRUE(edge.Validate().ok()) << edge.Validate().ToString();
+  edge.tokens_per_block = 1 << 23;
+  EXPECT_FALSE(edge.Validate().ok());
+}
+
+TEST(ParallelConfig, WorldSizeBeyondTheLimitIsRefused) {
+  KvShape shape{1 << 20, 1, 8, DType::kBf16, 1, 4};
+  ParallelConfig p{1 << 16, 1 << 16, {}, 1, 0};  // tp * pp = 2^32 would wrap int32 to 0
+  Status st = p.Validate(shape);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("tp=65536 * pp=65536"), std::string_view::npos) << st.ToString();
+  EXPECT_FALSE(SliceOf(shape, p, 0).ok());
+  p = ParallelConfig{kMaxWorldSize, 1, {}, 1, 0};
+  EXPECT_TRUE(p.Validate(shape).ok());
+}
+
+TEST(PoolLayout, DimsWhoseSizeOverflowsAreRefused) {
+  PoolDims dims{int64_t{1} << 40, 80, 2, 8, 32, 128};  // 2^40 blocks of 5 MiB
+  for (LayoutKind k : {LayoutKind::kBlockMajor, LayoutKind::kPerLayer}) {
+    auto l = PoolLayout::Make(k, dims, 2);
+    ASSERT_FALSE(l.ok()) << LayoutKindName(k);
+    EXPECT_NE(l.status().message().find("overflows int64"), std::string_view::npos)
+        << l.status().ToString();
+  }
+  EXPECT_TRUE(PoolLayout::Make(LayoutKind::kBlockMajor, {1 << 20, 80, 2, 8, 32, 128}, 2).ok());
+  // Custom strides: each axis steps over the ones below, and the last one runs off int64.
+  PoolStrides strides{int64_t{1} << 50, 1 << 20, 1 << 19, 1 << 16, 1 << 7, 1};
+  auto c = PoolLayout::Custom({1 << 14, 2, 2, 8, 512, 128}, strides, false, 2);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("overflows int64"), std::string_view::npos)
+      << c.status().ToString();
+  EXPECT_TRUE(PoolLayout::Custom({4, 2, 2, 8, 512, 128}, strides, false, 2).ok());
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -24,6 +24,8 @@
 #include <array>
 #include <optional>
 
+#include "base/checked.h"
+
 namespace kvferry {
 namespace {
 
@@ -50,12 +52,21 @@ Status CheckSide(std::string_view side, const InstanceDesc& d) {
     return Status::InvalidArgument(
         fmt::format("{}: pool_blocks={} must be at least 1", side, d.pool_blocks));
   }
+  // Every offset the plan computes lies inside one rank's pool, which holds at most a whole
+  // model's block per block id: that product must fit in int64 (a peer's pool_blocks is data).
+  const KvShape& sh = d.shape;
+  if (!CheckedProduct({d.pool_blocks, sh.layers, sh.kv_factor, sh.kv_heads, sh.head_dim,
+                       sh.tokens_per_block, sh.ElementBytes()})) {
+    return Status::InvalidArgument(
+        fmt::format("{}: pool_blocks={} blocks of {} bytes overflow int64", side, d.pool_blocks,
+                    sh.BytesPerToken() * sh.tokens_per_block));
+  }
   return Status::Ok();
 }
 
 int64_t NeededBlocks(const PlanInput& in) {
   const int64_t tpb = in.ctx.shape.tokens_per_block;
-  return (in.prompt_tokens + tpb - 1) / tpb;
+  return in.prompt_tokens / tpb + (in.prompt_tokens % tpb != 0 ? 1 : 0);  // no overflow
 }
 
 // Block ids: inside the pool, and no id twice among the request's first `needed` blocks.
@@ -65,21 +76,38 @@ Status CheckBlocks(std::string_view side, const std::vector<int64_t>& blocks, in
     return Status::InvalidArgument(
         fmt::format("{} has {} blocks but the prompt needs {}", side, blocks.size(), needed));
   }
-  std::vector<uint64_t> seen(static_cast<size_t>((pool_blocks + 63) / 64), 0);
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t b = blocks[i];
     if (b < 0 || b >= pool_blocks) {
       return Status::InvalidArgument(fmt::format(
           "{}[{}]: block id {} is outside the pool's [0, {})", side, i, b, pool_blocks));
     }
-    if (static_cast<int64_t>(i) >= needed) continue;
-    uint64_t& word = seen[static_cast<size_t>(b / 64)];
-    const uint64_t bit = uint64_t{1} << (b % 64);
-    if (word & bit) {
-      return Status::InvalidArgument(
-          fmt::format("{}[{}]: block id {} appears twice in the request", side, i, b));
+  }
+  // Duplicates among the first `needed` ids. A bitmap over the pool when that is small next to
+  // the request; else a sort: pool_blocks may come from a peer, so it never sizes memory alone.
+  const auto first = blocks.begin();
+  const auto last = first + needed;
+  if (pool_blocks / 64 <= needed + 4096) {
+    std::vector<uint64_t> seen(static_cast<size_t>(pool_blocks / 64 + 1), 0);
+    for (auto it = first; it != last; ++it) {
+      uint64_t& word = seen[static_cast<size_t>(*it / 64)];
+      const uint64_t bit = uint64_t{1} << (*it % 64);
+      if (word & bit) {
+        return Status::InvalidArgument(
+            fmt::format("{}[{}]: block id {} appears twice in the request", side, it - first, *it));
+      }
+      word |= bit;
     }
-    word |= bit;
+    return Status::Ok();
+  }
+  std::vector<int64_t> sorted(first, last);
+  std::sort(sorted.begin(), sorted.end());
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    const auto at = std::find(first, last, *dup);
+    const auto again = std::find(at + 1, last, *dup);
+    return Status::InvalidArgument(
+        fmt::format("{}[{}]: block id {} appears twice in the request", side, again - first, *dup));
   }
   return Status::Ok();
 }
@@ -264,7 +292,11 @@ class Chunker {
         one_layer_(in.layer_wise),
         out_(out) {}
 
+  // True when the pair needs more than kMaxChunksPerPair chunks (the plan is then refused).
+  bool too_many() const { return too_many_; }
+
   void Add(const Piece& p) {
+    if (too_many_) return;
     if (pending_ && TryMerge(*pending_, p, one_layer_)) return;
     if (pending_) Place(*pending_);
     pending_ = p;
@@ -286,6 +318,7 @@ class Chunker {
     if (p.bytes >= direct_min_) {  // each row is contiguous on both sides and big: direct
       open_ = nullptr;
       for (int64_t r = 0; r < p.rows; ++r) {
+        if (!Room()) return;
         Chunk& c = out_.chunks.emplace_back();
         c.direct = true;
         c.last_layer = p.layer;
@@ -314,10 +347,10 @@ class Chunker {
         Append(part);
         row += part.rows;
       } else if (p.bytes <= chunk_bytes_) {
-        Open(p);
+        if (!Open(p)) return;
       } else {  // a row larger than a chunk: split it by bytes
         for (int64_t off = 0; off < p.bytes;) {
-          if (!open_ || open_->bytes == chunk_bytes_) Open(p);
+          if ((!open_ || open_->bytes == chunk_bytes_) && !Open(p)) return;
           Piece part = p;
           part.rows = 1;
           part.src_pitch = part.dst_pitch = 0;
@@ -332,11 +365,22 @@ class Chunker {
     }
   }
 
-  // Opens a packed chunk, reserving room for as many pieces like `p` as fit.
-  void Open(const Piece& p) {
+  // False (and too_many_ set) when one more chunk would exceed kMaxChunksPerPair.
+  bool Room() {
+    if (static_cast<int64_t>(out_.chunks.size()) < kMaxChunksPerPair) return true;
+    too_many_ = true;
+    open_ = nullptr;
+    return false;
+  }
+
+  // Opens a packed chunk, reserving room for as many pieces like `p` as fit; false when the pair
+  // has too many chunks already.
+  bool Open(const Piece& p) {
+    if (!Room()) return false;
     open_ = &out_.chunks.emplace_back();
     open_->pieces.reserve(
         static_cast<size_t>(std::min<int64_t>(chunk_bytes_ / p.total() + 1, 4096)));
+    return true;
   }
 
   void Append(const Piece& part) {
@@ -351,6 +395,7 @@ class Chunker {
   const bool one_layer_;
   PairPlan& out_;
   std::optional<Piece> pending_;
+  bool too_many_ = false;
   Chunk* open_ = nullptr;  // the packed chunk being filled (always out_.chunks.back())
 };
 
@@ -443,8 +488,15 @@ StatusOr<std::vector<RankSlice>> GroupSlices(const InstanceDesc& d,
   return out;
 }
 
+Status TooManyChunks(const RankSlice& c, const RankSlice& g, const PlanInput& in) {
+  return Status::InvalidArgument(fmt::format(
+      "context rank {} -> generation rank {}: more than {} chunks of at most chunk_bytes={} "
+      "(direct_min_bytes={}); use larger chunks",
+      c.rank, g.rank, kMaxChunksPerPair, in.chunk_bytes, in.direct_min_bytes));
+}
+
 // Plans one pair; returns false when the pair exchanges nothing.
-bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out) {
+StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
   // Layers both hold.
@@ -460,10 +512,12 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
   if (in.gen_reused_blocks >= cx.needed) return false;
 
   const int64_t eb = shape.ElementBytes();
-  const PoolLayout cl =
-      *PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb);
-  const PoolLayout gl =
-      *PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb);
+  KVF_ASSIGN_OR_RETURN(
+      const PoolLayout cl,
+      PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
+  KVF_ASSIGN_OR_RETURN(
+      const PoolLayout gl,
+      PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb));
   const Side src = MakeSide(cl, l0 - c.layer_begin, h0 - c.head_begin);
   const Side dst = MakeSide(gl, l0 - g.layer_begin, h0 - g.head_begin);
 
@@ -495,8 +549,14 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
   out.chunks.clear();
   {
     const int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * tpb;
+    // Fits: at most the bytes of the request's distinct blocks in a pool (CheckSide).
     const int64_t pair_bytes = (l1 - l0) * shape.kv_factor * (h1 - h0) * moved_tokens * row_bytes;
-    out.chunks.reserve(static_cast<size_t>(pair_bytes / in.chunk_bytes + 1));
+    // Nothing can go direct: the chunk count is known now (no need to build a plan to refuse).
+    if (in.direct_min_bytes > pair_bytes && pair_bytes / in.chunk_bytes >= kMaxChunksPerPair) {
+      return TooManyChunks(c, g, in);
+    }
+    out.chunks.reserve(
+        static_cast<size_t>(std::min(pair_bytes / in.chunk_bytes + 1, kMaxChunksPerPair)));
   }
   // Enumerated axes outside the block loop when that lets runs of blocks merge into one piece
   // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
@@ -564,6 +624,7 @@ bool PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPla
     }
   }
   chunker.Finish();
+  if (chunker.too_many()) return TooManyChunks(c, g, in);
   return true;
 }
 
@@ -586,7 +647,8 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
   for (const RankSlice& c : cx.ctx) {
     for (const RankSlice& g : cx.gen) {
       PairPlan pair;
-      if (PlanPair(cx, c, g, pair)) pairs.push_back(std::move(pair));
+      KVF_ASSIGN_OR_RETURN(bool exchanges, PlanPair(cx, c, g, pair));
+      if (exchanges) pairs.push_back(std::move(pair));
     }
   }
   return pairs;

@@ -36,6 +36,11 @@
 
 namespace kvferry {
 
+// The most chunks one (context rank, generation rank) pair may exchange: a chunk's index travels
+// in the low 20 bits of its data tag (transceiver/messages.h, kChunkTagBits). A plan needing more
+// (tiny chunk_bytes for a large request) is refused with kInvalidArgument.
+inline constexpr int64_t kMaxChunksPerPair = int64_t{1} << 20;
+
 // One side of a transfer: an instance's model, split and pool layout.
 struct InstanceDesc {
   KvShape shape;

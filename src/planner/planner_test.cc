@@ -292,6 +292,52 @@ TEST(PlannerErrors, BadBlocks) {
   EXPECT_TRUE(PlanTransfer(in).ok());
 }
 
+// A peer's pool_blocks, prompt_tokens and chunk_bytes are data: they may not size memory or
+// overflow the plan's arithmetic.
+TEST(PlannerErrors, HostileSizesAreBoundedNotAllocated) {
+  PlanInput in = SmallInput();
+  auto small = PlanTransfer(in);
+  ASSERT_TRUE(small.ok());
+  // A context pool of 2^40 blocks: planned without a bitmap over the pool (block-major offsets do
+  // not depend on the block count, so the plan is the same).
+  in.ctx.pool_blocks = int64_t{1} << 40;
+  auto big = PlanTransfer(in);
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  EXPECT_EQ(big->pairs, small->pairs);
+  in.ctx_blocks[0] = in.ctx.pool_blocks - 1;  // ids far apart still check for duplicates
+  in.ctx_blocks[2] = in.ctx.pool_blocks - 1;
+  ExpectError(in, {"ctx_blocks[2]", "twice"});
+  // A pool whose bytes overflow int64.
+  in = SmallInput();
+  in.gen.pool_blocks = int64_t{1} << 60;
+  ExpectError(in, {"generation", "pool_blocks=1152921504606846976", "overflow int64"});
+  // A prompt near INT64_MAX: the block count is computed without overflow.
+  in = SmallInput();
+  in.prompt_tokens = INT64_MAX;
+  ExpectError(in, {"ctx_blocks has 3 blocks but the prompt needs 2305843009213693952"});
+}
+
+TEST(PlannerErrors, MoreChunksThanDataTagsCanNumberAreRefused) {
+  // 1,100 blocks of 4 KiB in one-byte chunks: 4.5 million chunks, more than the 2^20 a data tag
+  // numbers; the plan is refused instead of aliasing tags (or reserving memory per chunk).
+  KvShape shape{1, 4, 128, DType::kFp32, 2, 1};
+  PlanInput in;
+  in.ctx = {shape, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 2000};
+  in.gen = in.ctx;
+  in.prompt_tokens = 1100;
+  for (int64_t i = 0; i < 1100; ++i) {
+    in.ctx_blocks.push_back(i);
+    in.gen_blocks.push_back(1999 - i);
+  }
+  in.direct_min_bytes = INT64_MAX;
+  in.chunk_bytes = 1;
+  ExpectError(in, {"more than 1048576 chunks", "chunk_bytes=1"});
+  in.chunk_bytes = 4096;
+  EXPECT_TRUE(PlanTransfer(in).ok());
+  in.direct_min_bytes = 0;  // every row direct: one chunk per 512-byte row, within the bound
+  EXPECT_TRUE(PlanTransfer(in).ok());
+}
+
 TEST(Planner, FullyReusedPromptMovesNothing) {
   PlanInput in = SmallInput();
   in.gen_reused_blocks = 3;

@@ -24,9 +24,10 @@ struct SendPair {
   PeerId peer = kAnyPeer;
   uint32_t transfer_id = 0;
   PairPlan plan;
-  size_t next = 0;    // next chunk to start
-  size_t credit = 0;  // the receiver has posted chunks [0, credit)
-  bool done = false;  // DONE received
+  size_t next = 0;          // next chunk to start
+  size_t credit = 0;        // the receiver has posted chunks [0, credit)
+  bool done = false;        // DONE received
+  bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
   std::deque<SendOp> inflight;
   bool drained() const { return next == plan.chunks.size() && inflight.empty(); }
 };
@@ -53,6 +54,10 @@ struct CtxRequest {
   bool ending = false;  // a terminal state is decided; waiting for operations to finish
   Clock::time_point ended_at;
 };
+
+// FETCHes for requests this rank does not know yet wait (transfer.unknown_request_wait_ms) in a
+// bounded list: a peer sending fetches for made-up ids can't grow it without bound.
+constexpr size_t kMaxPendingFetches = 1024;
 
 struct PendingFetch {
   PeerId from;
@@ -171,11 +176,14 @@ class ContextSideImpl final : public ContextSide, public Engine {
       });
       if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
         CtxRequest& r = requests_.at(a->request_id);
+        p->done = true;  // it will not send DONE
+        p->peer_ended = true;
+        // The other generation ranks can't complete without this one: tell them now rather
+        // than leave them to their deadlines.
         End(r, TransferState::kError,
             Status(static_cast<StatusCode>(a->code),
                    fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
-            false);
-        p->done = true;  // it will not send DONE
+            true);
       }
       return;
     }
@@ -259,7 +267,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
     const KvShape& shape = pool_.shape();
     if (tokens < 1)
       return Status::InvalidArgument(fmt::format("prompt_tokens={} must be positive", tokens));
-    int64_t needed = (tokens + shape.tokens_per_block - 1) / shape.tokens_per_block;
+    const int64_t needed =
+        tokens / shape.tokens_per_block + (tokens % shape.tokens_per_block != 0 ? 1 : 0);
     if (static_cast<int64_t>(blocks.size()) < needed) {
       return Status::InvalidArgument(fmt::format("{} tokens need {} blocks of {} tokens; {} given",
                                                  tokens, needed, shape.tokens_per_block,
@@ -326,6 +335,13 @@ class ContextSideImpl final : public ContextSide, public Engine {
             peer, f,
             Status::InvalidArgument(fmt::format(
                 "request {} was already delivered and released (replayed handle)", f.request_id)));
+      }
+      if (pending_.size() >= kMaxPendingFetches) {
+        return Reject(peer, f,
+                      Status::Unavailable(fmt::format(
+                          "request {} is unknown to context rank {} and {} fetches for unknown "
+                          "requests are already waiting (the limit)",
+                          f.request_id, pool_.slice().rank, kMaxPendingFetches)));
       }
       pending_.push_back(
           PendingFetch{peer, std::move(f), credit, Clock::now() + options_.unknown_request_wait});
@@ -541,7 +557,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
       for (SendOp& s : p.inflight) {
         if (s.op && !s.op->Done()) transport_->Cancel(*s.op);
       }
-      if (tell_peers && !p.done) {
+      // Generation ranks that said DONE wait for COMPLETE, which will not come: they are told too.
+      if (tell_peers && !p.peer_ended) {
         SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  std::string(r.reason.message())});
       }

@@ -158,6 +158,9 @@ void Engine::Run() {
 void Engine::SetStatus(const TransferStatus& status) {
   {
     std::lock_guard lock(status_mu_);
+    auto it = statuses_.find(status.request_id);
+    const bool was_live = it != statuses_.end() && !IsTerminal(it->second.state);
+    live_ += int{!IsTerminal(status.state)} - int{was_live};
     statuses_[status.request_id] = status;
     if (IsTerminal(status.state)) reports_.push_back(status);
   }
@@ -199,10 +202,14 @@ int Engine::AcquireSlot() {
   if (free_slots_.empty()) return -1;
   int s = free_slots_.back();
   free_slots_.pop_back();
+  ++slots_in_use_;
   return s;
 }
 
-void Engine::ReleaseSlot(int slot) { free_slots_.push_back(slot); }
+void Engine::ReleaseSlot(int slot) {
+  free_slots_.push_back(slot);
+  --slots_in_use_;
+}
 
 Event* Engine::AcquireEvent() {
   if (free_events_.empty()) {

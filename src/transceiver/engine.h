@@ -57,7 +57,8 @@ class Engine {
 
   std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
   TransceiverStats Stats() const {
-    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9};
+    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9, live_.load(),
+                            slots_in_use_.load()};
   }
   StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
 
@@ -125,6 +126,8 @@ class Engine {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
   std::atomic<int64_t> ended_{0};
+  std::atomic<int64_t> live_{0};          // requests whose last status is not terminal
+  std::atomic<int64_t> slots_in_use_{0};  // staging slots acquired, not released
   std::thread thread_;
 
   mutable std::mutex status_mu_;

@@ -107,8 +107,15 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
         auto peer = transport_->Connect(h.addresses[c], r.deadline);
         if (!peer.ok()) {
-          return peer.status().WithContext(
+          Status why = peer.status().WithContext(
               fmt::format("request {}: context rank {}", h.request_id, c));
+          // The context ranks already asked would hold the request's blocks leased until their
+          // deadline: tell them it is off.
+          for (const RecvPair& sent : r.pairs) {
+            SendMsg(sent.peer, AbortMsg{r.id, sent.transfer_id, static_cast<uint8_t>(why.code()),
+                                        std::string(why.message())});
+          }
+          return why;
         }
         p.peer = *peer;
         f.transfer_id = p.transfer_id;

@@ -7,10 +7,13 @@
 
 #include <cstring>
 #include <deque>
+#include <functional>
 
 #include "kvferry/config.h"
 #include "kvferry/testdata.h"
+#include "transceiver/engine.h"
 #include "transceiver/handle.h"
+#include "transceiver/messages.h"
 #include "transport/inproc_transport.h"
 
 namespace kvferry {
@@ -401,6 +404,130 @@ TEST(Transceiver, SilentContextTimesOutAndCancelEndsBothSides) {
   ASSERT_TRUE(c2.Fetch(h3, {2, 3}).ok());
   ExpectAllComplete(c2.Drain(0, 0, 1), 2);
   c2.Verify(10, {2, 3}, 8);
+}
+
+// A handle with a valid checksum (re-encoded) but hostile sizes: refused with the field named,
+// or served, never an abort of the generation process (a bitmap or reservation sized by them).
+TEST(Transceiver, HostileHandleSizesAreRefusedOrHarmless) {
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  auto h = cl.Publish(21, {0, 1}, 8);
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok());
+  ContextHandle hostile = *decoded;
+  hostile.pool_blocks = int64_t{1} << 60;
+  Status st = cl.Fetch(EncodeHandle(hostile), {0, 1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("pool_blocks=1152921504606846976"), std::string_view::npos)
+      << st.ToString();
+  hostile = *decoded;
+  hostile.chunk_bytes = 1;  // the generation rank plans with one-byte chunks: within bounds here
+  hostile.prompt_tokens = INT64_MAX;
+  st = cl.Fetch(EncodeHandle(hostile), {0, 1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  // A context pool of 2^40 blocks sizes nothing: the genuine request is still served.
+  hostile = *decoded;
+  hostile.pool_blocks = int64_t{1} << 40;
+  ASSERT_TRUE(cl.Fetch(EncodeHandle(hostile), {0, 1}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(21, {0, 1}, 8);
+}
+
+// A FETCH with the request's valid token but hostile sizes, sent straight to a context rank: a
+// REJECT naming the field, not an abort of the context process; the genuine fetch still works.
+TEST(Transceiver, HostileFetchWithAValidTokenIsRejected) {
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  auto h = cl.Publish(22, {0, 1}, 8);
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok());
+  auto peer_transport = cl.Transport();
+  auto peer = peer_transport->Connect(cl.ctx_[0]->address(), DeadlineIn(milliseconds(1000)));
+  ASSERT_TRUE(peer.ok());
+  auto send_and_wait_reply = [&](const FetchMsg& f) -> StatusOr<ControlMsg> {
+    EXPECT_TRUE(peer_transport->SendControl(*peer, EncodeMessage(f)).ok());
+    auto deadline = DeadlineIn(milliseconds(3000));
+    while (Clock::now() < deadline) {
+      peer_transport->Progress();
+      if (auto m = peer_transport->PollControl()) return DecodeMessage(m->bytes);
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    return Status::DeadlineExceeded("no reply");
+  };
+  FetchMsg f;
+  f.request_id = 22;
+  f.token = decoded->token;
+  f.gen_instance = 99;
+  f.gen_rank = 0;
+  f.transfer_id = 5;
+  f.shape = Shape();
+  f.parallel = {1, 1, {}, 1, 0};
+  f.prompt_tokens = 8;
+  f.chunk_bytes = 4096;
+  f.direct_min_bytes = kNoDirect;
+  f.blocks = {0, 1};
+  struct Hostile {
+    const char* field;
+    std::function<void(FetchMsg&)> set;
+  };
+  const Hostile cases[] = {
+      {"pool_blocks=1152921504606846976", [](FetchMsg& m) { m.pool_blocks = int64_t{1} << 60; }},
+      {"tp=65536 * pp=65536",
+       [](FetchMsg& m) {
+         m.parallel = {1 << 16, 1 << 16, {}, 1, 0};
+         m.pool_blocks = 16;
+       }},
+      {"reused_blocks", [](FetchMsg& m) { m.reused_blocks = INT64_MIN; }},
+  };
+  for (const Hostile& c : cases) {
+    FetchMsg m = f;
+    m.pool_blocks = int64_t{1} << 40;
+    c.set(m);
+    auto reply = send_and_wait_reply(m);
+    ASSERT_TRUE(reply.ok()) << c.field << ": " << reply.status().ToString();
+    auto* rej = std::get_if<RejectMsg>(&*reply);
+    ASSERT_NE(rej, nullptr) << c.field << ": expected a REJECT";
+    EXPECT_EQ(rej->code, static_cast<uint8_t>(StatusCode::kInvalidArgument));
+    EXPECT_NE(rej->reason.find(c.field), std::string::npos) << rej->reason;
+  }
+  // A generation pool of 2^40 blocks, otherwise genuine: accepted (it sizes nothing here).
+  FetchMsg big = f;
+  big.pool_blocks = int64_t{1} << 40;
+  big.transfer_id = 6;
+  auto reply = send_and_wait_reply(big);
+  ASSERT_TRUE(reply.ok());
+  EXPECT_NE(std::get_if<AcceptMsg>(&*reply), nullptr);
+  AbortMsg abort{22, 6, static_cast<uint8_t>(StatusCode::kCancelled), "test done"};
+  ASSERT_TRUE(peer_transport->SendControl(*peer, EncodeMessage(abort)).ok());
+  auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(cs.size(), 1u);
+  EXPECT_EQ(cs[0].state, TransferState::kError);
+  // The context rank still serves: a new request goes through.
+  auto h2 = cl.Publish(23, {2, 3}, 8);
+  ASSERT_TRUE(cl.Fetch(h2, {2, 3}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(23, {2, 3}, 8);
+}
+
+// A Fetch that fails part-way (the second context rank is unreachable) tells the context rank it
+// already asked: that rank ends the request (and releases its blocks) at once, not at its deadline.
+TEST(Transceiver, PartialFetchAbortsTheContextRanksAlreadyContacted) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(20000);
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(24, {0, 1}, 8);
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok());
+  ContextHandle broken = *decoded;
+  broken.addresses[1] = "inproc:999999";  // nobody there
+  auto t0 = Clock::now();
+  Status st = cl.gen_[0]->Fetch(EncodeHandle(broken), std::vector<int64_t>{0, 1}, 0);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(cs.size(), 1u) << "context rank 0 still holds request 24";
+  EXPECT_EQ(cs[0].state, TransferState::kError);
+  EXPECT_NE(cs[0].reason.message().find("aborted"), std::string_view::npos)
+      << cs[0].reason.ToString();
+  EXPECT_LT(Clock::now() - t0, milliseconds(3000));
+  ASSERT_TRUE(cl.ctx_[1]->Cancel(24).ok());
 }
 
 }  // namespace

@@ -58,6 +58,18 @@ TEST(Handle, RefusesInconsistentFields) {
   EXPECT_FALSE(DecodeHandle(EncodeHandle(h)).ok());
 }
 
+TEST(Handle, RefusesAWorldSizeThatWouldWrap) {
+  // tp * pp = 2^32 wraps int32 to 0, which 0 addresses would have matched.
+  ContextHandle h = SampleHandle();
+  h.shape.layers = 1 << 17;
+  h.shape.kv_heads = 1;
+  h.parallel = ParallelConfig{1 << 16, 1 << 16, {}, 1, 0};
+  h.addresses.clear();
+  auto st = DecodeHandle(EncodeHandle(h)).status();  // re-sealed: a valid checksum
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("tp=65536 * pp=65536"), std::string_view::npos) << st.ToString();
+}
+
 TEST(Handle, TokenDependsOnSecretAndContents) {
   std::array<uint8_t, 16> a{1}, b{2};
   std::vector<int64_t> blocks{1, 2};

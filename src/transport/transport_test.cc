@@ -2,6 +2,7 @@
 // (inproc, ucx), plus tests of the factory and of inproc fault injection.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 
@@ -168,6 +169,46 @@ TEST(InProcTransport, KillFailsPeersOpsAndLaterOps) {
   EXPECT_EQ(a->Connect(b->LocalAddress(), DeadlineIn(milliseconds(100))).status().code(),
             StatusCode::kUnavailable);
   EXPECT_EQ(fabric->Kill("inproc:nope").code(), StatusCode::kNotFound);
+}
+
+TEST(InProcTransport, PutsAreBoundsCheckedAgainstTheRegistration) {
+  TransportOptions o;
+  o.fabric = InProcFabric::Create();
+  auto a = std::move(CreateTransport(o)).value();
+  auto b = std::move(CreateTransport(o)).value();
+  ASSERT_TRUE(a->caps().one_sided);
+  PeerId pb = std::move(a->Connect(b->LocalAddress(), DeadlineIn(milliseconds(100)))).value();
+  std::vector<std::byte> dst(64, std::byte{0x11});
+  auto reg = std::move(b->RegisterMemory(dst.data() + 16, 32, MemoryKind::kHost)).value();
+  std::vector<std::byte> src(64, std::byte{0x77});
+  const uint64_t base = reg->address();
+  const std::vector<std::byte> key(reg->PackedKey().begin(), reg->PackedKey().end());
+  auto ok = std::move(a->Put(pb, src.data(), 32, MemoryKind::kHost, base, key)).value();
+  ASSERT_TRUE(ok->Done());
+  EXPECT_TRUE(ok->status().ok()) << ok->status().ToString();
+  // One byte past either end, or a key of another transport: refused, nothing written.
+  std::fill(dst.begin(), dst.end(), std::byte{0x11});
+  for (auto [addr, n] :
+       {std::pair<uint64_t, size_t>{base + 1, 32}, {base - 1, 4}, {base + 32, 1}}) {
+    auto op = std::move(a->Put(pb, src.data(), n, MemoryKind::kHost, addr, key)).value();
+    ASSERT_TRUE(op->Done());
+    EXPECT_EQ(op->status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(op->status().message().find("outside the registration"), std::string_view::npos)
+        << op->status().ToString();
+  }
+  auto other = std::move(a->RegisterMemory(nullptr, 32, MemoryKind::kHost)).value();
+  auto wrong =
+      std::move(a->Put(pb, src.data(), 4, MemoryKind::kHost, base, other->PackedKey())).value();
+  EXPECT_EQ(wrong->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Put(pb, src.data(), 4, MemoryKind::kHost, base, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  for (std::byte x : dst) ASSERT_EQ(x, std::byte{0x11});
+  // A deregistered region takes no more puts.
+  reg.reset();
+  auto gone = std::move(a->Put(pb, src.data(), 4, MemoryKind::kHost, base, key)).value();
+  EXPECT_EQ(gone->status().code(), StatusCode::kInvalidArgument);
+  auto flush = std::move(a->Flush(pb)).value();
+  EXPECT_TRUE(flush->Done() && flush->status().ok());
 }
 
 TEST(InProcTransport, DeviceMemoryFollowsOption) {

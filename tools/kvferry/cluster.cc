@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -11,14 +10,20 @@
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
+
+#include "tools/kvferry/rank_processes.h"
 
 namespace kvferry::tools {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// How long the surviving ranks get, beyond one request deadline, after a rank process died.
+constexpr std::chrono::milliseconds kDeathGrace{3000};
 
 json ParallelJson(const ParallelConfig& p) {
   return {{"tp", p.tp},
@@ -106,52 +111,6 @@ int RunRank(const SelftestConfig& cfg, bool context, int rank) {
   return 0;
 }
 
-// Waits for children with a deadline; kills the rest when it passes or one fails hard.
-Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline,
-                    const std::function<void()>& tick) {
-  Status first;
-  size_t left = pids.size();
-  auto next_tick = Clock::now() + std::chrono::seconds(1);
-  while (left > 0) {
-    if (tick && Clock::now() >= next_tick) {
-      tick();
-      next_tick += std::chrono::seconds(1);
-    }
-    int status = 0;
-    pid_t p = waitpid(-1, &status, WNOHANG);
-    if (p > 0) {
-      --left;
-      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && first.ok()) {
-        first = Status::Internal(fmt::format("rank process {} ended with {}", p,
-                                             WIFEXITED(status)
-                                                 ? fmt::format("exit code {}", WEXITSTATUS(status))
-                                                 : fmt::format("signal {}", WTERMSIG(status))));
-      }
-      continue;
-    }
-    if (Clock::now() > deadline) {
-      for (pid_t c : pids) kill(c, SIGKILL);
-      while (waitpid(-1, nullptr, 0) > 0) {
-      }
-      return Status::DeadlineExceeded("rank processes did not finish in time; killed");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return first;
-}
-
-pid_t Spawn(const std::vector<std::string>& args) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
-    _exit(127);
-  }
-  return pid;
-}
-
 }  // namespace
 
 // "12/32 requests done (generation ranks: 12 14)" from the ranks' progress files.
@@ -174,7 +133,6 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
   fs::create_directories(dir);
   cfg.dir = dir.string();
-  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
   struct Cleanup {
     fs::path d;
     ~Cleanup() {
@@ -182,6 +140,7 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       fs::remove_all(d, ec);
     }
   } cleanup{dir};
+  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
   if (cfg.transport == "inproc") return RunInProcess(cfg);
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
   std::string exe = fs::canonical("/proc/self/exe").string();
@@ -191,23 +150,42 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
     std::ofstream f(conf);
     f << ConfigToJson(cfg);
   }
-  std::vector<pid_t> pids;
+  // Ranks, their process group and the directory: gone however this process ends.
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RankGroup> group, RankGroup::Create(dir));
   if (cfg.transport == "mpi") {
-    pids.push_back(Spawn({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                          std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", exe,
-                          "--rank-of-cluster", "mpi", "--cluster-config", conf}));
+    KVF_RETURN_IF_ERROR(
+        group->Spawn("mpirun", {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", exe,
+                                "--rank-of-cluster", "mpi", "--cluster-config", conf}));
   } else {
-    for (int r = 0; r < nc; ++r)
-      pids.push_back(
-          Spawn({exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
-    for (int r = 0; r < ng; ++r)
-      pids.push_back(
-          Spawn({exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+    for (int r = 0; r < nc; ++r) {
+      KVF_RETURN_IF_ERROR(group->Spawn(
+          fmt::format("context rank {}", r),
+          {exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
+    }
+    for (int r = 0; r < ng; ++r) {
+      KVF_RETURN_IF_ERROR(group->Spawn(
+          fmt::format("generation rank {}", r),
+          {exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+    }
   }
   auto start = Clock::now();
   std::function<void()> tick;
   if (progress) tick = [&] { PrintProgress(dir, cfg, start); };
-  Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3), tick);
+  const Deadline run_deadline = DeadlineIn(cfg.timeout * 3);
+  // Once a rank process has died, the others get one request deadline plus a grace to end what
+  // they have in flight and write their results; then the run is over (nothing waits for a
+  // request that can no longer be served).
+  std::optional<Deadline> after_death;
+  auto deadline = [&] {
+    if (!after_death) {
+      for (const RankGroup::Rank& r : group->ranks()) {
+        if (r.ended && r.wait_status != 0) after_death = DeadlineIn(cfg.timeout + kDeathGrace);
+      }
+    }
+    return after_death ? std::min(*after_death, run_deadline) : run_deadline;
+  };
+  Status waited = group->Wait(deadline, tick);
   std::vector<RankResult> out;
   int missing = 0;
   for (int r = 0; r < nc + ng; ++r) {
@@ -218,13 +196,14 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
     std::ifstream in_file(f);
     if (!in_file) {
       // A rank that died or gave up still counts: its failure shows in the summary, beside what
-      // the surviving ranks reported.
+      // the surviving ranks reported, with how its process ended.
+      const auto& procs = group->ranks();
+      const RankGroup::Rank& proc = procs[std::min<size_t>(r, procs.size() - 1)];
       RankResult dead;
       dead.context = context;
       dead.rank = rank;
       dead.failed = 1;
-      dead.errors.push_back(
-          fmt::format("left no result ({})", waited.ok() ? "exited" : waited.ToString()));
+      dead.errors.push_back(fmt::format("left no result: {}", proc.Describe()));
       out.push_back(std::move(dead));
       ++missing;
       continue;
