@@ -761,6 +761,12 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
+  if (pool.spec().layout == LayoutKind::kCustom) {
+    return Status::InvalidArgument(fmt::format(
+        "ContextSide: pool layout {} is custom: a transfer needs a named layout every rank derives "
+        "from its dims (PoolLayout presets)",
+        pool.layout().ToString()));
+  }
   auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options),
                                                 std::move(transport));
   side->InitAddress();

@@ -537,6 +537,13 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options,
     std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
+  if (pool.spec().layout == LayoutKind::kCustom) {
+    return Status::InvalidArgument(
+        fmt::format("GenerationSide: pool layout {} is custom: a transfer needs a named layout "
+                    "every rank derives "
+                    "from its dims (PoolLayout presets)",
+                    pool.layout().ToString()));
+  }
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options),
                                                    std::move(transport));
   side->InitAddress();
