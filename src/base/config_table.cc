@@ -129,6 +129,10 @@ constexpr KnobDecl kKnobs[] = {
      "background tiering: victims move down until this percent of blocks is free (0: only on "
      "demand)",
      0, 100, ""},
+    {"files.recover", KnobType::kString, "verify",
+     "slab files found at open: verify = keep every slot whose header and payload checksum "
+     "verify (reads every slot), headers = check headers only, none = forget them",
+     0, 0, "verify|headers|none"},
 };
 
 }  // namespace
