@@ -81,8 +81,40 @@ constexpr KnobDecl kKnobs[] = {
     {"tiering.partial_reuse", KnobType::kBool, "true",
      "reuse the leading tokens of a partially matching cached block by copying them", 0, 0, ""},
     {"tiering.io_timeout_ms", KnobType::kInt, "30000",
-     "how long the block manager waits for file-tier I/O on the eviction and onboard paths", 1,
-     3600 * 1000, ""},
+     "file-tier I/O of the block manager older than this is abandoned (counted and logged; its "
+     "slots stay leased until it ends)",
+     1, 3600 * 1000, ""},
+    {"cuda.copy_engine_min_row_bytes", KnobType::kInt, "65536",
+     "2-D fragments with rows narrower than this go to the gather kernel even when their total "
+     "reaches cuda.copy_kernel_threshold (the copy engine is slow on narrow rows); 0: never",
+     0, kMaxInt, ""},
+    {"cuda.copy_engine_directions", KnobType::kString, "none",
+     "small fragments (below cuda.copy_kernel_threshold) in these directions go to the copy "
+     "engine in one cudaMemcpyBatchAsync instead of the gather kernel",
+     0, 0, "none|h2d|d2h|both"},
+    {"cuda.batch_copies", KnobType::kBool, "true",
+     "submit a batch's copy-engine fragments with one cudaMemcpyBatchAsync (CUDA 12.8+) instead "
+     "of one cudaMemcpyAsync each",
+     0, 0, ""},
+    {"cuda.gather_max_blocks", KnobType::kInt, "0",
+     "thread blocks of one gather-kernel launch; 0: two per SM, so kernels of two copy streams "
+     "(offload and onboard) run side by side instead of one after the other",
+     0, 65535, ""},
+    {"tiering.device_staging", KnobType::kString, "auto",
+     "primary <-> host copies of fragmented blocks go through device staging (a device-local "
+     "gather, then one contiguous link copy per block): auto = on GPUs, where it helps",
+     0, 0, "auto|always|never"},
+    {"tiering.device_staging_blocks", KnobType::kInt, "32",
+     "device staging per copy stream, in blocks (larger batches go through it in chunks)", 1,
+     1 << 20, ""},
+    {"tiering.free_low_pct", KnobType::kInt, "5",
+     "background tiering: below this percent of free blocks (primary, host), LRU victims move "
+     "down a tier ahead of need",
+     0, 100, ""},
+    {"tiering.free_high_pct", KnobType::kInt, "10",
+     "background tiering: victims move down until this percent of blocks is free (0: only on "
+     "demand)",
+     0, 100, ""},
 };
 
 }  // namespace

@@ -204,7 +204,7 @@ TEST(PoolLayout, ExtentsCoverExactlyTheBox) {
             for (int64_t t = box.tokens.begin; t < box.tokens.end; ++t)
               for (int64_t x = 0; x < d[5]; ++x)
                 for (int b = 0; b < 2; ++b)
-                  want.insert({l.RegionOf(ly), l.ByteOffset(box.block, ly, kv, h, t, x) + b});
+                  want.insert({l.RegionOf(ly, kv), l.ByteOffset(box.block, ly, kv, h, t, x) + b});
       auto ext = l.Extents(box);
       for (size_t i = 0; i < ext.size(); ++i) {
         if (i > 0 && ext[i].region == ext[i - 1].region) {
