@@ -9,13 +9,15 @@
 namespace kvferry {
 
 StatusOr<std::unique_ptr<FaultRig>> FaultRig::Create(const RigInstance& ctx, const RigInstance& gen,
-                                                     TransceiverOptions options) {
+                                                     TransceiverOptions options,
+                                                     const std::string& transport) {
   std::unique_ptr<FaultRig> rig(new FaultRig());
   rig->device_ = OpenCpuDevice();
   rig->fabric_ = InProcFabric::Create();
   rig->ctx_spec_ = ctx;
   rig->gen_spec_ = gen;
-  const bool inproc = options.transport == "inproc";
+  options.transport = transport;
+  const bool inproc = transport == "inproc";
   options.instance_secret[0] = 42;
   auto make = [&](std::vector<FaultyTransport*>& list,
                   std::vector<std::string>& addrs) -> StatusOr<std::unique_ptr<Transport>> {

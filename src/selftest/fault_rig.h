@@ -37,11 +37,12 @@ struct RigReport {
 
 class FaultRig {
  public:
-  // options.transport: "inproc" (faults may crash a rank: InProcFabric::Kill) or "ucx" (every
-  // rank a UCX worker of this process; a crash fault does nothing). The instance secret is set
-  // here.
+  // transport: "inproc" (faults may crash a rank: InProcFabric::Kill) or "ucx" (every rank a
+  // UCX worker of this process; a crash fault does nothing); options.transport is ignored. The
+  // instance secret is set here.
   static StatusOr<std::unique_ptr<FaultRig>> Create(const RigInstance& ctx, const RigInstance& gen,
-                                                    TransceiverOptions options);
+                                                    TransceiverOptions options,
+                                                    const std::string& transport = "inproc");
   ~FaultRig();
 
   const RigInstance& spec(bool context) const { return context ? ctx_spec_ : gen_spec_; }

@@ -284,7 +284,7 @@ class Soak {
     // lost chunk fails its request rather than completing it with wrong bytes.
     o.rma = report_.epochs % 2 == 0;
     o.checksum = true;
-    KVF_ASSIGN_OR_RETURN(auto rig, FaultRig::Create(layout.ctx, layout.gen, o));
+    KVF_ASSIGN_OR_RETURN(auto rig, FaultRig::Create(layout.ctx, layout.gen, o, cfg_.transport));
     crash_armed_.clear();
     std::vector<bool> busy(cfg_.concurrency, false);
     int64_t started = 0;
