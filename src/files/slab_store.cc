@@ -99,6 +99,7 @@ struct SlotInfo {
   SlotState state = SlotState::kFree;
   SlotKey key;
   int64_t bytes = 0;
+  bool corruption_logged = false;  // a failed verification was logged (once per written content)
 };
 
 // How one slot's payload moves, decided per item before I/O.
@@ -520,6 +521,17 @@ void SlabStoreImpl::ReadWindow(std::span<const SlotRead> r, std::span<Status> ou
       std::memcpy(static_cast<std::byte*>(sr.dst) + p.body, a.tail_page(ii), p.tail);
     }
     out[i] = st.ok() ? Status::Ok() : st.WithContext(prefix + ": staging to device memory");
+  }
+  // A slot whose contents fail verification is useless to every later read: its owner drops it.
+  // Say so once per slot (and written contents), with the reason.
+  for (size_t i = 0; i < r.size(); ++i) {
+    if (out[i].code() != StatusCode::kDataLoss) continue;
+    std::lock_guard<std::mutex> l(mu_);
+    SlotInfo& info = slots_[r[i].slot];
+    if (info.corruption_logged) continue;
+    info.corruption_logged = true;
+    Log(LogLevel::kWarn, "file tier: dropping corrupt slot {} of {}: {}", r[i].slot, options_.dir,
+        out[i].message());
   }
 }
 
