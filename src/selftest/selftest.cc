@@ -20,6 +20,7 @@
 #include "kvferry/testdata.h"
 #include "kvferry/transceiver.h"
 #include "selftest/run_watch.h"
+#include "transceiver/faulty_transport.h"
 #include "transport/inproc_transport.h"
 
 namespace kvferry {
@@ -376,6 +377,22 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     return Status::InvalidArgument(
         fmt::format("--crash-ctx-rank {} is not a context rank (0 to {}, or -1 for none)",
                     cfg.crash_ctx_rank, cfg.ctx.world_size() - 1));
+  if (!cfg.fault.empty()) {
+    KVF_ASSIGN_OR_RETURN(FaultPoint f, ParseFaultPoint(cfg.fault));
+    const int world = f.context ? cfg.ctx.world_size() : cfg.gen.world_size();
+    if (f.rank >= world) {
+      return Status::InvalidArgument(
+          fmt::format("--fault {}: rank {} is outside the {} ranks of the "
+                      "{} instance",
+                      cfg.fault, f.rank, world, f.context ? "context" : "generation"));
+    }
+    if (f.spec.kind == FaultKind::kCrash && cfg.transport == "inproc") {
+      return Status::InvalidArgument(
+          fmt::format("--fault {}: a crash ends a rank's process; inproc runs every rank in one "
+                      "(use --transport ucx)",
+                      cfg.fault));
+    }
+  }
   for (int64_t t : cfg.prompt_tokens) {
     if (cfg.shared_prefix_blocks < 0 ||
         t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
@@ -386,6 +403,18 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     }
   }
   return Status::Ok();
+}
+
+// The rank's transport, wrapped in a FaultyTransport when cfg.fault names this rank. A crash
+// fault ends the process abruptly, as a crashed rank would.
+StatusOr<std::unique_ptr<Transport>> RankTransport(const SelftestConfig& cfg, bool context,
+                                                   int rank, const TransportMaker& make) {
+  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  if (cfg.fault.empty()) return transport;
+  KVF_ASSIGN_OR_RETURN(FaultPoint f, ParseFaultPoint(cfg.fault));
+  if (f.context != context || f.rank != rank) return transport;
+  return std::unique_ptr<Transport>(
+      std::make_unique<FaultyTransport>(std::move(transport), f.spec, [] { std::_Exit(3); }));
 }
 
 // What a rank's run stands on: its device, its pool (on the heap: the side and the access keep
@@ -430,7 +459,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        ContextSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
@@ -562,7 +591,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, false, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   const RankSlice me = pool.slice();

@@ -61,6 +61,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["layer_wise"] = c.layer_wise;
   j["shared_prefix_blocks"] = c.shared_prefix_blocks;
   j["crash_ctx_rank"] = c.crash_ctx_rank;
+  j["fault"] = c.fault;
   j["verify"] = c.verify;
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
@@ -85,6 +86,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.layer_wise = j["layer_wise"];
   c.shared_prefix_blocks = j["shared_prefix_blocks"];
   c.crash_ctx_rank = j["crash_ctx_rank"];
+  c.fault = j.value("fault", "");
   c.verify = j["verify"];
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());

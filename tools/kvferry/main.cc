@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
   kvferry::tools::AddSelftestCommand(app);
   kvferry::tools::AddBenchCommands(app);
   kvferry::tools::AddDemoCommands(app);
+  kvferry::tools::AddSoakCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }
