@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -18,7 +19,7 @@ namespace kvferry {
 namespace {
 
 void Check(bool ok) {
-  if (!ok) __builtin_trap();
+  if (!ok) std::abort();
 }
 
 // A refusal: one of the codes the decoders document, with a message naming what was wrong.

@@ -55,10 +55,12 @@ struct TransferStatus {
 
 // Counters of one side (one rank), for observability.
 struct TransceiverStats {
-  int64_t requests_ended = 0;   // requests that reached a terminal state
-  double busy_cpu_seconds = 0;  // progress-thread CPU time in iterations that did work
-                                // (control plane, posting and completing operations); idle
-                                // polling is not counted
+  int64_t requests_ended = 0;        // requests that reached a terminal state
+  double busy_cpu_seconds = 0;       // progress-thread CPU time in iterations that did work
+                                     // (control plane, posting and completing operations); idle
+                                     // polling is not counted
+  int64_t staging_slots_in_use = 0;  // staging chunks held by operations; 0 once every request
+                                     // has ended (anything else is a leak)
 };
 
 struct TransceiverOptions {

@@ -199,10 +199,14 @@ int Engine::AcquireSlot() {
   if (free_slots_.empty()) return -1;
   int s = free_slots_.back();
   free_slots_.pop_back();
+  ++slots_in_use_;
   return s;
 }
 
-void Engine::ReleaseSlot(int slot) { free_slots_.push_back(slot); }
+void Engine::ReleaseSlot(int slot) {
+  free_slots_.push_back(slot);
+  --slots_in_use_;
+}
 
 Event* Engine::AcquireEvent() {
   if (free_events_.empty()) {

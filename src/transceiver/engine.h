@@ -57,7 +57,7 @@ class Engine {
 
   std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
   TransceiverStats Stats() const {
-    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9};
+    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9, slots_in_use_.load()};
   }
   StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
 
@@ -125,6 +125,7 @@ class Engine {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
   std::atomic<int64_t> ended_{0};
+  std::atomic<int64_t> slots_in_use_{0};  // staging slots acquired and not yet released
   std::thread thread_;
 
   mutable std::mutex status_mu_;
