@@ -343,7 +343,8 @@ class Harness {
         break;
       }
       case 1:
-        msg = CreditMsg{r.id, tid, in.Pick<uint32_t>({1, 2, 3, 1000, UINT32_MAX})};
+        msg = CreditMsg{r.id, tid, in.Pick<uint32_t>({1, 2, 3, 1000, UINT32_MAX}),
+                        in.Pick<std::vector<uint32_t>>({{}, {0}, {kNoSlot}, {7, 0, UINT32_MAX}})};
         break;
       case 2:
         msg = DoneMsg{r.id, tid, in.Pick<int64_t>({0, 1024, -1, INT64_MAX})};
@@ -361,7 +362,12 @@ class Harness {
         msg = RejectMsg{r.id, tid, code, "hostile reject"};
         break;
       case 7:
-        msg = CreditMsg{r.id ^ 1, tid + 1, 1};  // a neighbour's request, a stale transfer
+        if (in.U8() & 1) {
+          msg = CreditMsg{r.id ^ 1, tid + 1, 1, {}};  // a neighbour's request, a stale transfer
+        } else {
+          msg = ChunkMsg{r.id, tid, in.Pick<uint32_t>({0, 1, 5, UINT32_MAX}), (in.U8() & 1) != 0,
+                         in.I64() < 0 ? 0u : 1u};
+        }
         break;
     }
     (void)hostile_->SendControl(to, EncodeMessage(msg));

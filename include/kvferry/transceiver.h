@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -55,12 +56,15 @@ struct TransferStatus {
 
 // Counters of one side (one rank), for observability.
 struct TransceiverStats {
-  int64_t requests_ended = 0;        // requests that reached a terminal state
-  double busy_cpu_seconds = 0;       // progress-thread CPU time in iterations that did work
-                                     // (control plane, posting and completing operations); idle
-                                     // polling is not counted
-  int64_t staging_slots_in_use = 0;  // staging chunks held by operations; 0 once every request
-                                     // has ended (anything else is a leak)
+  int64_t requests_ended = 0;   // requests that reached a terminal state
+  double busy_cpu_seconds = 0;  // progress-thread CPU time in iterations that did work
+                                // (control plane, posting and completing operations); idle
+                                // polling is not counted
+  // Leak checks (tests, `kvferry soak`): requests not yet terminal here (their blocks are
+  // leased), and staging slots held by chunks being packed, moved or unpacked. Both are 0 once
+  // every request this side knew has been reported terminal.
+  int64_t live_requests = 0;
+  int64_t staging_slots_in_use = 0;
 };
 
 struct TransceiverOptions {
@@ -74,6 +78,10 @@ struct TransceiverOptions {
   std::array<uint8_t, 16> instance_secret{};
   // Distinguishes generation instances (the same on all of an instance's ranks).
   uint64_t instance_id = 0;
+  // Unset: knobs transfer.rma (one-sided puts into registered pools where both transports can)
+  // and transfer.checksum (XXH3-64 per chunk, verified by the generation side: kDataLoss).
+  std::optional<bool> rma;
+  std::optional<bool> checksum;
 };
 
 class Transport;  // src/transport/transport.h

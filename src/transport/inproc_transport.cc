@@ -1,5 +1,6 @@
 #include "transport/inproc_transport.h"
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -8,6 +9,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace kvferry {
 namespace {
@@ -63,10 +65,16 @@ class Fabric final : public InProcFabric {
     size_t capacity;
     std::shared_ptr<OpState> op;
   };
+  // A region registered for one-sided access; keys name it by id.
+  struct Region {
+    std::byte* base;
+    size_t bytes;
+  };
   struct Node {
     bool alive = true;
-    std::list<PendingSend> sends;  // messages waiting for a receive at this node
-    std::list<PendingRecv> recvs;  // receives posted at this node
+    std::map<uint64_t, Region> regions;  // by registration id
+    std::list<PendingSend> sends;        // messages waiting for a receive at this node
+    std::list<PendingRecv> recvs;        // receives posted at this node
     std::deque<std::pair<std::string, std::vector<std::byte>>> control;
   };
 
@@ -106,7 +114,54 @@ class Fabric final : public InProcFabric {
   std::mutex mu;
   std::map<std::string, Node, std::less<>> nodes;  // guarded by mu
   uint64_t next_id = 0;                            // guarded by mu
+  uint64_t next_region = 1;                        // guarded by mu
 };
+
+// Key: "IPRK" + u64 registration id (little-endian).
+constexpr size_t kKeyBytes = 12;
+
+class InProcRegistration final : public MemoryRegistration {
+ public:
+  InProcRegistration(std::shared_ptr<Fabric> fabric, std::string owner, uint64_t id,
+                     std::byte* base, size_t bytes, std::vector<std::byte> owned)
+      : fabric_(std::move(fabric)),
+        owner_(std::move(owner)),
+        base_(base),
+        bytes_(bytes),
+        owned_(std::move(owned)) {
+    const char magic[4] = {'I', 'P', 'R', 'K'};
+    std::memcpy(key_.data(), magic, 4);
+    for (int i = 0; i < 8; ++i) key_[4 + i] = static_cast<std::byte>(id >> (8 * i));
+    id_ = id;
+  }
+  ~InProcRegistration() override {
+    std::lock_guard lock(fabric_->mu);
+    auto it = fabric_->nodes.find(owner_);
+    if (it != fabric_->nodes.end()) it->second.regions.erase(id_);
+  }
+  std::span<const std::byte> PackedKey() const override { return key_; }
+  uint64_t address() const override { return reinterpret_cast<uint64_t>(base_); }
+  size_t size() const override { return bytes_; }
+
+ private:
+  const std::shared_ptr<Fabric> fabric_;
+  const std::string owner_;
+  std::byte* const base_;
+  const size_t bytes_;
+  std::vector<std::byte> owned_;
+  std::array<std::byte, kKeyBytes> key_{};
+  uint64_t id_ = 0;
+};
+
+StatusOr<uint64_t> DecodeKey(std::span<const std::byte> key) {
+  if (key.size() != kKeyBytes || std::memcmp(key.data(), "IPRK", 4) != 0) {
+    return Status::InvalidArgument("inproc: not a remote key (" + std::to_string(key.size()) +
+                                   " bytes)");
+  }
+  uint64_t id = 0;
+  for (int i = 0; i < 8; ++i) id |= uint64_t(std::to_integer<uint8_t>(key[4 + i])) << (8 * i);
+  return id;
+}
 
 class InProcTransport final : public Transport {
  public:
@@ -115,7 +170,7 @@ class InProcTransport final : public Transport {
     caps_.name = "inproc";
     caps_.tag_bits = 64;
     caps_.device_memory = device_is_host;
-    caps_.one_sided = false;
+    caps_.one_sided = true;
     caps_.detects_crashed_peers = true;  // InProcFabric::Kill
     caps_.max_control_bytes = size_t{1} << 20;
     std::lock_guard lock(fabric_->mu);
@@ -241,6 +296,68 @@ class InProcTransport final : public Transport {
   }
 
   bool Progress() override { return false; }  // every match completes at once
+
+  StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
+                                                               MemoryKind kind) override {
+    KVF_RETURN_IF_ERROR(CheckKind(kind));
+    if (bytes == 0) return Status::InvalidArgument("inproc: empty registration");
+    std::vector<std::byte> owned;
+    if (ptr == nullptr) {
+      owned.resize(bytes);
+      ptr = owned.data();
+    }
+    std::lock_guard lock(fabric_->mu);
+    const uint64_t id = fabric_->next_region++;
+    fabric_->nodes[address_].regions[id] = Fabric::Region{static_cast<std::byte*>(ptr), bytes};
+    return std::unique_ptr<MemoryRegistration>(std::make_unique<InProcRegistration>(
+        fabric_, address_, id, static_cast<std::byte*>(ptr), bytes, std::move(owned)));
+  }
+
+  // Completes at once: the bytes are visible at the peer when Put returns. A key that names no
+  // live registration of the peer, or a range outside it, fails the op (nothing is written).
+  StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,
+                                             MemoryKind kind, uint64_t remote_addr,
+                                             std::span<const std::byte> rkey) override {
+    KVF_RETURN_IF_ERROR(CheckKind(kind));
+    KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
+    KVF_ASSIGN_OR_RETURN(uint64_t id, DecodeKey(rkey));
+    std::lock_guard lock(fabric_->mu);
+    if (!fabric_->nodes[address_].alive)
+      return FailedOp(Status::Unavailable("inproc transport was killed"));
+    auto it = fabric_->nodes.find(*dest);
+    if (it == fabric_->nodes.end() || !it->second.alive) {
+      return FailedOp(Status::Unavailable("inproc peer " + *dest + " is dead"));
+    }
+    auto reg = it->second.regions.find(id);
+    if (reg == it->second.regions.end()) {
+      return FailedOp(Status::InvalidArgument("inproc: remote key " + std::to_string(id) +
+                                              " names no registration of peer " + *dest));
+    }
+    const uint64_t base = reinterpret_cast<uint64_t>(reg->second.base);
+    if (remote_addr < base || remote_addr - base > reg->second.bytes ||
+        bytes > reg->second.bytes - (remote_addr - base)) {
+      return FailedOp(Status::InvalidArgument(
+          "inproc: put of " + std::to_string(bytes) + " bytes at " + std::to_string(remote_addr) +
+          " is outside the registration [" + std::to_string(base) + ", +" +
+          std::to_string(reg->second.bytes) + ") of peer " + *dest));
+    }
+    if (bytes > 0) std::memcpy(reinterpret_cast<void*>(remote_addr), local, bytes);
+    auto op = std::make_shared<OpState>();
+    op->Complete(Status::Ok(), bytes);
+    return Wrap(std::move(op));
+  }
+
+  StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer) override {
+    KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
+    std::lock_guard lock(fabric_->mu);
+    auto it = fabric_->nodes.find(*dest);
+    if (!fabric_->nodes[address_].alive || it == fabric_->nodes.end() || !it->second.alive) {
+      return FailedOp(Status::Unavailable("inproc peer " + *dest + " is dead"));
+    }
+    auto op = std::make_shared<OpState>();
+    op->Complete(Status::Ok(), 0);
+    return Wrap(std::move(op));
+  }
 
  private:
   Status CheckKind(MemoryKind kind) const {

@@ -4,7 +4,10 @@
 //
 // Semantics: matching on (peer, tag) in posting order; bytes are copied when a send meets its
 // receive (so a send completes when it is matched, like a rendezvous send); control messages are
-// queued at the receiver in order. Destroying a transport kills it.
+// queued at the receiver in order. Destroying a transport kills it. One-sided: RegisterMemory
+// hands out keys naming the region; Put copies at once after checking the key names a live
+// registration of that peer and the range lies inside it (else the op fails, nothing written);
+// Flush completes at once.
 //
 // Thread-safety: an InProcFabric is thread-safe; each transport is thread-compatible (one owner
 // thread), and transports of one fabric may be driven by different threads.

@@ -2,6 +2,7 @@
 // (inproc, ucx), plus tests of the factory and of inproc fault injection.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 
@@ -170,6 +171,46 @@ TEST(InProcTransport, KillFailsPeersOpsAndLaterOps) {
   EXPECT_EQ(fabric->Kill("inproc:nope").code(), StatusCode::kNotFound);
 }
 
+TEST(InProcTransport, PutsAreBoundsCheckedAgainstTheRegistration) {
+  TransportOptions o;
+  o.fabric = InProcFabric::Create();
+  auto a = std::move(CreateTransport(o)).value();
+  auto b = std::move(CreateTransport(o)).value();
+  ASSERT_TRUE(a->caps().one_sided);
+  PeerId pb = std::move(a->Connect(b->LocalAddress(), DeadlineIn(milliseconds(100)))).value();
+  std::vector<std::byte> dst(64, std::byte{0x11});
+  auto reg = std::move(b->RegisterMemory(dst.data() + 16, 32, MemoryKind::kHost)).value();
+  std::vector<std::byte> src(64, std::byte{0x77});
+  const uint64_t base = reg->address();
+  const std::vector<std::byte> key(reg->PackedKey().begin(), reg->PackedKey().end());
+  auto ok = std::move(a->Put(pb, src.data(), 32, MemoryKind::kHost, base, key)).value();
+  ASSERT_TRUE(ok->Done());
+  EXPECT_TRUE(ok->status().ok()) << ok->status().ToString();
+  // One byte past either end, or a key of another transport: refused, nothing written.
+  std::fill(dst.begin(), dst.end(), std::byte{0x11});
+  for (auto [addr, n] :
+       {std::pair<uint64_t, size_t>{base + 1, 32}, {base - 1, 4}, {base + 32, 1}}) {
+    auto op = std::move(a->Put(pb, src.data(), n, MemoryKind::kHost, addr, key)).value();
+    ASSERT_TRUE(op->Done());
+    EXPECT_EQ(op->status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(op->status().message().find("outside the registration"), std::string_view::npos)
+        << op->status().ToString();
+  }
+  auto other = std::move(a->RegisterMemory(nullptr, 32, MemoryKind::kHost)).value();
+  auto wrong =
+      std::move(a->Put(pb, src.data(), 4, MemoryKind::kHost, base, other->PackedKey())).value();
+  EXPECT_EQ(wrong->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Put(pb, src.data(), 4, MemoryKind::kHost, base, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  for (std::byte x : dst) ASSERT_EQ(x, std::byte{0x11});
+  // A deregistered region takes no more puts.
+  reg.reset();
+  auto gone = std::move(a->Put(pb, src.data(), 4, MemoryKind::kHost, base, key)).value();
+  EXPECT_EQ(gone->status().code(), StatusCode::kInvalidArgument);
+  auto flush = std::move(a->Flush(pb)).value();
+  EXPECT_TRUE(flush->Done() && flush->status().ok());
+}
+
 TEST(InProcTransport, DeviceMemoryFollowsOption) {
   TransportOptions o;
   o.fabric = InProcFabric::Create();
@@ -196,6 +237,36 @@ TEST(Transport, OpsOutliveTheirTransport) {
 }
 
 #if KVFERRY_HAVE_UCX
+// A peer that is gone before we connect (a crashed process's address): the first ops to it
+// fail with kUnavailable within the deadline, in every error mode that detects crashes.
+TEST(UcxTransport, ConnectingToAGonePeerFailsWithinDeadline) {
+  for (const char* mode : {"split", "peer"}) {
+    ASSERT_TRUE(Config::Global().Set("ucx.error_mode", mode).ok());
+    TransportOptions o;
+    o.name = "ucx";
+    auto a = std::move(CreateTransport(o)).value();
+    std::string gone = std::move(CreateTransport(o)).value()->LocalAddress();
+    (void)Config::Global().Reset("ucx.error_mode");
+    const auto start = Clock::now();
+    auto peer = a->Connect(gone, DeadlineIn(milliseconds(2000)));
+    if (!peer.ok()) {
+      EXPECT_EQ(peer.status().code(), StatusCode::kUnavailable) << mode;
+      continue;
+    }
+    char buf[64] = {};
+    auto r = std::move(a->Recv(*peer, 1, buf, sizeof(buf), MemoryKind::kHost)).value();
+    const Status sent = a->SendControl(*peer, std::as_bytes(std::span(buf)));
+    const Status st = WaitOp(*a, *r, DeadlineIn(milliseconds(10000)));
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << mode << ": " << st.ToString();
+    std::printf("[ info ] %s: connect to a gone peer: control %s, receive failed after %lld ms\n",
+                mode, sent.ToString().c_str(),
+                static_cast<long long>(
+                    std::chrono::duration_cast<milliseconds>(Clock::now() - start).count()));
+    EXPECT_EQ(a->Connect(gone, DeadlineIn(milliseconds(100))).status().code(),
+              StatusCode::kUnavailable);
+  }
+}
+
 TEST(UcxAddress, RoundTripsAndRejectsEveryMutation) {
   std::vector<uint8_t> raw(123);
   for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(i * 37 + 1);

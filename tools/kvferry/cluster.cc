@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -11,14 +10,21 @@
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <thread>
+
+#include "selftest/run_watch.h"
+#include "tools/kvferry/rank_processes.h"
 
 namespace kvferry::tools {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+
+// How long the surviving ranks get, beyond one request deadline, after a rank process died.
+constexpr std::chrono::milliseconds kDeathGrace{3000};
 
 json ParallelJson(const ParallelConfig& p) {
   return {{"tp", p.tp},
@@ -55,6 +61,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["layer_wise"] = c.layer_wise;
   j["shared_prefix_blocks"] = c.shared_prefix_blocks;
   j["crash_ctx_rank"] = c.crash_ctx_rank;
+  j["fault"] = c.fault;
   j["verify"] = c.verify;
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
@@ -79,6 +86,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.layer_wise = j["layer_wise"];
   c.shared_prefix_blocks = j["shared_prefix_blocks"];
   c.crash_ctx_rank = j["crash_ctx_rank"];
+  c.fault = j.value("fault", "");
   c.verify = j["verify"];
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
@@ -101,55 +109,71 @@ int RunRank(const SelftestConfig& cfg, bool context, int rank) {
   if (!r.ok()) {
     std::cerr << fmt::format("kvferry {} rank {}: {}\n", context ? "context" : "generation", rank,
                              r.status().ToString());
+    // The reason reaches the summary through the result file (the parent may not see stderr).
+    RankResult failed;
+    failed.context = context;
+    failed.rank = rank;
+    failed.failed = 1;
+    failed.errors.push_back(r.status().ToString());
+    const std::string name = fmt::format("{}-{}.json", context ? "ctx" : "gen", rank);
+    std::ofstream(fs::path(cfg.dir) / (name + ".tmp")) << ResultToJson(failed);
+    std::error_code ec;
+    fs::rename(fs::path(cfg.dir) / (name + ".tmp"), fs::path(cfg.dir) / name, ec);
     return 2;
   }
   return 0;
 }
 
-// Waits for children with a deadline; kills the rest when it passes or one fails hard.
-Status WaitChildren(std::vector<pid_t>& pids, Deadline deadline,
-                    const std::function<void()>& tick) {
-  Status first;
-  size_t left = pids.size();
-  auto next_tick = Clock::now() + std::chrono::seconds(1);
-  while (left > 0) {
-    if (tick && Clock::now() >= next_tick) {
-      tick();
-      next_tick += std::chrono::seconds(1);
-    }
-    int status = 0;
-    pid_t p = waitpid(-1, &status, WNOHANG);
-    if (p > 0) {
-      --left;
-      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && first.ok()) {
-        first = Status::Internal(fmt::format("rank process {} ended with {}", p,
-                                             WIFEXITED(status)
-                                                 ? fmt::format("exit code {}", WEXITSTATUS(status))
-                                                 : fmt::format("signal {}", WTERMSIG(status))));
+// The parent's patience, from the ranks' progress files (run_watch.h): every rank's last request
+// start or end, plus a rank's stall limit and kParentGrace. Files are read at most every 250 ms.
+class ProgressDeadline {
+ public:
+  ProgressDeadline(fs::path dir, const SelftestConfig& cfg)
+      : dir_(std::move(dir)), limit_(StallLimit(cfg) + kParentGrace), last_change_(Clock::now()) {}
+  Deadline Get() {
+    auto now = Clock::now();
+    if (now >= next_read_) {
+      next_read_ = now + std::chrono::milliseconds(250);
+      std::string all;
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(dir_, ec)) {
+        if (e.path().filename().string().rfind("progress-", 0) != 0) continue;
+        std::ifstream f(e.path());
+        all += e.path().filename().string() + ":" +
+               std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
       }
-      continue;
-    }
-    if (Clock::now() > deadline) {
-      for (pid_t c : pids) kill(c, SIGKILL);
-      while (waitpid(-1, nullptr, 0) > 0) {
+      if (all != seen_) {
+        seen_ = std::move(all);
+        last_change_ = now;
       }
-      return Status::DeadlineExceeded("rank processes did not finish in time; killed");
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return last_change_ + limit_;
   }
-  return first;
-}
 
-pid_t Spawn(const std::vector<std::string>& args) {
-  pid_t pid = fork();
-  if (pid == 0) {
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    execvp(argv[0], argv.data());
-    _exit(127);
+ private:
+  const fs::path dir_;
+  const std::chrono::milliseconds limit_;
+  Clock::time_point last_change_, next_read_{};
+  std::string seen_;
+};
+
+// Why the ranks still running should stop (empty: they should not): a rank process died, or
+// every rank of one instance has ended (the other has nobody left to serve or be served by).
+std::string WhyStop(const std::vector<RankGroup::Rank>& procs, int nc, int ng) {
+  for (const RankGroup::Rank& r : procs) {
+    if (r.ended && r.wait_status != 0)
+      return fmt::format("{} (pid {}) ended: {}", r.label, r.pid, r.How());
   }
-  return pid;
+  if (procs.size() != static_cast<size_t>(nc + ng)) return {};  // one mpirun
+  auto all_ended = [&](int from, int to) {
+    for (int i = from; i < to; ++i) {
+      if (!procs[i].ended) return false;
+    }
+    return true;
+  };
+  if (all_ended(0, nc)) return "every context rank has ended";
+  if (all_ended(nc, nc + ng)) return "every generation rank has ended";
+  return {};
 }
 
 }  // namespace
@@ -174,7 +198,6 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
   fs::create_directories(dir);
   cfg.dir = dir.string();
-  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
   struct Cleanup {
     fs::path d;
     ~Cleanup() {
@@ -182,6 +205,7 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       fs::remove_all(d, ec);
     }
   } cleanup{dir};
+  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
   if (cfg.transport == "inproc") return RunInProcess(cfg);
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
   std::string exe = fs::canonical("/proc/self/exe").string();
@@ -191,25 +215,51 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
     std::ofstream f(conf);
     f << ConfigToJson(cfg);
   }
-  std::vector<pid_t> pids;
+  // Ranks, their process group and the directory: gone however this process ends.
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RankGroup> group, RankGroup::Create(dir));
   if (cfg.transport == "mpi") {
-    pids.push_back(Spawn({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                          std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", exe,
-                          "--rank-of-cluster", "mpi", "--cluster-config", conf}));
+    KVF_RETURN_IF_ERROR(
+        group->Spawn("mpirun", {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", exe,
+                                "--rank-of-cluster", "mpi", "--cluster-config", conf}));
   } else {
-    for (int r = 0; r < nc; ++r)
-      pids.push_back(
-          Spawn({exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
-    for (int r = 0; r < ng; ++r)
-      pids.push_back(
-          Spawn({exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+    for (int r = 0; r < nc; ++r) {
+      KVF_RETURN_IF_ERROR(group->Spawn(
+          fmt::format("context rank {}", r),
+          {exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
+    }
+    for (int r = 0; r < ng; ++r) {
+      KVF_RETURN_IF_ERROR(group->Spawn(
+          fmt::format("generation rank {}", r),
+          {exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+    }
   }
   auto start = Clock::now();
   std::function<void()> tick;
   if (progress) tick = [&] { PrintProgress(dir, cfg, start); };
-  Status waited = WaitChildren(pids, DeadlineIn(cfg.timeout * 3), tick);
+  ProgressDeadline progress_deadline(dir, cfg);
+  // Once a rank process has died, or every rank of one instance has ended, the others get one
+  // request deadline plus a grace to end what they have in flight and write their results; then
+  // the run is over (nothing waits for a request that can no longer be served).
+  std::optional<Deadline> wind_down;
+  auto deadline = [&] {
+    if (!wind_down) {
+      std::string why = WhyStop(group->ranks(), nc, ng);
+      if (!why.empty()) {
+        wind_down = DeadlineIn(cfg.timeout + kDeathGrace);
+        // The others start nothing more and report (run_watch.h).
+        const fs::path stop = RunWatch::StopFile(cfg);
+        std::ofstream(stop.string() + ".tmp") << why << "\n";
+        std::error_code ec;
+        fs::rename(stop.string() + ".tmp", stop, ec);
+      }
+    }
+    Deadline d = progress_deadline.Get();
+    return wind_down ? std::min(*wind_down, d) : d;
+  };
+  // Ranks killed at the deadline say so in their result below (RankGroup::Rank::Describe).
+  (void)group->Wait(deadline, tick);
   std::vector<RankResult> out;
-  int missing = 0;
   for (int r = 0; r < nc + ng; ++r) {
     const bool context = r < nc;
     const int rank = context ? r : r - nc;
@@ -218,23 +268,23 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
     std::ifstream in_file(f);
     if (!in_file) {
       // A rank that died or gave up still counts: its failure shows in the summary, beside what
-      // the surviving ranks reported.
+      // the surviving ranks reported, with how its process ended.
+      const auto& procs = group->ranks();
+      const RankGroup::Rank& proc = procs[std::min<size_t>(r, procs.size() - 1)];
       RankResult dead;
       dead.context = context;
       dead.rank = rank;
       dead.failed = 1;
-      dead.errors.push_back(
-          fmt::format("left no result ({})", waited.ok() ? "exited" : waited.ToString()));
+      const bool own = procs.size() == static_cast<size_t>(nc + ng);
+      dead.errors.push_back(fmt::format("no result (its process{}, pid {}: {})",
+                                        own ? "" : " " + proc.label, proc.pid, proc.How()));
       out.push_back(std::move(dead));
-      ++missing;
       continue;
     }
     std::string text((std::istreambuf_iterator<char>(in_file)), std::istreambuf_iterator<char>());
     KVF_ASSIGN_OR_RETURN(RankResult res, ResultFromJson(text));
     out.push_back(std::move(res));
   }
-  if (missing == nc + ng)
-    return waited.ok() ? Status::Unavailable("no rank left a result") : waited;
   return out;
 }
 
