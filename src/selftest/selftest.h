@@ -46,6 +46,10 @@ struct SelftestConfig {
   std::string fault;
   std::chrono::milliseconds timeout{60000};
   std::string dir;  // rendezvous directory
+  // GPU of each rank process (--gpus), cycled over context ranks then generation ranks; empty:
+  // the local rank modulo the visible GPUs (device "cuda"), or every rank on "cuda:N".
+  std::vector<int> gpus;
+  bool checksum = true;  // per-chunk payload checksums (transfer.checksum)
 };
 
 struct RankResult {
@@ -62,6 +66,8 @@ struct RankResult {
   std::vector<double> latencies;   // per request, seconds (generation: fetch to complete)
   double baseline_gbps = 0;        // raw transport bandwidth, same processes, same bytes (rank 0s)
   std::string baseline_name;
+  double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
+  std::string copy_name;
   std::vector<std::string> errors;  // the first few
 };
 
@@ -71,6 +77,8 @@ StatusOr<RankResult> ResultFromJson(const std::string& text);
 using TransportMaker = std::function<StatusOr<std::unique_ptr<Transport>>()>;
 
 Status ValidateSelftest(const SelftestConfig& cfg);
+// The device a rank process opens ("cpu", "cuda:N").
+std::string RankDevice(const SelftestConfig& cfg, bool context, int rank);
 // Runs one rank to the end and writes its result file. `make_transport` overrides cfg.transport
 // (the in-process transport needs a shared fabric).
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
@@ -97,6 +105,8 @@ struct SelftestSummary {
   double control_cpu_us_per_request = 0;
   double baseline_gbps = 0;
   std::string baseline_name;
+  double copy_gbps = 0;
+  std::string copy_name;
   std::vector<std::string> errors;
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);

@@ -123,6 +123,9 @@ int64_t ThreadCpuNs() {
 }  // namespace
 
 void Engine::Run() {
+  // Binds this thread to the device (CUDA: its primary context, which the transport's CUDA
+  // transports find current when they copy GPU memory).
+  (void)stream_->Query();
   auto next_tick = Clock::now();
   Deadline stop_deadline{};
   while (true) {
