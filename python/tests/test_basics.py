@@ -79,3 +79,14 @@ def test_error_hierarchy():
     e = kvferry.errors.error_for("DATA_LOSS", "slot 3 checksum")
     assert isinstance(e, kvferry.DataLossError) and e.code == "DATA_LOSS"
     assert str(e) == "DATA_LOSS: slot 3 checksum"
+
+
+def test_type_stubs_ship_with_the_package():
+    import os
+
+    pkg = os.path.dirname(kvferry.__file__)
+    assert os.path.exists(os.path.join(pkg, "py.typed"))
+    stub = open(os.path.join(pkg, "_kvferry.pyi")).read()
+    for name in ("class ContextSide", "class GenerationSide", "def fetch(", "def poll(",
+                 "class Pool", "def allocate("):
+        assert name in stub, name

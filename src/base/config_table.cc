@@ -72,11 +72,13 @@ constexpr KnobDecl kKnobs[] = {
      "UCX transports to use (UCX_TLS syntax, e.g. 'shm,tcp' or 'rc,cuda_ipc'); empty: UCX's own "
      "choice",
      0, 0, ""},
-    {"ucx.error_mode", KnobType::kString, "peer",
-     "peer: a dead peer fails pending ops (UCX 1.13 then uses TCP even on one host: no shared "
-     "memory); none: shared memory/CMA on one host, but a crashed peer is only noticed by the "
-     "caller's deadlines (an orderly shutdown is still signalled)",
-     0, 0, "peer|none"},
+    {"ucx.error_mode", KnobType::kString, "split",
+     "split: per peer a control endpoint that notices a crashed peer (error mode peer, TCP) "
+     "beside a data endpoint on the fastest transports (error mode none: shared memory, CMA, "
+     "cuda_ipc); peer: both in error mode peer (UCX then avoids shared memory: TCP on one "
+     "host); none: both in error mode none, a crashed peer is only noticed by the caller's "
+     "deadlines (an orderly shutdown is still signalled)",
+     0, 0, "split|peer|none"},
     {"ucx.keepalive_ms", KnobType::kInt, "1000",
      "UCX keepalive interval: how soon a peer that died without closing is detected", 10,
      3600 * 1000, ""},
@@ -127,6 +129,10 @@ constexpr KnobDecl kKnobs[] = {
      "background tiering: victims move down until this percent of blocks is free (0: only on "
      "demand)",
      0, 100, ""},
+    {"files.recover", KnobType::kString, "verify",
+     "slab files found at open: verify = keep every slot whose header and payload checksum "
+     "verify (reads every slot), headers = check headers only, none = forget them",
+     0, 0, "verify|headers|none"},
 };
 
 }  // namespace

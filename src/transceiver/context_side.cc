@@ -190,8 +190,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
         // The other generation ranks can't complete without this one: tell them now rather
         // than leave them to their deadlines.
         End(r, TransferState::kError,
-            Status(static_cast<StatusCode>(a->code),
-                   fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
+            PeerStatus(a->code,
+                       fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
             true);
       }
       return;
@@ -761,6 +761,12 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
+  if (pool.spec().layout == LayoutKind::kCustom) {
+    return Status::InvalidArgument(fmt::format(
+        "ContextSide: pool layout {} is custom: a transfer needs a named layout every rank derives "
+        "from its dims (PoolLayout presets)",
+        pool.layout().ToString()));
+  }
   auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options),
                                                 std::move(transport));
   side->InitAddress();

@@ -175,12 +175,14 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
 
  protected:
-  void OnControl(PeerId, ControlMsg msg) override {
+  void OnControl(PeerId from, ControlMsg msg) override {
+    // A pair hears only from its own context rank: another peer can't accept, complete or end
+    // someone else's transfer (transfer ids are small numbers, easily guessed).
     auto find = [&](uint64_t id, uint32_t tid) -> std::pair<GenRequest*, RecvPair*> {
       auto it = requests_.find(id);
       if (it == requests_.end()) return {nullptr, nullptr};
       for (RecvPair& p : it->second.pairs) {
-        if (p.transfer_id == tid) return {&it->second, &p};
+        if (p.transfer_id == tid && p.peer == from) return {&it->second, &p};
       }
       return {nullptr, nullptr};
     };
@@ -189,21 +191,22 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
       if (auto [r, p] = find(k->request_id, k->transfer_id); p) OnChunk(*r, *p, *k);
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
-      if (auto [r, p] = find(c->request_id, c->transfer_id); p) p->completed_ack = true;
+      // COMPLETE answers every generation rank's DONE, ours included: one before it is void.
+      if (auto [r, p] = find(c->request_id, c->transfer_id); p && p->done_sent) {
+        p->completed_ack = true;
+      }
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
       if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(j->code),
-                   fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
+            PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
       if (auto [r, p] = find(b->request_id, b->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(b->code),
-                   fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
+            PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
             true);
       }
     }
@@ -534,6 +537,13 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options,
     std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
+  if (pool.spec().layout == LayoutKind::kCustom) {
+    return Status::InvalidArgument(
+        fmt::format("GenerationSide: pool layout {} is custom: a transfer needs a named layout "
+                    "every rank derives "
+                    "from its dims (PoolLayout presets)",
+                    pool.layout().ToString()));
+  }
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options),
                                                    std::move(transport));
   side->InitAddress();

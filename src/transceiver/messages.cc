@@ -249,4 +249,12 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
   return out;
 }
 
+Status PeerStatus(uint8_t code, std::string message) {
+  if (code == 0 || code > static_cast<uint8_t>(StatusCode::kResourceExhausted)) {
+    return Status::Internal(
+        fmt::format("peer reported status code {} (not a failure code): {}", code, message));
+  }
+  return Status(static_cast<StatusCode>(code), std::move(message));
+}
+
 }  // namespace kvferry

@@ -133,6 +133,11 @@ using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneM
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
 StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);
 
+// The failure a peer reports in a REJECT or ABORT (code byte + reason), as a Status that is never
+// OK: code 0 (OK) or a code this build does not know becomes kInternal naming the code, so a
+// request a peer ended always ends with a reason.
+Status PeerStatus(uint8_t code, std::string message);
+
 inline uint64_t DataTag(uint32_t transfer_id, uint64_t chunk) {
   return (uint64_t{transfer_id} << kChunkTagBits) | (chunk & ((1u << kChunkTagBits) - 1));
 }

@@ -721,11 +721,14 @@ TEST(Transceiver, HostileFetchWithAValidTokenIsRejected) {
   auto reply = send_and_wait_reply(big);
   ASSERT_TRUE(reply.ok());
   EXPECT_NE(std::get_if<AcceptMsg>(&*reply), nullptr);
-  AbortMsg abort{22, 6, static_cast<uint8_t>(StatusCode::kCancelled), "test done"};
+  // An ABORT whose code byte is 0 (OK): the request still ends with a failure reason.
+  AbortMsg abort{22, 6, 0, "test done"};
   ASSERT_TRUE(peer_transport->SendControl(*peer, EncodeMessage(abort)).ok());
   auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
   ASSERT_EQ(cs.size(), 1u);
   EXPECT_EQ(cs[0].state, TransferState::kError);
+  EXPECT_EQ(cs[0].reason.code(), StatusCode::kInternal) << cs[0].reason.ToString();
+  EXPECT_NE(cs[0].reason.message().find("status code 0"), std::string_view::npos);
   // The context rank still serves: a new request goes through.
   auto h2 = cl.Publish(23, {2, 3}, 8);
   ASSERT_TRUE(cl.Fetch(h2, {2, 3}).ok());
@@ -754,6 +757,29 @@ TEST(Transceiver, PartialFetchAbortsTheContextRanksAlreadyContacted) {
       << cs[0].reason.ToString();
   EXPECT_LT(Clock::now() - t0, milliseconds(3000));
   ASSERT_TRUE(cl.ctx_[1]->Cancel(24).ok());
+}
+
+// Another peer of the fabric forges COMPLETE (and ACCEPT) for the generation rank's transfers
+// (their ids are small numbers): the request must not be reported complete before its data is
+// in place. Found by the protocol fuzzer (fuzz/corpus/protocol_fuzz/forged_complete).
+TEST(Transceiver, ForgedCompleteFromAnotherPeerIsIgnored) {
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  auto h = cl.Publish(25, {0, 1}, 8, 0, /*layer_wise=*/true);  // nothing ready: no data yet
+  ASSERT_TRUE(cl.Fetch(h, {4, 5}).ok());
+  auto hostile = cl.Transport();
+  auto peer = hostile->Connect(cl.gen_[0]->address(), DeadlineIn(milliseconds(1000)));
+  ASSERT_TRUE(peer.ok());
+  for (uint32_t tid = 0; tid < 8; ++tid) {
+    ASSERT_TRUE(hostile->SendControl(*peer, EncodeMessage(AcceptMsg{25, tid})).ok());
+    ASSERT_TRUE(hostile->SendControl(*peer, EncodeMessage(CompleteMsg{25, tid})).ok());
+  }
+  std::this_thread::sleep_for(milliseconds(100));
+  auto st = cl.gen_[0]->Query(25);
+  ASSERT_TRUE(st.ok()) << "reported before its data arrived: " << st.status().ToString();
+  EXPECT_EQ(st->state, TransferState::kInProgress);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(cl.ctx_[r]->MarkLayersReady(25, 6).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 3);
+  cl.Verify(25, {4, 5}, 8);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@ struct Flags {
   int crash_ctx_rank = -1;
   std::vector<int> gpus;
   bool checksum = true;
+  std::string fault;
   int timeout_ms = 60000;
   std::string model;
 };
@@ -71,6 +72,10 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--crash-ctx-rank", f.crash_ctx_rank,
                   "fault injection: this context rank dies after publishing its first request "
                   "(the run must end, failed, within the deadlines)");
+  cmd->add_option("--fault", f.fault,
+                  "fault injection at a protocol step: SIDE:RANK:STEP:NTH:KIND[:STALL_MS], e.g. "
+                  "ctx:1:CREDIT:3:crash (steps FETCH ACCEPT REJECT CREDIT DATA DONE COMPLETE "
+                  "ABORT; kinds crash stall drop duplicate corrupt)");
   cmd->add_option("--shared-prefix-blocks", f.shared_prefix_blocks,
                   "blocks every request shares (a system prompt): fetched once, then reused")
       ->capture_default_str();
@@ -103,6 +108,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.layer_wise = f.layer_wise;
   c.shared_prefix_blocks = f.shared_prefix_blocks;
   c.crash_ctx_rank = f.crash_ctx_rank;
+  c.fault = f.fault;
   c.verify = !f.no_verify;
   c.gpus = f.gpus;
   c.checksum = f.checksum;
