@@ -137,6 +137,7 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
     out.name = fmt::format("raw {} tag send, {} memory, {} MiB x{} in flight", t->caps().name,
                            src.where, kBaseMsg >> 20, kBaseWindow);
   }
+  out.name += " [" + t->DescribePeer(peer) + "]";  // the transports UCX picked
   KVF_RETURN_IF_ERROR(WriteText(dir / "base.done", fmt::format("{}", out.gbps)));
   // Keep the transport alive until the receiver has seen the end.
   KVF_ASSIGN_OR_RETURN(auto ack, WaitForFile(dir / "base.ack", deadline));
