@@ -95,9 +95,25 @@ class TransferBatch {
   std::shared_ptr<internal::BatchState> s_;
 };
 
+// Two-stage copies through device staging (primary <-> host, whole blocks). When the primary
+// layout scatters a block into many small fragments (per-layer pools) but a host block is one
+// contiguous range, a direct copy moves small fragments over the link (gather kernels through the
+// SMs on CUDA; offload and onboard at once then share the SMs and reach ~70% of the link). Staged,
+// a device-local gather packs each block into device staging, and the link copy is one contiguous
+// copy per block on the copy engine (one per direction), and the reverse for onboards. Per copy
+// stream: staging_blocks blocks of device memory; larger batches go through it in chunks.
+enum class DeviceStaging : uint8_t {
+  kAuto,    // on for devices whose memory is not host memory (not the CPU device), when it helps
+  kAlways,  // whenever it helps (a block fragmented on the primary side, contiguous on the host)
+  kNever,
+};
+
 struct TransferOptions {
   int64_t file_staging_blocks = 32;  // pinned staging of the file tier, in blocks
-  // Defaults from the config knobs (tiering.file_staging_blocks).
+  DeviceStaging device_staging = DeviceStaging::kAuto;
+  int64_t device_staging_blocks = 32;  // per copy stream
+  // Defaults from the config knobs (tiering.file_staging_blocks, tiering.device_staging,
+  // tiering.device_staging_blocks).
   static TransferOptions FromConfig();
 };
 
@@ -108,6 +124,7 @@ struct TransferStats {
   int64_t bytes = 0;  // bytes copied by streams (partial copies count what they copy)
   int64_t file_writes = 0, file_write_errors = 0;
   int64_t file_reads = 0, file_read_errors = 0;
+  int64_t file_jobs_queued = 0;  // file batches waiting for or running on the I/O thread
 };
 
 class TransferManager {
@@ -153,6 +170,10 @@ class TransferManager {
   bool has_tier(Tier tier) const;
   int64_t tier_blocks(Tier tier) const;  // capacity in blocks (slots for the file tier)
   int64_t file_staging_blocks() const;   // the largest file batch
+  bool device_staged() const;            // primary <-> host copies go through device staging
+  // File staging blocks free now: a file batch of at most this many blocks is queued without
+  // waiting (Move waits for staging otherwise). Staging only frees up between calls.
+  int64_t file_staging_free() const;
   TransferStats stats() const;
 
   struct Impl;

@@ -44,6 +44,18 @@ constexpr KnobDecl kKnobs[] = {
     {"transfer.max_inflight_per_pair", KnobType::kInt, "16",
      "transport operations in flight per (context rank, generation rank) pair and request", 1, 4096,
      ""},
+    {"transfer.rma", KnobType::kBool, "true",
+     "move KV by one-sided puts into the peer's registered pool and staging where both "
+     "transports can (else tagged messages)",
+     0, 0, ""},
+    {"transfer.rma_row_min_bytes", KnobType::kInt, "65536",
+     "one-sided path: fragment rows at least this long are put pool to pool; shorter ones are "
+     "packed into staging, put, and unpacked",
+     1, kMaxInt, ""},
+    {"transfer.checksum", KnobType::kBool, "false",
+     "each chunk carries an XXH3-64 of its bytes, verified on the receiver (kDataLoss on a "
+     "mismatch); host-visible pools only",
+     0, 0, ""},
     {"transfer.abort_grace_ms", KnobType::kInt, "1000",
      "after a request fails, how long a context rank waits for sends a dead peer never takes "
      "before it ends the request anyway (sends only read the blocks)",
@@ -60,11 +72,13 @@ constexpr KnobDecl kKnobs[] = {
      "UCX transports to use (UCX_TLS syntax, e.g. 'shm,tcp' or 'rc,cuda_ipc'); empty: UCX's own "
      "choice",
      0, 0, ""},
-    {"ucx.error_mode", KnobType::kString, "peer",
-     "peer: a dead peer fails pending ops (UCX 1.13 then uses TCP even on one host: no shared "
-     "memory); none: shared memory/CMA on one host, but a crashed peer is only noticed by the "
-     "caller's deadlines (an orderly shutdown is still signalled)",
-     0, 0, "peer|none"},
+    {"ucx.error_mode", KnobType::kString, "split",
+     "split: per peer a control endpoint that notices a crashed peer (error mode peer, TCP) "
+     "beside a data endpoint on the fastest transports (error mode none: shared memory, CMA, "
+     "cuda_ipc); peer: both in error mode peer (UCX then avoids shared memory: TCP on one "
+     "host); none: both in error mode none, a crashed peer is only noticed by the caller's "
+     "deadlines (an orderly shutdown is still signalled)",
+     0, 0, "split|peer|none"},
     {"ucx.keepalive_ms", KnobType::kInt, "1000",
      "UCX keepalive interval: how soon a peer that died without closing is detected", 10,
      3600 * 1000, ""},
@@ -81,8 +95,44 @@ constexpr KnobDecl kKnobs[] = {
     {"tiering.partial_reuse", KnobType::kBool, "true",
      "reuse the leading tokens of a partially matching cached block by copying them", 0, 0, ""},
     {"tiering.io_timeout_ms", KnobType::kInt, "30000",
-     "how long the block manager waits for file-tier I/O on the eviction and onboard paths", 1,
-     3600 * 1000, ""},
+     "file-tier I/O of the block manager older than this is abandoned (counted and logged; its "
+     "slots stay leased until it ends)",
+     1, 3600 * 1000, ""},
+    {"cuda.copy_engine_min_row_bytes", KnobType::kInt, "65536",
+     "2-D fragments with rows narrower than this go to the gather kernel even when their total "
+     "reaches cuda.copy_kernel_threshold (the copy engine is slow on narrow rows); 0: never",
+     0, kMaxInt, ""},
+    {"cuda.copy_engine_directions", KnobType::kString, "none",
+     "small fragments (below cuda.copy_kernel_threshold) in these directions go to the copy "
+     "engine in one cudaMemcpyBatchAsync instead of the gather kernel",
+     0, 0, "none|h2d|d2h|both"},
+    {"cuda.batch_copies", KnobType::kBool, "true",
+     "submit a batch's copy-engine fragments with one cudaMemcpyBatchAsync (CUDA 12.8+) instead "
+     "of one cudaMemcpyAsync each",
+     0, 0, ""},
+    {"cuda.gather_max_blocks", KnobType::kInt, "0",
+     "thread blocks of one gather-kernel launch; 0: two per SM, so kernels of two copy streams "
+     "(offload and onboard) run side by side instead of one after the other",
+     0, 65535, ""},
+    {"tiering.device_staging", KnobType::kString, "auto",
+     "primary <-> host copies of fragmented blocks go through device staging (a device-local "
+     "gather, then one contiguous link copy per block): auto = on GPUs, where it helps",
+     0, 0, "auto|always|never"},
+    {"tiering.device_staging_blocks", KnobType::kInt, "32",
+     "device staging per copy stream, in blocks (larger batches go through it in chunks)", 1,
+     1 << 20, ""},
+    {"tiering.free_low_pct", KnobType::kInt, "5",
+     "background tiering: below this percent of free blocks (primary, host), LRU victims move "
+     "down a tier ahead of need",
+     0, 100, ""},
+    {"tiering.free_high_pct", KnobType::kInt, "10",
+     "background tiering: victims move down until this percent of blocks is free (0: only on "
+     "demand)",
+     0, 100, ""},
+    {"files.recover", KnobType::kString, "verify",
+     "slab files found at open: verify = keep every slot whose header and payload checksum "
+     "verify (reads every slot), headers = check headers only, none = forget them",
+     0, 0, "verify|headers|none"},
 };
 
 }  // namespace

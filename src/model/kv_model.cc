@@ -255,9 +255,10 @@ Status CheckRegionBytes(const PoolDims& d, const PoolStrides& s, RegionSplit spl
   }
   if (last) last = CheckedAdd<int64_t>(*last, 1);
   if (last) last = CheckedMul(*last, element_bytes);
-  // Offsets of whole regions (one per layer and/or kv) must fit as well.
-  if (last && IsRegionAxis(split, kLayerAxis)) last = CheckedMul(*last, d[kLayerAxis]);
-  if (last && IsRegionAxis(split, kKvAxis)) last = CheckedMul(*last, d[kKvAxis]);
+  // All regions together (one per layer and/or kv when split) must fit as well.
+  for (int a = 0; a < kNumAxes && last; ++a) {
+    if (IsRegionAxis(split, a)) last = CheckedMul(*last, d[a]);
+  }
   if (!last) {
     return Status::InvalidArgument(
         fmt::format("pool (blk,L,kv,h,t,d)={}:{} of {}-byte elements: its size overflows int64", d,

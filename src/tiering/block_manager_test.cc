@@ -2,10 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
+#include "files/test_util.h"
 #include "tiering/memory_slab_store.h"
 #include "tiering/tiering_test_util.h"
 
@@ -23,8 +26,17 @@ std::vector<int32_t> Conv(int32_t c, int32_t n, int32_t from = 0) {
   return t;
 }
 
+// On-demand tiering only (no watermarks): exact, call-by-call placement for the tests below.
+BlockManagerOptions OnDemand() {
+  BlockManagerOptions o;
+  o.free_low_pct = 0;
+  o.free_high_pct = 0;
+  return o;
+}
+
 struct Env {
-  Env(int64_t primary_blocks, int64_t host_blocks, int64_t file_slots, BlockManagerOptions opt = {})
+  Env(int64_t primary_blocks, int64_t host_blocks, int64_t file_slots,
+      BlockManagerOptions opt = OnDemand(), SlabStore* store = nullptr)
       : dev(OpenCpuDevice()),
         primary(MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, primary_blocks)),
         mem(primary.layout().block_bytes(), std::max<int64_t>(file_slots, 1)),
@@ -34,8 +46,8 @@ struct Env {
     }
     TransferOptions to;
     to.file_staging_blocks = 4;
-    tm = std::move(TransferManager::Create(*dev, primary, host ? &*host : nullptr,
-                                           file_slots > 0 ? &faults : nullptr, to))
+    SlabStore* file = store != nullptr ? store : file_slots > 0 ? &faults : nullptr;
+    tm = std::move(TransferManager::Create(*dev, primary, host ? &*host : nullptr, file, to))
              .value();
     opt.identity.shape = primary.shape();
     opt.identity.model_id = "test-model";
@@ -44,9 +56,28 @@ struct Env {
     bm = std::move(b).value();
   }
   int64_t tpb() const { return primary.shape().tokens_per_block; }
-  // What an engine's prefill does: computes the KV of a sequence's blocks (request = conv).
-  void Compute(const std::vector<int64_t>& blocks, uint64_t conv, int64_t tokens) {
+  // Lets every queued copy and I/O finish and the manager retire it.
+  void Settle() {
     ASSERT_TRUE(tm->Drain(DeadlineIn(10s)).ok());
+    bm->Poll();
+  }
+  BlockKey KeyOf(int32_t conv, int32_t block) const {
+    BlockKey k = RootKey(CacheIdentity{"test-model", primary.shape(), {}, {}, 0});
+    for (int32_t b = 0; b <= block; ++b) {
+      k = NextKey(k, Conv(conv, static_cast<int32_t>(tpb()), b * static_cast<int32_t>(tpb())));
+    }
+    return k;
+  }
+  // What an engine's prefill does: computes the KV of a sequence's blocks (request = conv).
+  // With `drain` false only the copy streams are waited for, not file I/O (a stuck disk).
+  void Compute(const std::vector<int64_t>& blocks, uint64_t conv, int64_t tokens,
+               bool drain = true) {
+    if (drain) {
+      ASSERT_TRUE(tm->Drain(DeadlineIn(10s)).ok());
+    } else {
+      ASSERT_TRUE(tm->offload_stream().Synchronize(DeadlineIn(10s)).ok());
+      ASSERT_TRUE(tm->onboard_stream().Synchronize(DeadlineIn(10s)).ok());
+    }
     for (size_t i = 0; i < blocks.size(); ++i) {
       int64_t valid = std::min<int64_t>(tpb(), tokens - static_cast<int64_t>(i) * tpb());
       ASSERT_TRUE(
@@ -66,11 +97,12 @@ struct Env {
     }
   }
   // Runs a whole request: admit, compute what was not reused, release.
-  Admission Run(uint64_t id, int32_t conv, int32_t tokens, int32_t prio = kDefaultPriority) {
+  Admission Run(uint64_t id, int32_t conv, int32_t tokens, int32_t prio = kDefaultPriority,
+                bool drain = true) {
     auto a = bm->AddSequence(id, Conv(conv, tokens), prio);
     EXPECT_TRUE(a.ok()) << a.status().ToString();
     if (!a.ok()) return {};
-    Compute(a->blocks, static_cast<uint64_t>(conv), tokens);
+    Compute(a->blocks, static_cast<uint64_t>(conv), tokens, drain);
     EXPECT_TRUE(bm->RemoveSequence(id).ok());
     return *a;
   }
@@ -187,41 +219,50 @@ TEST(BlockManager, EvictionOffloadsToHostAndPrefixHitOnboards) {
   EXPECT_EQ(moved_up, 4);
 }
 
-TEST(BlockManager, CascadesHostToFileAndDropsFromTheLastTier) {
+TEST(BlockManager, CascadesToFileAndDropsFromTheLastTier) {
   Env e(2, 2, 2);
   e.Run(1, 1, 8);
   e.Run(2, 2, 8);  // conv 1 -> host
-  e.Run(3, 3, 8);  // conv 2 -> host, conv 1 -> file
+  e.Run(3, 3, 8);  // the host tier is full: conv 2 goes straight to the file tier
+  e.Settle();
   auto st = e.bm->stats();
   EXPECT_EQ(st.demoted, 2);
+  EXPECT_EQ(st.cached[1], 2);
   EXPECT_EQ(st.cached[2], 2);
-  e.Run(4, 4, 8);  // conv 3 -> host, conv 2 -> file, conv 1 dropped from the file tier
+  EXPECT_EQ(e.bm->Find(e.KeyOf(2, 0)).value().first, Tier::kFile);
+  e.Run(4, 4, 8);  // conv 3 -> file, conv 2 dropped from the file tier (the last)
+  e.Settle();
   st = e.bm->stats();
   EXPECT_EQ(st.dropped[2], 2);
   EXPECT_EQ(st.cached[0], 2);
   EXPECT_EQ(st.cached[1], 2);
   EXPECT_EQ(st.cached[2], 2);
-  auto a = e.bm->AddSequence(9, Conv(2, 8));  // conv 2 from the file tier
+  auto a = e.bm->AddSequence(9, Conv(3, 8));  // conv 3 from the file tier, read in the background
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(a->hits[2], 2);
-  EXPECT_EQ(a->reused_tokens, 8);
-  EXPECT_TRUE(a->misses.empty());
-  e.ExpectHolds(a->blocks, 2, 8);
+  auto r = e.bm->WaitReady(9, DeadlineIn(10s));
+  ASSERT_TRUE(r.ok() && r->ready);
+  EXPECT_EQ(r->reused_tokens, 8);
+  EXPECT_TRUE(r->misses.empty());
+  e.ExpectHolds(a->blocks, 3, 8);
   auto miss = e.bm->AddSequence(10, Conv(1, 8));
   ASSERT_FALSE(miss.ok());  // all primary blocks referenced by seq 9 and 10 would need 4
   EXPECT_EQ(miss.status().code(), StatusCode::kResourceExhausted);
 }
 
-TEST(BlockManager, FailedDemotionKeepsTheHostBlock) {
+TEST(BlockManager, FailedFileWriteDropsOnlyThatBlock) {
   Env e(2, 2, 4);
   e.Run(1, 1, 8);
   e.Run(2, 2, 8);  // conv 1 -> host
   e.faults.FailAllWrites(true);
-  e.Run(3, 3, 8);  // demotion of conv 1 fails: conv 1 stays in host; conv 2 dropped instead
+  e.Run(3, 3, 8);  // conv 2's write to the file tier fails: conv 2 is dropped, conv 1 stays
+  e.Settle();
   auto st = e.bm->stats();
   EXPECT_EQ(st.write_failures, 2);
   EXPECT_EQ(st.cached[1], 2);
   EXPECT_EQ(st.cached[2], 0);
+  EXPECT_EQ(st.leased_slots, 0);
+  EXPECT_EQ(e.faults.free_slots(), 4);  // the failed slots went back
   e.faults.FailAllWrites(false);
   auto a = e.bm->AddSequence(4, Conv(1, 8));
   ASSERT_TRUE(a.ok());
@@ -233,22 +274,24 @@ TEST(BlockManager, CorruptSlotIsAMissWithAReason) {
   Env e(2, 2, 4);
   e.Run(1, 1, 8);
   e.Run(2, 2, 8);
-  e.Run(3, 3, 8);  // conv 1 -> file
-  auto where = e.bm->Find(
-      NextKey(RootKey(CacheIdentity{"test-model", e.primary.shape(), {}, {}, 0}), Conv(1, 4)));
+  e.Run(3, 3, 8);  // conv 2 -> file
+  e.Settle();
+  auto where = e.bm->Find(e.KeyOf(2, 0));
   ASSERT_TRUE(where.ok());
   ASSERT_EQ(where->first, Tier::kFile);
   ASSERT_TRUE(e.mem.CorruptForTest(where->second, 3));
   e.bm->DrainEvents();
-  auto a = e.bm->AddSequence(4, Conv(1, 8));
+  auto a = e.bm->AddSequence(4, Conv(2, 8));
   ASSERT_TRUE(a.ok());
-  EXPECT_EQ(a->reused_tokens, 0);
-  ASSERT_EQ(a->misses.size(), 1u);
-  EXPECT_NE(a->misses[0].find("checksum"), std::string::npos) << a->misses[0];
+  EXPECT_EQ(a->reused_tokens, 8);  // optimistic until the reads land
+  auto r = e.bm->WaitReady(4, DeadlineIn(10s));
+  ASSERT_TRUE(r.ok() && r->ready);
+  EXPECT_EQ(r->reused_tokens, 0);
+  ASSERT_EQ(r->misses.size(), 1u);
+  EXPECT_NE(r->misses[0].find("checksum"), std::string::npos) << r->misses[0];
   bool removed = false;
   for (const KvEvent& x : e.bm->DrainEvents()) {
-    removed |= x.kind == KvEventKind::kRemoved && x.from == Tier::kFile &&
-               x.reason.find("checksum") != std::string::npos;
+    removed |= x.kind == KvEventKind::kRemoved && x.reason.find("checksum") != std::string::npos;
   }
   EXPECT_TRUE(removed);
   EXPECT_EQ(e.bm->stats().corrupt_reads, 1);
@@ -305,7 +348,7 @@ TEST(BlockManager, AppendTokensStoresBlocksAsTheyFill) {
 TEST(BlockManager, EvictionWaitsForTheComputeStream) {
   auto dev = OpenCpuDevice();
   auto compute = std::move(dev->CreateStream()).value();
-  BlockManagerOptions o;
+  BlockManagerOptions o = OnDemand();
   o.compute = compute.get();
   Env e(2, 2, 0, o);
   e.Run(1, 1, 8);
@@ -332,6 +375,237 @@ TEST(BlockManager, EvictionWaitsForTheComputeStream) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->hits[1], 2);
   e.ExpectHolds(c->blocks, 1, 8);
+}
+
+// A file tier whose reads and writes wait at a gate until the test opens it (a slow disk).
+class GatedSlabStore final : public SlabStoreWrapper {
+ public:
+  using SlabStoreWrapper::SlabStoreWrapper;
+  void Close() {
+    std::lock_guard l(mu_);
+    open_ = false;
+  }
+  void Open() {
+    {
+      std::lock_guard l(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  std::vector<Status> Write(std::span<const SlotWrite> w) override {
+    Pass();
+    return SlabStoreWrapper::Write(w);
+  }
+  std::vector<Status> Read(std::span<const SlotRead> r) override {
+    Pass();
+    return SlabStoreWrapper::Read(r);
+  }
+
+ private:
+  void Pass() {
+    std::unique_lock l(mu_);
+    cv_.wait(l, [&] { return open_; });
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+};
+
+BlockManagerOptions Watermarks(int32_t low, int32_t high) {
+  BlockManagerOptions o;
+  o.free_low_pct = low;
+  o.free_high_pct = high;
+  return o;
+}
+
+// Every conversation of a run is found again (in some tier) with its bytes; with `all` false,
+// what is found holds the right bytes (some may have been dropped).
+void ExpectAllBack(Env& e, int32_t first, int32_t last, int32_t tokens, uint64_t id,
+                   bool all = true) {
+  for (int32_t c = first; c <= last; ++c, ++id) {
+    auto a = e.bm->AddSequence(id, Conv(c, tokens));
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    auto r = e.bm->WaitReady(id, DeadlineIn(10s));
+    ASSERT_TRUE(r.ok() && r->ready);
+    if (all) {
+      EXPECT_EQ(r->reused_tokens, tokens) << "conversation " << c;
+    }
+    e.ExpectHolds(a->blocks, static_cast<uint64_t>(c), r->reused_tokens);
+    ASSERT_TRUE(e.bm->RemoveSequence(id).ok());
+  }
+}
+
+TEST(BlockManager, WatermarksKeepFreeBlocksAheadOfAllocation) {
+  Env e(8, 4, 32, Watermarks(25, 50));
+  for (int32_t c = 1; c <= 6; ++c) {
+    e.Run(c, c, 8);
+    e.Settle();
+  }
+  auto st = e.bm->stats();
+  EXPECT_GE(st.free_primary, 2);  // 25% of 8
+  EXPECT_GE(st.free_host, 1);     // 25% of 4
+  EXPECT_GT(st.background_evictions, 0);
+  EXPECT_GT(st.demoted, 0);
+  EXPECT_EQ(st.dropped[0] + st.dropped[1] + st.dropped[2], 0);
+  ExpectAllBack(e, 1, 6, 8, 100);
+}
+
+TEST(BlockManager, AllocationNeverWaitsForTheDisk) {
+  auto dev = OpenCpuDevice();
+  BlockPool probe = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 1);
+  MemorySlabStore mem(probe.layout().block_bytes(), 32);
+  GatedSlabStore gated(&mem);
+  Env e(4, 2, 0, Watermarks(25, 50), &gated);
+  gated.Close();  // every file write and read now hangs until Open()
+  for (int32_t c = 1; c <= 6; ++c) {
+    const auto t0 = Clock::now();
+    e.Run(c, c, 8, kDefaultPriority, /*drain=*/false);
+    EXPECT_LT(Clock::now() - t0, 2s) << "conversation " << c;  // would hang if it waited
+  }
+  auto st = e.bm->stats();
+  EXPECT_GT(st.file_ops_in_flight, 0);
+  EXPECT_GT(st.inflight_bytes, 0);
+  EXPECT_GT(st.leased_slots, 0);
+  EXPECT_GT(e.tm->stats().file_jobs_queued, 0);
+  gated.Open();
+  e.Settle();
+  st = e.bm->stats();
+  EXPECT_EQ(st.file_ops_in_flight, 0);
+  EXPECT_EQ(st.leased_slots, 0);
+  EXPECT_GT(st.demoted, 0);
+  ExpectAllBack(e, 1, 6, 8, 100, /*all=*/false);  // a stuck disk may have cost some blocks
+}
+
+// The fix of a bug: after an I/O deadline the manager released a file slot whose write was still
+// running (a later Allocate could hand it out again). Now the slot stays leased until the write
+// ends, however late; the operation is counted as abandoned.
+TEST(BlockManager, SlotStaysLeasedPastTheIoDeadline) {
+  auto dev = OpenCpuDevice();
+  BlockPool probe = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 1);
+  MemorySlabStore mem(probe.layout().block_bytes(), 4);
+  GatedSlabStore gated(&mem);
+  BlockManagerOptions o = OnDemand();
+  o.io_timeout = 20ms;
+  Env e(2, 2, 0, o, &gated);
+  e.Run(1, 1, 8);
+  e.Run(2, 2, 8);  // conv 1 -> host
+  gated.Close();
+  e.Run(3, 3, 8, kDefaultPriority, /*drain=*/false);  // conv 2 -> file: the write hangs
+  std::this_thread::sleep_for(60ms);
+  e.bm->Poll();
+  auto st = e.bm->stats();
+  EXPECT_GE(st.abandoned, 1);
+  EXPECT_EQ(st.leased_slots, 2);
+  EXPECT_EQ(mem.free_slots(), 2);             // not released while the write may still run
+  auto a = e.bm->AddSequence(9, Conv(2, 8));  // not readable yet: a miss, not a wait
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->hits[2], 0);
+  ASSERT_TRUE(e.bm->RemoveSequence(9).ok());
+  gated.Open();
+  e.Settle();
+  st = e.bm->stats();
+  EXPECT_EQ(st.leased_slots, 0);
+  // The write succeeded in the end: conv 2 is in the file tier.
+  EXPECT_EQ(e.bm->Find(e.KeyOf(2, 1)).value().first, Tier::kFile);
+}
+
+TEST(BlockManager, PrefetchOnboardsBeforeAdmission) {
+  auto dev = OpenCpuDevice();
+  BlockPool probe = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 1);
+  MemorySlabStore mem(probe.layout().block_bytes(), 8);
+  GatedSlabStore gated(&mem);
+  Env e(4, 2, 0, OnDemand(), &gated);
+  e.Run(1, 1, 8);
+  e.Run(2, 2, 8);
+  e.Run(3, 3, 16);  // conv 1 -> host (2 blocks), conv 2 -> file (host full)
+  e.Settle();
+  ASSERT_EQ(e.bm->Find(e.KeyOf(2, 0)).value().first, Tier::kFile);
+  ASSERT_EQ(e.bm->Find(e.KeyOf(1, 0)).value().first, Tier::kHost);
+  // Conv 2 (file): prefetched while the disk is slow; the admission is not ready until it lands.
+  gated.Close();
+  auto n = e.bm->Prefetch(Conv(2, 8));
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 2);
+  auto a = e.bm->AddSequence(10, Conv(2, 8));
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->hits[0], 2);  // found in the primary tier (arriving)
+  EXPECT_FALSE(a->ready);
+  EXPECT_FALSE(e.bm->PollReady(10).value().ready);
+  gated.Open();
+  auto r = e.bm->WaitReady(10, DeadlineIn(10s));
+  ASSERT_TRUE(r.ok() && r->ready);
+  EXPECT_EQ(r->reused_tokens, 8);
+  e.ExpectHolds(a->blocks, 2, 8);
+  // Ending a sequence while its read is in flight: the block is not freed under the read.
+  ASSERT_TRUE(e.bm->RemoveSequence(10).ok());
+  EXPECT_GE(e.bm->stats().prefetched, 2);
+}
+
+TEST(BlockManager, RemovedWhileArrivingIsFreedOnlyAfterTheRead) {
+  auto dev = OpenCpuDevice();
+  BlockPool probe = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 1);
+  MemorySlabStore mem(probe.layout().block_bytes(), 8);
+  GatedSlabStore gated(&mem);
+  Env e(2, 2, 0, OnDemand(), &gated);
+  e.Run(1, 1, 8);
+  e.Run(2, 2, 8);
+  e.Run(3, 3, 8);  // conv 2 -> file
+  e.Settle();
+  gated.Close();
+  auto a = e.bm->AddSequence(4, Conv(2, 8));
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->hits[2], 2);
+  ASSERT_TRUE(e.bm->RemoveSequence(4).ok());
+  EXPECT_EQ(e.bm->stats().free_primary, 0);  // still being written by the read
+  auto busy = e.bm->AddSequence(5, Conv(9, 8));
+  EXPECT_EQ(busy.status().code(), StatusCode::kResourceExhausted);
+  gated.Open();
+  e.Settle();
+  EXPECT_EQ(e.bm->stats().cached[0], 2);  // landed: cached in the primary tier, evictable
+  auto b = e.bm->AddSequence(6, Conv(2, 8));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->hits[0], 2);
+  e.ExpectHolds(b->blocks, 2, 8);
+}
+
+// The file tier survives a restart: a new store on the same directory finds the verified slots,
+// the new manager offers them as prefix hits, and their bytes come back intact.
+TEST(BlockManager, FileTierSurvivesARestart) {
+  testing_files::ScratchDir dir;
+  auto dev = OpenCpuDevice();
+  BlockPool probe = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 1);
+  auto open_store = [&] {
+    SlabStoreOptions so;
+    so.dir = dir.path();
+    so.slot_payload_bytes = probe.layout().block_bytes();
+    so.max_slots = 8;
+    so.slots_per_file = 4;
+    auto s = SlabStore::Open(so);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return std::move(s).value();
+  };
+  {
+    auto store = open_store();
+    Env e(2, 2, 0, OnDemand(), store.get());
+    for (int32_t c = 1; c <= 4; ++c) e.Run(c, c, 8);  // convs 2 and 3 end up in the file tier
+    e.Settle();
+    EXPECT_EQ(e.bm->stats().cached[2], 4);
+  }
+  auto store = open_store();
+  EXPECT_EQ(store->Recovered().size(), 4u);
+  Env e(2, 2, 0, OnDemand(), store.get());
+  EXPECT_EQ(e.bm->stats().recovered, 4);
+  EXPECT_EQ(e.bm->stats().cached[2], 4);
+  for (int32_t c : {2, 3}) {
+    auto a = e.bm->AddSequence(static_cast<uint64_t>(10 + c), Conv(c, 8));
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(a->hits[2], 2) << "conversation " << c;
+    auto r = e.bm->WaitReady(static_cast<uint64_t>(10 + c), DeadlineIn(10s));
+    ASSERT_TRUE(r.ok() && r->ready);
+    EXPECT_EQ(r->reused_tokens, 8);
+    e.ExpectHolds(a->blocks, static_cast<uint64_t>(c), 8);
+    ASSERT_TRUE(e.bm->RemoveSequence(static_cast<uint64_t>(10 + c)).ok());
+  }
 }
 
 }  // namespace

@@ -75,6 +75,11 @@ StatusOr<TieringDemoReport> RunTieringDemo(Device& device, const TieringDemoOpti
       const int32_t c = round % 2 == 0 ? k : o.conversations - 1 - k;
       const auto p = prompt(c);
       KVF_ASSIGN_OR_RETURN(Admission a, bm->AddSequence(seq_id, p));
+      // File reads land in the background: the final reuse once they have.
+      KVF_ASSIGN_OR_RETURN(Readiness ready,
+                           bm->WaitReady(seq_id, DeadlineIn(std::chrono::seconds(30))));
+      if (!ready.ready) return Status::DeadlineExceeded("demo: onboards still pending after 30 s");
+      a.reused_tokens = ready.reused_tokens;
       KVF_RETURN_IF_ERROR(tm->Drain(DeadlineIn(std::chrono::seconds(30))));
       rep.prompt_tokens += static_cast<int64_t>(p.size());
       rep.reused_tokens += a.reused_tokens;

@@ -30,7 +30,13 @@ std::string_view TierName(Tier tier) {
 
 TransferOptions TransferOptions::FromConfig() {
   TransferOptions o;
-  o.file_staging_blocks = Config::Global().Int("tiering.file_staging_blocks");
+  const Config& c = Config::Global();
+  o.file_staging_blocks = c.Int("tiering.file_staging_blocks");
+  const std::string staging = c.String("tiering.device_staging");
+  o.device_staging = staging == "always"  ? DeviceStaging::kAlways
+                     : staging == "never" ? DeviceStaging::kNever
+                                          : DeviceStaging::kAuto;
+  o.device_staging_blocks = c.Int("tiering.device_staging_blocks");
   return o;
 }
 
@@ -142,6 +148,13 @@ struct TransferManager::Impl {
   std::byte* staging_region[1] = {nullptr};
   tiering::TierView staging_view;
   int64_t staging_blocks = 0;
+  // Device staging of primary <-> host copies, one per copy stream (stream order makes reuse
+  // safe); see DeviceStaging in tiering.h.
+  Buffer dstaging[2];
+  std::optional<PoolLayout> dstaging_layout;
+  std::byte* dstaging_region[2][1] = {{nullptr}, {nullptr}};
+  tiering::TierView dstaging_view[2];
+  int64_t dstaging_blocks = 0;  // 0: copies go direct
 
   mutable std::mutex mu;
   std::condition_variable cv;  // staging freed, a batch recorded, the worker went idle
@@ -254,6 +267,82 @@ struct TransferManager::Impl {
       i = j;
     }
     return emitted;
+  }
+
+  // True when a primary <-> host batch goes through device staging: staging is set up and every
+  // move copies whole blocks.
+  bool Staged(Tier from, Tier to, std::span<const BlockMove> moves) const {
+    if (dstaging_blocks == 0 || from == to || from == Tier::kFile || to == Tier::kFile) {
+      return false;
+    }
+    const int64_t tpb = pools[0]->shape().tokens_per_block;
+    for (const BlockMove& mv : moves) {
+      if (mv.tokens != 0 && mv.tokens != tpb) return false;
+    }
+    return true;
+  }
+
+  // Queues a staged batch on `stream`: per chunk of staging, the gather into staging and the
+  // copy out of it (two CopyBatch calls). Returns descriptors queued; adds bytes moved.
+  StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
+                              std::span<const int32_t> toks, int64_t* bytes) {
+    size_t descs = 0;
+    const tiering::TierView& sv = views[static_cast<int>(from)];
+    const tiering::TierView& dv = views[static_cast<int>(to)];
+    const tiering::TierView& st = dstaging_view[stream];
+    for (size_t at = 0; at < moves.size(); at += static_cast<size_t>(dstaging_blocks)) {
+      const size_t n = std::min(moves.size() - at, static_cast<size_t>(dstaging_blocks));
+      auto slot = [](size_t i) { return static_cast<int64_t>(i); };
+      auto chunk_toks = toks.subspan(at, n);
+      for (int leg = 0; leg < 2; ++leg) {
+        desc.clear();
+        int64_t ignored = 0;
+        if (leg == 0) {
+          Plan(
+              sv, st, n, [&](size_t i) { return moves[at + i].src; }, slot, chunk_toks, desc,
+              bytes);
+        } else {
+          Plan(
+              st, dv, n, slot, [&](size_t i) { return moves[at + i].dst; }, chunk_toks, desc,
+              &ignored);
+        }
+        if (!desc.empty()) KVF_RETURN_IF_ERROR(streams[stream]->CopyBatch(desc));
+        descs += desc.size();
+      }
+    }
+    return descs;
+  }
+
+  // Sets up device staging when options and layouts call for it (Create).
+  Status SetUpDeviceStaging(const TransferOptions& o) {
+    if (pools[1] == nullptr || o.device_staging == DeviceStaging::kNever) return Status::Ok();
+    if (o.device_staging == DeviceStaging::kAuto && device->info().platform == "cpu") {
+      return Status::Ok();  // host memory both sides: staging is only an extra copy
+    }
+    if (o.device_staging_blocks <= 0) {
+      return Status::InvalidArgument(fmt::format(
+          "transfer manager: device_staging_blocks={} must be positive", o.device_staging_blocks));
+    }
+    KVF_ASSIGN_OR_RETURN(PoolLayout packed,
+                         tiering::PackedLayoutLike(pools[1]->layout(), o.device_staging_blocks));
+    // It helps only when a primary block is several fragments and a host block is one range.
+    std::byte* fake[1] = {nullptr};
+    tiering::TierView pv = views[0], hv = views[1], sv{&packed, fake};
+    std::vector<CopyDesc> probe;
+    const int64_t tpb = pools[0]->shape().tokens_per_block;
+    const size_t direct = tiering::AppendRunCopies(pv, 0, hv, 0, 1, tpb, probe);
+    const size_t link = tiering::AppendRunCopies(sv, 0, hv, 0, 1, tpb, probe);
+    if (direct <= 1 || link != 1) return Status::Ok();
+    dstaging_layout = std::move(packed);
+    for (int i = 0; i < 2; ++i) {
+      KVF_ASSIGN_OR_RETURN(dstaging[i],
+                           device->Allocate(MemoryKind::kDevice,
+                                            static_cast<size_t>(dstaging_layout->total_bytes())));
+      dstaging_region[i][0] = dstaging[i].data();
+      dstaging_view[i] = tiering::TierView{&*dstaging_layout, dstaging_region[i]};
+    }
+    dstaging_blocks = o.device_staging_blocks;
+    return Status::Ok();
   }
 
   void WorkerLoop();
@@ -436,6 +525,7 @@ StatusOr<std::unique_ptr<TransferManager>> TransferManager::Create(Device& devic
     impl->state[i].resize(static_cast<size_t>(p->blocks()));
   }
   KVF_ASSIGN_OR_RETURN(impl->compute_event, device.CreateEvent());
+  KVF_RETURN_IF_ERROR(impl->SetUpDeviceStaging(options));
   if (file != nullptr) {
     if (options.file_staging_blocks <= 0) {
       return Status::InvalidArgument(
@@ -594,17 +684,24 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
     m.Plan(
         m.views[src_pool], m.staging_view, moves.size(), [&](size_t i) { return moves[i].src; },
         staging_of, toks, m.desc, &bytes);
-  } else {
+  } else if (!m.Staged(from, to, moves)) {
     m.Plan(
         m.views[src_pool], m.views[static_cast<int>(to)], moves.size(),
         [&](size_t i) { return moves[i].src; }, [&](size_t i) { return moves[i].dst; }, toks,
         m.desc, &bytes);
   }
-  if (st.ok() && !m.desc.empty()) st = m.streams[stream]->CopyBatch(m.desc);
+  size_t ndesc = m.desc.size();
+  if (st.ok() && m.Staged(from, to, moves)) {
+    auto staged = m.CopyStaged(stream, from, to, moves, toks, &bytes);
+    st = staged.status();
+    ndesc = staged.ok() ? *staged : 0;
+  } else if (st.ok() && !m.desc.empty()) {
+    st = m.streams[stream]->CopyBatch(m.desc);
+  }
   if (st.ok()) st = m.streams[stream]->Record(*b->event);
   b->recorded.store(true);
-  b->descriptors = m.desc.size();
-  m.stats.descriptors += static_cast<int64_t>(m.desc.size());
+  b->descriptors = ndesc;
+  m.stats.descriptors += static_cast<int64_t>(ndesc);
   m.stats.bytes += bytes;
   if (!st.ok()) {
     for (Status& s : b->items) s = st;
@@ -675,9 +772,16 @@ bool TransferManager::has_tier(Tier tier) const {
 }
 int64_t TransferManager::tier_blocks(Tier tier) const { return impl_->Blocks(tier); }
 int64_t TransferManager::file_staging_blocks() const { return impl_->staging_blocks; }
+bool TransferManager::device_staged() const { return impl_->dstaging_blocks > 0; }
+int64_t TransferManager::file_staging_free() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->staging_blocks - impl_->staging_used;
+}
 TransferStats TransferManager::stats() const {
   std::lock_guard lock(impl_->mu);
-  return impl_->stats;
+  TransferStats s = impl_->stats;
+  s.file_jobs_queued = static_cast<int64_t>(impl_->jobs.size()) + (impl_->worker_busy ? 1 : 0);
+  return s;
 }
 
 }  // namespace kvferry

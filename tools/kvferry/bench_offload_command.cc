@@ -39,6 +39,9 @@ struct Options {
   std::string dir;
   std::string model = "all";
   std::string layout = "all";
+  // Layout of the host tier: "block-major" (packed blocks, one contiguous range each: whole-block
+  // copies of per-layer pools go through device staging on GPUs) or "same" as the primary pool.
+  std::string host_layout = "block-major";
   bool verify = false;
   bool json = false;
   bool contiguous = false;
@@ -123,9 +126,10 @@ class Bench {
     KVF_ASSIGN_OR_RETURN(BlockPool primary, BlockPool::Create(dev_, spec));
     spec.memory = MemoryKind::kPinnedHost;
     spec.blocks = 2 * n;
+    if (o_.host_layout == "block-major") spec.layout = LayoutKind::kBlockMajor;
     KVF_ASSIGN_OR_RETURN(BlockPool host, BlockPool::Create(dev_, spec));
     const bool file = o_.tier == "file";
-    TransferOptions topt;
+    TransferOptions topt = TransferOptions::FromConfig();
     topt.file_staging_blocks = std::min<int64_t>(n, std::max<int64_t>(1, (256 << 20) / bb));
     KVF_ASSIGN_OR_RETURN(auto tm, TransferManager::Create(dev_, primary, &host, nullptr, topt));
     // Block ids: A, B, C are disjoint primary sets, X, Y host sets; shuffled unless
@@ -445,6 +449,11 @@ int RunBenchOffload(const Options& o) {
     fmt::print(stderr, "bench offload: {}\n", dev.status().ToString());
     return 2;
   }
+  if (o.host_layout != "block-major" && o.host_layout != "same") {
+    fmt::print(stderr, "bench offload: --host-layout must be block-major or same, not '{}'\n",
+               o.host_layout);
+    return 2;
+  }
   if (o.tier != "host" && o.tier != "file") {
     fmt::print(stderr, "bench offload: --tier must be host or file, not '{}'\n", o.tier);
     return 2;
@@ -508,7 +517,8 @@ int RunBenchOffload(const Options& o) {
                           {"block_bytes", r.block_bytes},
                           {"descriptors", r.descriptors},
                           {"pattern_gbps", Gbps(r.bytes, r.pattern_seconds)},
-                          {"iters", o.iters}};
+                          {"iters", o.iters},
+                          {"host_layout", o.host_layout}};
       if (!r.file_backend.empty()) {
         j["file_backend"] = r.file_backend;
         j["file_note"] = r.file_note;
@@ -517,8 +527,11 @@ int RunBenchOffload(const Options& o) {
     }
     return failed ? 1 : 0;
   }
-  fmt::print("kvferry bench offload: device {} ({}), median of {} after a warm-up, ids {}\n",
-             device, (*dev)->info().name, o.iters, o.contiguous ? "contiguous" : "shuffled");
+  fmt::print(
+      "kvferry bench offload: device {} ({}), median of {} after a warm-up, ids {}, host tier "
+      "{}\n",
+      device, (*dev)->info().name, o.iters, o.contiguous ? "contiguous" : "shuffled",
+      o.host_layout == "same" ? "in the primary layout" : "block-major");
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); "
       "pattern = GB/s of a plain memcpy loop over the same fragments (cpu only)\n");
@@ -549,6 +562,8 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--dir", o->dir, "directory for the file tier and its raw O_DIRECT baseline");
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
+  cmd->add_option("--host-layout", o->host_layout,
+                  "host tier layout: block-major (packed blocks; default) | same (as the primary)");
   cmd->add_option("--file-backend", o->file_backends,
                   "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
                   "(in-memory stand-in); default posix io_uring cufile (one falling back to "

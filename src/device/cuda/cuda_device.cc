@@ -1,12 +1,20 @@
 // The CUDA device: Device/Stream/Event/Buffer on cudaMalloc, cudaHostAlloc, cudaStream_t and
 // cudaEvent_t, plus the batched gather kernel for many small copies.
 //
-// Path choice (CopyBatch). Each descriptor is classified once per batch:
-//  - total bytes (rows * bytes) >= cuda.copy_kernel_threshold (read when the stream is created)
-//    -> copy engine (cudaMemcpyAsync / cudaMemcpy2DAsync), one call per descriptor;
+// Path choice (CopyBatch). Each descriptor is classified once per batch (knobs read when the
+// stream is created):
+//  - total bytes (rows * bytes) >= cuda.copy_kernel_threshold -> copy engine, unless it is 2-D
+//    with rows narrower than cuda.copy_engine_min_row_bytes (a partial-token copy: the engine
+//    crawls over narrow rows) and a kernel can reach both ends -> gather kernel;
 //  - smaller, and both ends addressable by a kernel on this GPU (its device memory, or mapped
-//    pinned host memory through UVA) -> the gather kernel, all of them in ONE launch;
+//    pinned host memory through UVA) -> the gather kernel, all of them in ONE launch, unless its
+//    direction (host->device, device->host) is listed in cuda.copy_engine_directions: then the
+//    copy engine, so that offload and onboard running at once use the two copy engines instead
+//    of competing for the SMs;
 //  - anything touching pageable host memory, another GPU or managed memory -> copy engine.
+// Copy-engine fragments go out in one cudaMemcpyBatchAsync (copy_engine_batch.h), not one call
+// each. The gather kernel's grid is capped (cuda.gather_max_blocks, default two blocks per SM) so
+// that the kernels of the offload and the onboard stream run side by side rather than in turn.
 // Knowing a pointer's kind: a process-wide registry of the allocations every CudaDevice made
 // (address ranges, under a shared mutex taken once per batch), with cudaPointerGetAttributes as
 // the fallback for pointers it does not know (memory from other allocators). The registry keeps
@@ -37,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "device/cuda/copy_engine_batch.h"
 #include "device/cuda/cuda_kernels.h"
 #include "device/cuda/cuda_util.h"
 #include "device/cuda_entry.h"
@@ -222,15 +231,19 @@ class Classifier {
     return Reachable(Lookup(dst, dst_cache_)) && Reachable(Lookup(src, src_cache_));
   }
   PtrInfo Info(const void* p) { return Lookup(p, dst_cache_); }
+  // Both ends at once (the same caches as KernelCanReach).
+  std::pair<PtrInfo, PtrInfo> Ends(const void* dst, const void* src) {
+    return {Lookup(dst, dst_cache_), Lookup(src, src_cache_)};
+  }
+  bool Reachable(PtrInfo i) const {
+    return i.cls == PtrClass::kMappedHost || (i.cls == PtrClass::kDevice && i.ordinal == ordinal_);
+  }
 
  private:
   struct Cache {
     uintptr_t begin = 1, end = 0;  // empty
     PtrInfo info{PtrClass::kHost, -1};
   };
-  bool Reachable(PtrInfo i) const {
-    return i.cls == PtrClass::kMappedHost || (i.cls == PtrClass::kDevice && i.ordinal == ordinal_);
-  }
   PtrInfo Lookup(const void* p, Cache& c) {
     uintptr_t a = MemoryRegistry::Addr(p);
     if (a >= c.begin && a < c.end) return c.info;
@@ -399,15 +412,25 @@ void CUDART_CB RunHostCallback(void* p) {
   (*fn)();
 }
 
+// How a stream routes the descriptors of a CopyBatch (the cuda.* knobs, read at stream creation).
+struct CopyRouting {
+  uint64_t kernel_threshold = 1 << 20;  // cuda.copy_kernel_threshold
+  uint64_t min_ce_row = 64 << 10;       // cuda.copy_engine_min_row_bytes
+  bool ce_h2d = false, ce_d2h = false;  // cuda.copy_engine_directions
+  bool batched = true;                  // cuda.batch_copies
+  uint32_t gather_blocks = 0;           // cuda.gather_max_blocks, resolved (0 = uncapped)
+};
+
 class CudaStream final : public Stream {
  public:
   // `owned` is a stream kvferry created; otherwise `native` is an engine's stream (WrapStream),
   // never destroyed here.
-  CudaStream(int ordinal, StreamHandle owned, cudaStream_t native, int64_t kernel_threshold)
+  CudaStream(int ordinal, StreamHandle owned, cudaStream_t native, const CopyRouting& routing)
       : ordinal_(ordinal),
-        kernel_threshold_(static_cast<uint64_t>(kernel_threshold)),
+        routing_(routing),
         owned_(std::move(owned)),
-        s_(owned_.get() != nullptr ? owned_.get() : native) {}
+        s_(owned_.get() != nullptr ? owned_.get() : native),
+        ce_(ordinal, routing.batched) {}
   ~CudaStream() override {
     cudaSetDevice(ordinal_);
     // Wait for queued work before the ring it reads is freed.
@@ -442,45 +465,35 @@ class CudaStream final : public Stream {
     KVF_RETURN_IF_ERROR(Use());
     // Pass 1 (registry lock held): choose each descriptor's path.
     small_.clear();
-    large_.clear();
+    ce_.Clear();
     {
       Classifier cls(ordinal_);
       for (const CopyDesc& c : copies) {
         if (c.bytes == 0) continue;
         const size_t rows = std::max<size_t>(c.rows, 1);  // rows 0 is a plain copy, as on the CPU
-        const uint64_t total = static_cast<uint64_t>(c.bytes) * rows;
-        if (total < kernel_threshold_ && cls.KernelCanReach(c.dst, c.src)) {
+        const auto [dst, src] = cls.Ends(c.dst, c.src);
+        if (ToKernel(c, rows, dst, src, cls)) {
           small_.push_back(GatherDesc{reinterpret_cast<uint64_t>(c.dst),
                                       reinterpret_cast<uint64_t>(c.src), c.bytes, rows, c.dst_pitch,
                                       c.src_pitch});
         } else {
-          large_.push_back(&c);
+          CopyDesc one = c;
+          one.rows = rows;
+          ce_.Add(one, dst.cls == PtrClass::kHost || src.cls == PtrClass::kHost);
         }
       }
     }
-    // Pass 2: one kernel launch for the small ones, the copy engine for the rest.
+    // Pass 2: one kernel launch for the small ones, one batched submission for the rest.
     if (!small_.empty()) {
       KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(small_.size()));
       std::memcpy(slots, small_.data(), small_.size() * sizeof(GatherDesc));
       std::atomic_thread_fence(std::memory_order_release);
-      KVF_RETURN_IF_ERROR(CudaCheck(LaunchGather(slots, static_cast<uint32_t>(small_.size()), s_),
-                                    "cuda:{} gather kernel launch ({} descriptors)", ordinal_,
-                                    small_.size()));
+      KVF_RETURN_IF_ERROR(CudaCheck(
+          LaunchGather(slots, static_cast<uint32_t>(small_.size()), routing_.gather_blocks, s_),
+          "cuda:{} gather kernel launch ({} descriptors)", ordinal_, small_.size()));
       KVF_RETURN_IF_ERROR(ring_.Commit(s_));
     }
-    for (const CopyDesc* c : large_) {
-      if (c->rows <= 1) {
-        KVF_RETURN_IF_ERROR(
-            CudaCheck(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDefault, s_),
-                      "cuda:{} CopyBatch cudaMemcpyAsync({} bytes)", ordinal_, c->bytes));
-      } else {
-        KVF_RETURN_IF_ERROR(
-            CudaCheck(cudaMemcpy2DAsync(c->dst, c->dst_pitch, c->src, c->src_pitch, c->bytes,
-                                        c->rows, cudaMemcpyDefault, s_),
-                      "cuda:{} CopyBatch cudaMemcpy2DAsync({} rows of {} bytes, pitches {}/{})",
-                      ordinal_, c->rows, c->bytes, c->dst_pitch, c->src_pitch));
-      }
-    }
+    if (!ce_.empty()) KVF_RETURN_IF_ERROR(ce_.Submit(s_));
     return Status::Ok();
   }
 
@@ -561,13 +574,24 @@ class CudaStream final : public Stream {
  private:
   Status Use() const { return CudaCheck(cudaSetDevice(ordinal_), "cudaSetDevice({})", ordinal_); }
 
+  // The routing rules of the file comment.
+  bool ToKernel(const CopyDesc& c, size_t rows, PtrInfo dst, PtrInfo src,
+                const Classifier& cls) const {
+    if (!cls.Reachable(dst) || !cls.Reachable(src)) return false;
+    const uint64_t total = static_cast<uint64_t>(c.bytes) * rows;
+    if (total >= routing_.kernel_threshold) return rows > 1 && c.bytes < routing_.min_ce_row;
+    const bool h2d = src.cls == PtrClass::kMappedHost && dst.cls == PtrClass::kDevice;
+    const bool d2h = src.cls == PtrClass::kDevice && dst.cls == PtrClass::kMappedHost;
+    return !((h2d && routing_.ce_h2d) || (d2h && routing_.ce_d2h));
+  }
+
   const int ordinal_;
-  const uint64_t kernel_threshold_;
+  const CopyRouting routing_;
   StreamHandle owned_;
   const cudaStream_t s_;
   DescRing ring_;
-  std::vector<GatherDesc> small_;       // scratch, reused across batches
-  std::vector<const CopyDesc*> large_;  // scratch, reused across batches
+  std::vector<GatherDesc> small_;  // scratch, reused across batches
+  CopyEngineBatch ce_;             // scratch, reused across batches
 };
 
 // ---- the device ------------------------------------------------------------------------------
@@ -576,7 +600,8 @@ constexpr size_t kHostAlignment = 4096;  // pageable host buffers: page-aligned,
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(int ordinal, DeviceInfo info) : ordinal_(ordinal), info_(std::move(info)) {}
+  CudaDevice(int ordinal, DeviceInfo info, int sm_count)
+      : ordinal_(ordinal), info_(std::move(info)), sm_count_(sm_count) {}
 
   const DeviceInfo& info() const override { return info_; }
 
@@ -618,8 +643,7 @@ class CudaDevice final : public Device {
   StatusOr<std::unique_ptr<Stream>> CreateStream() override {
     KVF_RETURN_IF_ERROR(Use());
     KVF_ASSIGN_OR_RETURN(StreamHandle s, StreamHandle::Create());
-    auto stream = std::make_unique<CudaStream>(ordinal_, std::move(s), nullptr,
-                                               Config::Global().Int("cuda.copy_kernel_threshold"));
+    auto stream = std::make_unique<CudaStream>(ordinal_, std::move(s), nullptr, Routing());
     KVF_RETURN_IF_ERROR(stream->Init());
     return std::unique_ptr<Stream>(std::move(stream));
   }
@@ -645,8 +669,7 @@ class CudaDevice final : public Device {
           "cuda:{} WrapStream({}): the stream belongs to cuda:{}", ordinal_, native, dev));
     }
     KVF_RETURN_IF_ERROR(Use());
-    auto stream = std::make_unique<CudaStream>(ordinal_, StreamHandle(), s,
-                                               Config::Global().Int("cuda.copy_kernel_threshold"));
+    auto stream = std::make_unique<CudaStream>(ordinal_, StreamHandle(), s, Routing());
     KVF_RETURN_IF_ERROR(stream->Init());
     return std::unique_ptr<Stream>(std::move(stream));
   }
@@ -695,8 +718,23 @@ class CudaDevice final : public Device {
  private:
   Status Use() const { return CudaCheck(cudaSetDevice(ordinal_), "cudaSetDevice({})", ordinal_); }
 
+  CopyRouting Routing() const {
+    const Config& c = Config::Global();
+    CopyRouting r;
+    r.kernel_threshold = static_cast<uint64_t>(c.Int("cuda.copy_kernel_threshold"));
+    r.min_ce_row = static_cast<uint64_t>(c.Int("cuda.copy_engine_min_row_bytes"));
+    const std::string dirs = c.String("cuda.copy_engine_directions");
+    r.ce_h2d = dirs == "h2d" || dirs == "both";
+    r.ce_d2h = dirs == "d2h" || dirs == "both";
+    r.batched = c.Bool("cuda.batch_copies");
+    const int64_t blocks = c.Int("cuda.gather_max_blocks");
+    r.gather_blocks = static_cast<uint32_t>(blocks > 0 ? blocks : 2 * sm_count_);
+    return r;
+  }
+
   const int ordinal_;
   const DeviceInfo info_;
+  const int sm_count_;
 };
 
 std::string VersionText(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }
@@ -751,7 +789,8 @@ StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
   info.memory_bytes = static_cast<int64_t>(prop.totalGlobalMem);
   info.detail = fmt::format("sm_{}{}, {} SMs, {}", prop.major, prop.minor, prop.multiProcessorCount,
                             CudaVersionString());
-  return std::unique_ptr<Device>(new cuda::CudaDevice(ordinal, std::move(info)));
+  return std::unique_ptr<Device>(
+      new cuda::CudaDevice(ordinal, std::move(info), prop.multiProcessorCount));
 }
 
 }  // namespace kvferry::internal

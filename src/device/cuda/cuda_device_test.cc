@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <future>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -100,13 +101,30 @@ std::vector<std::byte> CpuReference(const Plan& p, uint32_t seed) {
   return std::vector<std::byte>(dst->data(), dst->data() + p.dst_size);
 }
 
-// Sets the kernel threshold for the streams created while it lives.
+// Sets knobs for the streams created while it lives; resets them when it goes.
+class KnobOverride {
+ public:
+  KnobOverride(std::string name, const std::string& value) : name_(std::move(name)) {
+    Status st = Config::Global().Set(name_, value);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  }
+  ~KnobOverride() { EXPECT_TRUE(Config::Global().Reset(name_).ok()); }
+
+ private:
+  std::string name_;
+};
+
+// Sets the kernel threshold for the streams created while it lives. Threshold 0 sends every
+// descriptor to the copy engine, narrow-row 2-D ones included.
 class ThresholdOverride {
  public:
-  explicit ThresholdOverride(int64_t v) {
-    EXPECT_TRUE(Config::Global().Set(kThresholdKnob, std::to_string(v)).ok());
+  explicit ThresholdOverride(int64_t v) : threshold_(kThresholdKnob, std::to_string(v)) {
+    if (v == 0) min_row_.emplace("cuda.copy_engine_min_row_bytes", "0");
   }
-  ~ThresholdOverride() { EXPECT_TRUE(Config::Global().Reset(kThresholdKnob).ok()); }
+
+ private:
+  KnobOverride threshold_;
+  std::optional<KnobOverride> min_row_;
 };
 
 constexpr int64_t kAllKernel = int64_t{1} << 40;  // every reachable descriptor to the kernel
@@ -205,6 +223,39 @@ TEST_F(CudaDeviceTest, BothBatchPathsMatchTheCpuDevice) {
             "seed " + std::to_string(seed) + " " + std::string(MemoryKindName(k.src)) + "->" +
             std::string(MemoryKindName(k.dst)) + " threshold " + std::to_string(threshold);
         ExpectSame(want, RunOnGpu(p, seed, k.src, k.dst, threshold), what);
+      }
+    }
+  }
+}
+
+// The other routing knobs: small fragments of one or both directions on the copy engine (one
+// cudaMemcpyBatchAsync), one copy-engine call per fragment, a gather grid of one block, narrow
+// 2-D rows kept on the kernel whatever their total. Every variant is byte-identical to the CPU.
+TEST_F(CudaDeviceTest, RoutingVariantsMatchTheCpuDevice) {
+  struct Variant {
+    const char* knob;
+    const char* value;
+  };
+  const Variant variants[] = {
+      {"cuda.copy_engine_directions", "both"}, {"cuda.copy_engine_directions", "h2d"},
+      {"cuda.copy_engine_directions", "d2h"},  {"cuda.batch_copies", "false"},
+      {"cuda.gather_max_blocks", "1"},         {"cuda.copy_engine_min_row_bytes", "1099511627776"}};
+  const MemoryKind kinds[][2] = {{MemoryKind::kPinnedHost, MemoryKind::kDevice},
+                                 {MemoryKind::kDevice, MemoryKind::kPinnedHost},
+                                 {MemoryKind::kDevice, MemoryKind::kDevice}};
+  for (uint32_t seed : {11u, 12u}) {
+    Plan p = RandomPlan(seed, 200);
+    std::vector<std::byte> want = CpuReference(p, seed);
+    for (const Variant& v : variants) {
+      KnobOverride o(v.knob, v.value);
+      for (const auto& k : kinds) {
+        for (int64_t threshold : {int64_t{1} << 20, int64_t{4096}}) {
+          std::string what = "seed " + std::to_string(seed) + " " + v.knob + "=" + v.value + " " +
+                             std::string(MemoryKindName(k[0])) + "->" +
+                             std::string(MemoryKindName(k[1])) + " threshold " +
+                             std::to_string(threshold);
+          ExpectSame(want, RunOnGpu(p, seed, k[0], k[1], threshold), what);
+        }
       }
     }
   }

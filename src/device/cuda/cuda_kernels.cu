@@ -5,7 +5,8 @@
 // over (row, column); otherwise each row is copied with the widest access (16, 8, 4, 2 or 1
 // bytes) that source and destination share after a short byte-wise head, so unaligned
 // fragments still move mostly in wide words. Single-row descriptors use the whole block per
-// row; multi-row ones use one warp per row.
+// row; multi-row ones use one warp per row (aligned rows under 512 bytes: the block walks them
+// flat). Aligned copies keep four 16-byte loads in flight per thread.
 #include <algorithm>
 
 #include "device/cuda/cuda_kernels.h"
@@ -28,6 +29,21 @@ __device__ void CopyRowAs(char* d, const char* s, uint64_t n, unsigned lane, uns
   const T* sw = reinterpret_cast<const T*>(s + head);
   for (uint64_t i = lane; i < words; i += lanes) dw[i] = sw[i];
   for (uint64_t i = head + words * kW + lane; i < n; i += lanes) d[i] = s[i];
+}
+
+// Copies n 16-byte vectors with lanes [0, lanes) of the calling group, U loads in flight per
+// lane before their stores (over PCIe, latency rather than issue rate limits a lane).
+template <int U>
+__device__ void CopyVectors(uint4* d, const uint4* s, uint64_t n, unsigned lane, unsigned lanes) {
+  uint64_t i = lane;
+  for (; i + (U - 1) * static_cast<uint64_t>(lanes) < n; i += U * static_cast<uint64_t>(lanes)) {
+    uint4 v[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) v[k] = s[i + k * lanes];
+#pragma unroll
+    for (int k = 0; k < U; ++k) d[i + k * lanes] = v[k];
+  }
+  for (; i < n; i += lanes) d[i] = s[i];
 }
 
 // Copies one row of n bytes with lanes [0, lanes) of the calling group of threads.
@@ -61,10 +77,23 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
     const uint64_t all = desc.dst | desc.src | bytes | (rows > 1 ? (dp | sp) : 0);
     if ((all & 15) == 0) {
       const uint64_t per_row = bytes / 16;
-      const uint64_t total = per_row * rows;
-      for (uint64_t u = threadIdx.x; u < total; u += blockDim.x) {
-        const uint64_t r = u / per_row, v = u - r * per_row;
-        reinterpret_cast<uint4*>(dst + r * dp)[v] = reinterpret_cast<const uint4*>(src + r * sp)[v];
+      if (rows == 1) {
+        CopyVectors<4>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), per_row,
+                       threadIdx.x, blockDim.x);
+      } else if (per_row >= kWarp) {  // rows of 512 bytes or more: one warp per row
+        const unsigned warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+        for (uint64_t r = warp; r < rows; r += warps) {
+          CopyVectors<4>(reinterpret_cast<uint4*>(dst + r * dp),
+                         reinterpret_cast<const uint4*>(src + r * sp), per_row, threadIdx.x % kWarp,
+                         kWarp);
+        }
+      } else {
+        const uint64_t total = per_row * rows;
+        for (uint64_t u = threadIdx.x; u < total; u += blockDim.x) {
+          const uint64_t r = u / per_row, v = u - r * per_row;
+          reinterpret_cast<uint4*>(dst + r * dp)[v] =
+              reinterpret_cast<const uint4*>(src + r * sp)[v];
+        }
       }
     } else if (rows == 1) {
       CopyRow(dst, src, bytes, threadIdx.x, blockDim.x);
@@ -80,9 +109,11 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
 
 }  // namespace
 
-cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, cudaStream_t stream) {
+cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, uint32_t max_blocks,
+                         cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  const uint32_t blocks = std::min(count, kMaxBlocks);
+  const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
+  const uint32_t blocks = std::min(count, cap);
   GatherKernel<<<blocks, kThreads, 0, stream>>>(descs, count);
   return cudaGetLastError();
 }

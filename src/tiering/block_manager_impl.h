@@ -1,0 +1,144 @@
+// BlockManager's state, shared by block_manager.cc (sequences, prefix lookup, the public calls)
+// and block_manager_io.cc (eviction, offload, demotion, onboards, retiring finished operations).
+// Private to src/tiering. Not thread-safe (the manager's scheduler thread only).
+#pragma once
+
+#include <deque>
+#include <list>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "files/slab_store.h"
+#include "kvferry/block_manager.h"
+#include "tiering/priority_lru.h"
+#include "tiering/slot_lease.h"
+
+namespace kvferry {
+namespace tiering {
+
+struct KeyHash {
+  size_t operator()(const BlockKey& k) const {
+    return static_cast<size_t>(k.lo ^ (k.hi * 0x9e3779b97f4a7c15ULL));
+  }
+};
+
+struct Cached {
+  Tier tier;
+  int64_t id;
+  BlockKey parent;
+  std::vector<int32_t> tokens;
+  int32_t priority;
+  bool recovered = false;  // found in the file tier at open: parent and tokens unknown
+};
+
+// One block of the primary or host tier, or one slot of the file tier.
+struct Slot {
+  bool has_key = false;
+  BlockKey key;
+  int32_t refs = 0;       // primary: sequences referencing the block
+  bool arriving = false;  // primary: a file read is bringing its bytes (not in any LRU)
+  bool failed = false;    // primary: that read failed (reason in `why`)
+  bool busy = false;      // host: a demotion reads it; file: a read of it is in flight
+  std::string why;
+};
+
+struct Sequence {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> blocks;
+  std::vector<BlockKey> keys;  // of the full blocks
+  int32_t priority;
+  int64_t prompt_tokens = 0;
+  size_t matched = 0;          // prefix blocks found: reused if their onboards succeed
+  int64_t partial_tokens = 0;  // copied into blocks[matched], if that copy succeeds
+  std::vector<std::string> misses;
+};
+
+enum class OpKind : uint8_t {
+  kOffload,  // primary -> host (eviction)
+  kDemote,   // host -> file
+  kSpill,    // primary -> file (eviction while the host tier has no free block)
+  kOnboard,  // host or file -> primary
+  kPartial,  // the first tokens of a file slot -> a primary block
+};
+
+struct OpItem {
+  BlockKey key;
+  int64_t src = -1;
+  int64_t dst = -1;
+  int32_t tokens = 0;
+  SlotLease slot;  // the file slot read or written, held until the operation is retired
+};
+
+// One batch in flight and what it holds. Retired (items processed, leases released or handed to
+// the index) only once its TransferBatch has finished; never earlier, whatever the deadline.
+struct Op {
+  OpKind kind;
+  Tier from = Tier::kPrimary;
+  TransferBatch batch;
+  Deadline deadline;
+  int64_t bytes = 0;
+  bool abandoned = false;
+  bool prefetch = false;
+  std::vector<OpItem> items;
+};
+
+}  // namespace tiering
+
+struct BlockManager::Impl {
+  Impl(TransferManager& t, const BlockManagerOptions& o);
+
+  TransferManager* const tm;
+  const BlockManagerOptions opt;
+  const int64_t tpb;
+  const BlockKey root;
+  SlabStore* const file;
+  const int64_t block_bytes;
+  std::unordered_map<BlockKey, tiering::Cached, tiering::KeyHash> index;
+  std::unordered_multimap<BlockKey, BlockKey, tiering::KeyHash> children;
+  std::vector<tiering::Slot> slots[kNumTiers];
+  tiering::PriorityLru lru[kNumTiers];
+  std::vector<tiering::SlotLease> file_leases;  // by slot id: leases the index holds
+  std::vector<int64_t> free_primary, free_host;
+  std::unordered_map<uint64_t, tiering::Sequence> seqs;
+  std::list<tiering::Op> ops;        // in flight
+  std::deque<tiering::Op> deferred;  // file reads waiting for staging (batch not made yet)
+  std::vector<KvEvent> events;
+  BlockManagerStats st;
+
+  tiering::Slot& SlotOf(Tier t, int64_t id) { return slots[static_cast<int>(t)][id]; }
+  tiering::PriorityLru& Lru(Tier t) { return lru[static_cast<int>(t)]; }
+
+  // Index bookkeeping (block_manager.cc).
+  void Register(const BlockKey& key, const BlockKey& parent, std::span<const int32_t> tokens,
+                Tier tier, int64_t id, int32_t priority, bool recovered = false);
+  void Relocate(const BlockKey& key, Tier to, int64_t id);
+  void Drop(const BlockKey& key, std::string reason);
+  bool IndexedAt(const BlockKey& key, Tier tier, int64_t id) const;
+  void Lease(const tiering::Cached& c);
+  void Unlease(Tier tier, int64_t id, int32_t priority);
+  void Unref(int64_t b, int32_t priority);
+
+  // Movement (block_manager_io.cc). None of these waits.
+  void Maintain();
+  void RetireFinished();
+  void Retire(tiering::Op& op);
+  void SubmitDeferred();
+  void RunWatermarks();
+  int64_t Mark(int64_t blocks, int32_t pct) const { return (blocks * pct + 99) / 100; }
+  Status AllocatePrimary(int64_t n, std::vector<int64_t>& out);
+  void EvictPrimary(std::span<const int64_t> victims);
+  int64_t FreeHostBlock();  // a free host block, dropping the host LRU victim if needed; -1
+  // Evicted primary blocks straight to the file tier; returns the victims it could not take.
+  std::vector<int64_t> Spill(std::span<const int64_t> victims);
+  void Demote(int64_t count);
+  tiering::SlotLease AcquireSlot();
+  // Onboards `moves` (from host: stream; from file: read on the I/O thread, deferred while
+  // staging is full). File moves need their slot leases in `leases` (same order).
+  void Onboard(Tier from, std::vector<BlockMove> moves, std::vector<tiering::SlotLease> leases,
+               bool prefetch);
+  void SubmitFileRead(tiering::Op op);
+  void AddOp(tiering::Op op);
+};
+
+}  // namespace kvferry
