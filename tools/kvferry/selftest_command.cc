@@ -59,8 +59,11 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->capture_default_str();
   cmd->add_option("--gen-pp-layers", f.gen.pp_layers, "layers of each generation PP stage")
       ->delimiter(',');
-  cmd->add_option("--ctx-layout", f.ctx_layout, "block-major|per-layer")->capture_default_str();
-  cmd->add_option("--gen-layout", f.gen_layout, "block-major|per-layer")->capture_default_str();
+  const char* const layouts =
+      "a named layout: block-major|per-layer|per-layer-hnd|per-layer-kv|per-layer-kv-hnd|"
+      "flashinfer|flashinfer-hnd|block-major-nhd";
+  cmd->add_option("--ctx-layout", f.ctx_layout, layouts)->capture_default_str();
+  cmd->add_option("--gen-layout", f.gen_layout, layouts)->capture_default_str();
   cmd->add_option("--requests", f.requests)->capture_default_str();
   cmd->add_option("--prompt-tokens", f.prompt_tokens, "prompt lengths, cycled over requests")
       ->delimiter(',');
