@@ -86,6 +86,7 @@ StatusOr<std::unique_ptr<SlabStore>> OpenFileTier(const std::string& backend,
   so.slot_payload_bytes = block_bytes;
   so.max_slots = blocks;
   so.backend = backend;
+  so.recover = "none";  // each backend starts from an empty tier (they share the directory)
   return SlabStore::Open(so);
 }
 
