@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -90,13 +91,43 @@ StatusOr<RankSlice> SliceOf(const KvShape& shape, const ParallelConfig& parallel
 // The six axes of a pool, in this order everywhere.
 enum Axis : int { kBlockAxis = 0, kLayerAxis, kKvAxis, kHeadAxis, kTokenAxis, kDimAxis, kNumAxes };
 
-enum class LayoutKind {
-  kBlockMajor,  // TensorRT-LLM: one region [block][layer][kv][head][token][dim]
-  kPerLayer,    // vLLM-style: one region per layer [kv][block][token][head][dim]
-  kCustom,
+// Named layouts. Each one derives its strides from the pool's dims, so it describes every rank of
+// an instance (handles and FETCH messages carry the kind, not the strides). The values are on the
+// wire (docs/wire_format.md): append, never renumber. NHD = [token][head][dim] inside a block,
+// HND = [head][token][dim].
+enum class LayoutKind : uint8_t {
+  kBlockMajor = 0,  // TensorRT-LLM: one region [block][layer][kv][head][token][dim]
+  kPerLayer = 1,    // vLLM (FlashAttention) NHD: one region per layer [kv][block][token][head][dim]
+  kCustom = 2,      // strides given explicitly (PoolLayout::Custom); local use only
+  kPerLayerHnd = 3,  // vLLM HND: one region per layer [kv][block][head][token][dim]
+  kPerLayerKvNhd =
+      4,  // vLLM/SGLang K and V tensors: one region per (layer, kv) [block][token][head][dim]
+  kPerLayerKvHnd = 5,  // the same, HND: one region per (layer, kv) [block][head][token][dim]
+  kFlashInferNhd = 6,  // FlashInfer paged NHD: one region per layer [block][kv][token][head][dim]
+  kFlashInferHnd = 7,  // FlashInfer paged HND: one region per layer [block][kv][head][token][dim]
+  kBlockMajorNhd = 8,  // one region [block][layer][kv][token][head][dim] (vLLM cross-layer blocks)
 };
+inline constexpr LayoutKind kLastLayoutKind = LayoutKind::kBlockMajorNhd;
+// "block-major", "per-layer", "custom", "per-layer-hnd", "per-layer-kv", "per-layer-kv-hnd",
+// "flashinfer", "flashinfer-hnd", "block-major-nhd".
 std::string_view LayoutKindName(LayoutKind kind);
-StatusOr<LayoutKind> ParseLayoutKind(std::string_view name);  // "block-major", "per-layer"
+StatusOr<LayoutKind> ParseLayoutKind(std::string_view name);  // any name above but "custom"
+// The named kinds, in wire order, without kCustom.
+std::vector<LayoutKind> NamedLayoutKinds();
+
+// How a pool's elements are split into regions (separate allocations or engine tensors). The
+// axes that select a region have no stride: region = layer * (kv regions) + kv.
+enum class RegionSplit : uint8_t {
+  kNone = 0,        // one region holds every layer, K and V
+  kPerLayer = 1,    // region l holds layer l (K and V)
+  kPerKv = 2,       // region kv holds K (0) or V (1) of every layer
+  kPerLayerKv = 3,  // region l * kv_factor + kv holds (layer l, kv)
+};
+std::string_view RegionSplitName(
+    RegionSplit split);  // "one", "per-layer", "per-kv", "per-layer-kv"
+
+// The order of heads and tokens inside a block of an engine's tensor.
+enum class HeadOrder : uint8_t { kNhd, kHnd };
 
 // Sizes of a rank's pool along the six axes (local layers and heads).
 using PoolDims = std::array<int64_t, kNumAxes>;
@@ -128,20 +159,51 @@ class PoolLayout {
  public:
   static PoolLayout BlockMajor(const PoolDims& dims, int64_t element_bytes);
   static PoolLayout PerLayer(const PoolDims& dims, int64_t element_bytes);
+  // Engine presets (see LayoutKind): vLLM's per-layer [2][block]... tensors, vLLM/SGLang's K and V
+  // tensor per layer, FlashInfer's paged [block][2]... tensors, TensorRT-LLM's block pool.
+  static PoolLayout VllmPerLayer(const PoolDims& dims, int64_t element_bytes, HeadOrder order);
+  static PoolLayout PerLayerKv(const PoolDims& dims, int64_t element_bytes, HeadOrder order);
+  static PoolLayout FlashInfer(const PoolDims& dims, int64_t element_bytes, HeadOrder order);
+  static PoolLayout TrtllmBlockMajor(const PoolDims& dims, int64_t element_bytes) {
+    return BlockMajor(dims, element_bytes);
+  }
   static StatusOr<PoolLayout> Make(LayoutKind kind, const PoolDims& dims, int64_t element_bytes);
-  // Any strides. With region_per_layer, each layer is its own region and the layer stride is
-  // ignored. Validated: positive dims, dim stride 1, no two elements at one address.
+  // Any strides (in elements). With region_per_layer, each layer is its own region and the layer
+  // stride is ignored. Validated: positive dims, dim stride 1, no two elements at one address.
   static StatusOr<PoolLayout> Custom(const PoolDims& dims, const PoolStrides& strides,
                                      bool region_per_layer, int64_t element_bytes);
+  // Any strides (in elements) and region split; the strides of the axes that select a region are
+  // ignored. Validated as above.
+  static StatusOr<PoolLayout> Custom(const PoolDims& dims, const PoolStrides& strides,
+                                     RegionSplit split, int64_t element_bytes);
+  // Strides in bytes, as an engine's tensor reports them (torch: stride(i) * element_size()).
+  // Each must be a multiple of element_bytes, and the dim axis contiguous (stride element_bytes).
+  // When the result equals a named layout for these dims, kind() names it (so it can be
+  // transferred); otherwise kind() is kCustom.
+  static StatusOr<PoolLayout> FromByteStrides(const PoolDims& dims, const PoolStrides& byte_strides,
+                                              RegionSplit split, int64_t element_bytes);
 
   LayoutKind kind() const { return kind_; }
   const PoolDims& dims() const { return dims_; }
   const PoolStrides& strides() const { return strides_; }
   int64_t element_bytes() const { return element_bytes_; }
+  RegionSplit split() const { return split_; }
   int32_t num_regions() const {
-    return region_per_layer_ ? static_cast<int32_t>(dims_[kLayerAxis]) : 1;
+    return static_cast<int32_t>((region_per_layer() ? dims_[kLayerAxis] : 1) *
+                                (region_per_kv() ? dims_[kKvAxis] : 1));
   }
-  bool region_per_layer() const { return region_per_layer_; }
+  // True when the layer (kv) axis selects a region instead of striding inside one.
+  bool region_per_layer() const {
+    return split_ == RegionSplit::kPerLayer || split_ == RegionSplit::kPerLayerKv;
+  }
+  bool region_per_kv() const {
+    return split_ == RegionSplit::kPerKv || split_ == RegionSplit::kPerLayerKv;
+  }
+  // Whether axis `a` selects a region.
+  bool RegionAxis(int a) const {
+    return (a == kLayerAxis && region_per_layer()) || (a == kKvAxis && region_per_kv());
+  }
+  // Bytes each region spans: its largest element offset plus one element.
   int64_t region_bytes() const { return region_bytes_; }
   int64_t total_bytes() const { return region_bytes_ * num_regions(); }
   // Bytes of one whole block (all local layers, kv, heads, tokens).
@@ -149,9 +211,17 @@ class PoolLayout {
   // True when each block is one contiguous range of one region.
   bool block_contiguous() const;
 
-  int32_t RegionOf(int64_t layer) const {
-    return region_per_layer_ ? static_cast<int32_t>(layer) : 0;
+  // The region holding (local layer, kv).
+  int32_t RegionOf(int64_t layer, int64_t kv) const {
+    return static_cast<int32_t>((region_per_layer() ? layer : 0) *
+                                    (region_per_kv() ? dims_[kKvAxis] : 1) +
+                                (region_per_kv() ? kv : 0));
   }
+  // The (layer range, kv range) region r holds.
+  Range RegionLayers(int32_t region) const;
+  Range RegionKv(int32_t region) const;
+  // The named layout with these strides and split for these dims, or kCustom.
+  LayoutKind MatchKind() const;
   // Byte offset of an element inside its region.
   int64_t ByteOffset(int64_t block, int64_t layer, int64_t kv, int64_t head, int64_t token,
                      int64_t dim) const;
@@ -171,13 +241,17 @@ class PoolLayout {
   bool operator==(const PoolLayout&) const = default;
 
  private:
-  PoolLayout(LayoutKind kind, const PoolDims& dims, const PoolStrides& strides, bool per_layer,
+  PoolLayout(LayoutKind kind, const PoolDims& dims, const PoolStrides& strides, RegionSplit split,
              int64_t element_bytes);
+  // Packed strides for axes listed outermost first (dim innermost, stride 1); axes not listed
+  // select a region (stride 0).
+  static PoolLayout Packed(LayoutKind kind, const PoolDims& dims, std::initializer_list<int> order,
+                           RegionSplit split, int64_t element_bytes);
 
   LayoutKind kind_ = LayoutKind::kCustom;
   PoolDims dims_{};
   PoolStrides strides_{};
-  bool region_per_layer_ = false;
+  RegionSplit split_ = RegionSplit::kNone;
   int64_t element_bytes_ = 0;
   int64_t region_bytes_ = 0;
 };

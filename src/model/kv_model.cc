@@ -210,31 +210,34 @@ StatusOr<RankSlice> SliceOf(const KvShape& shape, const ParallelConfig& parallel
 
 // ---- layout ---------------------------------------------------------------------------------
 
-std::string_view LayoutKindName(LayoutKind kind) {
-  switch (kind) {
-    case LayoutKind::kBlockMajor:
-      return "block-major";
-    case LayoutKind::kPerLayer:
-      return "per-layer";
-    case LayoutKind::kCustom:
-      return "custom";
-  }
-  return "?";
-}
-
-StatusOr<LayoutKind> ParseLayoutKind(std::string_view name) {
-  if (name == "block-major") return LayoutKind::kBlockMajor;
-  if (name == "per-layer") return LayoutKind::kPerLayer;
-  return Status::InvalidArgument(
-      fmt::format("unknown layout '{}'; expected block-major|per-layer", name));
-}
-
 namespace {
 
-int64_t RegionElements(const PoolDims& d, const PoolStrides& s, bool per_layer) {
+struct KindName {
+  LayoutKind kind;
+  std::string_view name;
+};
+constexpr KindName kKindNames[] = {
+    {LayoutKind::kBlockMajor, "block-major"},
+    {LayoutKind::kPerLayer, "per-layer"},
+    {LayoutKind::kCustom, "custom"},
+    {LayoutKind::kPerLayerHnd, "per-layer-hnd"},
+    {LayoutKind::kPerLayerKvNhd, "per-layer-kv"},
+    {LayoutKind::kPerLayerKvHnd, "per-layer-kv-hnd"},
+    {LayoutKind::kFlashInferNhd, "flashinfer"},
+    {LayoutKind::kFlashInferHnd, "flashinfer-hnd"},
+    {LayoutKind::kBlockMajorNhd, "block-major-nhd"},
+};
+
+bool IsRegionAxis(RegionSplit split, int a) {
+  const bool layer = split == RegionSplit::kPerLayer || split == RegionSplit::kPerLayerKv;
+  const bool kv = split == RegionSplit::kPerKv || split == RegionSplit::kPerLayerKv;
+  return (a == kLayerAxis && layer) || (a == kKvAxis && kv);
+}
+
+int64_t RegionElements(const PoolDims& d, const PoolStrides& s, RegionSplit split) {
   int64_t last = 0;
   for (int a = 0; a < kNumAxes; ++a) {
-    if (per_layer && a == kLayerAxis) continue;
+    if (IsRegionAxis(split, a)) continue;
     last += (d[a] - 1) * s[a];
   }
   return last + 1;
@@ -242,18 +245,20 @@ int64_t RegionElements(const PoolDims& d, const PoolStrides& s, bool per_layer) 
 
 // The region's bytes, computed with checked arithmetic: kInvalidArgument naming the dims when
 // they overflow int64 (positive dims and non-negative strides assumed).
-Status CheckRegionBytes(const PoolDims& d, const PoolStrides& s, bool per_layer,
+Status CheckRegionBytes(const PoolDims& d, const PoolStrides& s, RegionSplit split,
                         int64_t element_bytes) {
   std::optional<int64_t> last = 0;
   for (int a = 0; a < kNumAxes && last; ++a) {
-    if (per_layer && a == kLayerAxis) continue;
+    if (IsRegionAxis(split, a)) continue;
     auto step = CheckedMul<int64_t>(d[a] - 1, s[a]);
     last = step ? CheckedAdd(*last, *step) : std::nullopt;
   }
   if (last) last = CheckedAdd<int64_t>(*last, 1);
   if (last) last = CheckedMul(*last, element_bytes);
-  // Offsets of whole regions (per-layer pools: one per layer) must fit as well.
-  if (last && per_layer) last = CheckedMul(*last, d[kLayerAxis]);
+  // All regions together (one per layer and/or kv when split) must fit as well.
+  for (int a = 0; a < kNumAxes && last; ++a) {
+    if (IsRegionAxis(split, a)) last = CheckedMul(*last, d[a]);
+  }
   if (!last) {
     return Status::InvalidArgument(
         fmt::format("pool (blk,L,kv,h,t,d)={}:{} of {}-byte elements: its size overflows int64", d,
@@ -264,35 +269,102 @@ Status CheckRegionBytes(const PoolDims& d, const PoolStrides& s, bool per_layer,
 
 }  // namespace
 
+std::string_view LayoutKindName(LayoutKind kind) {
+  for (const KindName& k : kKindNames) {
+    if (k.kind == kind) return k.name;
+  }
+  return "?";
+}
+
+std::vector<LayoutKind> NamedLayoutKinds() {
+  std::vector<LayoutKind> out;
+  for (const KindName& k : kKindNames) {
+    if (k.kind != LayoutKind::kCustom) out.push_back(k.kind);
+  }
+  return out;
+}
+
+StatusOr<LayoutKind> ParseLayoutKind(std::string_view name) {
+  std::string names;
+  for (const KindName& k : kKindNames) {
+    if (k.kind == LayoutKind::kCustom) continue;
+    if (k.name == name) return k.kind;
+    names += names.empty() ? "" : "|";
+    names += k.name;
+  }
+  return Status::InvalidArgument(fmt::format("unknown layout '{}'; expected {}", name, names));
+}
+
+std::string_view RegionSplitName(RegionSplit split) {
+  switch (split) {
+    case RegionSplit::kNone:
+      return "one";
+    case RegionSplit::kPerLayer:
+      return "per-layer";
+    case RegionSplit::kPerKv:
+      return "per-kv";
+    case RegionSplit::kPerLayerKv:
+      return "per-layer-kv";
+  }
+  return "?";
+}
+
 PoolLayout::PoolLayout(LayoutKind kind, const PoolDims& dims, const PoolStrides& strides,
-                       bool per_layer, int64_t element_bytes)
+                       RegionSplit split, int64_t element_bytes)
     : kind_(kind),
       dims_(dims),
       strides_(strides),
-      region_per_layer_(per_layer),
+      split_(split),
       element_bytes_(element_bytes),
-      region_bytes_(RegionElements(dims, strides, per_layer) * element_bytes) {}
+      region_bytes_(RegionElements(dims, strides, split) * element_bytes) {}
 
-PoolLayout PoolLayout::BlockMajor(const PoolDims& d, int64_t element_bytes) {
+PoolLayout PoolLayout::Packed(LayoutKind kind, const PoolDims& d, std::initializer_list<int> order,
+                              RegionSplit split, int64_t element_bytes) {
   PoolStrides s{};
   s[kDimAxis] = 1;
-  s[kTokenAxis] = d[kDimAxis];
-  s[kHeadAxis] = s[kTokenAxis] * d[kTokenAxis];
-  s[kKvAxis] = s[kHeadAxis] * d[kHeadAxis];
-  s[kLayerAxis] = s[kKvAxis] * d[kKvAxis];
-  s[kBlockAxis] = s[kLayerAxis] * d[kLayerAxis];
-  return PoolLayout(LayoutKind::kBlockMajor, d, s, false, element_bytes);
+  int64_t run = d[kDimAxis];
+  for (auto it = std::rbegin(order); it != std::rend(order); ++it) {
+    s[*it] = run;
+    run *= d[*it];
+  }
+  return PoolLayout(kind, d, s, split, element_bytes);
+}
+
+PoolLayout PoolLayout::BlockMajor(const PoolDims& d, int64_t element_bytes) {
+  return Packed(LayoutKind::kBlockMajor, d,
+                {kBlockAxis, kLayerAxis, kKvAxis, kHeadAxis, kTokenAxis}, RegionSplit::kNone,
+                element_bytes);
 }
 
 PoolLayout PoolLayout::PerLayer(const PoolDims& d, int64_t element_bytes) {
-  PoolStrides s{};
-  s[kDimAxis] = 1;
-  s[kHeadAxis] = d[kDimAxis];
-  s[kTokenAxis] = s[kHeadAxis] * d[kHeadAxis];
-  s[kBlockAxis] = s[kTokenAxis] * d[kTokenAxis];
-  s[kKvAxis] = s[kBlockAxis] * d[kBlockAxis];
-  s[kLayerAxis] = 0;  // each layer is its own region
-  return PoolLayout(LayoutKind::kPerLayer, d, s, true, element_bytes);
+  return VllmPerLayer(d, element_bytes, HeadOrder::kNhd);
+}
+
+PoolLayout PoolLayout::VllmPerLayer(const PoolDims& d, int64_t element_bytes, HeadOrder order) {
+  if (order == HeadOrder::kNhd) {
+    return Packed(LayoutKind::kPerLayer, d, {kKvAxis, kBlockAxis, kTokenAxis, kHeadAxis},
+                  RegionSplit::kPerLayer, element_bytes);
+  }
+  return Packed(LayoutKind::kPerLayerHnd, d, {kKvAxis, kBlockAxis, kHeadAxis, kTokenAxis},
+                RegionSplit::kPerLayer, element_bytes);
+}
+
+PoolLayout PoolLayout::PerLayerKv(const PoolDims& d, int64_t element_bytes, HeadOrder order) {
+  if (order == HeadOrder::kNhd) {
+    return Packed(LayoutKind::kPerLayerKvNhd, d, {kBlockAxis, kTokenAxis, kHeadAxis},
+                  RegionSplit::kPerLayerKv, element_bytes);
+  }
+  return Packed(LayoutKind::kPerLayerKvHnd, d, {kBlockAxis, kHeadAxis, kTokenAxis},
+                RegionSplit::kPerLayerKv, element_bytes);
+}
+
+PoolLayout PoolLayout::FlashInfer(const PoolDims& d, int64_t element_bytes, HeadOrder order) {
+  if (order == HeadOrder::kNhd) {
+    return Packed(LayoutKind::kFlashInferNhd, d, {kBlockAxis, kKvAxis, kTokenAxis, kHeadAxis},
+                  RegionSplit::kPerLayer, element_bytes);
+  }
+  return Packed(LayoutKind::kFlashInferHnd, d, {kBlockAxis, kKvAxis, kHeadAxis, kTokenAxis},
+                RegionSplit::kPerLayer, element_bytes);
 }
 
 StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
@@ -302,7 +374,7 @@ StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
       return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
   }
   if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
-  // Both layouts are dense: the region spans at most the product of all dims.
+  // Named layouts are dense: a region spans at most the product of all dims.
   if (!CheckedProduct({dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], element_bytes})) {
     return Status::InvalidArgument(fmt::format(
         "pool dims (blk,L,kv,h,t,d)={} of {}-byte elements: the pool's size overflows int64", dims,
@@ -313,14 +385,38 @@ StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
       return BlockMajor(dims, element_bytes);
     case LayoutKind::kPerLayer:
       return PerLayer(dims, element_bytes);
+    case LayoutKind::kPerLayerHnd:
+      return VllmPerLayer(dims, element_bytes, HeadOrder::kHnd);
+    case LayoutKind::kPerLayerKvNhd:
+      return PerLayerKv(dims, element_bytes, HeadOrder::kNhd);
+    case LayoutKind::kPerLayerKvHnd:
+      return PerLayerKv(dims, element_bytes, HeadOrder::kHnd);
+    case LayoutKind::kFlashInferNhd:
+      return FlashInfer(dims, element_bytes, HeadOrder::kNhd);
+    case LayoutKind::kFlashInferHnd:
+      return FlashInfer(dims, element_bytes, HeadOrder::kHnd);
+    case LayoutKind::kBlockMajorNhd:
+      return Packed(LayoutKind::kBlockMajorNhd, dims,
+                    {kBlockAxis, kLayerAxis, kKvAxis, kTokenAxis, kHeadAxis}, RegionSplit::kNone,
+                    element_bytes);
     case LayoutKind::kCustom:
       break;
+  }
+  if (kind != LayoutKind::kCustom) {
+    return Status::InvalidArgument(
+        fmt::format("layout kind {} is unknown", static_cast<int>(kind)));
   }
   return Status::InvalidArgument("a custom layout needs strides: use PoolLayout::Custom");
 }
 
 StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides& strides,
                                         bool region_per_layer, int64_t element_bytes) {
+  return Custom(dims, strides, region_per_layer ? RegionSplit::kPerLayer : RegionSplit::kNone,
+                element_bytes);
+}
+
+StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides& strides,
+                                        RegionSplit split, int64_t element_bytes) {
   for (int a = 0; a < kNumAxes; ++a) {
     if (dims[a] < 1)
       return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
@@ -328,6 +424,10 @@ StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides&
       return Status::InvalidArgument(fmt::format("strides {} must not be negative", strides));
   }
   if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
+  if (static_cast<uint8_t>(split) > static_cast<uint8_t>(RegionSplit::kPerLayerKv)) {
+    return Status::InvalidArgument(
+        fmt::format("region split {} is unknown", static_cast<int>(split)));
+  }
   if (strides[kDimAxis] != 1) {
     return Status::InvalidArgument(
         fmt::format("strides {}: the dim axis must have stride 1", strides));
@@ -335,7 +435,7 @@ StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides&
   // No aliasing: sorted by stride, each axis must step over the whole extent of the ones below.
   std::vector<int> axes;
   for (int a = 0; a < kNumAxes; ++a) {
-    if (dims[a] > 1 && !(region_per_layer && a == kLayerAxis)) axes.push_back(a);
+    if (dims[a] > 1 && !IsRegionAxis(split, a)) axes.push_back(a);
   }
   std::sort(axes.begin(), axes.end(), [&](int x, int y) { return strides[x] < strides[y]; });
   int64_t covered = 1;
@@ -348,8 +448,66 @@ StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides&
     }
     covered = CheckedMul(strides[a], dims[a]).value_or(INT64_MAX);
   }
-  KVF_RETURN_IF_ERROR(CheckRegionBytes(dims, strides, region_per_layer, element_bytes));
-  return PoolLayout(LayoutKind::kCustom, dims, strides, region_per_layer, element_bytes);
+  KVF_RETURN_IF_ERROR(CheckRegionBytes(dims, strides, split, element_bytes));
+  PoolStrides clean = strides;
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (IsRegionAxis(split, a)) clean[a] = 0;
+  }
+  PoolLayout layout(LayoutKind::kCustom, dims, clean, split, element_bytes);
+  layout.kind_ = layout.MatchKind();
+  return layout;
+}
+
+StatusOr<PoolLayout> PoolLayout::FromByteStrides(const PoolDims& dims,
+                                                 const PoolStrides& byte_strides, RegionSplit split,
+                                                 int64_t element_bytes) {
+  if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
+  static constexpr std::string_view kAxisNames[kNumAxes] = {"block", "layer", "kv",
+                                                            "head",  "token", "dim"};
+  PoolStrides elements{};
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (IsRegionAxis(split, a)) continue;
+    if (byte_strides[a] % element_bytes != 0) {
+      return Status::InvalidArgument(
+          fmt::format("byte strides {}: the {} stride {} is not a multiple of the {}-byte "
+                      "element (misaligned elements)",
+                      byte_strides, kAxisNames[a], byte_strides[a], element_bytes));
+    }
+    elements[a] = byte_strides[a] / element_bytes;
+  }
+  if (dims[kDimAxis] > 1 && byte_strides[kDimAxis] != element_bytes) {
+    return Status::InvalidArgument(
+        fmt::format("byte strides {}: the dim stride must be the element size {} (head_dim "
+                    "contiguous)",
+                    byte_strides, element_bytes));
+  }
+  elements[kDimAxis] = 1;
+  return Custom(dims, elements, split, element_bytes);
+}
+
+LayoutKind PoolLayout::MatchKind() const {
+  for (LayoutKind k : NamedLayoutKinds()) {
+    StatusOr<PoolLayout> named = Make(k, dims_, element_bytes_);
+    if (!named.ok() || named->split_ != split_) continue;
+    bool same = true;
+    for (int a = 0; a < kNumAxes && same; ++a) {
+      same = dims_[a] == 1 || RegionAxis(a) || named->strides_[a] == strides_[a];
+    }
+    if (same) return k;
+  }
+  return LayoutKind::kCustom;
+}
+
+Range PoolLayout::RegionLayers(int32_t region) const {
+  if (!region_per_layer()) return Range{0, dims_[kLayerAxis]};
+  const int64_t l = region / (region_per_kv() ? dims_[kKvAxis] : 1);
+  return Range{l, l + 1};
+}
+
+Range PoolLayout::RegionKv(int32_t region) const {
+  if (!region_per_kv()) return Range{0, dims_[kKvAxis]};
+  const int64_t kv = region % dims_[kKvAxis];
+  return Range{kv, kv + 1};
 }
 
 int64_t PoolLayout::block_bytes() const {
@@ -362,9 +520,10 @@ bool PoolLayout::block_contiguous() const { return Extents(WholeBlock(0)).size()
 
 int64_t PoolLayout::ByteOffset(int64_t block, int64_t layer, int64_t kv, int64_t head,
                                int64_t token, int64_t dim) const {
-  int64_t e = block * strides_[kBlockAxis] + kv * strides_[kKvAxis] + head * strides_[kHeadAxis] +
+  int64_t e = block * strides_[kBlockAxis] + head * strides_[kHeadAxis] +
               token * strides_[kTokenAxis] + dim * strides_[kDimAxis];
-  if (!region_per_layer_) e += layer * strides_[kLayerAxis];
+  if (!region_per_layer()) e += layer * strides_[kLayerAxis];
+  if (!region_per_kv()) e += kv * strides_[kKvAxis];
   return e * element_bytes_;
 }
 
@@ -415,7 +574,7 @@ void PoolLayout::AppendExtents(const BlockBox& box, std::vector<Extent>& out) co
   int loop_axes[4];
   int n = 0;
   for (int a = kLayerAxis; a < kDimAxis; ++a) {
-    if (region_per_layer_ && a == kLayerAxis) continue;
+    if (RegionAxis(a)) continue;
     if (ranges[a].size() > 1) loop_axes[n++] = a;
   }
   for (int i = 1; i < n; ++i) {  // insertion sort by stride (n <= 4)
@@ -431,24 +590,27 @@ void PoolLayout::AppendExtents(const BlockBox& box, std::vector<Extent>& out) co
     ++merged;
   }
   const int outer = n - merged;  // loop_axes[merged..n) remain, innermost first
-  const int64_t layer_lo = region_per_layer_ ? box.layers.begin : 0;
-  const int64_t layer_hi = region_per_layer_ ? box.layers.end : 1;
-  for (int64_t layer = layer_lo; layer < layer_hi; ++layer) {
-    const int32_t region = RegionOf(layer);
-    int64_t base = ByteOffset(box.block, region_per_layer_ ? layer : box.layers.begin, box.kv.begin,
-                              box.heads.begin, box.tokens.begin, 0);
-    int64_t idx[4] = {0, 0, 0, 0};
-    while (true) {
-      int64_t off = base;
-      for (int i = 0; i < outer; ++i)
-        off += idx[i] * strides_[loop_axes[merged + i]] * element_bytes_;
-      Push(out, region, off, run);
-      int i = 0;
-      for (; i < outer; ++i) {
-        if (++idx[i] < ranges[loop_axes[merged + i]].size()) break;
-        idx[i] = 0;
+  // Region axes (layer, kv) are the outermost loops, so extents come region by region.
+  const Range layer_loop =
+      region_per_layer() ? box.layers : Range{box.layers.begin, box.layers.begin + 1};
+  const Range kv_loop = region_per_kv() ? box.kv : Range{box.kv.begin, box.kv.begin + 1};
+  for (int64_t layer = layer_loop.begin; layer < layer_loop.end; ++layer) {
+    for (int64_t kv = kv_loop.begin; kv < kv_loop.end; ++kv) {
+      const int32_t region = RegionOf(layer, kv);
+      const int64_t base = ByteOffset(box.block, layer, kv, box.heads.begin, box.tokens.begin, 0);
+      int64_t idx[4] = {0, 0, 0, 0};
+      while (true) {
+        int64_t off = base;
+        for (int i = 0; i < outer; ++i)
+          off += idx[i] * strides_[loop_axes[merged + i]] * element_bytes_;
+        Push(out, region, off, run);
+        int i = 0;
+        for (; i < outer; ++i) {
+          if (++idx[i] < ranges[loop_axes[merged + i]].size()) break;
+          idx[i] = 0;
+        }
+        if (i == outer) break;
       }
-      if (i == outer) break;
     }
   }
 }
@@ -462,7 +624,10 @@ std::vector<Extent> PoolLayout::Extents(const BlockBox& box) const {
 std::string PoolLayout::ToString() const {
   return fmt::format("{} (blk,L,kv,h,t,d)=({}):({}){} {}B/elem", LayoutKindName(kind_),
                      fmt::join(dims_, ","), fmt::join(strides_, ","),
-                     region_per_layer_ ? " region/layer" : "", element_bytes_);
+                     split_ == RegionSplit::kNone
+                         ? std::string()
+                         : fmt::format(" regions {}", RegionSplitName(split_)),
+                     element_bytes_);
 }
 
 PoolDims RankPoolDims(const KvShape& shape, const RankSlice& slice, int64_t blocks) {

@@ -41,10 +41,12 @@ Status CheckSide(std::string_view side, const InstanceDesc& d) {
   Status s = d.shape.Validate();
   if (s.ok()) s = d.parallel.Validate(d.shape);
   if (!s.ok()) return s.WithContext(side);
-  if (d.layout != LayoutKind::kBlockMajor && d.layout != LayoutKind::kPerLayer) {
-    return Status::InvalidArgument(
-        fmt::format("{}: layout {} is not supported by the planner (block-major or per-layer)",
-                    side, LayoutKindName(d.layout)));
+  if (d.layout == LayoutKind::kCustom ||
+      static_cast<uint8_t>(d.layout) > static_cast<uint8_t>(kLastLayoutKind)) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: layout {} ({}) is not supported by the planner: a transfer needs a named layout "
+        "that every rank derives from its dims (block-major, per-layer, ...)",
+        side, LayoutKindName(d.layout), static_cast<int>(d.layout)));
   }
   if (d.pool_blocks < 1) {
     return Status::InvalidArgument(
@@ -146,6 +148,8 @@ struct Side {
   std::array<int64_t, kBoxAxes> stride{};  // bytes
   int64_t block_stride = 0;                // bytes
   bool layer_regions = false;              // each layer its own region (not a stride)
+  bool kv_regions = false;                 // K and V in separate regions (not a stride)
+  int32_t kv_factor = 1;
   int64_t base = 0;    // offset of (block 0, first layer, kv 0, first head, token 0)
   int32_t layer0 = 0;  // local index of the box's first layer
 };
@@ -156,6 +160,8 @@ Side MakeSide(const PoolLayout& layout, int64_t local_layer0, int64_t local_head
   for (int a = 0; a < kBoxAxes; ++a) s.stride[a] = layout.strides()[kLayoutAxisOf[a]] * eb;
   s.block_stride = layout.strides()[kBlockAxis] * eb;
   s.layer_regions = layout.region_per_layer();
+  s.kv_regions = layout.region_per_kv();
+  s.kv_factor = static_cast<int32_t>(layout.dims()[kKvAxis]);
   s.base = layout.ByteOffset(0, local_layer0, 0, local_head0, 0, 0);
   s.layer0 = static_cast<int32_t>(local_layer0);
   return s;
@@ -518,7 +524,11 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   const int64_t tpb = shape.tokens_per_block;
   const int64_t last_valid = in.prompt_tokens - (cx.needed - 1) * tpb;
   const int64_t row_bytes = shape.head_dim * eb;
-  std::array<int64_t, kBoxAxes> ext{l1 - l0, shape.kv_factor, h1 - h0, tpb};
+  // When either side keeps K and V in separate regions, kv is a loop outside the template (each
+  // piece lies in one region on both sides), like layers of per-layer pools.
+  const bool kv_outer = src.kv_regions || dst.kv_regions;
+  const int64_t kv_iters = kv_outer ? shape.kv_factor : 1;
+  std::array<int64_t, kBoxAxes> ext{l1 - l0, kv_outer ? 1 : shape.kv_factor, h1 - h0, tpb};
   const bool has_full = in.gen_reused_blocks < cx.needed - 1 || last_valid == tpb;
   Template full = BuildTemplate(ext, src, dst, row_bytes, in.layer_wise);
   ext[kT] = last_valid;
@@ -558,6 +568,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   Chunker chunker(in, out);
   Piece p;
   int64_t src_l = 0, dst_l = 0;  // offset of the current layer (layouts without layer regions)
+  int64_t src_k = 0, dst_k = 0;  // offset of the current kv (kv_outer, layouts without kv regions)
   // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
   // (sd, dd), as one piece when they merge.
   auto emit = [&](const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd) {
@@ -570,37 +581,45 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
       count = 1;
     }
     for (int64_t i = first; i < first + count; ++i) {
-      p.src_offset = src.base + in.ctx_blocks[i] * src.block_stride + src_l + sd;
-      p.dst_offset = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l + dd;
+      p.src_offset = src.base + in.ctx_blocks[i] * src.block_stride + src_l + src_k + sd;
+      p.dst_offset = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l + dst_k + dd;
       chunker.Add(p);
     }
   };
+  auto region = [](const Side& side, int64_t li, int64_t ki) {
+    const int64_t l = side.layer_regions ? side.layer0 + li : 0;
+    return static_cast<int32_t>(side.kv_regions ? l * side.kv_factor + ki : l);
+  };
   for (int64_t li = 0; li < layer_iters; ++li) {
     p.layer = layer_outer ? static_cast<int32_t>(l0 + li) : l1 - 1;
-    p.src_region = src.layer_regions ? static_cast<int32_t>(src.layer0 + li) : 0;
-    p.dst_region = dst.layer_regions ? static_cast<int32_t>(dst.layer0 + li) : 0;
     src_l = src.layer_regions ? 0 : li * src.stride[kL];
     dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
-    if (axes_outside) {
-      ForEachIndex(full, [&](int64_t sd, int64_t dd) {
-        for (const BlockRun& run : cx.runs) {
-          if (!run.partial) emit(full, run.first, run.count, sd, dd);
+    for (int64_t ki = 0; ki < kv_iters; ++ki) {
+      p.src_region = region(src, li, ki);
+      p.dst_region = region(dst, li, ki);
+      src_k = src.kv_regions ? 0 : ki * src.stride[kK];
+      dst_k = dst.kv_regions ? 0 : ki * dst.stride[kK];
+      if (axes_outside) {
+        ForEachIndex(full, [&](int64_t sd, int64_t dd) {
+          for (const BlockRun& run : cx.runs) {
+            if (!run.partial) emit(full, run.first, run.count, sd, dd);
+          }
+        });
+        const BlockRun& last = cx.runs.back();  // the partial block, if any, is the last run
+        if (last.partial) {
+          ForEachIndex(part, [&](int64_t sd, int64_t dd) { emit(part, last.first, 1, sd, dd); });
         }
-      });
-      const BlockRun& last = cx.runs.back();  // the partial block, if any, is the last run
-      if (last.partial) {
-        ForEachIndex(part, [&](int64_t sd, int64_t dd) { emit(part, last.first, 1, sd, dd); });
-      }
-      continue;
-    }
-    for (const BlockRun& run : cx.runs) {
-      const Template& t = run.partial ? part : full;
-      if (t.n == 0) {
-        emit(t, run.first, run.count, 0, 0);
         continue;
       }
-      for (int64_t i = run.first; i < run.first + run.count; ++i) {
-        ForEachIndex(t, [&](int64_t sd, int64_t dd) { emit(t, i, 1, sd, dd); });
+      for (const BlockRun& run : cx.runs) {
+        const Template& t = run.partial ? part : full;
+        if (t.n == 0) {
+          emit(t, run.first, run.count, 0, 0);
+          continue;
+        }
+        for (int64_t i = run.first; i < run.first + run.count; ++i) {
+          ForEachIndex(t, [&](int64_t sd, int64_t dd) { emit(t, i, 1, sd, dd); });
+        }
       }
     }
   }

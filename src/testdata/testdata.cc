@@ -49,8 +49,8 @@ void ForEachRow(const BlockPool& pool, uint64_t request, const BlockTokens& wher
   const RankSlice& s = pool.slice();
   const auto& d = lay.dims();
   for (int64_t l = 0; l < d[kLayerAxis]; ++l) {
-    std::byte* region = pool.region(lay.RegionOf(l));
     for (int64_t kv = 0; kv < d[kKvAxis]; ++kv) {
+      std::byte* region = pool.region(lay.RegionOf(l, kv));
       for (int64_t h = 0; h < d[kHeadAxis]; ++h) {
         for (int64_t t = 0; t < where.valid_tokens; ++t) {
           ElementCoord c{request,          s.layer_begin + l,     kv,

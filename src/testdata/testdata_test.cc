@@ -48,7 +48,8 @@ TEST(TestData, ValuesDependOnGlobalCoordinatesOnly) {
   const RankSlice& s = part.slice();
   int64_t lw = 4, hw = 3, ll = lw - s.layer_begin, hl = hw - s.head_begin;
   auto* a = whole.region(0) + whole.layout().ByteOffset(0, lw, 1, hw, 2, 0);
-  auto* b = part.region(part.layout().RegionOf(ll)) + part.layout().ByteOffset(2, ll, 1, hl, 2, 0);
+  auto* b =
+      part.region(part.layout().RegionOf(ll, 1)) + part.layout().ByteOffset(2, ll, 1, hl, 2, 0);
   EXPECT_EQ(std::memcmp(a, b, 8 * 2), 0);
 }
 

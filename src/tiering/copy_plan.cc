@@ -16,13 +16,15 @@ bool SameBlockShape(const PoolLayout& a, const PoolLayout& b) {
 namespace {
 
 // One axis of the copy: its extent and its byte strides on both sides. A "region" axis is the
-// layer axis of a layout with one region per layer: it selects a region instead of striding.
+// layer or kv axis of a layout split into regions along it: it selects a region instead of
+// striding.
 struct Axis {
   int64_t n = 0;
   int64_t s = 0;  // source stride, bytes
   int64_t d = 0;  // destination stride, bytes
   bool src_region = false;
   bool dst_region = false;
+  int layout_axis = 0;
 };
 
 }  // namespace
@@ -42,8 +44,7 @@ size_t AppendRunCopies(const TierView& src, int64_t src_block, const TierView& d
   auto add = [&](int a, int64_t n) {
     if (n <= 1) return;
     axes[na++] =
-        Axis{n, sl.strides()[a] * eb, dl.strides()[a] * eb,
-             sl.region_per_layer() && a == kLayerAxis, dl.region_per_layer() && a == kLayerAxis};
+        Axis{n, sl.strides()[a] * eb, dl.strides()[a] * eb, sl.RegionAxis(a), dl.RegionAxis(a), a};
   };
   add(kBlockAxis, count);
   add(kLayerAxis, dims[kLayerAxis]);
@@ -84,19 +85,21 @@ size_t AppendRunCopies(const TierView& src, int64_t src_block, const TierView& d
   size_t emitted = 0;
   while (true) {
     int64_t so = sbase, doff = dbase;
-    int32_t sr = 0, dr = 0;
+    int64_t src_at[kNumAxes] = {}, dst_at[kNumAxes] = {};  // region-axis indices
     for (int k = 0; k < no; ++k) {
       if (outer[k].src_region) {
-        sr = static_cast<int32_t>(idx[k]);
+        src_at[outer[k].layout_axis] = idx[k];
       } else {
         so += idx[k] * outer[k].s;
       }
       if (outer[k].dst_region) {
-        dr = static_cast<int32_t>(idx[k]);
+        dst_at[outer[k].layout_axis] = idx[k];
       } else {
         doff += idx[k] * outer[k].d;
       }
     }
+    const int32_t sr = sl.RegionOf(src_at[kLayerAxis], src_at[kKvAxis]);
+    const int32_t dr = dl.RegionOf(dst_at[kLayerAxis], dst_at[kKvAxis]);
     CopyDesc c{dst.regions[dr] + doff, src.regions[sr] + so, static_cast<size_t>(run)};
     if (rows > 1) {
       c.rows = static_cast<size_t>(rows);
@@ -121,7 +124,7 @@ StatusOr<PoolLayout> PackedLayoutLike(const PoolLayout& like, int64_t blocks) {
   // Order the in-block axes as `like` does: region (layer) axis outermost, then by stride.
   int order[4] = {kLayerAxis, kKvAxis, kHeadAxis, kTokenAxis};
   auto key = [&](int a) -> int64_t {
-    if (like.region_per_layer() && a == kLayerAxis) return INT64_MAX;
+    if (like.RegionAxis(a)) return a == kLayerAxis ? INT64_MAX : INT64_MAX - 1;
     return like.strides()[a];
   };
   std::sort(order, order + 4, [&](int x, int y) { return key(x) < key(y); });

@@ -61,9 +61,9 @@ inline void ReferenceCopy(const BlockPool& src, const std::vector<std::byte>& sr
         for (int64_t t = 0; t < tokens; ++t)
           for (int64_t x = 0; x < d[kDimAxis]; ++x) {
             int64_t so =
-                sl.RegionOf(l) * sl.region_bytes() + sl.ByteOffset(src_block, l, kv, h, t, x);
+                sl.RegionOf(l, kv) * sl.region_bytes() + sl.ByteOffset(src_block, l, kv, h, t, x);
             int64_t dof =
-                dl.RegionOf(l) * dl.region_bytes() + dl.ByteOffset(dst_block, l, kv, h, t, x);
+                dl.RegionOf(l, kv) * dl.region_bytes() + dl.ByteOffset(dst_block, l, kv, h, t, x);
             std::memcpy(&dst_bytes[dof], &src_bytes[so], eb);
           }
 }

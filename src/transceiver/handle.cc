@@ -63,8 +63,10 @@ ParallelConfig DecodeParallel(WireReader& r) {
 
 LayoutKind DecodeLayout(WireReader& r) {
   uint8_t layout = r.U8("layout");
-  if (layout > static_cast<uint8_t>(LayoutKind::kPerLayer)) {
-    r.Fail(fmt::format("layout {} is unknown", layout));
+  if (layout > static_cast<uint8_t>(kLastLayoutKind) ||
+      layout == static_cast<uint8_t>(LayoutKind::kCustom)) {
+    r.Fail(fmt::format("layout {} is unknown (named layouts are 0, 1 and 3..{})", layout,
+                       static_cast<int>(kLastLayoutKind)));
   }
   return static_cast<LayoutKind>(layout);
 }

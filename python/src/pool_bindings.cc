@@ -1,0 +1,192 @@
+// The KV model (KvShape, ParallelConfig, RankSlice) and block pools, with zero-copy views of a
+// pool's regions (numpy for host memory, DLPack for GPU memory).
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings.h"
+#include "kvferry/kv_model.h"
+
+namespace kvferry::py {
+
+namespace {
+
+MemoryKind ParseMemory(const std::string& s) {
+  if (s == "device") return MemoryKind::kDevice;
+  if (s == "pinned" || s == "pinned-host") return MemoryKind::kPinnedHost;
+  if (s == "host") return MemoryKind::kHost;
+  ThrowInvalid("memory '" + s + "': expected device|pinned|host");
+  return MemoryKind::kHost;
+}
+
+std::string SliceRepr(const RankSlice& s) { return "<kvferry.RankSlice " + s.ToString() + ">"; }
+
+// A view of `bytes` bytes at `data` that keeps `core` alive.
+nb::object View(const std::shared_ptr<PoolCore>& core, std::byte* data, size_t bytes) {
+  auto* keep = new std::shared_ptr<PoolCore>(core);
+  nb::capsule owner(keep,
+                    [](void* p) noexcept { delete static_cast<std::shared_ptr<PoolCore>*>(p); });
+  size_t shape[1] = {bytes};
+  const bool gpu = core->device->is_cuda() && core->pool->memory() == MemoryKind::kDevice;
+  if (!gpu) {
+    return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(data, 1, shape, owner));
+  }
+  return nb::cast(nb::ndarray<uint8_t, nb::ndim<1>>(data, 1, shape, owner, nullptr,
+                                                    nb::dtype<uint8_t>(), nb::device::cuda::value,
+                                                    core->device->device->info().ordinal));
+}
+
+}  // namespace
+
+void BindPool(nb::module_& m) {
+  nb::class_<KvShape>(m, "KvShape", "The shape of a model's KV cache, independent of its split.")
+      .def(
+          "__init__",
+          [](KvShape* self, int32_t layers, int32_t kv_heads, int32_t head_dim,
+             const std::string& dtype, int32_t kv_factor, int32_t tokens_per_block) {
+            KvShape s;
+            s.layers = layers;
+            s.kv_heads = kv_heads;
+            s.head_dim = head_dim;
+            s.dtype = Take(ParseDType(dtype));
+            s.kv_factor = kv_factor;
+            s.tokens_per_block = tokens_per_block;
+            Check(s.Validate());
+            new (self) KvShape(s);
+          },
+          nb::arg("layers"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("dtype") = "bf16",
+          nb::arg("kv_factor") = 2, nb::arg("tokens_per_block") = 32)
+      .def_ro("layers", &KvShape::layers)
+      .def_ro("kv_heads", &KvShape::kv_heads)
+      .def_ro("head_dim", &KvShape::head_dim)
+      .def_prop_ro("dtype", [](const KvShape& s) { return std::string(DTypeName(s.dtype)); })
+      .def_ro("kv_factor", &KvShape::kv_factor)
+      .def_ro("tokens_per_block", &KvShape::tokens_per_block)
+      .def_prop_ro("element_bytes", &KvShape::ElementBytes)
+      .def_prop_ro("bytes_per_token", &KvShape::BytesPerToken)
+      .def("__eq__", [](const KvShape& a, const KvShape& b) { return a == b; })
+      .def("__repr__", [](const KvShape& s) { return "<kvferry.KvShape " + s.ToString() + ">"; });
+
+  nb::class_<ParallelConfig>(m, "ParallelConfig",
+                             "How an instance is split: TP, PP (stage_layers per stage; empty = "
+                             "even split), attention DP size and the DP group of a request.")
+      .def(
+          "__init__",
+          [](ParallelConfig* self, int32_t tp, int32_t pp, std::vector<int32_t> stage_layers,
+             int32_t dp_size, int32_t dp_rank) {
+            new (self) ParallelConfig{tp, pp, std::move(stage_layers), dp_size, dp_rank};
+          },
+          nb::arg("tp") = 1, nb::arg("pp") = 1, nb::arg("stage_layers") = std::vector<int32_t>{},
+          nb::arg("dp_size") = 1, nb::arg("dp_rank") = 0)
+      .def_ro("tp", &ParallelConfig::tp)
+      .def_ro("pp", &ParallelConfig::pp)
+      .def_ro("stage_layers", &ParallelConfig::stage_layers)
+      .def_ro("dp_size", &ParallelConfig::dp_size)
+      .def_ro("dp_rank", &ParallelConfig::dp_rank)
+      .def_prop_ro("world_size", &ParallelConfig::world_size)
+      .def("__eq__", [](const ParallelConfig& a, const ParallelConfig& b) { return a == b; })
+      .def("__repr__",
+           [](const ParallelConfig& p) { return "<kvferry.ParallelConfig " + p.ToString() + ">"; });
+
+  nb::class_<RankSlice>(m, "RankSlice", "What one rank holds: global layer and KV-head ranges.")
+      .def_ro("rank", &RankSlice::rank)
+      .def_ro("tp_rank", &RankSlice::tp_rank)
+      .def_ro("pp_rank", &RankSlice::pp_rank)
+      .def_ro("dp_group", &RankSlice::dp_group)
+      .def_ro("layer_begin", &RankSlice::layer_begin)
+      .def_ro("layer_count", &RankSlice::layer_count)
+      .def_ro("head_begin", &RankSlice::head_begin)
+      .def_ro("head_count", &RankSlice::head_count)
+      .def("__repr__", &SliceRepr);
+  m.def(
+      "slice_of",
+      [](const KvShape& shape, const ParallelConfig& parallel, int32_t rank) {
+        return Take(SliceOf(shape, parallel, rank));
+      },
+      nb::arg("shape"), nb::arg("parallel"), nb::arg("rank"),
+      "The global layers and KV heads that `rank` holds.");
+
+  nb::class_<PyPool>(m, "Pool",
+                     "One rank's KV blocks: allocated by kvferry (Pool.allocate) or wrapping the "
+                     "engine's own tensors (Pool.wrap). close() releases this object's reference; "
+                     "the memory is freed once no side, manager or region view uses it.")
+      .def_static(
+          "allocate",
+          [](PyDevice& device, const KvShape& shape, const ParallelConfig& parallel, int32_t rank,
+             const std::string& layout, const std::string& memory, int64_t blocks) {
+            const std::shared_ptr<DeviceCore>& dev = device.core();
+            PoolSpec spec{shape, parallel, rank, Take(ParseLayoutKind(layout)), ParseMemory(memory),
+                          blocks};
+            auto core = std::make_shared<PoolCore>();
+            core->device = dev;
+            core->pool.emplace(Take(BlockPool::Create(*dev->device, spec)));
+            return PyPool(std::move(core));
+          },
+          nb::arg("device"), nb::arg("shape"), nb::arg("parallel") = ParallelConfig{},
+          nb::arg("rank") = 0, nb::arg("layout") = "block-major", nb::arg("memory") = "device",
+          nb::arg("blocks"),
+          "Allocates a pool of `blocks` blocks; layout 'block-major' (TensorRT-LLM) or "
+          "'per-layer' (vLLM, one region per layer), memory 'device', 'pinned' or 'host'.")
+      .def_prop_ro("blocks", [](PyPool& p) { return p.pool().blocks(); })
+      .def_prop_ro("num_regions", [](PyPool& p) { return p.pool().num_regions(); })
+      .def_prop_ro("region_bytes", [](PyPool& p) { return p.pool().layout().region_bytes(); })
+      .def_prop_ro("block_bytes", [](PyPool& p) { return p.pool().layout().block_bytes(); })
+      .def_prop_ro(
+          "layout", [](PyPool& p) { return p.pool().layout().ToString(); },
+          "The layout in (blk,L,kv,h,t,d)=dims:strides notation.")
+      .def_prop_ro(
+          "dims",
+          [](PyPool& p) {
+            const PoolDims& d = p.pool().layout().dims();
+            return std::vector<int64_t>(d.begin(), d.end());
+          },
+          "Sizes along (block, layer, kv, head, token, dim), local to this rank.")
+      .def_prop_ro(
+          "strides",
+          [](PyPool& p) {
+            const PoolStrides& s = p.pool().layout().strides();
+            return std::vector<int64_t>(s.begin(), s.end());
+          },
+          "Element strides along (block, layer, kv, head, token, dim).")
+      .def_prop_ro("shape", [](PyPool& p) { return p.pool().shape(); })
+      .def_prop_ro("parallel", [](PyPool& p) { return p.pool().spec().parallel; })
+      .def_prop_ro("slice", [](PyPool& p) { return p.pool().slice(); })
+      .def_prop_ro("memory",
+                   [](PyPool& p) { return std::string(MemoryKindName(p.pool().memory())); })
+      .def_prop_ro("closed", &PyPool::closed)
+      .def(
+          "region",
+          [](PyPool& p, int32_t i) {
+            const std::shared_ptr<PoolCore>& c = p.core();
+            if (i < 0 || i >= c->pool->num_regions()) {
+              ThrowInvalid("region " + std::to_string(i) + " outside [0, " +
+                           std::to_string(c->pool->num_regions()) + ")");
+            }
+            return View(c, c->pool->region(i),
+                        static_cast<size_t>(c->pool->layout().region_bytes()));
+          },
+          nb::arg("index"),
+          "A zero-copy uint8 view of region `index` (numpy for host memory; an object with "
+          "__dlpack__ for GPU memory: torch.from_dlpack(view)). Keeps the memory alive.")
+      .def(
+          "block_extents",
+          [](PyPool& p, std::vector<int64_t> blocks) {
+            std::vector<Extent> ext = Take(p.pool().BlockExtents(blocks));
+            nb::list out;
+            for (const Extent& e : ext) out.append(nb::make_tuple(e.region, e.offset, e.bytes));
+            return out;
+          },
+          nb::arg("blocks"), "(region, byte offset, bytes) of whole blocks, coalesced.")
+      .def("close", &PyPool::close)
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PyPool& p, nb::args) { p.close(); })
+      .def("__repr__", [](PyPool& p) {
+        if (p.closed()) return std::string("<kvferry.Pool closed>");
+        return "<kvferry.Pool " + std::to_string(p.pool().blocks()) + " blocks " +
+               std::string(MemoryKindName(p.pool().memory())) + " " + p.pool().layout().ToString() +
+               ">";
+      });
+}
+
+}  // namespace kvferry::py

@@ -1,0 +1,231 @@
+"""Context and generation sides over the in-process transport (and UCX between two processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import kvferry
+import kv_check
+
+SECRET = b"0123456789abcdef"
+
+
+class Instances:
+    """A context and a generation instance in this process, joined by one fabric."""
+
+    def __init__(self, dev, shape, ctx_tp=1, gen_tp=1, blocks=8, timeout=5.0):
+        self.fabric = kvferry.InProcFabric()
+        self.shape = shape
+        self.ctx_pools = [
+            kvferry.Pool.allocate(dev, shape, kvferry.ParallelConfig(tp=ctx_tp), rank=r,
+                                  memory="host", blocks=blocks) for r in range(ctx_tp)]
+        self.gen_pools = [
+            kvferry.Pool.allocate(dev, shape, kvferry.ParallelConfig(tp=gen_tp), rank=r,
+                                  memory="host", blocks=blocks) for r in range(gen_tp)]
+        self.ctx = [kvferry.ContextSide(dev, p, transport="inproc", fabric=self.fabric,
+                                        instance_secret=SECRET, timeout=timeout)
+                    for p in self.ctx_pools]
+        addresses = [c.address for c in self.ctx]
+        for c in self.ctx:
+            c.set_instance_addresses(addresses)
+        self.gen = [kvferry.GenerationSide(dev, p, transport="inproc", fabric=self.fabric,
+                                           instance_id=7, timeout=timeout)
+                    for p in self.gen_pools]
+
+    def close(self):
+        for s in self.gen + self.ctx + self.gen_pools + self.ctx_pools:
+            s.close()
+
+
+@pytest.mark.parametrize("ctx_tp,gen_tp", [(1, 1), (2, 1), (1, 2), (2, 4)])
+def test_transfer_moves_every_byte(cpu, small_shape, ctx_tp, gen_tp):
+    inst = Instances(cpu, small_shape, ctx_tp, gen_tp)
+    prompt_tokens = 3 * small_shape.tokens_per_block - 1  # a partial last block
+    g = kv_check.global_kv(small_shape, 3, seed=ctx_tp * 10 + gen_tp)
+    ctx_blocks, gen_blocks = [5, 1, 6], [0, 7, 2]
+    for p in inst.ctx_pools:
+        kv_check.fill(p, ctx_blocks, g)
+    handles = [c.mark_ready(42, ctx_blocks, prompt_tokens) for c in inst.ctx]
+    assert isinstance(handles[0], bytes) and all(h == handles[0] for h in handles)
+    for s in inst.gen:
+        s.fetch(handles[0], gen_blocks)
+    received = 0
+    for s in inst.gen + inst.ctx:
+        (st,) = s.poll(at_least=1, timeout=10.0)
+        assert st.request_id == 42
+        assert st.state == kvferry.TransferState.COMPLETE, st
+        assert st.ok and st.terminal and st.code == "OK"
+        received += st.bytes if s in inst.gen else 0
+    assert received > 0
+    with pytest.raises(kvferry.NotFoundError):  # reported once, then forgotten
+        inst.gen[0].query(42)
+    for p in inst.gen_pools:
+        kv_check.check(p, gen_blocks, g, prompt_tokens)
+    assert all(s.stats["requests_ended"] == 1 for s in inst.gen + inst.ctx)
+    inst.close()
+
+
+def test_many_requests_poll_at_least(cpu, small_shape):
+    inst = Instances(cpu, small_shape, blocks=16)
+    for rid in range(8):
+        h = inst.ctx[0].mark_ready(rid, [2 * rid, 2 * rid + 1], 5)
+        inst.gen[0].fetch(h, [15 - 2 * rid, 14 - 2 * rid])
+    done = []
+    deadline = time.monotonic() + 10
+    while len(done) < 8 and time.monotonic() < deadline:
+        done += inst.gen[0].poll(at_least=8 - len(done), timeout=5.0)
+    assert sorted(s.request_id for s in done) == list(range(8))
+    assert all(s.ok for s in done)
+    inst.close()
+
+
+def test_poll_waits_without_the_gil(cpu, small_shape):
+    inst = Instances(cpu, small_shape)
+    result = {}
+
+    def poller():
+        result["statuses"] = inst.gen[0].poll(at_least=1, timeout=1.0)
+        result["end"] = time.monotonic()
+
+    t = threading.Thread(target=poller)
+    t.start()
+    time.sleep(0.05)
+    spin_end = time.monotonic() + 0.2
+    while time.monotonic() < spin_end:  # pure Python work: needs the GIL
+        pass
+    main_done = time.monotonic()
+    t.join()
+    assert result["statuses"] == []  # nothing was pending: the poll ran to its timeout
+    assert main_done < result["end"], "the main thread ran only after the poll returned"
+    inst.close()
+
+
+def test_close_while_another_thread_polls(cpu, small_shape):
+    inst = Instances(cpu, small_shape)
+    gen = inst.gen[0]
+    out = []
+    t = threading.Thread(target=lambda: out.append(gen.poll(at_least=1, timeout=0.5)))
+    t.start()
+    time.sleep(0.05)
+    gen.close()  # waits for the poll in flight
+    t.join()
+    assert out == [[]]
+    assert gen.closed
+    with pytest.raises(kvferry.ClosedError):
+        gen.poll()
+    with pytest.raises(kvferry.ClosedError):
+        gen.fetch(b"x", [0])
+    inst.close()
+
+
+def test_cancel_and_query(cpu, small_shape):
+    inst = Instances(cpu, small_shape)
+    inst.ctx[0].mark_ready(9, [0], 4)
+    assert inst.ctx[0].query(9).state in (kvferry.TransferState.INIT,
+                                          kvferry.TransferState.IN_PROGRESS)
+    inst.ctx[0].cancel(9)
+    (st,) = inst.ctx[0].poll(at_least=1, timeout=5.0)
+    assert st.state == kvferry.TransferState.CANCELLED and not st.ok
+    assert st.code == "CANCELLED"
+    with pytest.raises(kvferry.NotFoundError):
+        inst.ctx[0].query(12345)
+    inst.close()
+
+
+def test_bad_handles_and_arguments(cpu, small_shape):
+    inst = Instances(cpu, small_shape)
+    gen = inst.gen[0]
+    with pytest.raises(TypeError):
+        gen.fetch("not bytes", [0])
+    with pytest.raises(kvferry.InvalidArgumentError):
+        gen.fetch(b"\x00garbage", [0])
+    h = inst.ctx[0].mark_ready(1, [0, 1], 8)
+    with pytest.raises(kvferry.InvalidArgumentError, match="block"):
+        gen.fetch(h, [0])  # too few destination blocks
+    forged = bytearray(h)
+    forged[-1] ^= 0xFF
+    with pytest.raises(kvferry.DataLossError, match="checksum"):
+        gen.fetch(bytes(forged), [0, 1])
+    with pytest.raises(kvferry.InvalidArgumentError, match="timeout"):
+        gen.poll(at_least=1, timeout=-1)
+    with pytest.raises(kvferry.InvalidArgumentError, match="inproc"):
+        kvferry.GenerationSide(cpu, inst.gen_pools[0], transport="inproc")
+    with pytest.raises(kvferry.InvalidArgumentError, match="instance_secret"):
+        kvferry.ContextSide(cpu, inst.ctx_pools[0], transport="inproc", fabric=inst.fabric,
+                            instance_secret=bytes(17))
+    inst.close()
+
+
+def test_dead_context_ends_the_request(cpu, small_shape):
+    inst = Instances(cpu, small_shape, timeout=3.0)
+    h = inst.ctx[0].mark_ready(5, [0, 1], 8)
+    inst.fabric.kill(inst.ctx[0].address)
+    with pytest.raises(kvferry.UnavailableError, match="context rank 0") as e:
+        inst.gen[0].fetch(h, [2, 3])
+    assert isinstance(e.value, ConnectionError)
+    inst.close()
+
+
+def test_sides_keep_pool_alive_after_pool_close(small_shape):
+    dev = kvferry.Device("cpu")
+    inst = Instances(dev, small_shape)
+    g = kv_check.global_kv(small_shape, 1, seed=3)
+    kv_check.fill(inst.ctx_pools[0], [0], g)
+    for p in inst.ctx_pools + inst.gen_pools:
+        p.close()  # the sides still hold them
+    dev.close()
+    h = inst.ctx[0].mark_ready(1, [0], 4)
+    inst.gen[0].fetch(h, [3])
+    (st,) = inst.gen[0].poll(at_least=1, timeout=10.0)
+    assert st.ok
+    inst.close()
+
+
+@pytest.mark.skipif("ucx" not in kvferry.transports(), reason="built without UCX")
+def test_ucx_between_two_processes(cpu, small_shape):
+    pool = kvferry.Pool.allocate(cpu, small_shape, memory="host", blocks=4)
+    g = kv_check.global_kv(small_shape, 2, seed=11)
+    kv_check.fill(pool, [1, 3], g)
+    with kvferry.ContextSide(cpu, pool, transport="ucx", instance_secret=SECRET,
+                             timeout=20.0) as ctx:
+        ctx.set_instance_addresses([ctx.address])
+        handle = ctx.mark_ready(77, [1, 3], 7)
+        peer = os.path.join(os.path.dirname(__file__), "ucx_peer.py")
+        proc = subprocess.run([sys.executable, peer, handle.hex()], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "verified" in proc.stdout
+        (st,) = ctx.poll(at_least=1, timeout=20.0)
+        assert st.ok, st
+
+
+def test_layer_wise_marks_and_events(cpu, small_shape):
+    inst = Instances(cpu, small_shape)
+    ctx, gen = inst.ctx[0], inst.gen[0]
+    g = kv_check.global_kv(small_shape, 2, seed=21)
+    kv_check.fill(inst.ctx_pools[0], [0, 1], g)
+    h = ctx.begin_layer_wise(3, [0, 1], 8)
+    gen.fetch(h, [4, 5])
+    ctx.mark_layers_ready(3, 2)  # 2 of 4 layers
+    assert gen.poll(at_least=1, timeout=0.2) == []  # the rest is not ready
+    stream = cpu.create_stream()
+    event = cpu.create_event()
+    stream.record(event)
+    ctx.mark_layer_ready_on(3, small_shape.layers - 1, event)
+    (st,) = gen.poll(at_least=1, timeout=10.0)
+    assert st.ok, st
+    kv_check.check(inst.gen_pools[0], [4, 5], g, 8)
+    with kvferry.Device("cpu") as other:
+        foreign = other.create_event()
+        h2 = ctx.begin_layer_wise(4, [2], 4)
+        assert h2
+        with pytest.raises(kvferry.InvalidArgumentError, match="another Device"):
+            ctx.mark_layer_ready_on(4, 0, foreign)
+    stream.close()
+    inst.close()
