@@ -39,9 +39,10 @@ struct Options {
   std::string dir;
   std::string model = "all";
   std::string layout = "all";
-  // Layout of the host tier: "block-major" (packed blocks, one contiguous range each: whole-block
-  // copies of per-layer pools go through device staging on GPUs) or "same" as the primary pool.
-  std::string host_layout = "block-major";
+  // Layout of the host tier: "same" as the primary pool (default), or "block-major" (packed
+  // blocks, one contiguous range each; with tiering.device_staging, whole-block copies of
+  // per-layer pools then go gather -> staging -> one copy per block).
+  std::string host_layout = "same";
   bool verify = false;
   bool json = false;
   bool contiguous = false;
@@ -86,6 +87,7 @@ StatusOr<std::unique_ptr<SlabStore>> OpenFileTier(const std::string& backend,
   so.slot_payload_bytes = block_bytes;
   so.max_slots = blocks;
   so.backend = backend;
+  so.recover = "none";  // each backend starts from an empty tier (they share the directory)
   return SlabStore::Open(so);
 }
 
@@ -573,7 +575,7 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
   cmd->add_option("--host-layout", o->host_layout,
-                  "host tier layout: block-major (packed blocks; default) | same (as the primary)");
+                  "host tier layout: same (as the primary; default) | block-major (packed blocks)");
   cmd->add_option("--file-backend", o->file_backends,
                   "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
                   "(in-memory stand-in); default posix io_uring cufile (one falling back to "
