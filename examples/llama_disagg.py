@@ -3,11 +3,13 @@ moved between them by kvferry, and the tokens checked against the same model in 
 
 The model is a small Llama (Hugging Face ``transformers``) built from a config with seeded random
 weights: nothing is downloaded. Its KV cache is a ``transformers`` StaticCache whose per-layer K
-and V tensors live in kvferry-described memory: for every layer, K and V are ``[B, S, H, D]``
-tensors (the vLLM/SGLang "NHD" layout: token-major, heads inside), seen by the model as
-``[B, H, S, D]`` through a transpose. Batch row b's tokens are the pool blocks
-``b * S / T ... (b + 1) * S / T - 1``, so a request's blocks are its row of the cache: the pool
-*is* the model's cache, and kvferry moves it without a copy into a staging pool.
+and V tensors are torch tensors ``[B, S, H, D]`` (the vLLM/SGLang "NHD" order: token-major, heads
+inside), seen by the model as ``[B, H, S, D]`` through a transpose, and wrapped by a kvferry pool
+(``Pool.wrap``, layout 'per-layer-kv', zero copy). Batch row b's tokens are the pool blocks
+``b * S / T ... (b + 1) * S / T - 1``, so a request's blocks are its row of the cache: kvferry
+moves the model's own tensors, with no copy into a pool of its own. (transformers' default
+allocation, ``[B, H, S, D]`` contiguous, is HND over the whole row: a custom layout kvferry can
+wrap for tiering but not transfer, since handles name the layout rather than carry strides.)
 
     context process:    prefill each prompt (batch 1, its own row) -> first token,
                         ContextSide.mark_ready(blocks) -> handle (bytes)
@@ -82,36 +84,38 @@ def kv_shape(args, kv_heads=None):
 
 
 class KvMemory:
-    """Per layer, K and V as [B, S, H, D] torch tensors over one kvferry pool of one rank.
+    """The model's KV cache memory on one rank: per layer a K and a V torch tensor [B, S, H, D]
+    (vLLM/SGLang's NHD order), allocated by torch and wrapped by one kvferry pool, zero copy.
 
-    The pool's layout is 'per-layer' (one region per layer, [kv][block][token][head][dim]) with
-    B * S / T blocks; its regions are handed to torch through DLPack (zero copy)."""
+    kvferry sees them as the 'per-layer-kv' layout (one region per (layer, kv),
+    [block][token][head][dim]) with B * S / T blocks: block b * S / T + j holds tokens
+    j * T .. (j + 1) * T - 1 of batch row b."""
 
-    def __init__(self, dev, args, batch, rank=0, tp=1, memory="device"):
+    def __init__(self, dev, args, batch, rank=0, tp=1):
         shape = kv_shape(args)
+        parallel = kvferry.ParallelConfig(tp=tp)
         self.batch, self.seq = batch, args.max_len
         self.tpb = args.tokens_per_block
         assert self.seq % self.tpb == 0
         self.blocks_per_row = self.seq // self.tpb
-        self.pool = kvferry.Pool.allocate(dev, shape, kvferry.ParallelConfig(tp=tp), rank=rank,
-                                          layout="per-layer", memory=memory,
-                                          blocks=batch * self.blocks_per_row)
-        heads = self.pool.slice.head_count
-        dim = shape.head_dim
-        self.k, self.v = [], []
-        for layer in range(self.pool.num_regions):
-            region = torch.from_dlpack(self.pool.region(layer)).view(torch.float32)
-            kv = region.view(2, batch, self.seq, heads, dim)
-            self.k.append(kv[0])
-            self.v.append(kv[1])
+        heads = kvferry.slice_of(shape, parallel, rank).head_count
+        dims = (batch, self.seq, heads, shape.head_dim)
+        self.k = [torch.zeros(dims, dtype=torch.float32, device=args.device)
+                  for _ in range(args.layers)]
+        self.v = [torch.zeros(dims, dtype=torch.float32, device=args.device)
+                  for _ in range(args.layers)]
+        tensors = [t for layer in range(args.layers) for t in (self.k[layer], self.v[layer])]
+        self.pool = kvferry.Pool.wrap(dev, shape, tensors, parallel, rank=rank,
+                                      layout="per-layer-kv", blocks=batch * self.blocks_per_row)
+        assert self.pool.wrapped
 
     def blocks(self, row, tokens):
         n = -(-tokens // self.tpb)
         return [row * self.blocks_per_row + i for i in range(n)]
 
     def close(self):
-        self.k, self.v = [], []
         self.pool.close()
+        self.k, self.v = [], []
 
 
 def cache_for_row(model, mem_k, mem_v, row, seen_tokens):
@@ -375,7 +379,8 @@ def main(argv=None):
                   "kv_heads": args.kv_heads, "vocab": args.vocab, "dtype": "fp32",
                   "seed": args.seed},
         "device": args.device, "transport": args.transport, "gen_tp": args.gen_tp,
-        "kv_layout": "per-layer (NHD), one block = tokens_per_block tokens of one sequence",
+        "kv_layout": "per-layer-kv: the model's K and V torch tensors [B, S, H, D] per layer, "
+                     "wrapped (zero copy); one block = tokens_per_block tokens of one row",
         "tokens_per_block": args.tokens_per_block,
         "prompt_lengths": [len(p) for p in prompts(args)], "new_tokens": args.new_tokens,
         "identical_tokens": bool(identical),

@@ -93,11 +93,13 @@ struct PoolCore {
 struct EventCore {
   std::shared_ptr<DeviceCore> device;
   std::shared_ptr<Event> event;
+  nb::object native;  // the engine's event (wrap_event), kept alive with the wrapper
 };
 
 struct StreamCore {
   std::shared_ptr<DeviceCore> device;
   std::unique_ptr<Stream> stream;
+  nb::object native;  // the engine's stream (wrap_stream)
 };
 
 // The Python-visible wrappers whose cores other bindings need.

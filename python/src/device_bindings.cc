@@ -200,13 +200,14 @@ void BindDevice(nb::module_& m) {
            [](PyDevice& d) {
              const std::shared_ptr<DeviceCore>& c = d.core();
              auto s = Take(c->device->CreateStream());
-             return PyStream(std::make_shared<StreamCore>(StreamCore{c, std::move(s)}));
+             return PyStream(
+                 std::make_shared<StreamCore>(StreamCore{c, std::move(s), nb::object()}));
            })
       .def("create_event",
            [](PyDevice& d) {
              const std::shared_ptr<DeviceCore>& c = d.core();
              std::shared_ptr<Event> e = Take(c->device->CreateEvent());
-             return PyEvent(std::make_shared<EventCore>(EventCore{c, std::move(e)}));
+             return PyEvent(std::make_shared<EventCore>(EventCore{c, std::move(e), nb::object()}));
            })
       .def("close", &PyDevice::close)
       .def("__enter__", [](nb::handle self) { return self; })
