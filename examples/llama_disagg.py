@@ -294,7 +294,7 @@ def bench_baseline(args, lengths):
     cmd = [args.bench, "bench", "transfer", "--layers", str(args.layers),
            "--kv-heads", str(args.kv_heads), "--head-dim", str(args.hidden // args.heads),
            "--tokens-per-block", str(args.tokens_per_block), "--dtype", "fp32",
-           "--ctx-layout", "per-layer", "--gen-layout", "per-layer", "--gen-tp", str(args.gen_tp),
+           "--ctx-layout", "per-layer-kv", "--gen-layout", "per-layer-kv", "--gen-tp", str(args.gen_tp),
            "--requests", str(len(lengths)), "--concurrency", str(len(lengths)),
            "--sweep", str(mean), "--transport", args.transport,
            "--device", "cuda" if args.device.startswith("cuda") else "cpu",
