@@ -6,13 +6,14 @@
 // Keys are XXH3-128 (libxxhash, inlined): root = XXH3-128 of the identity's fields encoded as
 // little-endian bytes; key(i) = XXH3-128 of (key(i-1), the block's token ids).
 //
-// Cached blocks nobody references sit in one LRU per tier, ordered by retention priority
-// (0..100, lower evicted first) and by age within a priority. When the primary pool has no free
-// block, its victim is OFFLOADED to the host tier (if its priority reaches offload_min_priority),
-// a full host tier demotes its own victim to the file tier, and a full file tier drops its victim.
-// A prefix lookup walks the chain: primary hits are shared (refcount + 1), host and file hits are
-// onboarded into new primary blocks; with partial reuse, the first tokens of a cached block that
-// match the prompt's next (non-matching) block are copied into a new block.
+// A file tier that survived a restart (SlabStore::Recovered) is indexed at Create: its verified
+// slots are prefix hits again. Cached blocks nobody references sit in one LRU per tier, ordered by
+// retention priority (0..100, lower evicted first) and by age within a priority. When the primary
+// pool has no free block, its victim is OFFLOADED to the host tier (if its priority reaches
+// offload_min_priority), a full host tier demotes its own victim to the file tier, and a full file
+// tier drops its victim. A prefix lookup walks the chain: primary hits are shared (refcount + 1),
+// host and file hits are onboarded into new primary blocks; with partial reuse, the first tokens of
+// a cached block that match the prompt's next (non-matching) block are copied into a new block.
 //
 // Leases: a block referenced by a sequence, or being copied by the manager, is never in an LRU, so
 // it can't be evicted. Data ordering is the TransferManager's: before compute reads blocks a call
@@ -136,6 +137,7 @@ struct BlockManagerStats {
   int64_t inflight_bytes = 0;        // bytes of the batches in flight
   int64_t abandoned = 0;             // operations past io_timeout (leases kept until they end)
   int64_t leased_slots = 0;          // file slots held by in-flight operations
+  int64_t recovered = 0;             // file slots found intact at open, offered as prefix hits
 };
 
 class BlockManager {

@@ -50,7 +50,8 @@ class Config {
 
   std::vector<KnobView> List() const;
 
-  // Warnings about environment values that were rejected (the default stays in force).
+  // Environment values that were rejected, each naming the variable, the value and the constraint
+  // (the default stays in force; the kvferry command refuses to run with any).
   std::vector<std::string> EnvironmentErrors() const;
 
   struct Impl;

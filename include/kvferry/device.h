@@ -142,6 +142,24 @@ class Device {
   virtual StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
   virtual StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
 
+  // Wrapping an engine's own streams and events, so kvferry's copies and layer-ready marks order
+  // against the engine's compute stream. `native` is opaque here:
+  //   - CUDA device: a cudaStream_t / cudaEvent_t of this GPU. A null stream (the legacy default
+  //     stream) is refused, and so is a stream of another GPU (cudaStreamGetDevice) or a handle
+  //     CUDA does not know (cudaStreamQuery / cudaEventQuery). CUDA cannot tell an event's GPU:
+  //     an event of another GPU is refused by CUDA when a stream of this device records into it
+  //     (the error names this device); waiting on it is legal in CUDA and works.
+  //   - CPU device: a Stream* / Event* created by this same device (CreateStream/CreateEvent),
+  //     so tests can play the engine; any other pointer, null, or a handle of another CPU device is
+  //     refused without being dereferenced.
+  // The result does not own the native handle: destroying it waits for the work enqueued through
+  // it (like any Stream) and leaves the native stream or event alive; the native handle must
+  // outlive the wrapper. Work enqueued through the wrapper and by the engine on the native
+  // stream is one ordered queue. Errors are kInvalidArgument and name the handle and devices.
+  // The default implementation refuses (a device without native handles).
+  virtual StatusOr<std::unique_ptr<Stream>> WrapStream(void* native);
+  virtual StatusOr<std::unique_ptr<Event>> WrapEvent(void* native);
+
  protected:
   // Buffers are made and freed only by their device.
   Buffer MakeBuffer(std::byte* data, size_t size, MemoryKind kind) {

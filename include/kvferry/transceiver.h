@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -77,6 +78,10 @@ struct TransceiverOptions {
   std::array<uint8_t, 16> instance_secret{};
   // Distinguishes generation instances (the same on all of an instance's ranks).
   uint64_t instance_id = 0;
+  // Unset: knobs transfer.rma (one-sided puts into registered pools where both transports can)
+  // and transfer.checksum (XXH3-64 per chunk, verified by the generation side: kDataLoss).
+  std::optional<bool> rma;
+  std::optional<bool> checksum;
 };
 
 class Transport;  // src/transport/transport.h

@@ -108,7 +108,7 @@ Config::Config() : impl_(new Impl) {
         e.source = KnobSource::kEnvironment;
       } else {
         impl_->env_errors.push_back(
-            fmt::format("{} ignored: {}", EnvName(d.name), v.status().message()));
+            fmt::format("{}='{}': {}", EnvName(d.name), env, v.status().message()));
       }
     }
     impl_->entries.emplace(std::string(d.name), std::move(e));

@@ -44,6 +44,18 @@ constexpr KnobDecl kKnobs[] = {
     {"transfer.max_inflight_per_pair", KnobType::kInt, "16",
      "transport operations in flight per (context rank, generation rank) pair and request", 1, 4096,
      ""},
+    {"transfer.rma", KnobType::kBool, "true",
+     "move KV by one-sided puts into the peer's registered pool and staging where both "
+     "transports can (else tagged messages)",
+     0, 0, ""},
+    {"transfer.rma_row_min_bytes", KnobType::kInt, "65536",
+     "one-sided path: fragment rows at least this long are put pool to pool; shorter ones are "
+     "packed into staging, put, and unpacked",
+     1, kMaxInt, ""},
+    {"transfer.checksum", KnobType::kBool, "false",
+     "each chunk carries an XXH3-64 of its bytes, verified on the receiver (kDataLoss on a "
+     "mismatch); host-visible pools only",
+     0, 0, ""},
     {"transfer.abort_grace_ms", KnobType::kInt, "1000",
      "after a request fails, how long a context rank waits for sends a dead peer never takes "
      "before it ends the request anyway (sends only read the blocks)",
@@ -60,11 +72,13 @@ constexpr KnobDecl kKnobs[] = {
      "UCX transports to use (UCX_TLS syntax, e.g. 'shm,tcp' or 'rc,cuda_ipc'); empty: UCX's own "
      "choice",
      0, 0, ""},
-    {"ucx.error_mode", KnobType::kString, "peer",
-     "peer: a dead peer fails pending ops (UCX 1.13 then uses TCP even on one host: no shared "
-     "memory); none: shared memory/CMA on one host, but a crashed peer is only noticed by the "
-     "caller's deadlines (an orderly shutdown is still signalled)",
-     0, 0, "peer|none"},
+    {"ucx.error_mode", KnobType::kString, "split",
+     "split: per peer a control endpoint that notices a crashed peer (error mode peer, TCP) "
+     "beside a data endpoint on the fastest transports (error mode none: shared memory, CMA, "
+     "cuda_ipc); peer: both in error mode peer (UCX then avoids shared memory: TCP on one "
+     "host); none: both in error mode none, a crashed peer is only noticed by the caller's "
+     "deadlines (an orderly shutdown is still signalled)",
+     0, 0, "split|peer|none"},
     {"ucx.keepalive_ms", KnobType::kInt, "1000",
      "UCX keepalive interval: how soon a peer that died without closing is detected", 10,
      3600 * 1000, ""},
@@ -115,6 +129,10 @@ constexpr KnobDecl kKnobs[] = {
      "background tiering: victims move down until this percent of blocks is free (0: only on "
      "demand)",
      0, 100, ""},
+    {"files.recover", KnobType::kString, "verify",
+     "slab files found at open: verify = keep every slot whose header and payload checksum "
+     "verify (reads every slot), headers = check headers only, none = forget them",
+     0, 0, "verify|headers|none"},
 };
 
 }  // namespace

@@ -10,12 +10,56 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 
 #include "kvferry/config.h"
 #include "kvferry/device.h"
 
 namespace kvferry {
 namespace {
+
+// The streams and events a CPU device made that are still alive, so WrapStream/WrapEvent can
+// check a pointer without dereferencing it.
+class HandleRegistry {
+ public:
+  enum Kind { kStream = 0, kEvent = 1 };
+  void Add(Kind k, const void* p) {
+    std::lock_guard lock(mu_);
+    live_[k].insert(p);
+  }
+  void Remove(Kind k, const void* p) {
+    std::lock_guard lock(mu_);
+    live_[k].erase(p);
+  }
+  bool Has(Kind k, const void* p) {
+    std::lock_guard lock(mu_);
+    return live_[k].count(p) > 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_set<const void*> live_[2];  // guarded by mu_
+};
+
+// Adds a handle to its device's registry for its lifetime (no registry: a wrapper, not listed).
+class Registered {
+ public:
+  Registered(std::shared_ptr<HandleRegistry> registry, HandleRegistry::Kind kind,
+             const void* handle)
+      : registry_(std::move(registry)), kind_(kind), handle_(handle) {
+    if (registry_) registry_->Add(kind_, handle_);
+  }
+  ~Registered() {
+    if (registry_) registry_->Remove(kind_, handle_);
+  }
+  Registered(const Registered&) = delete;
+  Registered& operator=(const Registered&) = delete;
+
+ private:
+  const std::shared_ptr<HandleRegistry> registry_;
+  const HandleRegistry::Kind kind_;
+  const void* const handle_;
+};
 
 // Shared between an event and the stream tasks that complete it.
 struct EventState {
@@ -27,7 +71,11 @@ struct EventState {
 
 class CpuEvent final : public Event {
  public:
-  CpuEvent() : state_(std::make_shared<EventState>()) {}
+  // A new event, listed in `registry`; or (state given, no registry) another name for the event
+  // owning `state`, as WrapEvent returns.
+  CpuEvent(std::shared_ptr<HandleRegistry> registry, std::shared_ptr<EventState> state)
+      : state_(state ? std::move(state) : std::make_shared<EventState>()),
+        listed_(std::move(registry), HandleRegistry::kEvent, static_cast<const Event*>(this)) {}
   bool Query() override {
     std::lock_guard lock(state_->mu);
     return state_->completed >= state_->recorded;
@@ -45,11 +93,14 @@ class CpuEvent final : public Event {
 
  private:
   std::shared_ptr<EventState> state_;
+  Registered listed_;
 };
 
 class CpuStream final : public Stream {
  public:
-  CpuStream() : worker_([this] { Run(); }) {}
+  explicit CpuStream(std::shared_ptr<HandleRegistry> registry)
+      : listed_(std::move(registry), HandleRegistry::kStream, static_cast<const Stream*>(this)),
+        worker_([this] { Run(); }) {}
   ~CpuStream() override {
     {
       std::lock_guard lock(mu_);
@@ -175,7 +226,39 @@ class CpuStream final : public Stream {
   uint64_t enqueued_ = 0;                    // guarded by mu_
   uint64_t finished_ = 0;                    // guarded by mu_
   bool stop_ = false;                        // guarded by mu_
-  std::thread worker_;                       // last: starts after the members above exist
+  Registered listed_;
+  std::thread worker_;  // last: starts after the members above exist
+};
+
+// A non-owning name for a stream of this device (WrapStream): every call goes to the target.
+class WrappedStream final : public Stream {
+ public:
+  explicit WrappedStream(Stream* target) : target_(target) {}
+  ~WrappedStream() override {
+    // Like destroying any stream: wait for the work enqueued so far (the target stays alive).
+    (void)target_->Synchronize(Clock::now() + std::chrono::hours(1));
+  }
+  Status Copy(void* dst, const void* src, size_t bytes) override {
+    return target_->Copy(dst, src, bytes);
+  }
+  Status CopyBatch(std::span<const CopyDesc> copies) override { return target_->CopyBatch(copies); }
+  Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                size_t height) override {
+    return target_->Copy2D(dst, dst_pitch, src, src_pitch, width, height);
+  }
+  Status Fill(void* dst, uint8_t value, size_t bytes) override {
+    return target_->Fill(dst, value, bytes);
+  }
+  Status HostCallback(std::function<void()> fn) override {
+    return target_->HostCallback(std::move(fn));
+  }
+  Status Record(Event& event) override { return target_->Record(event); }
+  Status Wait(Event& event) override { return target_->Wait(event); }
+  Status Synchronize(Deadline deadline) override { return target_->Synchronize(deadline); }
+  bool Query() override { return target_->Query(); }
+
+ private:
+  Stream* const target_;
 };
 
 class CpuDevice final : public Device {
@@ -201,10 +284,33 @@ class CpuDevice final : public Device {
   }
 
   StatusOr<std::unique_ptr<Stream>> CreateStream() override {
-    return std::unique_ptr<Stream>(new CpuStream());
+    return std::unique_ptr<Stream>(new CpuStream(registry_));
   }
   StatusOr<std::unique_ptr<Event>> CreateEvent() override {
-    return std::unique_ptr<Event>(new CpuEvent());
+    return std::unique_ptr<Event>(new CpuEvent(registry_, nullptr));
+  }
+
+  // Accepts only live Stream* / Event* made by this device (see device.h).
+  StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
+    if (native == nullptr) return Status::InvalidArgument("cpu WrapStream: null stream");
+    if (!registry_->Has(HandleRegistry::kStream, native)) {
+      return Status::InvalidArgument(fmt::format(
+          "cpu WrapStream({}): not a live stream of this cpu device (it takes the Stream* of a "
+          "stream this device created; a stream of another device is refused)",
+          native));
+    }
+    return std::unique_ptr<Stream>(new WrappedStream(static_cast<Stream*>(native)));
+  }
+  StatusOr<std::unique_ptr<Event>> WrapEvent(void* native) override {
+    if (native == nullptr) return Status::InvalidArgument("cpu WrapEvent: null event");
+    if (!registry_->Has(HandleRegistry::kEvent, native)) {
+      return Status::InvalidArgument(fmt::format(
+          "cpu WrapEvent({}): not a live event of this cpu device (it takes the Event* of an "
+          "event this device created; an event of another device is refused)",
+          native));
+    }
+    auto* target = static_cast<CpuEvent*>(static_cast<Event*>(native));
+    return std::unique_ptr<Event>(new CpuEvent(nullptr, target->state()));
   }
 
  protected:
@@ -213,6 +319,7 @@ class CpuDevice final : public Device {
  private:
   const DeviceInfo info_;
   const size_t alignment_;
+  const std::shared_ptr<HandleRegistry> registry_ = std::make_shared<HandleRegistry>();
 };
 
 }  // namespace

@@ -43,6 +43,16 @@ void Buffer::Reset() {
   size_ = 0;
 }
 
+StatusOr<std::unique_ptr<Stream>> Device::WrapStream(void* native) {
+  return Status::InvalidArgument(
+      fmt::format("WrapStream({}): device {} has no native streams", native, info().name));
+}
+
+StatusOr<std::unique_ptr<Event>> Device::WrapEvent(void* native) {
+  return Status::InvalidArgument(
+      fmt::format("WrapEvent({}): device {} has no native events", native, info().name));
+}
+
 StatusOr<std::unique_ptr<Device>> OpenDevice(std::string_view name) {
   if (name == "cpu") return OpenCpuDevice();
   if (name == "cuda" || name.starts_with("cuda:")) {

@@ -27,7 +27,8 @@ endif()
 
 if(BUILD_TESTING)
   kvferry_test(files_test SOURCES files/slot_header_test.cc files/file_backend_test.cc
-               files/slab_store_test.cc "${PROJECT_SOURCE_DIR}/fuzz/slot_header_fuzz_body.cc")
+               files/slab_store_test.cc files/slab_recovery_test.cc
+               "${PROJECT_SOURCE_DIR}/fuzz/slot_header_fuzz_body.cc")
 endif()
 
 # SlabStore vs raw O_DIRECT throughput, measured in the same run (not a test).

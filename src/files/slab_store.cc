@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -25,6 +26,7 @@ SlabStoreOptions SlabStoreOptionsFromConfig() {
   o.direct_io = c.Bool("files.direct_io");
   o.max_in_flight = static_cast<int32_t>(c.Int("files.max_in_flight"));
   o.io_timeout_ms = c.Int("files.io_timeout_ms");
+  o.recover = c.String("files.recover");
   return o;
 }
 
@@ -164,8 +166,19 @@ class SlabStoreImpl : public SlabStore {
 
   std::vector<Status> Write(std::span<const SlotWrite> writes) override;
   std::vector<Status> Read(std::span<const SlotRead> reads) override;
+  std::vector<RecoveredSlot> Recovered() const override { return recovered_; }
+
+  // Scans the slab files an earlier store left (options.recover); called once by Open.
+  Status Recover();
 
  private:
+  std::string FilePath(int64_t index) const {
+    return fmt::format("{}/kvferry-slab-{:05d}.kvf", options_.dir, index);
+  }
+  // Keeps the verified slots of one slab file; false when the file is not there to scan.
+  StatusOr<bool> ScanFile(int64_t index, std::vector<bool>& kept);
+  // XXH3-64 of `bytes` of device memory, hashed after a copy into the arena's staging.
+  StatusOr<uint64_t> DeviceChecksum(Arena& a, int i, const void* device_bytes, int64_t bytes);
   StatusOr<BackendFile*> FileOf(SlotId slot);
   int64_t OffsetOf(SlotId slot) const { return (slot % options_.slots_per_file) * stride_; }
   StatusOr<std::unique_ptr<Arena>> AcquireArena();
@@ -201,7 +214,90 @@ class SlabStoreImpl : public SlabStore {
 
   std::mutex arenas_mu_;
   std::vector<std::unique_ptr<Arena>> arenas_;  // guarded by arenas_mu_
+
+  std::vector<RecoveredSlot> recovered_;  // set by Recover, then constant
 };
+
+Status SlabStoreImpl::Recover() {
+  if (options_.recover == "none") return Status::Ok();
+  std::vector<bool> kept(static_cast<size_t>(options_.max_slots), false);
+  bool any_file = false;
+  for (int64_t f = 0; f < static_cast<int64_t>(files_.size()); ++f) {
+    KVF_ASSIGN_OR_RETURN(bool scanned, ScanFile(f, kept));
+    any_file |= scanned;
+  }
+  if (!any_file) return Status::Ok();  // a fresh directory: slots are handed out in id order
+  std::lock_guard<std::mutex> l(mu_);
+  free_.clear();
+  for (SlotId s = options_.max_slots - 1; s >= 0; --s) {
+    if (!kept[s]) free_.push_back(s);  // reclaimed (lowest ids handed out first)
+  }
+  next_fresh_ = options_.max_slots;
+  Log(LogLevel::kInfo, "file tier: recovered {} verified slots in {} ({} reclaimed)",
+      recovered_.size(), options_.dir, free_.size());
+  return Status::Ok();
+}
+
+StatusOr<bool> SlabStoreImpl::ScanFile(int64_t index, std::vector<bool>& kept) {
+  const std::string path = FilePath(index);
+  struct stat sb;
+  if (::stat(path.c_str(), &sb) != 0) return false;
+  const int64_t first = index * options_.slots_per_file;
+  const int64_t nslots = std::min(options_.slots_per_file, options_.max_slots - first);
+  if (sb.st_size != nslots * stride_) {
+    Log(LogLevel::kInfo, "file tier: {} has {} bytes, not {} ({} slots of {}): not recovered", path,
+        sb.st_size, nslots * stride_, nslots, stride_);
+    return true;
+  }
+  KVF_ASSIGN_OR_RETURN(BackendFile * file, FileOf(first));
+  const bool payloads = options_.recover != "headers";
+  const int64_t span = payloads ? stride_ : kSlotHeaderBlock;
+  KVF_ASSIGN_OR_RETURN(HostBuffer buf, HostBuffer::Allocate(cpu_device_ ? nullptr : options_.device,
+                                                            static_cast<int64_t>(window_) * span));
+  std::vector<IoSegment> segs(window_);
+  std::vector<FileIo> ios(window_);
+  for (int64_t at = 0; at < nslots; at += window_) {
+    const int64_t n = std::min<int64_t>(window_, nslots - at);
+    for (int64_t i = 0; i < n; ++i) {
+      segs[i] = IoSegment{buf.data() + i * span, span, MemoryKind::kHost};
+      ios[i] = FileIo{file, (at + i) * stride_, std::span<const IoSegment>(&segs[i], 1)};
+    }
+    std::vector<Status> done =
+        backend_->Read(std::span<const FileIo>(ios.data(), n), BatchDeadline());
+    for (int64_t i = 0; i < n; ++i) {
+      if (i >= static_cast<int64_t>(done.size()) || !done[i].ok()) continue;
+      const SlotId slot = first + at + i;
+      const std::byte* page = buf.data() + i * span;
+      auto h = DecodeSlotHeader(std::span<const std::byte>(page, kSlotHeaderBlock));
+      if (!h.ok() || h->slot != static_cast<uint64_t>(slot) ||
+          h->payload_bytes > static_cast<uint64_t>(payload_cap_) ||
+          (h->flags & kSlotFlagPayloadChecksum) == 0) {
+        continue;  // torn, foreign, stale or unverifiable: reclaimed
+      }
+      const int64_t bytes = static_cast<int64_t>(h->payload_bytes);
+      if (payloads && Checksum64(page + kSlotHeaderBlock, bytes) != h->payload_checksum) continue;
+      const SlotKey key{h->key_hi, h->key_lo};
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        slots_[slot] = SlotInfo{SlotState::kWritten, key, bytes};
+      }
+      kept[slot] = true;
+      recovered_.push_back(RecoveredSlot{slot, key, bytes});
+    }
+  }
+  return true;
+}
+
+StatusOr<uint64_t> SlabStoreImpl::DeviceChecksum(Arena& a, int i, const void* device_bytes,
+                                                 int64_t bytes) {
+  KVF_RETURN_IF_ERROR(EnsureFull(a, i));
+  if (!a.stream) {
+    KVF_ASSIGN_OR_RETURN(a.stream, options_.device->CreateStream());
+  }
+  KVF_RETURN_IF_ERROR(a.stream->Copy(a.full[i].data(), device_bytes, static_cast<size_t>(bytes)));
+  KVF_RETURN_IF_ERROR(a.stream->Synchronize(BatchDeadline()));
+  return Checksum64(a.full[i].data(), static_cast<size_t>(bytes));
+}
 
 StatusOr<BackendFile*> SlabStoreImpl::FileOf(SlotId slot) {
   const int64_t index = slot / options_.slots_per_file;
@@ -209,7 +305,7 @@ StatusOr<BackendFile*> SlabStoreImpl::FileOf(SlotId slot) {
   if (files_[index]) return files_[index].get();
   const int64_t first = index * options_.slots_per_file;
   const int64_t nslots = std::min(options_.slots_per_file, options_.max_slots - first);
-  std::string path = fmt::format("{}/kvferry-slab-{:05d}.kvf", options_.dir, index);
+  std::string path = FilePath(index);
   KVF_ASSIGN_OR_RETURN(files_[index], backend_->Open(path, nslots * stride_));
   Log(LogLevel::kDebug, "file tier: opened {} ({} slots of {} bytes)", path, nslots, stride_);
   return files_[index].get();
@@ -374,6 +470,15 @@ void SlabStoreImpl::WriteWindow(std::span<const SlotWrite> w, std::span<Status> 
     if (!p.device_direct) {
       h.flags |= kSlotFlagPayloadChecksum;
       h.payload_checksum = PayloadChecksum(p, a, static_cast<int>(i), sw.bytes);
+    } else if (options_.device != nullptr) {
+      // GDS: the payload goes GPU -> file directly; its checksum from a staged copy.
+      auto sum = DeviceChecksum(a, static_cast<int>(i), sw.src, sw.bytes);
+      if (!sum.ok()) {
+        p.status = sum.status().WithContext("checksum of device memory");
+        continue;
+      }
+      h.flags |= kSlotFlagPayloadChecksum;
+      h.payload_checksum = *sum;
     }
     std::byte* page = a.header_page(static_cast<int>(i));
     std::memset(page, 0, kSlotHeaderBlock);
@@ -492,7 +597,20 @@ void SlabStoreImpl::ReadWindow(std::span<const SlotRead> r, std::span<Status> ou
       continue;
     }
     if (p.device_direct) {
-      out[i] = Status::Ok();  // no host copy to hash; the header was checked (format doc)
+      // GDS: the payload is in device memory; hashed from a staged copy when a device is known
+      // (without one only the header was checked; docs/file_format.md).
+      if ((h->flags & kSlotFlagPayloadChecksum) && options_.device != nullptr) {
+        auto sum = DeviceChecksum(a, ii, sr.dst, sr.bytes);
+        if (!sum.ok()) {
+          out[i] = sum.status().WithContext(prefix + ": checksum of device memory");
+          continue;
+        }
+        if (*sum != h->payload_checksum) {
+          out[i] = Status::DataLoss(fmt::format("{}: checksum mismatch", prefix));
+          continue;
+        }
+      }
+      out[i] = Status::Ok();
       continue;
     }
     if (h->flags & kSlotFlagPayloadChecksum) {
@@ -556,8 +674,13 @@ StatusOr<std::unique_ptr<SlabStore>> SlabStore::Open(const SlabStoreOptions& o) 
       backend->caps().name, o.dir, o.max_slots, o.slot_payload_bytes,
       backend->caps().direct_io ? ", O_DIRECT" : ", buffered",
       backend->caps().note.empty() ? "" : "; " + backend->caps().note);
-  return std::unique_ptr<SlabStore>(
-      new SlabStoreImpl(o, std::move(owned), backend, std::move(lock)));
+  if (o.recover != "verify" && o.recover != "headers" && o.recover != "none") {
+    return Status::InvalidArgument(
+        fmt::format("slab store options: recover='{}' must be verify, headers or none", o.recover));
+  }
+  auto store = std::make_unique<SlabStoreImpl>(o, std::move(owned), backend, std::move(lock));
+  KVF_RETURN_IF_ERROR(store->Recover());
+  return std::unique_ptr<SlabStore>(std::move(store));
 }
 
 }  // namespace kvferry

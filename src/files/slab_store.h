@@ -54,6 +54,13 @@ struct SlotRead {
   MemoryKind kind;
 };
 
+// A slot found intact in the slab files when the store opened (SlabStore::Recovered).
+struct RecoveredSlot {
+  SlotId slot;
+  SlotKey key;
+  int64_t bytes;  // payload bytes
+};
+
 struct SlabStoreOptions {
   std::string dir;                 // must exist and be writable (kNotFound / kInvalidArgument)
   int64_t slot_payload_bytes = 0;  // capacity of one slot's payload
@@ -63,6 +70,10 @@ struct SlabStoreOptions {
   bool direct_io = true;           // O_DIRECT where the filesystem allows it (knob files.direct_io)
   int32_t max_in_flight = 16;      // slots one batch keeps in flight (knob files.max_in_flight)
   int64_t io_timeout_ms = 30000;   // deadline of one Write/Read batch (knob files.io_timeout_ms)
+  // What Open does with the slab files already in `dir` (knob files.recover): "verify" reads every
+  // slot and keeps those whose header and payload checksum verify; "headers" checks headers only
+  // (the payload checksum is still checked on every read); "none" forgets them.
+  std::string recover = "verify";
   // Not owned; overrides `backend` (tests, fault injection). Must outlive the store.
   FileBackend* file_backend = nullptr;
   // Not owned. Needed only for kDevice memory when the backend can't do device memory: a CPU
@@ -84,11 +95,16 @@ class SlabStore {
   // Probes options.dir (kNotFound when it does not exist), opens the backend (falling back to
   // posix with a logged reason), and takes an exclusive lock on DIR/kvferry-slab.lock
   // (kUnavailable when another store holds it). Slab files are created lazily, when a write
-  // first needs one. A new store does NOT recover the contents of an earlier one: it reuses the
-  // slab files in place, and every slot starts free; stale bytes are never returned, because a
-  // read of a slot not written by this store fails before any I/O.
+  // first needs one. Slab files left by an earlier store (a restart, a crash) are scanned as
+  // options.recover says: every slot that verifies is kept, written, under its key (Recovered()),
+  // every other slot is free. A crash during a write never leaves a slot that verifies with the
+  // wrong bytes (docs/file_format.md, "Recovery").
   static StatusOr<std::unique_ptr<SlabStore>> Open(const SlabStoreOptions& options);
   virtual ~SlabStore() = default;
+
+  // The slots found intact at open, in slot order. Each is written (readable under its key) and
+  // allocated: the caller takes them over (and Releases those it does not want).
+  virtual std::vector<RecoveredSlot> Recovered() const { return {}; }
 
   virtual const FileBackendCaps& backend() const = 0;
   virtual int64_t capacity() const = 0;  // slots

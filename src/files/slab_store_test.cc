@@ -241,7 +241,7 @@ TEST_P(SlabStoreConformance, LazyFilesAndReleaseReuse) {
   EXPECT_EQ(ReadOne(*s, *b, {1, 1}, dst).code(), StatusCode::kNotFound);  // forgotten on release
 }
 
-TEST_P(SlabStoreConformance, ReopenDoesNotRecoverOldContents) {
+TEST_P(SlabStoreConformance, ReopenWithRecoverNoneForgetsOldContents) {
   SlotId id;
   {
     auto s = OpenStore(Options());
@@ -252,8 +252,11 @@ TEST_P(SlabStoreConformance, ReopenDoesNotRecoverOldContents) {
     auto other = SlabStore::Open(Options());
     EXPECT_EQ(other.status().code(), StatusCode::kUnavailable) << other.status().ToString();
   }
-  auto s = OpenStore(Options());
+  SlabStoreOptions none = Options();
+  none.recover = "none";
+  auto s = OpenStore(none);
   ASSERT_TRUE(s);
+  EXPECT_TRUE(s->Recovered().empty());
   EXPECT_EQ(s->free_slots(), 24);
   std::vector<std::byte> dst(5000);
   Status st = ReadOne(*s, id, {7, 7}, dst);

@@ -374,7 +374,7 @@ StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
       return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
   }
   if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
-  // Both layouts are dense: the region spans at most the product of all dims.
+  // Named layouts are dense: a region spans at most the product of all dims.
   if (!CheckedProduct({dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], element_bytes})) {
     return Status::InvalidArgument(fmt::format(
         "pool dims (blk,L,kv,h,t,d)={} of {}-byte elements: the pool's size overflows int64", dims,

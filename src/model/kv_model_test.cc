@@ -142,6 +142,44 @@ TEST(PoolLayout, PerLayerStridesAndRegions) {
   EXPECT_EQ(l.Extents(heads).size(), 16u);
 }
 
+TEST(PoolLayout, EnginePresetsNamesAndRegions) {
+  for (LayoutKind k : NamedLayoutKinds()) {
+    auto parsed = ParseLayoutKind(LayoutKindName(k));
+    ASSERT_TRUE(parsed.ok()) << LayoutKindName(k);
+    EXPECT_EQ(*parsed, k);
+  }
+  EXPECT_FALSE(ParseLayoutKind("custom").ok());
+  EXPECT_NE(ParseLayoutKind("nhd").status().message().find("flashinfer-hnd"),
+            std::string_view::npos);
+  const PoolDims d{10, 4, 2, 8, 16, 64};
+  // K and V tensors per layer: 8 regions, layer-major, each [block][token][head][dim].
+  PoolLayout kv = PoolLayout::PerLayerKv(d, 2, HeadOrder::kNhd);
+  EXPECT_EQ(kv.num_regions(), 8);
+  EXPECT_EQ(kv.RegionOf(2, 1), 5);
+  EXPECT_EQ(kv.RegionLayers(5), (Range{2, 3}));
+  EXPECT_EQ(kv.RegionKv(5), (Range{1, 2}));
+  EXPECT_EQ(kv.region_bytes(), 10LL * 16 * 8 * 64 * 2);
+  EXPECT_TRUE(kv.block_contiguous() == false);
+  auto e = kv.Extents(kv.WholeBlock(3));
+  ASSERT_EQ(e.size(), 8u);  // one run per (layer, kv) region
+  EXPECT_EQ(e[5], (Extent{5, 3LL * 16 * 8 * 64 * 2, 16 * 8 * 64 * 2}));
+  // FlashInfer HND: per layer [block][kv][head][token][dim]; a block of a layer is one run.
+  PoolLayout fi = PoolLayout::FlashInfer(d, 2, HeadOrder::kHnd);
+  EXPECT_EQ(fi.strides(), (PoolStrides{2 * 8 * 16 * 64, 0, 8 * 16 * 64, 16 * 64, 64, 1}));
+  EXPECT_EQ(fi.Extents(fi.WholeBlock(1)).size(), 4u);
+  EXPECT_EQ(fi.ToString(),
+            "flashinfer-hnd (blk,L,kv,h,t,d)=(10,4,2,8,16,64):(16384,0,8192,1024,64,1) regions "
+            "per-layer 2B/elem");
+  // The same strides given explicitly name the preset; one stride off does not.
+  auto same = PoolLayout::Custom(d, fi.strides(), RegionSplit::kPerLayer, 2);
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(same->kind(), LayoutKind::kFlashInferHnd);
+  EXPECT_EQ(*same, fi);
+  PoolStrides off = fi.strides();
+  off[kBlockAxis] += 64;
+  EXPECT_EQ(PoolLayout::Custom(d, off, RegionSplit::kPerLayer, 2)->kind(), LayoutKind::kCustom);
+}
+
 TEST(PoolLayout, CoalescesPartialRanges) {
   PoolLayout l = PoolLayout::BlockMajor({4, 2, 2, 4, 8, 16}, 1);
   // First 3 tokens of each (layer, kv, head) plane: 2*2*4 runs of 3*16 bytes.
@@ -186,9 +224,11 @@ TEST(PoolLayout, ExtentsCoverExactlyTheBox) {
   std::mt19937 rng(42);
   PoolDims d{3, 3, 2, 4, 5, 4};
   std::vector<PoolLayout> layouts = {
-      PoolLayout::BlockMajor(d, 2), PoolLayout::PerLayer(d, 2),
       // [layer][block][token][kv][head][dim], one region (an engine with token-major pages).
-      *PoolLayout::Custom(d, {160, 480, 16, 4, 32, 1}, false, 2)};
+      *PoolLayout::Custom(d, {160, 480, 16, 4, 32, 1}, false, 2),
+      // K and V tensors, each [layer][block][token][head][dim] (regions split by kv only).
+      *PoolLayout::Custom(d, {80, 240, 0, 4, 16, 1}, RegionSplit::kPerKv, 2)};
+  for (LayoutKind k : NamedLayoutKinds()) layouts.push_back(*PoolLayout::Make(k, d, 2));
   for (const PoolLayout& l : layouts) {
     for (int trial = 0; trial < 300; ++trial) {
       auto pick = [&](int64_t n) {

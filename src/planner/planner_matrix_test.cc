@@ -238,5 +238,41 @@ TEST(Planner, SingleBlockAndTightPools) {
   }
 }
 
+// Every pair of named layouts (the engine presets: vLLM NHD/HND, K/V tensors per layer,
+// FlashInfer, block-major NHD), on splits that cut heads and layers differently on each side,
+// with partial blocks, reuse, small chunks and layer-wise pieces.
+TEST(PlannerMatrix, EveryNamedLayoutPair) {
+  CountConfigs count;
+  const int64_t tpb = 4;
+  const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
+                                                              {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
+                                                              {{4, 2, {}, 1, 0}, {1, 3, {}, 1, 0}}};
+  const int64_t prompts[] = {1, tpb + 1, 5 * tpb + 3};
+  int idx = 0;
+  for (LayoutKind cl : NamedLayoutKinds()) {
+    for (LayoutKind gl : NamedLayoutKinds()) {
+      for (const auto& [cp, gp] : splits) {
+        for (int64_t prompt : prompts) {
+          Case c;
+          c.shape = KvShape{7, 8, 8, DType::kBf16, 2, tpb};
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = prompt;
+          c.block_pattern = idx % 3;
+          c.reused = (idx % 5 == 2) ? std::min<int64_t>(1, Needed(c) - 1) : 0;
+          c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
+          c.direct_min = idx % 3 ? 256 << 10 : 0;
+          c.layer_wise = idx % 4 == 1;
+          ++idx;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvferry::planner_test

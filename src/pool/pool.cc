@@ -68,8 +68,10 @@ Status CheckRegion(const Device& device, const PoolSpec& spec, const PoolLayout&
   return Status::Ok();
 }
 
-// No two regions may share a byte of the spans their layout touches.
-Status CheckDisjoint(const std::vector<PoolRegion>& regions, int64_t span) {
+// No two regions may share a byte of the spans their layout touches. `source` maps a region to
+// its index in the caller's list (errors name that one).
+Status CheckDisjoint(const std::vector<PoolRegion>& regions, const std::vector<int32_t>& source,
+                     int64_t span) {
   std::vector<int32_t> order(regions.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(),
@@ -79,11 +81,18 @@ Status CheckDisjoint(const std::vector<PoolRegion>& regions, int64_t span) {
     const PoolRegion& hi = regions[order[k]];
     const auto lo_end = reinterpret_cast<uintptr_t>(lo.base) + static_cast<uintptr_t>(span);
     if (reinterpret_cast<uintptr_t>(hi.base) < lo_end) {
+      int32_t a = source[order[k - 1]], b = source[order[k]];
+      const PoolRegion* ra = &lo;
+      const PoolRegion* rb = &hi;
+      if (a > b) {
+        std::swap(a, b);
+        std::swap(ra, rb);
+      }
       return Status::InvalidArgument(fmt::format(
           "wrap: regions {} [{}, +{}) and {} [{}, +{}) overlap (aliasing); interleaved views of "
           "one tensor are one region with a layer stride (e.g. block-major-nhd)",
-          order[k - 1], static_cast<const void*>(lo.base), span, order[k],
-          static_cast<const void*>(hi.base), span));
+          a, static_cast<const void*>(ra->base), span, b, static_cast<const void*>(rb->base),
+          span));
     }
   }
   return Status::Ok();
@@ -164,7 +173,7 @@ StatusOr<BlockPool> BlockPool::Wrap(Device& device, const PoolSpec& spec, const 
                               layout.RegionLayers(slot),
                               layout.RegionKv(slot)};
   }
-  KVF_RETURN_IF_ERROR(CheckDisjoint(placed, layout.region_bytes()));
+  KVF_RETURN_IF_ERROR(CheckDisjoint(placed, source, layout.region_bytes()));
   PoolSpec kept = spec;
   kept.layout = layout.kind();
   return BlockPool(std::move(kept), slice, layout, std::move(placed), {});

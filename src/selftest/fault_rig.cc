@@ -15,18 +15,18 @@ StatusOr<std::unique_ptr<FaultRig>> FaultRig::Create(const RigInstance& ctx, con
   rig->fabric_ = InProcFabric::Create();
   rig->ctx_spec_ = ctx;
   rig->gen_spec_ = gen;
-  options.transport = "inproc";
+  const bool inproc = options.transport == "inproc";
   options.instance_secret[0] = 42;
   auto make = [&](std::vector<FaultyTransport*>& list,
                   std::vector<std::string>& addrs) -> StatusOr<std::unique_ptr<Transport>> {
     TransportOptions t;
-    t.name = "inproc";
+    t.name = options.transport;
     t.fabric = rig->fabric_;
     KVF_ASSIGN_OR_RETURN(auto inner, CreateTransport(t));
     std::string addr = inner->LocalAddress();
-    auto faulty = std::make_unique<FaultyTransport>(
-        std::move(inner), NeverFault(),
-        [fabric = rig->fabric_, addr] { (void)fabric->Kill(addr); });
+    std::function<void()> crash;
+    if (inproc) crash = [fabric = rig->fabric_, addr] { (void)fabric->Kill(addr); };
+    auto faulty = std::make_unique<FaultyTransport>(std::move(inner), NeverFault(), crash);
     list.push_back(faulty.get());
     addrs.push_back(addr);
     return std::unique_ptr<Transport>(std::move(faulty));
@@ -168,6 +168,7 @@ void FaultRig::DisarmAll() {
 }
 
 Status FaultRig::Kill(bool context, int rank) {
+  if (spec(context).parallel.world_size() <= rank) return Status::InvalidArgument("no such rank");
   return fabric_->Kill(context ? ctx_addr_[rank] : gen_addr_[rank]);
 }
 

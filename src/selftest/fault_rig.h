@@ -37,7 +37,9 @@ struct RigReport {
 
 class FaultRig {
  public:
-  // options.transport is ignored (inproc); the instance secret is set here.
+  // options.transport: "inproc" (faults may crash a rank: InProcFabric::Kill) or "ucx" (every
+  // rank a UCX worker of this process; a crash fault does nothing). The instance secret is set
+  // here.
   static StatusOr<std::unique_ptr<FaultRig>> Create(const RigInstance& ctx, const RigInstance& gen,
                                                     TransceiverOptions options);
   ~FaultRig();

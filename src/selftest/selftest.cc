@@ -18,6 +18,8 @@
 
 #include "kvferry/testdata.h"
 #include "kvferry/transceiver.h"
+#include "selftest/run_watch.h"
+#include "transceiver/faulty_transport.h"
 #include "transport/inproc_transport.h"
 
 namespace kvferry {
@@ -171,6 +173,25 @@ std::vector<int> GroupRanks(const KvShape& shape, const ParallelConfig& p, int g
 
 void AddError(RankResult& r, std::string e) {
   if (r.errors.size() < 8) r.errors.push_back(std::move(e));
+}
+
+std::string StallMessage(const RunWatch& w) {
+  return fmt::format("gave up after {} ms without a request starting or ending", w.limit().count());
+}
+
+// The rank stopped (RunWatch::Stalled or Stopped): what it gave up on, and why, counted as
+// failed.
+void GiveUp(RankResult& r, std::string msg, const std::vector<uint64_t>& live, size_t never_started,
+            const std::string& why_not_started) {
+  std::string ids;
+  for (uint64_t id : live) ids += fmt::format("{}{}", ids.empty() ? "" : " ", id);
+  msg += ":";
+  if (!live.empty()) msg += fmt::format(" request(s) {} never ended;", ids);
+  if (never_started > 0)
+    msg += fmt::format(" {} never started ({});", never_started, why_not_started);
+  msg.pop_back();
+  r.errors.push_back(std::move(msg));  // past AddError's cap: this is the reason the rank stopped
+  r.failed += static_cast<int>(live.size() + never_started);
 }
 
 int64_t BaselineBytes(const SelftestConfig& cfg) {
@@ -344,6 +365,29 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  if (cfg.timeout.count() < 1)
+    return Status::InvalidArgument(
+        fmt::format("--timeout-ms {} must be at least 1", cfg.timeout.count()));
+  if (cfg.crash_ctx_rank < -1 || cfg.crash_ctx_rank >= cfg.ctx.world_size())
+    return Status::InvalidArgument(
+        fmt::format("--crash-ctx-rank {} is not a context rank (0 to {}, or -1 for none)",
+                    cfg.crash_ctx_rank, cfg.ctx.world_size() - 1));
+  if (!cfg.fault.empty()) {
+    KVF_ASSIGN_OR_RETURN(FaultPoint f, ParseFaultPoint(cfg.fault));
+    const int world = f.context ? cfg.ctx.world_size() : cfg.gen.world_size();
+    if (f.rank >= world) {
+      return Status::InvalidArgument(
+          fmt::format("--fault {}: rank {} is outside the {} ranks of the "
+                      "{} instance",
+                      cfg.fault, f.rank, world, f.context ? "context" : "generation"));
+    }
+    if (f.spec.kind == FaultKind::kCrash && cfg.transport == "inproc") {
+      return Status::InvalidArgument(
+          fmt::format("--fault {}: a crash ends a rank's process; inproc runs every rank in one "
+                      "(use --transport ucx)",
+                      cfg.fault));
+    }
+  }
   for (int64_t t : cfg.prompt_tokens) {
     if (cfg.shared_prefix_blocks < 0 ||
         t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
@@ -354,6 +398,18 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     }
   }
   return Status::Ok();
+}
+
+// The rank's transport, wrapped in a FaultyTransport when cfg.fault names this rank. A crash
+// fault ends the process abruptly, as a crashed rank would.
+StatusOr<std::unique_ptr<Transport>> RankTransport(const SelftestConfig& cfg, bool context,
+                                                   int rank, const TransportMaker& make) {
+  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  if (cfg.fault.empty()) return transport;
+  KVF_ASSIGN_OR_RETURN(FaultPoint f, ParseFaultPoint(cfg.fault));
+  if (f.context != context || f.rank != rank) return transport;
+  return std::unique_ptr<Transport>(
+      std::make_unique<FaultyTransport>(std::move(transport), f.spec, [] { std::_Exit(3); }));
 }
 
 // What a rank's run stands on: its device, its pool (on the heap: the side and the access keep
@@ -398,7 +454,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        ContextSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
@@ -430,8 +486,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   size_t next = 0;
   int done = 0;
   auto start = Clock::now();
+  RunWatch watch(cfg, dir / fmt::format("progress-ctx-{}", rank), static_cast<int>(mine.size()));
+  std::vector<uint64_t> live;
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !busy[next % cfg.concurrency]) {
+    while (next < mine.size() && !busy[next % cfg.concurrency] && !watch.Stopped()) {
       int slot = static_cast<int>(next % cfg.concurrency);
       int i = mine[next++];
       busy[slot] = true;
@@ -472,9 +530,13 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       }
       slot_of[id] = slot;
       ++res.requests;
+      live.push_back(id);
+      watch.Started();
     }
     for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
       ++done;
+      watch.Ended();
+      std::erase(live, s.request_id);
       busy[slot_of[s.request_id]] = false;
       events.erase(s.request_id);
       res.bytes += s.bytes;
@@ -485,8 +547,15 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                                   s.reason.ToString()));
       }
     }
-    if (Clock::now() > deadline + cfg.timeout)
-      return Status::DeadlineExceeded("context rank: requests never ended");
+    if (watch.Stopped() && live.empty()) {
+      GiveUp(res, "stopped because " + watch.stop_reason(), live, mine.size() - next,
+             "run stopped");
+      break;
+    }
+    if (watch.Stalled()) {
+      GiveUp(res, StallMessage(watch), live, mine.size() - next, "no request slot became free");
+      break;
+    }
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
@@ -517,7 +586,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  KVF_ASSIGN_OR_RETURN(auto transport, make());
+  KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, false, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   const RankSlice me = pool.slice();
@@ -526,18 +595,20 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   std::map<uint64_t, std::pair<int, int>> inflight;  // id -> (request index, slot)
   size_t next = 0;
   int done = 0;
-  auto deadline = DeadlineIn(cfg.timeout * 2);
+  RunWatch watch(cfg, dir / fmt::format("progress-gen-{}", rank), static_cast<int>(mine.size()));
   Clock::time_point start{};
   // With a shared prefix, the first request brings it; the others wait for it, then reuse it.
   bool prefix_resident = cfg.shared_prefix_blocks == 0;
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !busy[next % cfg.concurrency] && (next == 0 || prefix_resident)) {
+    while (next < mine.size() && !busy[next % cfg.concurrency] && (next == 0 || prefix_resident) &&
+           !watch.Stopped()) {
       int i = mine[next];
       auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
       if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
       int slot = static_cast<int>(next % cfg.concurrency);
       ++next;
       if (start == Clock::time_point{}) start = Clock::now();
+      watch.Started();
       busy[slot] = true;
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b)
@@ -548,6 +619,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       if (reused > 0) ++res.prefix_hits;
       if (!st.ok()) {
         ++done;
+        watch.Ended();
         ++res.failed;
         busy[slot] = false;
         AddError(res, fmt::format("request {}: fetch refused: {}", i, st.ToString()));
@@ -557,6 +629,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
     }
     for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
       ++done;
+      watch.Ended();
       auto [i, slot] = inflight[s.request_id];
       inflight.erase(s.request_id);
       res.bytes += s.bytes;
@@ -586,11 +659,17 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         ++res.failed;
       busy[slot] = false;
       if (ok) prefix_resident = true;
-      WriteText(dir / fmt::format("progress-gen-{}", rank), fmt::format("{} {}", done, mine.size()))
-          .ok();
     }
-    if (Clock::now() > deadline)
-      return Status::DeadlineExceeded("generation rank: requests never ended");
+    if (watch.Stopped() && inflight.empty()) {
+      GiveUp(res, "stopped because " + watch.stop_reason(), {}, mine.size() - next, "run stopped");
+      break;
+    }
+    if (watch.Stalled()) {
+      std::vector<uint64_t> live;
+      for (const auto& [id, where] : inflight) live.push_back(id);
+      GiveUp(res, StallMessage(watch), live, mine.size() - next, "no handle was published for it");
+      break;
+    }
   }
   res.seconds = start == Clock::time_point{}
                     ? 0
@@ -688,10 +767,13 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   for (const RankResult& r : ranks) {
     cpu += r.cpu_seconds;
     control_cpu += r.control_cpu_seconds;
-    for (const std::string& e : r.errors) {
-      if (s.errors.size() < 10)
-        s.errors.push_back(
-            fmt::format("{} rank {}: {}", r.context ? "context" : "generation", r.rank, e));
+    // Every rank is heard: its first errors, and its last (why it stopped, when it gave up).
+    const char* side = r.context ? "context" : "generation";
+    for (size_t i = 0; i < r.errors.size(); ++i) {
+      if (i < 3 || i + 1 == r.errors.size())
+        s.errors.push_back(fmt::format("{} rank {}: {}", side, r.rank, r.errors[i]));
+      else if (i == 3)
+        s.errors.push_back(fmt::format("{} rank {}: ({} more)", side, r.rank, r.errors.size() - 4));
     }
     if (r.context) {
       if (r.failed) s.failed = std::max(s.failed, r.failed);

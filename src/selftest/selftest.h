@@ -41,6 +41,9 @@ struct SelftestConfig {
   // Fault injection: this context rank exits abruptly right after publishing its first request
   // (-1: none). Tests that a crashed peer ends the others' requests within their deadlines.
   int crash_ctx_rank = -1;
+  // Fault injection at a protocol step (FaultyTransport): "SIDE:RANK:STEP:NTH:KIND[:STALL_MS]",
+  // e.g. "ctx:1:CREDIT:3:crash" (a crash ends the rank's process). Empty: none.
+  std::string fault;
   std::chrono::milliseconds timeout{60000};
   std::string dir;  // rendezvous directory
 };

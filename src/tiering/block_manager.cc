@@ -55,6 +55,21 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
   file_leases.resize(static_cast<size_t>(t.tier_blocks(Tier::kFile)));
   for (int64_t b = t.tier_blocks(Tier::kPrimary) - 1; b >= 0; --b) free_primary.push_back(b);
   for (int64_t b = t.tier_blocks(Tier::kHost) - 1; b >= 0; --b) free_host.push_back(b);
+  if (file == nullptr) return;
+  // A file tier that survived a restart: its verified slots are cached blocks again, found by key
+  // (no parent or tokens: no partial reuse from them). Slots of another block size are reclaimed.
+  for (const RecoveredSlot& r : file->Recovered()) {
+    const BlockKey key{r.key.hi, r.key.lo};
+    if (r.bytes != block_bytes || r.slot < 0 || r.slot >= t.tier_blocks(Tier::kFile) ||
+        index.count(key)) {
+      file->Release(r.slot);
+      continue;
+    }
+    Register(key, BlockKey{}, {}, Tier::kFile, r.slot, kDefaultPriority, /*recovered=*/true);
+    file_leases[r.slot] = SlotLease(file, r.slot);
+    Lru(Tier::kFile).Push(r.slot, kDefaultPriority);
+    ++st.recovered;
+  }
 }
 
 void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,

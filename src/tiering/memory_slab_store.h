@@ -61,6 +61,7 @@ class SlabStoreWrapper : public SlabStore {
     return base_->Write(writes);
   }
   std::vector<Status> Read(std::span<const SlotRead> reads) override { return base_->Read(reads); }
+  std::vector<RecoveredSlot> Recovered() const override { return base_->Recovered(); }
 
  protected:
   SlabStore* base_;

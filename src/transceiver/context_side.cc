@@ -8,15 +8,20 @@
 
 #include "base/log.h"
 #include "transceiver/engine.h"
+#include "transceiver/rma.h"
 
 namespace kvferry {
 namespace {
 
 struct SendOp {
   size_t chunk = 0;
-  int slot = -1;                    // staging slot, -1 for a direct chunk
-  Event* packed = nullptr;          // pending pack into the slot
-  std::unique_ptr<TransportOp> op;  // pending send
+  int slot = -1;                                   // staging slot, -1 for a direct chunk
+  Event* packed = nullptr;                         // pending pack into the slot
+  std::unique_ptr<TransportOp> op;                 // pending send (tagged path)
+  std::vector<std::unique_ptr<TransportOp>> puts;  // one-sided: rows and the packed slot
+  std::unique_ptr<TransportOp> flush;              // one-sided: posted once every put is
+  bool has_checksum = false;
+  uint64_t checksum = 0;
 };
 
 struct SendPair {
@@ -28,6 +33,10 @@ struct SendPair {
   size_t credit = 0;        // the receiver has posted chunks [0, credit)
   bool done = false;        // DONE received
   bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
+  bool rma = false;         // one-sided puts into target (else tagged sends)
+  bool checksum = false;
+  RmaTarget target;
+  std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
   std::deque<SendOp> inflight;
   bool drained() const { return next == plan.chunks.size() && inflight.empty(); }
 };
@@ -62,7 +71,7 @@ constexpr size_t kMaxPendingFetches = 1024;
 struct PendingFetch {
   PeerId from;
   FetchMsg fetch;
-  uint32_t credit = 0;
+  std::vector<CreditMsg> credits;  // arrived before the request was known
   Deadline give_up;
 };
 
@@ -151,15 +160,15 @@ class ContextSideImpl final : public ContextSide, public Engine {
 
  protected:
   void OnControl(PeerId from, ControlMsg msg) override {
-    if (auto* f = std::get_if<FetchMsg>(&msg)) return OnFetch(from, std::move(*f), 0);
+    if (auto* f = std::get_if<FetchMsg>(&msg)) return OnFetch(from, std::move(*f), {});
     if (auto* c = std::get_if<CreditMsg>(&msg)) {
       if (SendPair* p = FindPair(c->request_id, from, c->transfer_id)) {
-        p->credit = std::max<size_t>(p->credit, c->chunks);
+        ApplyCredit(requests_.at(c->request_id), *p, *c);
       } else {
         for (PendingFetch& pf : pending_) {
           if (pf.from == from && pf.fetch.request_id == c->request_id &&
-              pf.fetch.transfer_id == c->transfer_id) {
-            pf.credit = std::max(pf.credit, c->chunks);
+              pf.fetch.transfer_id == c->transfer_id && pf.credits.size() < 4096) {
+            pf.credits.push_back(std::move(*c));
           }
         }
       }
@@ -181,8 +190,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
         // The other generation ranks can't complete without this one: tell them now rather
         // than leave them to their deadlines.
         End(r, TransferState::kError,
-            Status(static_cast<StatusCode>(a->code),
-                   fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
+            PeerStatus(a->code,
+                       fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
             true);
       }
       return;
@@ -321,12 +330,12 @@ class ContextSideImpl final : public ContextSide, public Engine {
           ++it;
         }
       }
-      for (PendingFetch& pf : early) OnFetch(pf.from, std::move(pf.fetch), pf.credit);
+      for (PendingFetch& pf : early) OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits));
       return EncodeHandle(h);
     });
   }
 
-  void OnFetch(PeerId from, FetchMsg f, uint32_t credit) {
+  void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits) {
     const PeerId peer = from;  // the transport connects back to a control sender by itself
     CtxRequest* r = Find(f.request_id);
     if (!r) {
@@ -343,8 +352,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
                           "requests are already waiting (the limit)",
                           f.request_id, pool_.slice().rank, kMaxPendingFetches)));
       }
-      pending_.push_back(
-          PendingFetch{peer, std::move(f), credit, Clock::now() + options_.unknown_request_wait});
+      pending_.push_back(PendingFetch{peer, std::move(f), std::move(credits),
+                                      Clock::now() + options_.unknown_request_wait});
       return;
     }
     if (r->ending)
@@ -386,6 +395,13 @@ class ContextSideImpl final : public ContextSide, public Engine {
                         fmt::format("request {}: fetch asks for {} tokens, the context holds {}",
                                     r->id, f.prompt_tokens, r->tokens)));
     }
+    const bool rma = f.rma && rma_ok();
+    if (rma) {
+      if (Status st = CheckRmaTarget(f); !st.ok()) return Reject(peer, f, st);
+    } else if (f.rma && !rma_said_) {
+      rma_said_ = true;
+      Log(LogLevel::kInfo, "context side: tagged data path, not one-sided: {}", rma_why());
+    }
     if (!r->planned || !SamePlanInputs(r->plan_key, f)) {
       PlanInput in;
       in.ctx = SelfDesc();
@@ -411,14 +427,37 @@ class ContextSideImpl final : public ContextSide, public Engine {
     p.gen_rank = f.gen_rank;
     p.peer = peer;
     p.transfer_id = f.transfer_id;
-    p.credit = credit;
+    p.rma = rma;
+    p.checksum = f.checksum && host_visible_pool();
+    if (rma) p.target = std::move(f.rma_target);
     for (const PairPlan& pp : r->plan) {
       if (pp.gen_rank == f.gen_rank) p.plan = pp;
     }
     r->state = TransferState::kInProgress;
     SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
-    SendMsg(peer, AcceptMsg{r->id, f.transfer_id});
-    r->pairs.emplace(f.gen_rank, std::move(p));
+    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma});
+    SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
+    for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
+  }
+
+  // Tagged credits count posted receives; one-sided ones name the staging slot of each newly
+  // credited chunk. A pair takes only the kind of its path (the generation rank credits
+  // one-sided before it knows this rank's answer, and again tagged after ACCEPT says tagged).
+  void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c) {
+    if (!p.rma) {
+      if (c.slots.empty()) p.credit = std::max<size_t>(p.credit, c.chunks);
+      return;
+    }
+    if (c.slots.empty()) return;
+    if (c.chunks != p.slots.size() + c.slots.size() || c.chunks > p.plan.chunks.size()) {
+      return Fail(r,
+                  Status::InvalidArgument(fmt::format(
+                      "generation rank {} credited chunks up to {} with {} slots after {} of "
+                      "{} chunks",
+                      p.gen_rank, c.chunks, c.slots.size(), p.slots.size(), p.plan.chunks.size())));
+    }
+    p.slots.insert(p.slots.end(), c.slots.begin(), c.slots.end());
+    p.credit = p.slots.size();
   }
 
   void Reject(PeerId peer, const FetchMsg& f, const Status& why) {
@@ -429,6 +468,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   bool AdvancePair(CtxRequest& r, SendPair& p) {
+    if (p.rma) return AdvanceRmaPair(r, p);
     bool busy = false;
     const auto& chunks = p.plan.chunks;
     while (!r.ending && p.next < chunks.size() && p.next < p.credit &&
@@ -437,6 +477,10 @@ class ContextSideImpl final : public ContextSide, public Engine {
       if (c.last_layer >= r.ready_end) break;
       SendOp s;
       s.chunk = p.next;
+      if (p.checksum) {
+        s.has_checksum = true;
+        s.checksum = ChunkChecksum(c, true, pool_);
+      }
       if (c.direct && direct_ok()) {
         const Piece& pc = c.pieces.front();
         auto op =
@@ -486,7 +530,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
           Fail(r, it->op->status().WithContext(
                       fmt::format("sending to generation rank {}", p.gen_rank)));
         else
-          r.bytes += chunks[it->chunk].bytes;
+          ChunkSent(r, p, *it);
         if (it->slot >= 0) ReleaseSlot(it->slot);
         it = p.inflight.erase(it);
         busy = true;
@@ -498,6 +542,113 @@ class ContextSideImpl final : public ContextSide, public Engine {
         continue;
       }
       ++it;
+    }
+    return busy;
+  }
+
+  // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed).
+  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
+    r.bytes += p.plan.chunks[s.chunk].bytes;
+    if (p.rma || s.has_checksum) {
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.has_checksum,
+                               s.checksum});
+    }
+  }
+
+  // One-sided: rows put pool to pool, the packed rest put into the credited staging slot, one
+  // flush, then CHUNK.
+  bool AdvanceRmaPair(CtxRequest& r, SendPair& p) {
+    bool busy = false;
+    const auto& chunks = p.plan.chunks;
+    const RmaTarget& t = p.target;
+    while (!r.ending && p.next < chunks.size() && p.next < p.credit &&
+           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+      const Chunk& c = chunks[p.next];
+      if (c.last_layer >= r.ready_end) break;
+      const int64_t packed = PackedBytes(c, t.row_min_bytes);
+      const uint32_t remote_slot = p.slots[p.next];
+      if (packed > 0 && (remote_slot >= t.slots || packed > t.slot_bytes)) {
+        Fail(r, Status::InvalidArgument(fmt::format(
+                    "generation rank {} credited chunk {} ({} packed bytes) with staging slot {} "
+                    "of {} ({} bytes each)",
+                    p.gen_rank, p.next, packed, static_cast<int64_t>(remote_slot), t.slots,
+                    t.slot_bytes)));
+        return true;
+      }
+      SendOp s;
+      s.chunk = p.next;
+      if (packed > 0) {
+        s.slot = AcquireSlot();
+        if (s.slot < 0) break;
+        ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_, t.row_min_bytes);
+        Status st = stream_->CopyBatch(descs_);
+        s.packed = AcquireEvent();
+        if (st.ok())
+          st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
+        if (!st.ok()) {
+          ReleaseSlot(s.slot);
+          if (s.packed) ReleaseEvent(s.packed);
+          return Fail(r, st.WithContext("packing a chunk")), true;
+        }
+      }
+      if (p.checksum) {
+        s.has_checksum = true;
+        s.checksum = ChunkChecksum(c, true, pool_);
+      }
+      Status st = PutDirectRows(*transport_, p.peer, c, pool_, pool_wire_kind(), t, s.puts);
+      p.inflight.push_back(std::move(s));
+      ++p.next;
+      busy = true;
+      if (!st.ok()) {
+        Fail(r, st.WithContext(fmt::format("putting chunk {} to generation rank {}",
+                                           p.inflight.back().chunk, p.gen_rank)));
+        break;
+      }
+    }
+    for (auto it = p.inflight.begin(); it != p.inflight.end();) {
+      SendOp& s = *it;
+      if (s.packed && s.packed->Query()) {
+        ReleaseEvent(s.packed);
+        s.packed = nullptr;
+        busy = true;
+        if (!r.ending) {
+          const uint32_t slot = p.slots[s.chunk];
+          auto op = transport_->Put(
+              p.peer, SlotData(s.slot), PackedBytes(chunks[s.chunk], t.row_min_bytes),
+              staging_wire_kind(), t.staging.address + slot * t.slot_bytes, t.staging.rkey);
+          if (op.ok())
+            s.puts.push_back(std::move(op).value());
+          else
+            Fail(r, op.status().WithContext("putting a packed chunk"));
+        }
+      }
+      if (!s.packed && !s.flush && !r.ending) {
+        auto op = transport_->Flush(p.peer);
+        if (op.ok())
+          s.flush = std::move(op).value();
+        else
+          Fail(r, op.status().WithContext("flushing puts"));
+        busy = true;
+      }
+      bool puts_done = true;
+      for (const auto& op : s.puts) puts_done &= op->Done();
+      if (s.packed || !puts_done || (s.flush ? !s.flush->Done() : !r.ending)) {
+        ++it;
+        continue;
+      }
+      Status st = s.flush ? s.flush->status() : Status::Ok();
+      for (const auto& op : s.puts) {
+        if (st.ok()) st = op->status();
+      }
+      if (!st.ok()) {
+        Fail(r, st.WithContext(
+                    fmt::format("putting chunk {} to generation rank {}", s.chunk, p.gen_rank)));
+      } else if (!r.ending) {
+        ChunkSent(r, p, s);
+      }
+      if (s.slot >= 0) ReleaseSlot(s.slot);
+      it = p.inflight.erase(it);
+      busy = true;
     }
     return busy;
   }
@@ -539,6 +690,14 @@ class ContextSideImpl final : public ContextSide, public Engine {
       r.state = TransferState::kComplete;
       r.reason = Status::Ok();
       for (auto& [g, p] : r.pairs) SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
+    } else {
+      // One-sided pairs: no more puts from here; the generation rank may reuse its slots.
+      for (auto& [g, p] : r.pairs) {
+        if (p.rma) {
+          SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
+                                   "context rank stopped: " + std::string(r.reason.message())});
+        }
+      }
     }
     SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
   }
@@ -587,6 +746,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   std::deque<uint64_t> recent_;              // recently finished ids, for replay detection
   std::set<uint64_t> recent_set_;
   std::vector<CopyDesc> descs_;  // reused
+  bool rma_said_ = false;        // logged once why a one-sided fetch is served tagged
 };
 
 }  // namespace
@@ -601,6 +761,12 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
+  if (pool.spec().layout == LayoutKind::kCustom) {
+    return Status::InvalidArgument(fmt::format(
+        "ContextSide: pool layout {} is custom: a transfer needs a named layout every rank derives "
+        "from its dims (PoolLayout presets)",
+        pool.layout().ToString()));
+  }
   auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options),
                                                 std::move(transport));
   side->InitAddress();

@@ -40,6 +40,9 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
   e.max_inflight = c.Int("transfer.max_inflight_per_pair");
   e.unknown_request_wait = std::chrono::milliseconds(c.Int("transfer.unknown_request_wait_ms"));
   e.abort_grace = std::chrono::milliseconds(c.Int("transfer.abort_grace_ms"));
+  e.rma = o.rma.value_or(c.Bool("transfer.rma"));
+  e.rma_row_min_bytes = c.Int("transfer.rma_row_min_bytes");
+  e.checksum = o.checksum.value_or(c.Bool("transfer.checksum"));
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)
@@ -74,6 +77,24 @@ Status Engine::Start() {
   staging_ = std::move(staging).value();
   for (int i = static_cast<int>(options_.staging_chunks) - 1; i >= 0; --i) free_slots_.push_back(i);
   KVF_ASSIGN_OR_RETURN(stream_, device_.CreateStream());
+  if (!options_.rma) {
+    rma_why_ = "transfer.rma is off";
+  } else if (!transport_->caps().one_sided) {
+    rma_why_ = fmt::format("transport {} has no one-sided operations", transport_->caps().name);
+  } else if (!direct_ok_) {
+    rma_why_ = fmt::format("transport {} can't reach {} pool memory", transport_->caps().name,
+                           MemoryKindName(pool_.memory()));
+  } else {
+    auto rma = RegisterForRma(*transport_, pool_, pool_wire_kind_, staging_.data(), staging_.size(),
+                              staging_wire_kind_);
+    if (rma.ok()) {
+      rma_ = std::move(rma).value();
+    } else {
+      rma_why_ = rma.status().ToString();
+      Log(LogLevel::kInfo, "transceiver: one-sided path off, tagged messages instead: {}",
+          rma_why_);
+    }
+  }
   thread_ = std::thread([this] { Run(); });
   return Status::Ok();
 }
@@ -236,10 +257,11 @@ InstanceDesc Engine::SelfDesc() const {
 }
 
 void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
-                 bool to_packed, std::vector<CopyDesc>& out) {
+                 bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes) {
   out.clear();
   int64_t off = 0;
   for (const Piece& p : chunk.pieces) {
+    if (RowsGoDirect(chunk, p, row_min_bytes)) continue;
     int32_t region = context_side ? p.src_region : p.dst_region;
     int64_t offset = context_side ? p.src_offset : p.dst_offset;
     int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;

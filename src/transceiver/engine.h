@@ -20,6 +20,7 @@
 #include "kvferry/transceiver.h"
 #include "planner/planner.h"
 #include "transceiver/messages.h"
+#include "transceiver/rma.h"
 #include "transport/transport.h"
 
 namespace kvferry {
@@ -37,6 +38,9 @@ struct EngineOptions {
   std::chrono::milliseconds abort_grace;
   std::array<uint8_t, 16> secret;
   uint64_t instance_id;
+  bool rma;  // use one-sided puts where both transports can
+  int64_t rma_row_min_bytes;
+  bool checksum;  // ask for (generation) per-chunk checksums
 };
 EngineOptions ResolveOptions(const TransceiverOptions& options);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
@@ -102,6 +106,14 @@ class Engine {
     return pool_.region(region) + offset;
   }
   InstanceDesc SelfDesc() const;
+  // One-sided path: the pool and staging are registered (caps().one_sided, the pool reachable by
+  // the transport, transfer.rma on). rma_why() says why not.
+  bool rma_ok() const { return rma_.staging != nullptr; }
+  const std::string& rma_why() const { return rma_why_; }
+  const LocalRma& local_rma() const { return rma_; }
+  MemoryKind staging_kind() const { return staging_.kind(); }
+  // Checksums need the pool's bytes on the host.
+  bool host_visible_pool() const { return pool_wire_kind_ != MemoryKind::kDevice; }
 
   Device& device_;
   const BlockPool& pool_;
@@ -119,6 +131,8 @@ class Engine {
   MemoryKind pool_wire_kind_ = MemoryKind::kHost;
   MemoryKind staging_wire_kind_ = MemoryKind::kHost;
   bool direct_ok_ = true;
+  LocalRma rma_;
+  std::string rma_why_;
 
   std::mutex cmd_mu_;
   std::condition_variable cmd_cv_;
@@ -138,7 +152,8 @@ class Engine {
 
 // Builds the 2-D copy descriptors of a chunk between pool and a packed buffer.
 // to_packed: pool -> packed (context side), else packed -> pool (generation side).
+// With row_min_bytes, pieces whose rows go pool to pool on the one-sided path are left out.
 void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
-                 bool to_packed, std::vector<CopyDesc>& out);
+                 bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes = kNoDirect);
 
 }  // namespace kvferry

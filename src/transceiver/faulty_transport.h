@@ -28,6 +28,7 @@
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -84,6 +85,11 @@ class FaultyTransport final : public TransportWrapper {
   void Arm(FaultSpec spec);
   // How many times a fault fired since construction.
   int64_t fired() const { return fired_.load(); }
+  // A fault is armed and has not fired yet.
+  bool armed() const {
+    std::lock_guard lock(arm_mu_);
+    return armed_ && spec_.nth != std::numeric_limits<int64_t>::max();
+  }
 
   StatusOr<std::unique_ptr<TransportOp>> Send(PeerId peer, uint64_t tag, const void* buf,
                                               size_t bytes, MemoryKind kind) override;
@@ -119,7 +125,7 @@ class FaultyTransport final : public TransportWrapper {
   bool FlushHeld();
   bool ReapExtras();
 
-  std::mutex arm_mu_;
+  mutable std::mutex arm_mu_;
   FaultSpec spec_;               // guarded by arm_mu_
   std::vector<int64_t> counts_;  // guarded by arm_mu_: occurrences per step
   bool armed_ = true;            // guarded by arm_mu_

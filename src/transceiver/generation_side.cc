@@ -8,15 +8,25 @@
 
 #include "base/log.h"
 #include "transceiver/engine.h"
+#include "transceiver/rma.h"
 
 namespace kvferry {
 namespace {
 
+// The chunk number of the watch receive of a one-sided pair (never a data chunk's tag: plans of
+// a pair stay far below 2^20 - 1 chunks).
+constexpr uint64_t kWatchChunk = (uint64_t{1} << kChunkTagBits) - 1;
+
 struct RecvOp {
   size_t chunk = 0;
   int slot = -1;                    // staging slot, -1 when received in place
-  std::unique_ptr<TransportOp> op;  // pending receive
+  std::unique_ptr<TransportOp> op;  // pending receive (tagged path)
   Event* unpacked = nullptr;        // pending unpack from the slot
+  bool arrived = false;             // the bytes are in the slot or the pool
+  bool landed = false;              // ... and unpacked: the chunk is in the pool
+  bool notified = false;            // CHUNK received (one-sided path, or checksums asked)
+  bool has_checksum = false;
+  uint64_t checksum = 0;
 };
 
 struct RecvPair {
@@ -29,9 +39,16 @@ struct RecvPair {
   size_t completed = 0;
   bool accepted = false;
   bool done_sent = false;
-  bool completed_ack = false;  // COMPLETE received: every generation rank is done
-  bool closed = false;         // rejected or aborted by the context rank
+  bool completed_ack = false;   // COMPLETE received: every generation rank is done
+  bool closed = false;          // rejected or aborted by the context rank
+  bool rma = false;             // one-sided: credits name staging slots, CHUNK says in place
+  int64_t row_min = kNoDirect;  // one-sided: rows at least this long arrive in the pool
+  bool checksum = false;        // CHUNK messages carry checksums (asked in FETCH)
   std::deque<RecvOp> inflight;
+  // One-sided: a receive the context rank never matches, posted so that its death fails an op
+  // here (no data op of ours names it).
+  std::unique_ptr<TransportOp> watch;
+  std::byte watch_buf[1];
 };
 
 struct GenRequest {
@@ -43,6 +60,7 @@ struct GenRequest {
   TransferState state = TransferState::kInit;
   Status reason;
   bool ending = false;
+  Clock::time_point ended_at;
 };
 
 class GenerationSideImpl final : public GenerationSide, public Engine {
@@ -94,6 +112,13 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       f.direct_min_bytes = in.direct_min_bytes;
       f.blocks = in.gen_blocks;
       f.reply_address = address_;
+      f.checksum = options_.checksum && host_visible_pool();
+      f.rma = rma_ok();
+      if (f.rma) {
+        f.rma_target =
+            DescribeTarget(local_rma(), options_.chunk_bytes,
+                           static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct));
+      }
       // Every context rank of the serving DP group hears from us, even those with nothing to
       // send us: that is how each knows when all generation ranks are done.
       for (int32_t c = 0; c < h.parallel.world_size(); ++c) {
@@ -102,6 +127,9 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         RecvPair p;
         p.ctx_rank = c;
         p.transfer_id = NextTransferId();
+        p.rma = f.rma;
+        p.row_min = f.rma_target.row_min_bytes;
+        p.checksum = f.checksum;
         for (const PairPlan& pp : plan) {
           if (pp.ctx_rank == c) p.plan = pp;
         }
@@ -147,33 +175,38 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
 
  protected:
-  void OnControl(PeerId, ControlMsg msg) override {
+  void OnControl(PeerId from, ControlMsg msg) override {
+    // A pair hears only from its own context rank: another peer can't accept, complete or end
+    // someone else's transfer (transfer ids are small numbers, easily guessed).
     auto find = [&](uint64_t id, uint32_t tid) -> std::pair<GenRequest*, RecvPair*> {
       auto it = requests_.find(id);
       if (it == requests_.end()) return {nullptr, nullptr};
       for (RecvPair& p : it->second.pairs) {
-        if (p.transfer_id == tid) return {&it->second, &p};
+        if (p.transfer_id == tid && p.peer == from) return {&it->second, &p};
       }
       return {nullptr, nullptr};
     };
     if (auto* a = std::get_if<AcceptMsg>(&msg)) {
-      if (auto [r, p] = find(a->request_id, a->transfer_id); p) p->accepted = true;
+      if (auto [r, p] = find(a->request_id, a->transfer_id); p) OnAccept(*r, *p, a->rma);
+    } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
+      if (auto [r, p] = find(k->request_id, k->transfer_id); p) OnChunk(*r, *p, *k);
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
-      if (auto [r, p] = find(c->request_id, c->transfer_id); p) p->completed_ack = true;
+      // COMPLETE answers every generation rank's DONE, ours included: one before it is void.
+      if (auto [r, p] = find(c->request_id, c->transfer_id); p && p->done_sent) {
+        p->completed_ack = true;
+      }
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
       if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(j->code),
-                   fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
+            PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
       if (auto [r, p] = find(b->request_id, b->transfer_id); p) {
         p->closed = true;
         End(*r, TransferState::kError,
-            Status(static_cast<StatusCode>(b->code),
-                   fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
+            PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
             true);
       }
     }
@@ -188,7 +221,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         busy |= AdvancePair(r, p);
         local_done &= p.accepted && p.completed == p.plan.chunks.size();
         all_done &= p.completed_ack;
-        drained &= p.inflight.empty();
+        // The watch stays until nothing of ours waits for this context rank to stop putting.
+        if (p.watch && !p.watch->Done() && (p.completed_ack || (r.ending && p.inflight.empty())))
+          transport_->Cancel(*p.watch);
+        drained &= p.inflight.empty() && (!p.watch || p.watch->Done());
       }
       // Every chunk from every context rank is in place: tell them all.
       if (!r.ending && local_done) {
@@ -258,7 +294,12 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return next_transfer_;
   }
 
-  bool AdvancePair(GenRequest& r, RecvPair& p) {
+  int64_t RowMin(bool ctx_direct) const {
+    return ctx_direct ? options_.rma_row_min_bytes : kNoDirect;
+  }
+
+  // Tagged: receives posted for chunks within the staging and in-flight bounds, then credited.
+  bool PostTagged(GenRequest& r, RecvPair& p) {
     bool busy = false;
     const auto& chunks = p.plan.chunks;
     while (!r.ending && !p.closed && p.next_post < chunks.size() &&
@@ -290,9 +331,60 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       busy = true;
     }
     if (p.credited < p.next_post && !r.ending) {
-      SendMsg(p.peer, CreditMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.next_post)});
+      SendMsg(p.peer, CreditMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.next_post), {}});
       p.credited = p.next_post;
     }
+    return busy;
+  }
+
+  // One-sided: a staging slot for each chunk with packed bytes, credited by number.
+  bool PostRma(GenRequest& r, RecvPair& p) {
+    if (r.ending || p.closed) return false;
+    const auto& chunks = p.plan.chunks;
+    std::vector<uint32_t> slots;
+    while (p.next_post < chunks.size() &&
+           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+      RecvOp o;
+      o.chunk = p.next_post;
+      if (PackedBytes(chunks[p.next_post], p.row_min) > 0) {
+        o.slot = AcquireSlot();
+        if (o.slot < 0) break;
+      }
+      slots.push_back(o.slot < 0 ? kNoSlot : static_cast<uint32_t>(o.slot));
+      p.inflight.push_back(std::move(o));
+      ++p.next_post;
+    }
+    if (slots.empty()) return false;
+    SendMsg(p.peer,
+            CreditMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.next_post), std::move(slots)});
+    p.credited = p.next_post;
+    return true;
+  }
+
+  // After a request ends, a context rank may still be putting into the slots and blocks of a
+  // one-sided pair until it says it stopped (ABORT or COMPLETE), or the grace period passes.
+  bool RmaQuiet(const GenRequest& r, const RecvPair& p) const {
+    return !p.rma || p.closed || p.completed_ack || !p.accepted ||
+           Clock::now() >= r.ended_at + options_.abort_grace;
+  }
+
+  bool AdvancePair(GenRequest& r, RecvPair& p) {
+    bool busy = p.rma ? PostRma(r, p) : PostTagged(r, p);
+    if (p.rma && !p.watch && !r.ending && !p.closed && !p.completed_ack) {
+      auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
+                                 sizeof(p.watch_buf), MemoryKind::kHost);
+      if (op.ok()) p.watch = std::move(op).value();
+    }
+    if (p.watch && p.watch->Done() && !p.watch->status().ok() &&
+        p.watch->status().code() != StatusCode::kCancelled && !p.closed && !p.completed_ack) {
+      p.closed = true;  // it can no longer put
+      End(r, TransferState::kError,
+          Status::Unavailable(fmt::format("context rank {} is unreachable ({})", p.ctx_rank,
+                                          p.watch->status().message())),
+          true);
+      busy = true;
+    }
+    const auto& chunks = p.plan.chunks;
     for (auto it = p.inflight.begin(); it != p.inflight.end();) {
       const Chunk& c = chunks[it->chunk];
       if (it->op && it->op->Done()) {
@@ -304,36 +396,63 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
         it->op.reset();
         busy = true;
-        if (!st.ok() || r.ending) {
-          if (!st.ok())
-            End(r, TransferState::kError,
-                st.WithContext(fmt::format("receiving from context rank {}", p.ctx_rank)), true);
-          if (it->slot >= 0) ReleaseSlot(it->slot);
-          it = p.inflight.erase(it);
+        if (!st.ok())
+          End(r, TransferState::kError,
+              st.WithContext(fmt::format("receiving from context rank {}", p.ctx_rank)), true);
+        it->arrived = true;
+      }
+      if (r.ending) {
+        if (it->op || (it->unpacked && !it->unpacked->Query()) ||
+            (!it->landed && !RmaQuiet(r, p))) {
+          ++it;
           continue;
         }
+        if (it->unpacked) ReleaseEvent(it->unpacked);
+        if (it->slot >= 0) ReleaseSlot(it->slot);
+        it = p.inflight.erase(it);
+        busy = true;
+        continue;
+      }
+      if (p.rma && it->notified) it->arrived = true;
+      if (it->arrived && !it->landed && !it->unpacked) {
         if (it->slot < 0) {
-          ++p.completed;
-          r.bytes += c.bytes;
-          it = p.inflight.erase(it);
-          continue;
+          it->landed = true;
+        } else {
+          ChunkCopies(c, false, pool_, SlotData(it->slot), false, descs_,
+                      p.rma ? p.row_min : kNoDirect);
+          Status ust = stream_->CopyBatch(descs_);
+          it->unpacked = AcquireEvent();
+          if (ust.ok())
+            ust =
+                it->unpacked ? stream_->Record(*it->unpacked) : Status::Internal("no device event");
+          if (!ust.ok()) {
+            End(r, TransferState::kError, ust.WithContext("unpacking a chunk"), true);
+            continue;  // drained by the ending branch
+          }
         }
-        ChunkCopies(c, false, pool_, SlotData(it->slot), false, descs_);
-        Status ust = stream_->CopyBatch(descs_);
-        it->unpacked = AcquireEvent();
-        if (ust.ok())
-          ust = it->unpacked ? stream_->Record(*it->unpacked) : Status::Internal("no device event");
-        if (!ust.ok()) {
-          if (it->unpacked) ReleaseEvent(it->unpacked);
-          ReleaseSlot(it->slot);
-          End(r, TransferState::kError, ust.WithContext("unpacking a chunk"), true);
-          it = p.inflight.erase(it);
-          continue;
-        }
+        busy = true;
       }
       if (it->unpacked && it->unpacked->Query()) {
         ReleaseEvent(it->unpacked);
+        it->unpacked = nullptr;
         ReleaseSlot(it->slot);
+        it->slot = -1;
+        it->landed = true;
+        busy = true;
+      }
+      if (it->landed && (!p.checksum || it->notified)) {
+        if (it->has_checksum) {
+          const uint64_t sum = ChunkChecksum(c, false, pool_);
+          if (sum != it->checksum) {
+            End(r, TransferState::kError,
+                Status::DataLoss(fmt::format(
+                    "request {}: chunk {} from context rank {} fails its checksum ({:#018x} "
+                    "arrived, {:#018x} sent)",
+                    r.id, it->chunk, p.ctx_rank, sum, it->checksum)),
+                true);
+            continue;
+          }
+        }
         ++p.completed;
         r.bytes += c.bytes;
         it = p.inflight.erase(it);
@@ -345,9 +464,48 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return busy;
   }
 
+  void OnAccept(GenRequest& r, RecvPair& p, bool rma) {
+    p.accepted = true;
+    if (p.rma == rma) return;
+    if (rma) {
+      End(r, TransferState::kError,
+          Status::InvalidArgument(fmt::format(
+              "context rank {} answered one-sided to a fetch that offered no target", p.ctx_rank)),
+          true);
+      return;
+    }
+    // The context rank can't put: receive tagged messages instead. Nothing was put yet.
+    for (RecvOp& o : p.inflight) {
+      if (o.slot >= 0) ReleaseSlot(o.slot);
+    }
+    p.inflight.clear();
+    p.next_post = 0;
+    p.credited = 0;
+    p.rma = false;
+  }
+
+  void OnChunk(GenRequest& r, RecvPair& p, const ChunkMsg& k) {
+    if (r.ending) return;
+    for (RecvOp& o : p.inflight) {
+      if (o.chunk == k.chunk && !o.notified) {
+        o.notified = true;
+        o.has_checksum = k.has_checksum;
+        o.checksum = k.checksum;
+        return;
+      }
+    }
+    End(r, TransferState::kError,
+        Status::InvalidArgument(fmt::format(
+            "request {}: context rank {} reported chunk {} in place, which is not credited or "
+            "was reported before",
+            r.id, p.ctx_rank, k.chunk)),
+        true);
+  }
+
   void End(GenRequest& r, TransferState state, Status why, bool tell_peers) {
     if (r.ending) return;
     r.ending = true;
+    r.ended_at = Clock::now();
     r.state = state;
     r.reason = std::move(why);
     for (RecvPair& p : r.pairs) {
@@ -379,6 +537,13 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options,
     std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
+  if (pool.spec().layout == LayoutKind::kCustom) {
+    return Status::InvalidArgument(
+        fmt::format("GenerationSide: pool layout {} is custom: a transfer needs a named layout "
+                    "every rank derives "
+                    "from its dims (PoolLayout presets)",
+                    pool.layout().ToString()));
+  }
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options),
                                                    std::move(transport));
   side->InitAddress();

@@ -7,7 +7,34 @@
 namespace kvferry {
 namespace {
 
-enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort, kComplete };
+enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort, kComplete, kChunk };
+
+constexpr uint32_t kMaxKeyBytes = 1 << 12;
+constexpr uint32_t kMaxRegions = 1 << 16;
+constexpr uint32_t kMaxCreditSlots = 1 << 20;
+
+void EncodeRegion(WireWriter& w, const RemoteRegion& r) {
+  w.U64(r.address);
+  w.U64(r.bytes);
+  w.U32(static_cast<uint32_t>(r.rkey.size()));
+  for (std::byte b : r.rkey) w.U8(std::to_integer<uint8_t>(b));
+}
+
+RemoteRegion DecodeRegion(WireReader& r) {
+  RemoteRegion g;
+  g.address = r.U64("region address");
+  g.bytes = r.U64("region bytes");
+  const uint32_t n = r.U32("rkey length");
+  if (!r.ok()) return g;
+  if (n > kMaxKeyBytes || n > r.remaining()) {
+    r.Fail(fmt::format("rkey length {} exceeds {} or the {} bytes left", n, kMaxKeyBytes,
+                       r.remaining()));
+    return g;
+  }
+  g.rkey.resize(n);
+  for (auto& b : g.rkey) b = std::byte{r.U8("rkey")};
+  return g;
+}
 
 void Header(WireWriter& w, MsgType t) {
   w.U16(kMessageMagic);
@@ -34,11 +61,30 @@ struct Encoder {
     w.I64(m.direct_min_bytes);
     EncodeBlocks(w, m.blocks);
     w.Str(m.reply_address);
+    w.U8(static_cast<uint8_t>((m.rma ? 1 : 0) | (m.checksum ? 2 : 0)));
+    if (m.rma) {
+      const RmaTarget& t = m.rma_target;
+      w.U32(static_cast<uint32_t>(t.pool.size()));
+      for (const RemoteRegion& g : t.pool) EncodeRegion(w, g);
+      EncodeRegion(w, t.staging);
+      w.I64(t.slot_bytes);
+      w.U32(t.slots);
+      w.I64(t.row_min_bytes);
+    }
   }
   void operator()(const AcceptMsg& m) {
     Header(w, kAccept);
     w.U64(m.request_id);
     w.U32(m.transfer_id);
+    w.U8(m.rma ? 1 : 0);
+  }
+  void operator()(const ChunkMsg& m) {
+    Header(w, kChunk);
+    w.U64(m.request_id);
+    w.U32(m.transfer_id);
+    w.U32(m.chunk);
+    w.U8(m.has_checksum ? 1 : 0);
+    w.U64(m.checksum);
   }
   void operator()(const RejectMsg& m) {
     Header(w, kReject);
@@ -52,6 +98,8 @@ struct Encoder {
     w.U64(m.request_id);
     w.U32(m.transfer_id);
     w.U32(m.chunks);
+    w.U32(static_cast<uint32_t>(m.slots.size()));
+    for (uint32_t slot : m.slots) w.U32(slot);
   }
   void operator()(const DoneMsg& m) {
     Header(w, kDone);
@@ -113,6 +161,21 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       m.direct_min_bytes = r.I64("direct_min_bytes");
       m.blocks = DecodeBlocks(r);
       m.reply_address = r.Str("reply_address", 1 << 16);
+      const uint8_t flags = r.U8("fetch flags");
+      if (r.ok() && (flags & ~3u) != 0) r.Fail(fmt::format("unknown fetch flags {:#x}", flags));
+      m.rma = flags & 1;
+      m.checksum = flags & 2;
+      if (m.rma && r.ok()) {
+        const uint32_t n = r.U32("rma regions");
+        if (r.ok() && (n > kMaxRegions || n > r.remaining() / 20)) {
+          r.Fail(fmt::format("{} rma regions exceed {} or the bytes left", n, kMaxRegions));
+        }
+        for (uint32_t i = 0; i < n && r.ok(); ++i) m.rma_target.pool.push_back(DecodeRegion(r));
+        m.rma_target.staging = DecodeRegion(r);
+        m.rma_target.slot_bytes = r.I64("slot_bytes");
+        m.rma_target.slots = r.U32("slots");
+        m.rma_target.row_min_bytes = r.I64("row_min_bytes");
+      }
       out = std::move(m);
       break;
     }
@@ -120,6 +183,9 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       AcceptMsg m;
       m.request_id = r.U64("request_id");
       m.transfer_id = r.U32("transfer_id");
+      const uint8_t mode = r.U8("accept mode");
+      if (r.ok() && mode > 1) r.Fail(fmt::format("unknown accept mode {}", mode));
+      m.rma = mode == 1;
       out = m;
       break;
     }
@@ -147,7 +213,12 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       m.request_id = r.U64("request_id");
       m.transfer_id = r.U32("transfer_id");
       m.chunks = r.U32("chunks");
-      out = m;
+      const uint32_t n = r.U32("credit slots");
+      if (r.ok() && (n > kMaxCreditSlots || n > r.remaining() / 4)) {
+        r.Fail(fmt::format("{} credit slots exceed {} or the bytes left", n, kMaxCreditSlots));
+      }
+      for (uint32_t i = 0; i < n && r.ok(); ++i) m.slots.push_back(r.U32("slot"));
+      out = std::move(m);
       break;
     }
     case kDone: {
@@ -158,12 +229,32 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
       out = m;
       break;
     }
+    case kChunk: {
+      ChunkMsg m;
+      m.request_id = r.U64("request_id");
+      m.transfer_id = r.U32("transfer_id");
+      m.chunk = r.U32("chunk");
+      const uint8_t has = r.U8("has_checksum");
+      if (r.ok() && has > 1) r.Fail(fmt::format("has_checksum {} is not 0 or 1", has));
+      m.has_checksum = has == 1;
+      m.checksum = r.U64("checksum");
+      out = m;
+      break;
+    }
     default:
       return Status::InvalidArgument(fmt::format("control message: unknown type {}", type));
   }
   if (r.ok() && r.remaining() != 0) r.Fail(fmt::format("{} trailing bytes", r.remaining()));
   if (!r.ok()) return r.status().WithContext("control message");
   return out;
+}
+
+Status PeerStatus(uint8_t code, std::string message) {
+  if (code == 0 || code > static_cast<uint8_t>(StatusCode::kResourceExhausted)) {
+    return Status::Internal(
+        fmt::format("peer reported status code {} (not a failure code): {}", code, message));
+  }
+  return Status(static_cast<StatusCode>(code), std::move(message));
 }
 
 }  // namespace kvferry

@@ -4,7 +4,9 @@
 //   gen -> ctx  FETCH   who is asking, its split and destination blocks, the access token
 //   ctx -> gen  ACCEPT  or REJECT (reason)
 //   gen -> ctx  CREDIT  receives are posted for chunks [0, n): the sender may send them
-//   ctx -> gen  data    chunk k on data tag (transfer_id << 20 | k), after credit and readiness
+//   ctx -> gen  data    chunk k on data tag (transfer_id << 20 | k), after credit and readiness;
+//                       or, one-sided (RMA), puts into the generation pool and staging then
+//   ctx -> gen  CHUNK   chunk k is in place (flushed), with its payload checksum when asked
 //   gen -> ctx  DONE    every chunk from every context rank is in place on this generation rank
 //   ctx -> gen  COMPLETE every generation rank said DONE: the whole generation instance holds the
 //                        request (the context rank releases its lease; the generation rank reports
@@ -27,8 +29,30 @@
 namespace kvferry {
 
 inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
-inline constexpr uint8_t kMessageVersion = 1;
+inline constexpr uint8_t kMessageVersion = 2;
 inline constexpr int kChunkTagBits = 20;
+
+// A registered region of the generation rank that a context rank may put into.
+struct RemoteRegion {
+  uint64_t address = 0;
+  uint64_t bytes = 0;
+  std::vector<std::byte> rkey;  // the transport's packed remote key
+  bool operator==(const RemoteRegion&) const = default;
+};
+
+// Where a context rank puts a transfer's bytes (FETCH, when the generation rank's transport is
+// one-sided): pool regions for pieces whose rows are at least row_min_bytes long, staging slots
+// (credited one per chunk) for the rest, packed.
+struct RmaTarget {
+  std::vector<RemoteRegion> pool;  // one per pool region, in region order
+  RemoteRegion staging;            // slots of slot_bytes each, back to back
+  int64_t slot_bytes = 0;
+  uint32_t slots = 0;
+  int64_t row_min_bytes = 0;
+  bool operator==(const RmaTarget&) const = default;
+};
+
+inline constexpr uint32_t kNoSlot = 0xFFFFFFFF;
 
 struct FetchMsg {
   uint64_t request_id = 0;
@@ -48,11 +72,15 @@ struct FetchMsg {
   int64_t direct_min_bytes = 0;
   std::vector<int64_t> blocks;
   std::string reply_address;
+  bool checksum = false;  // send each chunk's XXH3-64 in a CHUNK message
+  bool rma = false;       // rma_target is set: the context rank may put
+  RmaTarget rma_target;
   bool operator==(const FetchMsg&) const = default;
 };
 struct AcceptMsg {
   uint64_t request_id = 0;
   uint32_t transfer_id = 0;
+  bool rma = false;  // the context rank puts (else it sends tagged data messages)
   bool operator==(const AcceptMsg&) const = default;
 };
 struct RejectMsg {
@@ -66,7 +94,18 @@ struct CreditMsg {
   uint64_t request_id = 0;
   uint32_t transfer_id = 0;
   uint32_t chunks = 0;  // receives posted for chunks [0, chunks)
+  // RMA: the staging slot of each chunk newly credited by this message, in chunk order
+  // (kNoSlot for a chunk with nothing packed). Empty on the tagged path.
+  std::vector<uint32_t> slots;
   bool operator==(const CreditMsg&) const = default;
+};
+struct ChunkMsg {
+  uint64_t request_id = 0;
+  uint32_t transfer_id = 0;
+  uint32_t chunk = 0;
+  bool has_checksum = false;
+  uint64_t checksum = 0;  // XXH3-64 of the chunk's bytes in plan order
+  bool operator==(const ChunkMsg&) const = default;
 };
 struct DoneMsg {
   uint64_t request_id = 0;
@@ -88,11 +127,16 @@ struct CompleteMsg {
   bool operator==(const CompleteMsg&) const = default;
 };
 
-using ControlMsg =
-    std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg, CompleteMsg>;
+using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg,
+                                CompleteMsg, ChunkMsg>;
 
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
 StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);
+
+// The failure a peer reports in a REJECT or ABORT (code byte + reason), as a Status that is never
+// OK: code 0 (OK) or a code this build does not know becomes kInternal naming the code, so a
+// request a peer ended always ends with a reason.
+Status PeerStatus(uint8_t code, std::string message);
 
 inline uint64_t DataTag(uint32_t transfer_id, uint64_t chunk) {
   return (uint64_t{transfer_id} << kChunkTagBits) | (chunk & ((1u << kChunkTagBits) - 1));

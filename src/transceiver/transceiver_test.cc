@@ -5,9 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <optional>
 
 #include "kvferry/config.h"
 #include "kvferry/testdata.h"
@@ -20,6 +22,74 @@ namespace kvferry {
 namespace {
 
 using std::chrono::milliseconds;
+
+// Forwards everything to an in-process transport; tests override what they need (a corrupting or
+// a tampering peer, one without one-sided operations).
+class TestTransport : public Transport {
+ public:
+  explicit TestTransport(std::unique_ptr<Transport> base) : base_(std::move(base)) {
+    caps_ = base_->caps();
+  }
+  const TransportCaps& caps() const override { return caps_; }
+  std::string LocalAddress() const override { return base_->LocalAddress(); }
+  StatusOr<PeerId> Connect(std::string_view a, Deadline d) override { return base_->Connect(a, d); }
+  StatusOr<std::unique_ptr<TransportOp>> Send(PeerId p, uint64_t tag, const void* buf, size_t n,
+                                              MemoryKind k) override {
+    return base_->Send(p, tag, buf, n, k);
+  }
+  StatusOr<std::unique_ptr<TransportOp>> Recv(PeerId p, uint64_t tag, void* buf, size_t n,
+                                              MemoryKind k) override {
+    return base_->Recv(p, tag, buf, n, k);
+  }
+  void Cancel(TransportOp& op) override { base_->Cancel(op); }
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    return base_->SendControl(p, b);
+  }
+  std::optional<ControlMessage> PollControl() override { return base_->PollControl(); }
+  bool Progress() override { return base_->Progress(); }
+  StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t n,
+                                                               MemoryKind k) override {
+    return base_->RegisterMemory(ptr, n, k);
+  }
+  StatusOr<std::unique_ptr<TransportOp>> Put(PeerId p, const void* local, size_t n, MemoryKind k,
+                                             uint64_t addr,
+                                             std::span<const std::byte> rkey) override {
+    return base_->Put(p, local, n, k, addr, rkey);
+  }
+  StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId p) override { return base_->Flush(p); }
+
+ protected:
+  std::unique_ptr<Transport> base_;
+  TransportCaps caps_;
+};
+
+// Flips one byte of the n-th data message or put (inproc copies at the call: a copy will do).
+class CorruptingTransport final : public TestTransport {
+ public:
+  CorruptingTransport(std::unique_ptr<Transport> base, int nth)
+      : TestTransport(std::move(base)), nth_(nth) {}
+  StatusOr<std::unique_ptr<TransportOp>> Send(PeerId p, uint64_t tag, const void* buf, size_t n,
+                                              MemoryKind k) override {
+    if (--nth_ != 0) return base_->Send(p, tag, buf, n, k);
+    copy_.assign(static_cast<const std::byte*>(buf), static_cast<const std::byte*>(buf) + n);
+    copy_[n / 2] ^= std::byte{0x40};
+    return base_->Send(p, tag, copy_.data(), n, k);
+  }
+  StatusOr<std::unique_ptr<TransportOp>> Put(PeerId p, const void* local, size_t n, MemoryKind k,
+                                             uint64_t addr,
+                                             std::span<const std::byte> rkey) override {
+    if (--nth_ != 0) return base_->Put(p, local, n, k, addr, rkey);
+    copy_.assign(static_cast<const std::byte*>(local), static_cast<const std::byte*>(local) + n);
+    copy_[n / 2] ^= std::byte{0x40};
+    return base_->Put(p, copy_.data(), n, k, addr, rkey);
+  }
+
+ private:
+  int nth_;
+  std::vector<std::byte> copy_;  // the send is matched later: keep the bytes
+};
+
+using TransportHook = std::function<std::unique_ptr<Transport>(std::unique_ptr<Transport>)>;
 
 struct SideSpec {
   KvShape shape;
@@ -35,15 +105,18 @@ struct Instance {
 
 class Cluster {
  public:
-  Cluster(SideSpec ctx, SideSpec gen, TransceiverOptions options = {})
+  Cluster(SideSpec ctx, SideSpec gen, TransceiverOptions options = {}, TransportHook ctx_hook = {},
+          TransportHook gen_hook = {})
       : device_(OpenCpuDevice()), fabric_(InProcFabric::Create()), ctx_spec_(ctx), gen_spec_(gen) {
     options.transport = "inproc";
     if (options.timeout.count() == 0) options.timeout = milliseconds(5000);
     options.instance_secret[0] = 42;
     for (int r = 0; r < ctx.parallel.world_size(); ++r) {
       ctx_pools_.push_back(MakePool(ctx, r));
+      auto t = Transport();
+      if (ctx_hook) t = ctx_hook(std::move(t));
       ctx_.push_back(std::move(
-          ContextSide::Create(*device_, ctx_pools_.back(), options, Transport()).value()));
+          ContextSide::Create(*device_, ctx_pools_.back(), options, std::move(t)).value()));
     }
     std::vector<std::string> addrs;
     for (auto& c : ctx_) addrs.push_back(c->address());
@@ -51,8 +124,10 @@ class Cluster {
     options.instance_id = 7;
     for (int r = 0; r < gen.parallel.world_size(); ++r) {
       gen_pools_.push_back(MakePool(gen, r));
+      auto t = Transport();
+      if (gen_hook) t = gen_hook(std::move(t));
       gen_.push_back(std::move(
-          GenerationSide::Create(*device_, gen_pools_.back(), options, Transport()).value()));
+          GenerationSide::Create(*device_, gen_pools_.back(), options, std::move(t)).value()));
     }
   }
 
@@ -143,11 +218,26 @@ class Cluster {
     return all;
   }
 
-  // Checks every generation rank's blocks [reused, needed) hold the request's values and the
-  // reused blocks were not touched.
+  // Checks every generation rank's blocks [reused, needed) hold the request's values, the
+  // reused blocks were not touched, and (sentinels) no byte of any other block changed from the
+  // 0xA5 every pool starts with.
   void Verify(uint64_t id, const std::vector<int64_t>& blocks, int64_t tokens, int64_t reused = 0,
-              int gen_group = 0) {
+              int gen_group = 0, bool sentinels = false) {
     const int tpb = gen_spec_.shape.tokens_per_block;
+    for (int r = 0; sentinels && r < static_cast<int>(gen_pools_.size()); ++r) {
+      const BlockPool& pool = gen_pools_[r];
+      for (int64_t b = 0; b < pool.blocks(); ++b) {
+        if (std::find(blocks.begin(), blocks.end(), b) != blocks.end()) continue;
+        const std::vector<Extent> extents = pool.BlockExtents(std::vector<int64_t>{b}).value();
+        for (const Extent& e : extents) {
+          const std::byte* at = pool.Address(e);
+          for (int64_t i = 0; i < e.bytes; ++i) {
+            ASSERT_EQ(at[i], std::byte{0xA5})
+                << "gen rank " << r << " block " << b << " (not a destination) byte " << i;
+          }
+        }
+      }
+    }
     for (int r : Group(gen_spec_, gen_group)) {
       for (size_t i = 0; i < blocks.size(); ++i) {
         int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
@@ -192,14 +282,29 @@ struct Case {
   int ctx_group = 0, gen_group = 0;
 };
 
-class Layouts : public ::testing::TestWithParam<Case> {};
+// Each layout over both data paths: tagged messages, and one-sided puts (with small rows packed,
+// or every row put pool to pool), with per-chunk checksums.
+enum class Path { kTagged, kRmaPacked, kRmaRows };
+class Layouts : public ::testing::TestWithParam<std::tuple<Case, Path>> {};
+
+std::string LayoutCaseName(const ::testing::TestParamInfo<std::tuple<Case, Path>>& info) {
+  static const char* const kPaths[] = {"tagged", "rma_packed", "rma_rows"};
+  return std::string(std::get<0>(info.param).name) + "_" +
+         kPaths[static_cast<int>(std::get<1>(info.param))];
+}
 
 TEST_P(Layouts, DeliversEveryElement) {
-  const Case& c = GetParam();
+  const Case& c = std::get<0>(GetParam());
+  const Path path = std::get<1>(GetParam());
   TransceiverOptions o;
   o.chunk_bytes = 4096;  // force packing into several chunks
   o.staging_chunks = 3;
   o.direct_min_bytes = 2048;
+  o.rma = path != Path::kTagged;
+  o.checksum = true;
+  ASSERT_TRUE(Config::Global()
+                  .Set("transfer.rma_row_min_bytes", path == Path::kRmaRows ? "1" : "256")
+                  .ok());
   Cluster cl(c.ctx, c.gen, o);
   std::vector<int64_t> cb{3, 4, 9, 1, 12}, gb{0, 5, 6, 2, 11};
   const int64_t tokens = 4 * 4 + 3;  // ends mid-block
@@ -209,42 +314,48 @@ TEST_P(Layouts, DeliversEveryElement) {
   size_t ranks =
       Cluster::Group(c.ctx, c.ctx_group).size() + Cluster::Group(c.gen, c.gen_group).size();
   ExpectAllComplete(cl.Drain(c.ctx_group, c.gen_group, 1), ranks);
-  cl.Verify(11, gb, tokens, 0, c.gen_group);
+  cl.Verify(11, gb, tokens, 0, c.gen_group, /*sentinels=*/true);
+  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Transceiver, Layouts,
-    ::testing::Values(
-        Case{"tp1_to_tp1", {Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}},
-        Case{"tp2_to_tp4", {Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}},
-        Case{"tp4_to_tp2", {Shape(), {4, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}},
-        Case{"tp2pp3_to_tp1pp2_uneven",
-             {Shape(), {2, 3, {1, 4, 1}, 1, 0}},
-             {Shape(), {1, 2, {}, 1, 0}}},
-        Case{"dup_heads_tp1_to_tp4", {Shape(2), {1, 1, {}, 1, 0}}, {Shape(2), {4, 1, {}, 1, 0}}},
-        Case{"dup_heads_tp4_to_tp2", {Shape(2), {4, 1, {}, 1, 0}}, {Shape(2), {2, 1, {}, 1, 0}}},
-        Case{"tp3_to_tp2", {Shape(6), {3, 1, {}, 1, 0}}, {Shape(6), {2, 1, {}, 1, 0}}},
-        Case{"mla_tp2_to_tp4", {Shape(1, 1), {2, 1, {}, 1, 0}}, {Shape(1, 1), {4, 2, {}, 1, 0}}},
-        Case{"block_major_to_per_layer",
-             {Shape(), {2, 1, {}, 1, 0}},
-             {Shape(), {1, 2, {}, 1, 0}, LayoutKind::kPerLayer}},
-        Case{"per_layer_to_block_major",
-             {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer},
-             {Shape(), {2, 1, {}, 1, 0}}},
-        Case{"ctx_dp2_group1_to_gen_tp2",
-             {Shape(), {4, 1, {}, 2, 0}},
-             {Shape(), {2, 1, {}, 1, 0}},
-             1,
-             0},
-        Case{"ctx_tp2_to_gen_dp2_group1",
-             {Shape(), {2, 1, {}, 1, 0}},
-             {Shape(), {4, 1, {}, 2, 0}},
-             0,
-             1},
-        Case{"int8_fp32",
-             {Shape(4, 2, DType::kInt8), {1, 2, {}, 1, 0}},
-             {Shape(4, 2, DType::kInt8), {2, 1, {}, 1, 0}}}),
-    [](const auto& info) { return std::string(info.param.name); });
+    ::testing::Combine(
+        ::testing::Values(
+            Case{"tp1_to_tp1", {Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}},
+            Case{"tp2_to_tp4", {Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}},
+            Case{"tp4_to_tp2", {Shape(), {4, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}},
+            Case{"tp2pp3_to_tp1pp2_uneven",
+                 {Shape(), {2, 3, {1, 4, 1}, 1, 0}},
+                 {Shape(), {1, 2, {}, 1, 0}}},
+            Case{
+                "dup_heads_tp1_to_tp4", {Shape(2), {1, 1, {}, 1, 0}}, {Shape(2), {4, 1, {}, 1, 0}}},
+            Case{
+                "dup_heads_tp4_to_tp2", {Shape(2), {4, 1, {}, 1, 0}}, {Shape(2), {2, 1, {}, 1, 0}}},
+            Case{"tp3_to_tp2", {Shape(6), {3, 1, {}, 1, 0}}, {Shape(6), {2, 1, {}, 1, 0}}},
+            Case{
+                "mla_tp2_to_tp4", {Shape(1, 1), {2, 1, {}, 1, 0}}, {Shape(1, 1), {4, 2, {}, 1, 0}}},
+            Case{"block_major_to_per_layer",
+                 {Shape(), {2, 1, {}, 1, 0}},
+                 {Shape(), {1, 2, {}, 1, 0}, LayoutKind::kPerLayer}},
+            Case{"per_layer_to_block_major",
+                 {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer},
+                 {Shape(), {2, 1, {}, 1, 0}}},
+            Case{"ctx_dp2_group1_to_gen_tp2",
+                 {Shape(), {4, 1, {}, 2, 0}},
+                 {Shape(), {2, 1, {}, 1, 0}},
+                 1,
+                 0},
+            Case{"ctx_tp2_to_gen_dp2_group1",
+                 {Shape(), {2, 1, {}, 1, 0}},
+                 {Shape(), {4, 1, {}, 2, 0}},
+                 0,
+                 1},
+            Case{"int8_fp32",
+                 {Shape(4, 2, DType::kInt8), {1, 2, {}, 1, 0}},
+                 {Shape(4, 2, DType::kInt8), {2, 1, {}, 1, 0}}}),
+        ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows)),
+    LayoutCaseName);
 
 TEST(Transceiver, ReusedPrefixMovesOnlyMissingBlocks) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
@@ -406,6 +517,121 @@ TEST(Transceiver, SilentContextTimesOutAndCancelEndsBothSides) {
   c2.Verify(10, {2, 3}, 8);
 }
 
+// Rewrites the FETCH messages a generation rank sends (a peer lying about its target).
+class FetchTamperer final : public TestTransport {
+ public:
+  FetchTamperer(std::unique_ptr<Transport> base, std::function<void(FetchMsg&)> edit)
+      : TestTransport(std::move(base)), edit_(std::move(edit)) {}
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    auto m = DecodeMessage(b);
+    if (m.ok() && std::holds_alternative<FetchMsg>(*m)) {
+      edit_(std::get<FetchMsg>(*m));
+      return base_->SendControl(p, EncodeMessage(*m));
+    }
+    return base_->SendControl(p, b);
+  }
+
+ private:
+  std::function<void(FetchMsg&)> edit_;
+};
+
+class NoRma final : public TestTransport {
+ public:
+  explicit NoRma(std::unique_ptr<Transport> base) : TestTransport(std::move(base)) {
+    caps_.one_sided = false;
+  }
+};
+
+TransceiverOptions SmallChunks(bool rma) {
+  TransceiverOptions o;
+  o.chunk_bytes = 4096;
+  o.staging_chunks = 3;
+  o.direct_min_bytes = 2048;
+  o.rma = rma;
+  o.checksum = true;
+  o.timeout = milliseconds(2000);
+  return o;
+}
+
+class Paths : public ::testing::TestWithParam<bool> {};  // one-sided or tagged
+
+TEST_P(Paths, CorruptedByteFailsTheRequestWithDataLoss) {
+  for (int nth : {1, 3}) {
+    Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, SmallChunks(GetParam()),
+               [nth](auto t) { return std::make_unique<CorruptingTransport>(std::move(t), nth); });
+    auto h = cl.Publish(21, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+    auto st = cl.Drain(0, 0, 1, milliseconds(5000));
+    bool data_loss = false;
+    for (const TransferStatus& s : st) {
+      EXPECT_NE(s.state, TransferState::kComplete) << "request " << s.request_id;
+      if (s.reason.code() == StatusCode::kDataLoss) {
+        data_loss = true;
+        EXPECT_NE(s.reason.message().find("checksum"), std::string_view::npos)
+            << s.reason.ToString();
+      }
+    }
+    EXPECT_TRUE(data_loss) << "corrupting data op " << nth;
+  }
+}
+
+TEST_P(Paths, PeerWithoutOneSidedFallsBackToTagged) {
+  // Either side without one-sided operations: the other side's offer or answer says tagged.
+  for (bool ctx_lacks : {true, false}) {
+    TransportHook no_rma = [](auto t) { return std::make_unique<NoRma>(std::move(t)); };
+    Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, SmallChunks(GetParam()),
+               ctx_lacks ? no_rma : TransportHook{}, ctx_lacks ? TransportHook{} : no_rma);
+    std::vector<int64_t> gb{0, 5, 6};
+    auto h = cl.Publish(22, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, gb).ok());
+    ExpectAllComplete(cl.Drain(0, 0, 1), 6);
+    cl.Verify(22, gb, 11, 0, 0, /*sentinels=*/true);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transceiver, Paths, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "rma" : "tagged"; });
+
+TEST(Transceiver, LyingRmaTargetsAreRefusedAndWriteNothingOutsideTheDestination) {
+  struct Lie {
+    const char* name;
+    std::function<void(FetchMsg&)> edit;
+    const char* says;
+  };
+  const Lie lies[] = {
+      {"region too small", [](FetchMsg& f) { f.rma_target.pool[0].bytes = 64; }, "declares"},
+      {"missing region", [](FetchMsg& f) { f.rma_target.pool.clear(); }, "pool regions"},
+      {"slots too small", [](FetchMsg& f) { f.rma_target.slot_bytes = 16; }, "staging"},
+      {"wrapping address", [](FetchMsg& f) { f.rma_target.pool[0].address = ~uint64_t{0} - 8; },
+       "wraps"},
+      // Well-formed but not this request's memory: another key, or the region moved.
+      {"foreign key", [](FetchMsg& f) { f.rma_target.pool[0].rkey = f.rma_target.staging.rkey; },
+       "outside the registration"},
+      {"moved region", [](FetchMsg& f) { f.rma_target.pool[0].address += uint64_t{1} << 40; },
+       "outside the registration"},
+      {"garbage key", [](FetchMsg& f) { f.rma_target.pool[0].rkey = {std::byte{1}}; },
+       "not a remote key"},
+  };
+  for (const Lie& lie : lies) {
+    TransceiverOptions o = SmallChunks(true);
+    ASSERT_TRUE(Config::Global().Set("transfer.rma_row_min_bytes", "1").ok());
+    Cluster cl({Shape(), {1, 1, {}, 1, 0}},
+               {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 64}, o, {},
+               [&](auto t) { return std::make_unique<FetchTamperer>(std::move(t), lie.edit); });
+    auto h = cl.Publish(23, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+    auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+    ASSERT_EQ(st.size(), 1u) << lie.name;
+    EXPECT_EQ(st[0].state, TransferState::kError) << lie.name;
+    EXPECT_NE(st[0].reason.message().find(lie.says), std::string_view::npos)
+        << lie.name << ": " << st[0].reason.ToString();
+    // Nothing outside the destination blocks changed; the moved region may have hit blocks
+    // 0..63 only through the registration check, which refused it.
+    cl.Verify(23, {0, 5, 6}, 0, 0, 0, /*sentinels=*/true);
+    EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
+  }
+}
+
 // A handle with a valid checksum (re-encoded) but hostile sizes: refused with the field named,
 // or served, never an abort of the generation process (a bitmap or reservation sized by them).
 TEST(Transceiver, HostileHandleSizesAreRefusedOrHarmless) {
@@ -495,11 +721,14 @@ TEST(Transceiver, HostileFetchWithAValidTokenIsRejected) {
   auto reply = send_and_wait_reply(big);
   ASSERT_TRUE(reply.ok());
   EXPECT_NE(std::get_if<AcceptMsg>(&*reply), nullptr);
-  AbortMsg abort{22, 6, static_cast<uint8_t>(StatusCode::kCancelled), "test done"};
+  // An ABORT whose code byte is 0 (OK): the request still ends with a failure reason.
+  AbortMsg abort{22, 6, 0, "test done"};
   ASSERT_TRUE(peer_transport->SendControl(*peer, EncodeMessage(abort)).ok());
   auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
   ASSERT_EQ(cs.size(), 1u);
   EXPECT_EQ(cs[0].state, TransferState::kError);
+  EXPECT_EQ(cs[0].reason.code(), StatusCode::kInternal) << cs[0].reason.ToString();
+  EXPECT_NE(cs[0].reason.message().find("status code 0"), std::string_view::npos);
   // The context rank still serves: a new request goes through.
   auto h2 = cl.Publish(23, {2, 3}, 8);
   ASSERT_TRUE(cl.Fetch(h2, {2, 3}).ok());
@@ -528,6 +757,29 @@ TEST(Transceiver, PartialFetchAbortsTheContextRanksAlreadyContacted) {
       << cs[0].reason.ToString();
   EXPECT_LT(Clock::now() - t0, milliseconds(3000));
   ASSERT_TRUE(cl.ctx_[1]->Cancel(24).ok());
+}
+
+// Another peer of the fabric forges COMPLETE (and ACCEPT) for the generation rank's transfers
+// (their ids are small numbers): the request must not be reported complete before its data is
+// in place. Found by the protocol fuzzer (fuzz/corpus/protocol_fuzz/forged_complete).
+TEST(Transceiver, ForgedCompleteFromAnotherPeerIsIgnored) {
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  auto h = cl.Publish(25, {0, 1}, 8, 0, /*layer_wise=*/true);  // nothing ready: no data yet
+  ASSERT_TRUE(cl.Fetch(h, {4, 5}).ok());
+  auto hostile = cl.Transport();
+  auto peer = hostile->Connect(cl.gen_[0]->address(), DeadlineIn(milliseconds(1000)));
+  ASSERT_TRUE(peer.ok());
+  for (uint32_t tid = 0; tid < 8; ++tid) {
+    ASSERT_TRUE(hostile->SendControl(*peer, EncodeMessage(AcceptMsg{25, tid})).ok());
+    ASSERT_TRUE(hostile->SendControl(*peer, EncodeMessage(CompleteMsg{25, tid})).ok());
+  }
+  std::this_thread::sleep_for(milliseconds(100));
+  auto st = cl.gen_[0]->Query(25);
+  ASSERT_TRUE(st.ok()) << "reported before its data arrived: " << st.status().ToString();
+  EXPECT_EQ(st->state, TransferState::kInProgress);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(cl.ctx_[r]->MarkLayersReady(25, 6).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 3);
+  cl.Verify(25, {4, 5}, 8);
 }
 
 }  // namespace

@@ -95,9 +95,20 @@ TEST(Messages, EveryTypeRoundTrips) {
   f.direct_min_bytes = 1 << 18;
   f.blocks = {1, 2, 3};
   f.reply_address = "inproc:3";
-  for (const ControlMsg& m :
-       std::vector<ControlMsg>{f, AcceptMsg{1, 2}, RejectMsg{1, 2, 3, "no"}, CreditMsg{1, 2, 9},
-                               DoneMsg{1, 2, 99}, AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}}) {
+  FetchMsg rma = f;
+  rma.checksum = true;
+  rma.rma = true;
+  rma.rma_target.pool = {RemoteRegion{0x1000, 4096, {std::byte{1}, std::byte{2}}},
+                         RemoteRegion{0x9000, 8192, {std::byte{3}}}};
+  rma.rma_target.staging = RemoteRegion{0x20000, 65536, {std::byte{4}, std::byte{5}}};
+  rma.rma_target.slot_bytes = 16384;
+  rma.rma_target.slots = 4;
+  rma.rma_target.row_min_bytes = 8192;
+  for (const ControlMsg& m : std::vector<ControlMsg>{
+           f, rma, AcceptMsg{1, 2, false}, AcceptMsg{1, 2, true}, RejectMsg{1, 2, 3, "no"},
+           CreditMsg{1, 2, 9, {}}, CreditMsg{1, 2, 9, {3, kNoSlot, 0}}, DoneMsg{1, 2, 99},
+           AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}, ChunkMsg{1, 2, 3, true, 0xfeedbeef},
+           ChunkMsg{1, 2, 3, false, 0}}) {
     auto bytes = EncodeMessage(m);
     auto back = DecodeMessage(bytes);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -112,9 +123,10 @@ TEST(Messages, EveryTypeRoundTrips) {
 // The fuzz body over mutated valid encodings and random bytes, so CI exercises the decoders.
 TEST(WireFuzz, MutatedInputsAreRefusedOrRoundTrip) {
   std::mt19937_64 rng(1234);
-  std::vector<std::vector<std::byte>> seeds = {EncodeHandle(SampleHandle()),
-                                               EncodeMessage(AcceptMsg{1, 2}),
-                                               EncodeMessage(RejectMsg{3, 4, 5, "why"})};
+  std::vector<std::vector<std::byte>> seeds = {
+      EncodeHandle(SampleHandle()), EncodeMessage(AcceptMsg{1, 2, false}),
+      EncodeMessage(RejectMsg{3, 4, 5, "why"}), EncodeMessage(CreditMsg{1, 2, 3, {4, 5}}),
+      EncodeMessage(ChunkMsg{1, 2, 3, true, 4})};
   for (int i = 0; i < 50000; ++i) {
     std::vector<std::byte> in = seeds[rng() % seeds.size()];
     int flips = 1 + rng() % 4;

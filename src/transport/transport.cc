@@ -1,7 +1,10 @@
 #include "transport/transport.h"
 
+#include <algorithm>
+
 #include "kvferry_build_config.h"
 #include "transport/inproc_transport.h"
+#include "transport/ucx_info.h"
 
 namespace kvferry {
 
@@ -25,13 +28,21 @@ StatusOr<std::unique_ptr<TransportOp>> Transport::Flush(PeerId) {
   return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
 }
 
+StatusOr<std::unique_ptr<TransportOp>> Transport::Get(PeerId, void*, size_t, MemoryKind, uint64_t,
+                                                      std::span<const std::byte>) {
+  return Status::Unavailable("transport '" + caps().name + "' has no one-sided operations");
+}
+
+std::string Transport::DescribePeer(PeerId) { return caps().name; }
+
 StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options) {
   if (options.name == "inproc") return CreateInProcTransport(options);
   if (options.name == "ucx") {
 #if KVFERRY_HAVE_UCX
     return CreateUcxTransport(options);
 #else
-    return Status::Unavailable("transport 'ucx' is not compiled in (libucx-dev not found)");
+    return Status::Unavailable(
+        "transport 'ucx' is not compiled in (the libucx-cu13 wheel was not found: scripts/setup)");
 #endif
   }
   if (options.name == "mpi") {
@@ -63,5 +74,25 @@ Status WaitOp(Transport& transport, TransportOp& op, Deadline deadline) {
   }
   return op.status();
 }
+
+bool UcxRuntimeInfo::cuda() const {
+  return std::find(memory_types.begin(), memory_types.end(), "cuda") != memory_types.end();
+}
+
+std::string DescribeUcxRuntime(const UcxRuntimeInfo& info) {
+  std::string s = "UCX " + info.version + " from " + info.library_path + ":";
+  for (const auto& t : info.transports) s += " " + t.transport + "/" + t.device;
+  s += "; memory";
+  for (size_t i = 0; i < info.memory_types.size(); ++i) {
+    s += (i ? "," : " ") + info.memory_types[i];
+  }
+  return s;
+}
+
+#if !KVFERRY_HAVE_UCX
+StatusOr<UcxRuntimeInfo> QueryUcxRuntime() {
+  return Status::Unavailable("ucx is not compiled in (the libucx-cu13 wheel was not found)");
+}
+#endif
 
 }  // namespace kvferry

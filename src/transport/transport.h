@@ -27,9 +27,10 @@
 // was destroyed, its process died, or, for inproc, it was killed) completes every pending op
 // naming it with kUnavailable: sends, puts, flushes and receives posted with that PeerId (not
 // kAnyPeer receives). When: a destroyed peer says so (ucx: a "bye" control message; inproc: at
-// once); a crashed one is noticed only when caps().detects_crashed_peers (ucx with
-// ucx.error_mode=peer: transport error or keepalive, ucx.keepalive_ms). mpi: no detection, a
-// dead rank makes mpirun abort the job. Callers keep their own deadlines regardless.
+// once); a crashed one is noticed only when caps().detects_crashed_peers (ucx unless
+// ucx.error_mode=none: its control endpoint's transport error or keepalive, ucx.keepalive_ms). mpi:
+// no detection, a dead rank makes mpirun abort the job. Callers keep their own deadlines
+// regardless.
 //
 // Ops: an Op may be destroyed at any time, but the buffer it names must stay valid until the op
 // is Done or the transport is destroyed (destroying an op does not cancel it). Ops may outlive
@@ -128,16 +129,27 @@ class Transport {
   // One-sided (caps().one_sided; otherwise kUnavailable). Put writes `bytes` from `local` to
   // `remote_addr` inside a peer's registration whose PackedKey() is `rkey`; it completes when
   // `local` may be reused (local completion: the bytes need not be visible remotely yet).
+  // A range outside that registration is refused locally with kInvalidArgument (the packed key
+  // carries the registration's address and size); a key that is not a packed key too.
   // Flush completes when every Put issued to `peer` before it is visible in the peer's memory.
   // RegisterMemory(nullptr, bytes, kind) lets the transport allocate the region, in the memory
   // peers reach fastest (ucx on one host: shared memory, so a Put is one copy; user memory is
-  // reached through CMA or emulation, far slower on UCX 1.13).
+  // reached through CMA). User memory may be host or, with caps().device_memory, GPU memory
+  // (kind kDevice; cuda_ipc on one host).
   virtual StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
                                                                        MemoryKind kind);
   virtual StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,
                                                      MemoryKind kind, uint64_t remote_addr,
                                                      std::span<const std::byte> rkey);
   virtual StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer);
+  // Reads `bytes` at `remote_addr` of a peer's registration into `local`; complete (and the
+  // bytes in `local`) when Done. Same rules as Put.
+  virtual StatusOr<std::unique_ptr<TransportOp>> Get(PeerId peer, void* local, size_t bytes,
+                                                     MemoryKind kind, uint64_t remote_addr,
+                                                     std::span<const std::byte> rkey);
+  // What carries data to `peer`, for benchmark rows and logs (ucx: the UCX transports and
+  // devices of its endpoints, e.g. "data posix/memory cma/memory; control tcp/lo").
+  virtual std::string DescribePeer(PeerId peer);
 };
 
 class InProcFabric;  // inproc_transport.h

@@ -326,6 +326,84 @@ TEST_P(TransportConformance, OneSidedPutThenFlush) {
   });
 }
 
+// A put or get outside the registration its key describes is refused locally, before any byte
+// moves; so is a key that is not one; the bytes around the registration stay untouched.
+TEST_P(TransportConformance, OneSidedOutsideRegistrationIsRefused) {
+  Run([](Side& s) {
+    Transport& t = s.transport();
+    if (!t.caps().one_sided) GTEST_SKIP() << t.caps().name << " has no one-sided operations";
+    constexpr size_t kRegion = 64 << 10, kGuard = 4096;
+    if (s.index() == 1) {
+      // Registered: the middle of a larger buffer, whose guard bytes must stay as they are.
+      std::vector<std::byte> buf(kRegion + 2 * kGuard, std::byte{0xAB});
+      auto reg = t.RegisterMemory(buf.data() + kGuard, kRegion, MemoryKind::kDevice);
+      ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+      std::vector<std::byte> msg(8);
+      const uint64_t addr = (*reg)->address();
+      std::memcpy(msg.data(), &addr, 8);
+      auto key = (*reg)->PackedKey();
+      msg.insert(msg.end(), key.begin(), key.end());
+      ASSERT_TRUE(t.SendControl(s.other(), msg).ok());
+      auto done = AwaitControl(t, Soon());
+      ASSERT_TRUE(done.has_value());
+      EXPECT_EQ(Text(done->bytes), "flushed");
+      for (size_t i = 0; i < kGuard; ++i) {
+        ASSERT_EQ(buf[i], std::byte{0xAB}) << "guard byte " << i << " before the region";
+        ASSERT_EQ(buf[kGuard + kRegion + i], std::byte{0xAB}) << "guard byte " << i << " after";
+      }
+      EXPECT_EQ(std::memcmp(buf.data() + kGuard + kRegion - 8, Pattern(8, 77).data(), 8), 0);
+      s.Sync();
+      return;
+    }
+    auto m = AwaitControl(t, Soon());
+    ASSERT_TRUE(m.has_value());
+    uint64_t addr = 0;
+    std::memcpy(&addr, m->bytes.data(), 8);
+    std::span<const std::byte> key(m->bytes.data() + 8, m->bytes.size() - 8);
+    std::vector<std::byte> src(kRegion + 16, std::byte{0xCD});
+    struct Range {
+      uint64_t at;
+      size_t bytes;
+    };
+    for (Range r : {Range{addr - 1, 8}, Range{addr + kRegion - 7, 8}, Range{addr, kRegion + 1},
+                    Range{addr + kRegion, 1}, Range{addr - kGuard, 16}, Range{~uint64_t{0}, 2}}) {
+      auto put = t.Put(s.other(), src.data(), r.bytes, MemoryKind::kHost, r.at, key);
+      EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument)
+          << r.bytes << " bytes at offset " << static_cast<int64_t>(r.at - addr);
+      auto get = t.Get(s.other(), src.data(), r.bytes, MemoryKind::kHost, r.at, key);
+      EXPECT_TRUE(get.status().code() == StatusCode::kInvalidArgument ||
+                  get.status().code() == StatusCode::kUnavailable)
+          << get.status().ToString();
+    }
+    std::vector<std::byte> junk(key.begin(), key.end());
+    junk[0] = std::byte{'x'};
+    EXPECT_EQ(t.Put(s.other(), src.data(), 8, MemoryKind::kHost, addr, junk).status().code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        t.Put(s.other(), src.data(), 8, MemoryKind::kHost, addr, key.first(3)).status().code(),
+        StatusCode::kInvalidArgument);
+    // The last bytes of the region are fine, by put and by get.
+    const auto want = Pattern(8, 77);
+    auto put =
+        MustPost(t.Put(s.other(), want.data(), 8, MemoryKind::kHost, addr + kRegion - 8, key));
+    ASSERT_NE(put, nullptr);
+    ASSERT_TRUE(WaitOp(t, *put, Soon()).ok()) << put->status().ToString();
+    auto flush = MustPost(t.Flush(s.other()));
+    ASSERT_NE(flush, nullptr);
+    ASSERT_TRUE(WaitOp(t, *flush, Soon()).ok()) << flush->status().ToString();
+    std::vector<std::byte> back(8);
+    auto get = t.Get(s.other(), back.data(), 8, MemoryKind::kHost, addr + kRegion - 8, key);
+    if (get.ok()) {
+      ASSERT_TRUE(WaitOp(t, **get, Soon()).ok()) << (*get)->status().ToString();
+      EXPECT_EQ(back, want);
+    } else {
+      EXPECT_EQ(get.status().code(), StatusCode::kUnavailable) << get.status().ToString();
+    }
+    ASSERT_TRUE(t.SendControl(s.other(), Bytes("flushed")).ok());
+    s.Sync();
+  });
+}
+
 TEST_P(TransportConformance, RejectsBadArguments) {
   Run([](Side& s) {
     Transport& t = s.transport();

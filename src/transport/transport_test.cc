@@ -237,6 +237,36 @@ TEST(Transport, OpsOutliveTheirTransport) {
 }
 
 #if KVFERRY_HAVE_UCX
+// A peer that is gone before we connect (a crashed process's address): the first ops to it
+// fail with kUnavailable within the deadline, in every error mode that detects crashes.
+TEST(UcxTransport, ConnectingToAGonePeerFailsWithinDeadline) {
+  for (const char* mode : {"split", "peer"}) {
+    ASSERT_TRUE(Config::Global().Set("ucx.error_mode", mode).ok());
+    TransportOptions o;
+    o.name = "ucx";
+    auto a = std::move(CreateTransport(o)).value();
+    std::string gone = std::move(CreateTransport(o)).value()->LocalAddress();
+    (void)Config::Global().Reset("ucx.error_mode");
+    const auto start = Clock::now();
+    auto peer = a->Connect(gone, DeadlineIn(milliseconds(2000)));
+    if (!peer.ok()) {
+      EXPECT_EQ(peer.status().code(), StatusCode::kUnavailable) << mode;
+      continue;
+    }
+    char buf[64] = {};
+    auto r = std::move(a->Recv(*peer, 1, buf, sizeof(buf), MemoryKind::kHost)).value();
+    const Status sent = a->SendControl(*peer, std::as_bytes(std::span(buf)));
+    const Status st = WaitOp(*a, *r, DeadlineIn(milliseconds(10000)));
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << mode << ": " << st.ToString();
+    std::printf("[ info ] %s: connect to a gone peer: control %s, receive failed after %lld ms\n",
+                mode, sent.ToString().c_str(),
+                static_cast<long long>(
+                    std::chrono::duration_cast<milliseconds>(Clock::now() - start).count()));
+    EXPECT_EQ(a->Connect(gone, DeadlineIn(milliseconds(100))).status().code(),
+              StatusCode::kUnavailable);
+  }
+}
+
 TEST(UcxAddress, RoundTripsAndRejectsEveryMutation) {
   std::vector<uint8_t> raw(123);
   for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(i * 37 + 1);

@@ -53,6 +53,12 @@ class TransportWrapper : public Transport {
   StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer) override {
     return target_->Flush(peer);
   }
+  StatusOr<std::unique_ptr<TransportOp>> Get(PeerId peer, void* local, size_t bytes,
+                                             MemoryKind kind, uint64_t remote_addr,
+                                             std::span<const std::byte> rkey) override {
+    return target_->Get(peer, local, bytes, kind, remote_addr, rkey);
+  }
+  std::string DescribePeer(PeerId peer) override { return target_->DescribePeer(peer); }
 
  protected:
   std::unique_ptr<Transport> target_;

@@ -61,4 +61,26 @@ StatusOr<std::vector<uint8_t>> DecodeUcxAddress(std::string_view text) {
   return std::vector<uint8_t>(raw.begin() + 4, raw.begin() + 4 + n);
 }
 
+std::string EncodeUcxWorkerAddresses(const UcxWorkerAddresses& a) {
+  std::vector<uint8_t> raw;
+  PutU32(raw, static_cast<uint32_t>(a.control.size()));
+  raw.insert(raw.end(), a.control.begin(), a.control.end());
+  raw.insert(raw.end(), a.data.begin(), a.data.end());
+  return EncodeUcxAddress(raw.data(), raw.size());
+}
+
+StatusOr<UcxWorkerAddresses> DecodeUcxWorkerAddresses(std::string_view text) {
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(text));
+  const size_t c = raw.size() >= 4 ? LoadU32Le(raw.data()) : 0;
+  if (raw.size() < 4 || c == 0 || c >= raw.size() - 4) {
+    return Status::InvalidArgument("not a ucx transport address: " + std::to_string(raw.size()) +
+                                   " payload bytes, control worker address of " +
+                                   std::to_string(c));
+  }
+  UcxWorkerAddresses a;
+  a.control.assign(raw.begin() + 4, raw.begin() + 4 + static_cast<std::ptrdiff_t>(c));
+  a.data.assign(raw.begin() + 4 + static_cast<std::ptrdiff_t>(c), raw.end());
+  return a;
+}
+
 }  // namespace kvferry

@@ -21,4 +21,13 @@ StatusOr<std::vector<uint8_t>> DecodeUcxAddress(std::string_view text);
 
 uint32_t LoadU32Le(const uint8_t* p);
 
+// A UCX transport has two workers (control, data; see ucx_transport_impl.h). Its address text
+// is EncodeUcxAddress of: u32 little-endian length C | C control-worker bytes | data-worker bytes.
+struct UcxWorkerAddresses {
+  std::vector<uint8_t> control;
+  std::vector<uint8_t> data;
+};
+std::string EncodeUcxWorkerAddresses(const UcxWorkerAddresses& a);
+StatusOr<UcxWorkerAddresses> DecodeUcxWorkerAddresses(std::string_view text);
+
 }  // namespace kvferry

@@ -1,6 +1,9 @@
 // The child side of ucx_two_process_test: ucx_peer_helper MODE PARENT_ADDRESS [BW_TOTAL_MIB]
 //   echo  receive 64 MiB (tag 1) and send it back (tag 2)
 //   hang  connect, say ready, then only progress (the parent kills it)
+//   hangaddr  like hang, but says its own LocalAddress() instead of "ready"
+//   hangreg  like hang, after registering a 64 MiB region of its own memory and sending
+//            (address, key) (the parent puts into it, then kills it)
 //   bw    register a 64 MiB region, send (address, key), receive tag-send bandwidth traffic
 // Each mode first connects to the parent and sends the control message "ready"; each ends on
 // the parent's control message "exit" or after 60 s. Exit status 0 on success.
@@ -42,7 +45,9 @@ bool AwaitExit(Transport& t, Deadline deadline) {
 
 int Main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(stderr, "usage: ucx_peer_helper echo|hang|bw PARENT_ADDRESS [BW_TOTAL_MIB]\n");
+    std::fprintf(
+        stderr,
+        "usage: ucx_peer_helper echo|hang|hangaddr|hangreg|bw PARENT_ADDRESS [BW_TOTAL_MIB]\n");
     return 2;
   }
   alarm(90);  // never outlive a broken parent
@@ -55,7 +60,8 @@ int Main(int argc, char** argv) {
   Transport& t = **made;
   auto parent = t.Connect(argv[2], deadline);
   if (!parent.ok()) return Fail(parent.status());
-  Status st = t.SendControl(*parent, Bytes("ready"));
+  // "hangaddr": like hang, saying its own address instead of "ready".
+  Status st = t.SendControl(*parent, Bytes(mode == "hangaddr" ? t.LocalAddress() : "ready"));
   if (!st.ok()) return Fail(st);
 
   if (mode == "echo") {
@@ -66,7 +72,19 @@ int Main(int argc, char** argv) {
     auto s = t.Send(*parent, 2, buf.data(), (*r)->bytes(), MemoryKind::kHost);
     if (!s.ok()) return Fail(s.status());
     if (st = WaitOp(t, **s, deadline); !st.ok()) return Fail(st);
-  } else if (mode == "hang") {
+  } else if (mode == "hang" || mode == "hangaddr") {
+    while (Clock::now() < deadline) t.Progress();
+    return 3;
+  } else if (mode == "hangreg") {
+    std::vector<std::byte> region(size_t{64} << 20);
+    auto reg = t.RegisterMemory(region.data(), region.size(), MemoryKind::kHost);
+    if (!reg.ok()) return Fail(reg.status());
+    std::vector<std::byte> msg(8);
+    const uint64_t addr = (*reg)->address();
+    std::memcpy(msg.data(), &addr, 8);
+    auto key = (*reg)->PackedKey();
+    msg.insert(msg.end(), key.begin(), key.end());
+    if (st = t.SendControl(*parent, msg); !st.ok()) return Fail(st);
     while (Clock::now() < deadline) t.Progress();
     return 3;
   } else if (mode == "bw") {

@@ -1,6 +1,11 @@
-// The UCX transport. One ucp_context (TAG | RMA), one single-threaded worker, one endpoint per
-// peer, with error handling mode PEER (ucx.error_mode=peer, the default) so a dead peer fails
-// operations instead of hanging them; ucx.error_mode=none trades that for shared memory.
+// The UCX transport: one ucp_context (TAG | RMA), a control worker and a data worker, and per
+// peer a control endpoint and a data endpoint (see ucx_transport_impl.h for why). One-sided
+// operations are in ucx_rma.cc.
+//
+// ucx.error_mode: split (default): control endpoints in error mode PEER, data endpoints in NONE
+// (shared memory, CMA, cuda_ipc on one host; a crash is noticed on the control endpoint).
+// peer: both in PEER (UCX then refuses shared memory: TCP on one host). none: both in NONE (a
+// crashed peer is noticed only by the caller's deadlines; an orderly shutdown still is).
 //
 // Tags: bit 63 set = control message, its low 63 bits the sender's random instance id; bit 63
 // clear = data (caps().tag_bits = 63), matched with a full 64-bit mask.
@@ -16,6 +21,7 @@
 //
 // Address text: see ucx_address.h.
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -30,140 +36,50 @@
 #include "kvferry/config.h"
 #include "transport/transport.h"
 #include "transport/ucx_address.h"
-#include "transport/ucx_util.h"
+#include "transport/ucx_transport_impl.h"
 
 namespace kvferry {
+namespace ucx_detail {
 namespace {
 
-constexpr uint64_t kCtrlBit = uint64_t{1} << 63;
 constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
 
-using ucx_detail::ConfigPtr;
-using ucx_detail::ContextPtr;
-using ucx_detail::FromUcs;
-using ucx_detail::RkeyPtr;
-using ucx_detail::UcxRegistration;
-using ucx_detail::WorkerPtr;
+}  // namespace
 
-// ---- ops ----------------------------------------------------------------------------------------
+namespace {
 
-class UcxTransport;
+StatusOr<WorkerPtr> MakeWorker(ucp_context_h ctx, std::vector<uint8_t>& address) {
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h worker = nullptr;
+  ucs_status_t st = ucp_worker_create(ctx, &wparams, &worker);
+  if (st != UCS_OK) return FromUcs(st, "ucp_worker_create");
+  WorkerPtr owner(worker);
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  st = ucp_worker_get_address(worker, &addr, &addr_len);
+  if (st != UCS_OK) return FromUcs(st, "ucp_worker_get_address");
+  const auto* p = reinterpret_cast<const uint8_t*>(addr);
+  address.assign(p, p + addr_len);
+  ucp_worker_release_address(worker, addr);
+  return owner;
+}
 
-struct OpState {
-  UcxTransport* owner = nullptr;
-  PeerId peer = kAnyPeer;
-  bool is_recv = false;
-  bool done = false;
-  Status status;
-  size_t bytes = 0;
-  void* request = nullptr;         // the UCX request while pending
-  Status forced;                   // when not OK: the status to report instead of UCX's
-  std::vector<std::byte> payload;  // control sends/receives own their bytes
-  uint64_t sender_tag = 0;         // control receives
-};
-
-class UcxOp final : public TransportOp {
- public:
-  explicit UcxOp(std::shared_ptr<OpState> s) : s_(std::move(s)) {}
-  bool Done() const override { return s_->done; }
-  Status status() const override { return s_->status; }
-  size_t bytes() const override { return s_->bytes; }
-  OpState& state() const { return *s_; }
-
- private:
-  std::shared_ptr<OpState> s_;
-};
-
-struct Peer {
-  ucp_ep_h ep = nullptr;
-  std::string address;
-  bool dead = false;
-  Status death;
-  bool hello_sent = false;
-  std::unordered_set<OpState*> recvs;  // pending receives naming this peer
-  std::unordered_map<std::string, RkeyPtr> rkeys;
-};
-
-struct EpErrorArg {
-  UcxTransport* transport;
-  PeerId peer;
-};
-
-// ---- the transport ------------------------------------------------------------------------------
-
-class UcxTransport final : public Transport {
- public:
-  static StatusOr<std::unique_ptr<Transport>> Create(const TransportOptions& options);
-  ~UcxTransport() override;
-
-  const TransportCaps& caps() const override { return caps_; }
-  std::string LocalAddress() const override { return address_; }
-  StatusOr<PeerId> Connect(std::string_view address, Deadline deadline) override;
-  StatusOr<std::unique_ptr<TransportOp>> Send(PeerId peer, uint64_t tag, const void* buf,
-                                              size_t bytes, MemoryKind kind) override;
-  StatusOr<std::unique_ptr<TransportOp>> Recv(PeerId peer, uint64_t tag, void* buf, size_t capacity,
-                                              MemoryKind kind) override;
-  void Cancel(TransportOp& op) override;
-  Status SendControl(PeerId peer, std::span<const std::byte> bytes) override;
-  std::optional<ControlMessage> PollControl() override;
-  bool Progress() override;
-  StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
-                                                               MemoryKind kind) override;
-  StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,
-                                             MemoryKind kind, uint64_t remote_addr,
-                                             std::span<const std::byte> rkey) override;
-  StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer) override;
-
-  // Called by UCX.
-  static void OnSend(void* request, ucs_status_t status, void* user_data);
-  static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
-                     void* user_data);
-  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
-
- private:
-  UcxTransport() = default;
-  void Finish(OpState* s, void* request, ucs_status_t status, size_t bytes);
-  std::shared_ptr<OpState> NewOp(PeerId peer, bool is_recv);
-  // Turns the result of an nbx call into an op; `s` was made by NewOp.
-  std::unique_ptr<TransportOp> Posted(std::shared_ptr<OpState> s, ucs_status_ptr_t ret,
-                                      std::string_view what);
-  ucp_request_param_t Param(OpState* s, MemoryKind kind, bool recv) const;
-  StatusOr<Peer*> LivePeer(PeerId peer);
-  Status CheckKind(MemoryKind kind) const;
-  StatusOr<PeerId> ConnectAddress(const std::string& address);
-  void MarkDead(PeerId peer, Status why);
-  void HandleDeaths();
-  void DrainControl();
-  // Sends a control message; the state lets the caller watch its local completion.
-  StatusOr<std::shared_ptr<OpState>> PostControl(PeerId peer, uint8_t kind,
-                                                 std::span<const std::byte> bytes);
-
-  TransportCaps caps_;
-  bool device_is_host_ = true;
-  bool cuda_ = false;
-  bool peer_errors_ = true;  // ucx.error_mode == "peer"
-  int progress_spin_ = 1;
-  ContextPtr context_;
-  WorkerPtr worker_;
-  std::string address_;
-  uint64_t instance_ = 0;   // random, 63 bits: identifies this transport in control tags
-  std::deque<Peer> peers_;  // PeerId -> peer (deque: stable addresses for callbacks)
-  std::deque<EpErrorArg> ep_args_;
-  std::unordered_map<std::string, PeerId> peer_by_address_;
-  std::unordered_map<uint64_t, PeerId> peer_by_instance_;
-  std::unordered_map<OpState*, std::shared_ptr<OpState>> inflight_;
-  std::deque<std::shared_ptr<OpState>> control_in_;  // control receives, in arrival order
-  std::deque<ControlMessage> control_ready_;
-  std::vector<std::pair<PeerId, ucs_status_t>> deaths_;  // reported by OnEpError
-  std::vector<void*> closing_;  // close requests of dead peers' endpoints (error mode none)
-};
+}  // namespace
 
 StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions& options) {
   std::unique_ptr<UcxTransport> t(new UcxTransport());
   t->device_is_host_ = options.device_memory_is_host;
   t->progress_spin_ = static_cast<int>(Config::Global().Int("ucx.progress_spin"));
-  t->peer_errors_ = Config::Global().String("ucx.error_mode") == "peer";
+  const std::string mode = Config::Global().String("ucx.error_mode");
+  t->mode_ = mode == "peer"   ? ErrorMode::kPeer
+             : mode == "none" ? ErrorMode::kNone
+                              : ErrorMode::kSplit;
+  t->ctrl_peer_errors_ = t->mode_ != ErrorMode::kNone;
+  t->data_peer_errors_ = t->mode_ == ErrorMode::kPeer;
 
+  PrepareUcx();
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read").WithContext("ucx transport");
@@ -192,20 +108,14 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
     t->cuda_ = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
 
-  ucp_worker_params_t wparams{};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
-  ucp_worker_h worker = nullptr;
-  st = ucp_worker_create(ctx, &wparams, &worker);
-  if (st != UCS_OK) return FromUcs(st, "ucp_worker_create").WithContext("ucx transport");
-  t->worker_.reset(worker);
-
-  ucp_address_t* addr = nullptr;
-  size_t addr_len = 0;
-  st = ucp_worker_get_address(worker, &addr, &addr_len);
-  if (st != UCS_OK) return FromUcs(st, "ucp_worker_get_address").WithContext("ucx transport");
-  t->address_ = EncodeUcxAddress(addr, addr_len);
-  ucp_worker_release_address(worker, addr);
+  UcxWorkerAddresses addresses;
+  auto ctrl = MakeWorker(ctx, addresses.control);
+  if (!ctrl.ok()) return ctrl.status().WithContext("ucx transport: control worker");
+  t->ctrl_worker_ = std::move(ctrl).value();
+  auto data = MakeWorker(ctx, addresses.data);
+  if (!data.ok()) return data.status().WithContext("ucx transport: data worker");
+  t->data_worker_ = std::move(data).value();
+  t->address_ = EncodeUcxWorkerAddresses(addresses);
 
   std::random_device rd;
   t->instance_ = ((uint64_t{rd()} << 32) ^ rd() ^ reinterpret_cast<uintptr_t>(t.get())) & ~kCtrlBit;
@@ -213,27 +123,32 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   t->caps_.name = "ucx";
   t->caps_.tag_bits = 63;
   t->caps_.device_memory = t->device_is_host_ || t->cuda_;
-  t->caps_.one_sided = true;
-  t->caps_.detects_crashed_peers = t->peer_errors_;
+  t->caps_.one_sided = true;  // the context was created with UCP_FEATURE_RMA
+  t->caps_.detects_crashed_peers = t->ctrl_peer_errors_;
   t->caps_.max_control_bytes = size_t{1} << 20;
-  Log(LogLevel::kDebug, "ucx transport up: cuda={} address {} bytes", t->cuda_, addr_len);
+  Log(LogLevel::kDebug, "ucx transport up: error mode {}, cuda={}, address {} + {} bytes", mode,
+      t->cuda_, addresses.control.size(), addresses.data.size());
   return std::unique_ptr<Transport>(std::move(t));
 }
 
 UcxTransport::~UcxTransport() {
-  if (!worker_) return;
+  if (!data_worker_) return;
   const Deadline deadline =
       DeadlineIn(std::chrono::milliseconds(Config::Global().Int("transport.close_timeout_ms")));
-  // Cancel every pending receive first, so no peer's data lands in them after the byes
-  // (completes them synchronously with UCS_ERR_CANCELED).
+  auto progress = [&] {
+    ucp_worker_progress(ctrl_worker_.get());
+    ucp_worker_progress(data_worker_.get());
+  };
+  // Cancel every pending data receive first, so no peer's data lands in them after the byes
+  // (completes them synchronously with UCS_ERR_CANCELED). Control receives complete at once.
   std::vector<OpState*> recvs;
   for (auto& [p, s] : inflight_) {
-    if (s->is_recv && s->request) recvs.push_back(p);
+    if (s->is_recv && s->request && s->payload.empty()) recvs.push_back(p);
   }
   for (OpState* s : recvs) {
     if (inflight_.count(s) && s->request) {
       s->forced = Status::Cancelled("ucx transport destroyed");
-      ucp_request_cancel(worker_.get(), s->request);
+      ucp_request_cancel(data_worker_.get(), s->request);
     }
   }
   // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
@@ -252,35 +167,40 @@ UcxTransport::~UcxTransport() {
   };
   // A bye not out within 100 ms goes to a peer that is gone or stuck: don't wait for it.
   const Deadline bye_deadline = std::min(deadline, DeadlineIn(std::chrono::milliseconds(100)));
-  while (!byes_done() && Clock::now() < bye_deadline) ucp_worker_progress(worker_.get());
-  // Error mode peer: force-close every endpoint, as a flushing close would wait for peers that
+  while (!byes_done() && Clock::now() < bye_deadline) progress();
+  // Endpoints in error mode PEER are force-closed, as a flushing close would wait for peers that
   // may be gone or not progressing; peers learn of it from the bye (or keepalive). Error mode
-  // none: force is not allowed, so flush-close within the deadline, then destroy the worker.
-  // Dead peers' endpoints (error mode none) may never finish closing: don't wait for them.
+  // NONE does not allow force: flush-close within the deadline, then destroy the workers.
+  // Dead peers' endpoints (error mode NONE) may never finish closing: don't wait for them.
   for (void* r : closing_) ucp_request_free(r);
   closing_.clear();
   std::vector<void*> closing;
-  for (auto& peer : peers_) {
-    peer.rkeys.clear();
-    if (!peer.ep) continue;
+  auto close = [&](ucp_ep_h& ep, bool force) {
+    if (!ep) return;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &p);
-    peer.ep = nullptr;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    ep = nullptr;
     if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+  };
+  for (auto& peer : peers_) {
+    peer.rkeys.clear();
+    peer.last_key = nullptr;
+    close(peer.data_ep, data_peer_errors_);
+    close(peer.ctrl_ep, ctrl_peer_errors_);
   }
   // Closing completes the endpoints' requests (force: cancelled; flush: when done): wait for
-  // them too, so UCX hands back every request before the worker goes.
+  // them too, so UCX hands back every request before the workers go.
   auto requests_pending = [&] {
     for (auto& [p, s] : inflight_) {
-      // Error mode none: a detached op's peer is gone and its request never ends; don't wait.
-      if (s->request && (peer_errors_ || !s->done)) return true;
+      // Error mode NONE: a detached op's peer is gone and its request never ends; don't wait.
+      if (s->request && (data_peer_errors_ || !s->done)) return true;
     }
     return false;
   };
   while ((!closing.empty() || requests_pending()) && Clock::now() < deadline) {
-    ucp_worker_progress(worker_.get());
+    progress();
     std::erase_if(closing, [](void* r) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
       ucp_request_free(r);
@@ -293,7 +213,7 @@ UcxTransport::~UcxTransport() {
     for (void* r : closing) ucp_request_free(r);
   }
   // What UCX did not complete, we do (ucp_request_free: no callback will follow); buffers are
-  // released with the worker. States stay alive until the worker is gone.
+  // released with the workers. States stay alive until the workers are gone.
   std::vector<std::shared_ptr<OpState>> keep;
   for (auto& [p, s] : inflight_) {
     if (s->request) ucp_request_free(s->request);
@@ -306,7 +226,8 @@ UcxTransport::~UcxTransport() {
   }
   inflight_.clear();
   control_in_.clear();
-  worker_.reset();
+  data_worker_.reset();
+  ctrl_worker_.reset();
   context_.reset();
 }
 
@@ -352,6 +273,14 @@ std::unique_ptr<TransportOp> UcxTransport::Posted(std::shared_ptr<OpState> s, uc
                     : FromUcs(st, what);
     s->done = true;
   }
+  return std::make_unique<UcxOp>(std::move(s));
+}
+
+std::unique_ptr<TransportOp> UcxTransport::Dead(PeerId peer, size_t bytes) {
+  auto s = NewOp(peer, false);
+  s->bytes = bytes;
+  s->status = peers_[peer].death;
+  s->done = true;
   return std::make_unique<UcxOp>(std::move(s));
 }
 
@@ -411,37 +340,67 @@ StatusOr<Peer*> UcxTransport::LivePeer(PeerId peer) {
 }
 
 StatusOr<PeerId> UcxTransport::Connect(std::string_view address, Deadline) {
-  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(address));
-  (void)raw;
+  KVF_RETURN_IF_ERROR(DecodeUcxWorkerAddresses(address).status());
   return ConnectAddress(std::string(address));
 }
 
+StatusOr<ucp_ep_h> UcxTransport::CreateEp(ucp_worker_h worker, const std::vector<uint8_t>& address,
+                                          bool peer_errors, EpErrorArg* arg) {
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep_params.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (peer_errors) {
+    ep_params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep_params.err_handler.cb = &UcxTransport::OnEpError;
+    ep_params.err_handler.arg = arg;
+  }
+  ucp_ep_h ep = nullptr;
+  const ucs_status_t st = ucp_ep_create(worker, &ep_params, &ep);
+  if (st != UCS_OK) return FromUcs(st, "ucp_ep_create").WithContext("ucx connect");
+  return ep;
+}
+
+void UcxTransport::CloseEp(ucp_ep_h ep, bool force) {
+  if (!ep) return;
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // Force (fails the endpoint's requests) needs error mode PEER on both sides; otherwise a
+  // flushing close that completes when it can (or when the worker is destroyed).
+  prm.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &prm);
+  if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
+}
+
 StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address) {
+  // A peer that died stays dead: its address names a worker that is gone (a restarted process
+  // has a new address), and reconnecting would only wait for UCX to find that out again.
   auto it = peer_by_address_.find(address);
-  if (it != peer_by_address_.end() && !peers_[it->second].dead) return it->second;
-  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, DecodeUcxAddress(address));
+  if (it != peer_by_address_.end()) {
+    if (!peers_[it->second].dead) return it->second;
+    return peers_[it->second].death;
+  }
+  KVF_ASSIGN_OR_RETURN(UcxWorkerAddresses raw, DecodeUcxWorkerAddresses(address));
   if (address == address_) return Status::InvalidArgument("ucx: connecting to self");
   const PeerId id = static_cast<PeerId>(peers_.size());
   ep_args_.push_back({this, id});
-  ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  ep_params.address = reinterpret_cast<const ucp_address_t*>(raw.data());
-  ep_params.err_mode = peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
-  if (peer_errors_) {
-    ep_params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep_params.err_handler.cb = &UcxTransport::OnEpError;
-    ep_params.err_handler.arg = &ep_args_.back();
-  }
-  ucp_ep_h ep = nullptr;
-  const ucs_status_t st = ucp_ep_create(worker_.get(), &ep_params, &ep);
-  if (st != UCS_OK) {
+  auto ctrl = CreateEp(ctrl_worker_.get(), raw.control, ctrl_peer_errors_, &ep_args_.back());
+  if (!ctrl.ok()) {
     ep_args_.pop_back();
-    return FromUcs(st, "ucp_ep_create").WithContext("ucx connect");
+    return ctrl.status();
   }
+  auto data = CreateEp(data_worker_.get(), raw.data, data_peer_errors_, &ep_args_.back());
+  if (!data.ok()) {
+    CloseEp(*ctrl, ctrl_peer_errors_);
+    ep_args_.pop_back();
+    return data.status();
+  }
+  Log(LogLevel::kDebug, "ucx: peer {} connected (pid {})", id, getpid());
   peers_.emplace_back();
-  peers_.back().ep = ep;
+  peers_.back().ctrl_ep = *ctrl;
+  peers_.back().data_ep = *data;
   peers_.back().address = address;
-  peer_by_address_[address] = id;  // a reconnect after death replaces the dead peer's id
+  peer_by_address_[address] = id;
   return id;
 }
 
@@ -455,31 +414,27 @@ void UcxTransport::MarkDead(PeerId peer, Status why) {
   p.dead = true;
   p.death = std::move(why);
   p.rkeys.clear();
+  p.last_key = nullptr;
   // Receives naming the peer are not tied to its endpoint in UCX: cancel them ourselves.
   std::vector<OpState*> recvs(p.recvs.begin(), p.recvs.end());
   for (OpState* s : recvs) {
     if (!p.recvs.count(s) || !s->request) continue;
     s->forced = p.death;
-    ucp_request_cancel(worker_.get(), s->request);
+    ucp_request_cancel(data_worker_.get(), s->request);
   }
-  // Sends, puts and flushes to the peer end now for the caller; UCX may still hold their
-  // requests (error mode none) until the endpoint closes: they stay in flight, detached.
+  // Sends, puts, gets and flushes to the peer end now for the caller; UCX may still hold their
+  // requests (error mode NONE) until the endpoint closes: they stay in flight, detached. This
+  // is how the control endpoint's death fails the data endpoint's ops.
   for (auto& [ptr, st] : inflight_) {
     if (st->peer != peer || st->is_recv || st->done) continue;
     st->forced = p.death;
     st->status = p.death;
     st->done = true;
   }
-  if (p.ep) {
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    // Force (fails the endpoint's requests) needs error mode peer on both sides; otherwise a
-    // flushing close that completes when it can (or when the worker is destroyed).
-    prm.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &prm);
-    if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
-    p.ep = nullptr;
-  }
+  CloseEp(p.data_ep, data_peer_errors_);
+  CloseEp(p.ctrl_ep, ctrl_peer_errors_);
+  p.data_ep = nullptr;
+  p.ctrl_ep = nullptr;
 }
 
 void UcxTransport::HandleDeaths() {
@@ -508,7 +463,7 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   s->payload.insert(s->payload.end(), bytes.begin(), bytes.end());
   ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, false);
   ucs_status_ptr_t r =
-      ucp_tag_send_nbx(p.ep, s->payload.data(), s->payload.size(), kCtrlBit | instance_, &prm);
+      ucp_tag_send_nbx(p.ctrl_ep, s->payload.data(), s->payload.size(), kCtrlBit | instance_, &prm);
   auto keep = s;
   auto op = Posted(std::move(s), r, "ucx control send");
   if (op->Done() && !op->status().ok()) return op->status();
@@ -531,14 +486,14 @@ void UcxTransport::DrainControl() {
   // Take every arrived control message off the unexpected queue, in arrival order.
   for (;;) {
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_.get(), kCtrlBit, kCtrlBit, 1, &info);
+    ucp_tag_message_h msg = ucp_tag_probe_nb(ctrl_worker_.get(), kCtrlBit, kCtrlBit, 1, &info);
     if (msg == nullptr) break;
     auto s = NewOp(kAnyPeer, true);
     s->payload.resize(info.length);
     s->sender_tag = info.sender_tag;
     ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, true);
     ucs_status_ptr_t r =
-        ucp_tag_msg_recv_nbx(worker_.get(), s->payload.data(), s->payload.size(), msg, &prm);
+        ucp_tag_msg_recv_nbx(ctrl_worker_.get(), s->payload.data(), s->payload.size(), msg, &prm);
     auto keep = s;
     (void)Posted(std::move(s), r, "ucx control receive");
     control_in_.push_back(std::move(keep));
@@ -604,7 +559,8 @@ std::optional<ControlMessage> UcxTransport::PollControl() {
 
 bool UcxTransport::Progress() {
   bool any = false;
-  for (int i = 0; i < progress_spin_; ++i) any |= ucp_worker_progress(worker_.get()) != 0;
+  for (int i = 0; i < progress_spin_; ++i) any |= ucp_worker_progress(data_worker_.get()) != 0;
+  any |= ucp_worker_progress(ctrl_worker_.get()) != 0;
   HandleDeaths();
   if (!closing_.empty()) {
     std::erase_if(closing_, [](void* r) {
@@ -624,15 +580,11 @@ StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Send(PeerId peer, uint64_t 
   KVF_RETURN_IF_ERROR(CheckKind(kind));
   if (tag & kCtrlBit) return Status::InvalidArgument("ucx data tags have 63 bits");
   KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  if (p->dead) return Dead(peer, bytes);
   auto s = NewOp(peer, false);
   s->bytes = bytes;
-  if (p->dead) {
-    s->status = p->death;
-    s->done = true;
-    return std::unique_ptr<TransportOp>(std::make_unique<UcxOp>(std::move(s)));
-  }
   ucp_request_param_t prm = Param(s.get(), kind, false);
-  ucs_status_ptr_t r = ucp_tag_send_nbx(p->ep, buf, bytes, tag, &prm);
+  ucs_status_ptr_t r = ucp_tag_send_nbx(p->data_ep, buf, bytes, tag, &prm);
   return Posted(std::move(s), r, "ucp_tag_send_nbx");
 }
 
@@ -650,7 +602,7 @@ StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Recv(PeerId peer, uint64_t 
     }
   }
   ucp_request_param_t prm = Param(s.get(), kind, true);
-  ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_.get(), buf, capacity, tag, ~uint64_t{0}, &prm);
+  ucs_status_ptr_t r = ucp_tag_recv_nbx(data_worker_.get(), buf, capacity, tag, ~uint64_t{0}, &prm);
   return Posted(std::move(s), r, "ucp_tag_recv_nbx");
 }
 
@@ -659,100 +611,14 @@ void UcxTransport::Cancel(TransportOp& op) {
   if (mine == nullptr || mine->Done()) return;
   OpState& s = mine->state();
   if (s.owner != this || !s.request) return;
-  if (s.is_recv) ucp_request_cancel(worker_.get(), s.request);  // completes it synchronously
+  if (s.is_recv) ucp_request_cancel(data_worker_.get(), s.request);  // completes it synchronously
   // Sends: UCX can't take back a send the peer may be reading; it completes on its own.
 }
 
-StatusOr<std::unique_ptr<MemoryRegistration>> UcxTransport::RegisterMemory(void* ptr, size_t bytes,
-                                                                           MemoryKind kind) {
-  KVF_RETURN_IF_ERROR(CheckKind(kind));
-  if (bytes == 0) return Status::InvalidArgument("ucx: empty registration");
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                  UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-  if (ptr == nullptr) {
-    // UCX allocates: on one host, shared memory that peers' puts reach with a plain copy.
-    if (kind == MemoryKind::kDevice && !device_is_host_) {
-      return Status::InvalidArgument("ucx: allocating device memory is not supported");
-    }
-    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-    mp.flags = UCP_MEM_MAP_ALLOCATE;
-  }
-  mp.address = ptr;
-  mp.length = bytes;
-  mp.memory_type = (kind == MemoryKind::kDevice && !device_is_host_) ? UCS_MEMORY_TYPE_CUDA
-                                                                     : UCS_MEMORY_TYPE_HOST;
-  ucp_mem_h memh = nullptr;
-  ucs_status_t st = ucp_mem_map(context_.get(), &mp, &memh);
-  if (st != UCS_OK) return FromUcs(st, "ucp_mem_map");
-  if (ptr == nullptr) {
-    ucp_mem_attr_t ma{};
-    ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
-    st = ucp_mem_query(memh, &ma);
-    if (st != UCS_OK) {
-      ucp_mem_unmap(context_.get(), memh);
-      return FromUcs(st, "ucp_mem_query");
-    }
-    ptr = ma.address;
-  }
-  void* key = nullptr;
-  size_t key_len = 0;
-  st = ucp_rkey_pack(context_.get(), memh, &key, &key_len);
-  if (st != UCS_OK) {
-    ucp_mem_unmap(context_.get(), memh);
-    return FromUcs(st, "ucp_rkey_pack");
-  }
-  std::vector<std::byte> packed(static_cast<std::byte*>(key),
-                                static_cast<std::byte*>(key) + key_len);
-  ucp_rkey_buffer_release(key);
-  return std::unique_ptr<MemoryRegistration>(
-      std::make_unique<UcxRegistration>(context_.get(), memh, std::move(packed), ptr, bytes));
-}
-
-StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Put(PeerId peer, const void* local,
-                                                         size_t bytes, MemoryKind kind,
-                                                         uint64_t remote_addr,
-                                                         std::span<const std::byte> rkey) {
-  KVF_RETURN_IF_ERROR(CheckKind(kind));
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
-  auto s = NewOp(peer, false);
-  s->bytes = bytes;
-  if (p->dead) {
-    s->status = p->death;
-    s->done = true;
-    return std::unique_ptr<TransportOp>(std::make_unique<UcxOp>(std::move(s)));
-  }
-  std::string key(reinterpret_cast<const char*>(rkey.data()), rkey.size());
-  auto it = p->rkeys.find(key);
-  if (it == p->rkeys.end()) {
-    ucp_rkey_h h = nullptr;
-    const ucs_status_t st = ucp_ep_rkey_unpack(p->ep, rkey.data(), &h);
-    if (st != UCS_OK) return FromUcs(st, "ucp_ep_rkey_unpack");
-    it = p->rkeys.emplace(std::move(key), RkeyPtr(h)).first;
-  }
-  ucp_request_param_t prm = Param(s.get(), kind, false);
-  ucs_status_ptr_t r = ucp_put_nbx(p->ep, local, bytes, remote_addr, it->second.get(), &prm);
-  return Posted(std::move(s), r, "ucp_put_nbx");
-}
-
-StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Flush(PeerId peer) {
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
-  auto s = NewOp(peer, false);
-  if (p->dead) {
-    s->status = p->death;
-    s->done = true;
-    return std::unique_ptr<TransportOp>(std::make_unique<UcxOp>(std::move(s)));
-  }
-  ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, false);
-  prm.op_attr_mask &= ~static_cast<uint32_t>(UCP_OP_ATTR_FIELD_MEMORY_TYPE);
-  ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &prm);
-  return Posted(std::move(s), r, "ucp_ep_flush_nbx");
-}
-
-}  // namespace
+}  // namespace ucx_detail
 
 StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options) {
-  return UcxTransport::Create(options);
+  return ucx_detail::UcxTransport::Create(options);
 }
 
 }  // namespace kvferry

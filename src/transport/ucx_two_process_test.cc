@@ -132,17 +132,108 @@ TEST_F(UcxTwoProcess, KilledPeerFailsPendingOpsWithinDeadline) {
   EXPECT_EQ(t_->SendControl(peer, Bytes("x")).code(), StatusCode::kUnavailable);
 }
 
-// The baseline, measured in the same run: ucx_perftest (ucx-utils) put bandwidth with 4 MiB
-// messages between two processes on loopback. Returns GB/s, or a negative number when
-// ucx_perftest is not installed or failed.
+// A process that crashed before we connect to it (the address a crashed context rank left in
+// its handle): Connect, or the first ops after it, fail with kUnavailable within the deadline.
+TEST_F(UcxTwoProcess, ConnectingToAKilledPeerFailsWithinDeadline) {
+  Child child("hangaddr", t_->LocalAddress());
+  std::string address;
+  const Deadline ready = DeadlineIn(milliseconds(20000));
+  while (address.empty() && Clock::now() < ready) {
+    if (auto m = t_->PollControl()) {
+      address.assign(reinterpret_cast<const char*>(m->bytes.data()), m->bytes.size());
+    }
+  }
+  ASSERT_FALSE(address.empty());
+  ASSERT_EQ(kill(child.pid(), SIGKILL), 0);
+  child.Wait(DeadlineIn(milliseconds(5000)));
+  TransportOptions o;
+  o.name = "ucx";
+  auto fresh = std::move(CreateTransport(o)).value();
+  const auto start = Clock::now();
+  auto peer = fresh->Connect(address, DeadlineIn(milliseconds(2000)));
+  Status st = peer.status();
+  if (peer.ok()) {
+    char buf[64] = {};
+    auto r = std::move(fresh->Recv(*peer, 1, buf, sizeof(buf), MemoryKind::kHost)).value();
+    (void)fresh->SendControl(*peer, Bytes("hello?"));
+    st = WaitOp(*fresh, *r, DeadlineIn(milliseconds(10000)));
+  }
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  std::printf("[ info ] connecting to a killed peer failed after %.0f ms: %s\n",
+              std::chrono::duration<double, std::milli>(Clock::now() - start).count(),
+              st.ToString().c_str());
+}
+
+// The default configuration (ucx.error_mode=split) moves data over the fastest transports (not
+// TCP on one host) and still notices a SIGKILLed peer: its control endpoint fails, and that
+// fails the puts and flushes pending on its data endpoint, and every later one, within the
+// deadline.
+TEST_F(UcxTwoProcess, KilledPeerFailsPendingPutsAndFlushes) {
+  Child child("hangreg", t_->LocalAddress());
+  const PeerId peer = AwaitReady();
+  ASSERT_NE(peer, kAnyPeer);
+  std::optional<ControlMessage> key;
+  const Deadline key_deadline = DeadlineIn(milliseconds(20000));
+  while (!key && Clock::now() < key_deadline) key = t_->PollControl();
+  ASSERT_TRUE(key.has_value());
+  uint64_t addr = 0;
+  std::memcpy(&addr, key->bytes.data(), 8);
+  const std::vector<std::byte> rkey(key->bytes.begin() + 8, key->bytes.end());
+  std::vector<std::byte> src(size_t{4} << 20, std::byte{5});
+  // A first put and flush succeed, over a transport other than TCP.
+  auto put = t_->Put(peer, src.data(), src.size(), MemoryKind::kHost, addr, rkey);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  auto flush = std::move(t_->Flush(peer)).value();
+  ASSERT_TRUE(WaitOp(*t_, *flush, DeadlineIn(milliseconds(20000))).ok())
+      << flush->status().ToString();
+  const std::string path = t_->DescribePeer(peer);
+  std::printf("[ info ] default config, peer on this host: %s\n", path.c_str());
+  EXPECT_EQ(path.find("data tcp"), std::string::npos) << path;
+  ASSERT_EQ(kill(child.pid(), SIGKILL), 0);
+  child.Wait(DeadlineIn(milliseconds(5000)));
+  const auto start = Clock::now();
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  // Keep putting until the transport notices; every op must end, the last ones kUnavailable.
+  Status last;
+  std::vector<std::unique_ptr<TransportOp>> ops;
+  while (Clock::now() < deadline) {
+    auto p = t_->Put(peer, src.data(), src.size(), MemoryKind::kHost, addr, rkey);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    ops.push_back(std::move(p).value());
+    auto f = std::move(t_->Flush(peer)).value();
+    last = WaitOp(*t_, *f, deadline);
+    if (!last.ok()) break;
+  }
+  EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.ToString();
+  for (auto& op : ops) {
+    Status st = WaitOp(*t_, *op, deadline);
+    EXPECT_TRUE(st.ok() || st.code() == StatusCode::kUnavailable) << st.ToString();
+  }
+  auto late =
+      std::move(t_->Put(peer, src.data(), src.size(), MemoryKind::kHost, addr, rkey)).value();
+  EXPECT_EQ(WaitOp(*t_, *late, deadline).code(), StatusCode::kUnavailable);
+  std::printf("[ info ] puts failed %.0f ms after SIGKILL of the peer (%zu puts in between)\n",
+              std::chrono::duration<double, std::milli>(Clock::now() - start).count(), ops.size());
+}
+
+#ifndef KVFERRY_UCX_PERFTEST
+#define KVFERRY_UCX_PERFTEST "ucx_perftest"
+#define KVFERRY_UCX_LIBDIR ""
+#endif
+
+// The baseline, measured in the same run: ucx_perftest (from the libucx-cu13 wheel, the UCX
+// kvferry links) put bandwidth with 4 MiB messages between two processes on loopback. Returns
+// GB/s, or a negative number when ucx_perftest is missing or failed.
 double PerftestPutGBps() {
   const std::string port = std::to_string(20000 + getpid() % 20000);
   const std::string args = " -t ucp_put_bw -s 4194304 -n 500 -p " + port;
-  if (std::system("command -v ucx_perftest > /dev/null 2>&1") != 0) return -1;
-  const std::string server = "timeout 30 ucx_perftest" + args + " > /dev/null 2>&1 &";
+  const std::string perftest =
+      std::string("env LD_LIBRARY_PATH='") + KVFERRY_UCX_LIBDIR + "' " + KVFERRY_UCX_PERFTEST;
+  if (std::system(("timeout 10 " + perftest + " -h > /dev/null 2>&1").c_str()) != 0) return -1;
+  const std::string server = "timeout 30 " + perftest + args + " > /dev/null 2>&1 &";
   if (std::system(server.c_str()) != 0) return -1;
   std::this_thread::sleep_for(milliseconds(500));
-  FILE* f = popen(("timeout 30 ucx_perftest localhost" + args + " 2>&1").c_str(), "r");
+  FILE* f = popen(("timeout 30 " + perftest + " localhost" + args + " 2>&1").c_str(), "r");
   if (f == nullptr) return -1;
   char line[512];
   double mbps = -1;
@@ -159,7 +250,8 @@ double PerftestPutGBps() {
 }
 
 // Raw UCX bandwidth between two processes for the same bytes the benchmarks move; printed for
-// both error modes (peer: TCP on UCX 1.13; none: shared memory / CMA).
+// each error mode (split, the default: data over shared memory / CMA, control over TCP; peer:
+// everything over TCP; none: like split without crash detection), with the transports used.
 void RunBandwidth(const std::string& mode) {
   ASSERT_TRUE(Config::Global().Set("ucx.error_mode", mode).ok());
   setenv("KVFERRY_UCX_ERROR_MODE", mode.c_str(), 1);
@@ -170,7 +262,7 @@ void RunBandwidth(const std::string& mode) {
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   Transport& t = **made;
   BandwidthParams p;  // 4 MiB messages, 8 in flight
-  p.total_bytes = mode == "peer" ? size_t{256} << 20 : size_t{1} << 30;
+  p.total_bytes = mode == "peer" ? size_t{256} << 20 : size_t{512} << 20;
   Child child("bw", t.LocalAddress(), std::to_string(p.total_bytes >> 20));
   unsetenv("KVFERRY_UCX_ERROR_MODE");
   const Deadline deadline = DeadlineIn(milliseconds(60000));
@@ -204,8 +296,9 @@ void RunBandwidth(const std::string& mode) {
   std::printf(
       "[ info ] ucx.error_mode=%s, two processes, 4 MiB messages x8 in flight, %zu MiB: "
       "put %.2f GB/s (64 MiB buffers; %.2f GB/s with one cache-hot 4 MiB buffer), tag send "
-      "%.2f GB/s\n",
-      mode.c_str(), p.total_bytes >> 20, put->GBps(), hot->GBps(), send->GBps());
+      "%.2f GB/s; %s\n",
+      mode.c_str(), p.total_bytes >> 20, put->GBps(), hot->GBps(), send->GBps(),
+      t.DescribePeer(peer).c_str());
   ASSERT_TRUE(t.SendControl(peer, Bytes("exit")).ok());
   for (int i = 0; i < 1000; ++i) t.Progress();
   EXPECT_EQ(child.Wait(DeadlineIn(milliseconds(10000))), 0);
@@ -219,6 +312,7 @@ TEST(UcxTwoProcessBandwidth, PerftestBaseline) {
       "%.2f GB/s\n",
       gbps);
 }
+TEST(UcxTwoProcessBandwidth, PutAndSend4MiBMessagesErrorModeSplit) { RunBandwidth("split"); }
 TEST(UcxTwoProcessBandwidth, PutAndSend4MiBMessagesErrorModePeer) { RunBandwidth("peer"); }
 TEST(UcxTwoProcessBandwidth, PutAndSend4MiBMessagesErrorModeNone) { RunBandwidth("none"); }
 

@@ -17,6 +17,10 @@
 
 namespace kvferry::ucx_detail {
 
+// Once per process, before the first ucp_init: points UCX at the module directory beside the
+// loaded library when its configured one does not exist (a relocated wheel). ucx_runtime.cc.
+void PrepareUcx();
+
 inline Status FromUcs(ucs_status_t st, std::string_view what) {
   std::string msg = std::string(what) + ": " + ucs_status_string(st);
   switch (st) {

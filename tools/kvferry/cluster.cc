@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "selftest/run_watch.h"
 #include "tools/kvferry/rank_processes.h"
 
 namespace kvferry::tools {
@@ -60,6 +61,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["layer_wise"] = c.layer_wise;
   j["shared_prefix_blocks"] = c.shared_prefix_blocks;
   j["crash_ctx_rank"] = c.crash_ctx_rank;
+  j["fault"] = c.fault;
   j["verify"] = c.verify;
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
@@ -84,6 +86,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.layer_wise = j["layer_wise"];
   c.shared_prefix_blocks = j["shared_prefix_blocks"];
   c.crash_ctx_rank = j["crash_ctx_rank"];
+  c.fault = j.value("fault", "");
   c.verify = j["verify"];
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
@@ -106,9 +109,71 @@ int RunRank(const SelftestConfig& cfg, bool context, int rank) {
   if (!r.ok()) {
     std::cerr << fmt::format("kvferry {} rank {}: {}\n", context ? "context" : "generation", rank,
                              r.status().ToString());
+    // The reason reaches the summary through the result file (the parent may not see stderr).
+    RankResult failed;
+    failed.context = context;
+    failed.rank = rank;
+    failed.failed = 1;
+    failed.errors.push_back(r.status().ToString());
+    const std::string name = fmt::format("{}-{}.json", context ? "ctx" : "gen", rank);
+    std::ofstream(fs::path(cfg.dir) / (name + ".tmp")) << ResultToJson(failed);
+    std::error_code ec;
+    fs::rename(fs::path(cfg.dir) / (name + ".tmp"), fs::path(cfg.dir) / name, ec);
     return 2;
   }
   return 0;
+}
+
+// The parent's patience, from the ranks' progress files (run_watch.h): every rank's last request
+// start or end, plus a rank's stall limit and kParentGrace. Files are read at most every 250 ms.
+class ProgressDeadline {
+ public:
+  ProgressDeadline(fs::path dir, const SelftestConfig& cfg)
+      : dir_(std::move(dir)), limit_(StallLimit(cfg) + kParentGrace), last_change_(Clock::now()) {}
+  Deadline Get() {
+    auto now = Clock::now();
+    if (now >= next_read_) {
+      next_read_ = now + std::chrono::milliseconds(250);
+      std::string all;
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(dir_, ec)) {
+        if (e.path().filename().string().rfind("progress-", 0) != 0) continue;
+        std::ifstream f(e.path());
+        all += e.path().filename().string() + ":" +
+               std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      }
+      if (all != seen_) {
+        seen_ = std::move(all);
+        last_change_ = now;
+      }
+    }
+    return last_change_ + limit_;
+  }
+
+ private:
+  const fs::path dir_;
+  const std::chrono::milliseconds limit_;
+  Clock::time_point last_change_, next_read_{};
+  std::string seen_;
+};
+
+// Why the ranks still running should stop (empty: they should not): a rank process died, or
+// every rank of one instance has ended (the other has nobody left to serve or be served by).
+std::string WhyStop(const std::vector<RankGroup::Rank>& procs, int nc, int ng) {
+  for (const RankGroup::Rank& r : procs) {
+    if (r.ended && r.wait_status != 0)
+      return fmt::format("{} (pid {}) ended: {}", r.label, r.pid, r.How());
+  }
+  if (procs.size() != static_cast<size_t>(nc + ng)) return {};  // one mpirun
+  auto all_ended = [&](int from, int to) {
+    for (int i = from; i < to; ++i) {
+      if (!procs[i].ended) return false;
+    }
+    return true;
+  };
+  if (all_ended(0, nc)) return "every context rank has ended";
+  if (all_ended(nc, nc + ng)) return "every generation rank has ended";
+  return {};
 }
 
 }  // namespace
@@ -172,22 +237,29 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   auto start = Clock::now();
   std::function<void()> tick;
   if (progress) tick = [&] { PrintProgress(dir, cfg, start); };
-  const Deadline run_deadline = DeadlineIn(cfg.timeout * 3);
-  // Once a rank process has died, the others get one request deadline plus a grace to end what
-  // they have in flight and write their results; then the run is over (nothing waits for a
-  // request that can no longer be served).
-  std::optional<Deadline> after_death;
+  ProgressDeadline progress_deadline(dir, cfg);
+  // Once a rank process has died, or every rank of one instance has ended, the others get one
+  // request deadline plus a grace to end what they have in flight and write their results; then
+  // the run is over (nothing waits for a request that can no longer be served).
+  std::optional<Deadline> wind_down;
   auto deadline = [&] {
-    if (!after_death) {
-      for (const RankGroup::Rank& r : group->ranks()) {
-        if (r.ended && r.wait_status != 0) after_death = DeadlineIn(cfg.timeout + kDeathGrace);
+    if (!wind_down) {
+      std::string why = WhyStop(group->ranks(), nc, ng);
+      if (!why.empty()) {
+        wind_down = DeadlineIn(cfg.timeout + kDeathGrace);
+        // The others start nothing more and report (run_watch.h).
+        const fs::path stop = RunWatch::StopFile(cfg);
+        std::ofstream(stop.string() + ".tmp") << why << "\n";
+        std::error_code ec;
+        fs::rename(stop.string() + ".tmp", stop, ec);
       }
     }
-    return after_death ? std::min(*after_death, run_deadline) : run_deadline;
+    Deadline d = progress_deadline.Get();
+    return wind_down ? std::min(*wind_down, d) : d;
   };
-  Status waited = group->Wait(deadline, tick);
+  // Ranks killed at the deadline say so in their result below (RankGroup::Rank::Describe).
+  (void)group->Wait(deadline, tick);
   std::vector<RankResult> out;
-  int missing = 0;
   for (int r = 0; r < nc + ng; ++r) {
     const bool context = r < nc;
     const int rank = context ? r : r - nc;
@@ -203,17 +275,16 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       dead.context = context;
       dead.rank = rank;
       dead.failed = 1;
-      dead.errors.push_back(fmt::format("left no result: {}", proc.Describe()));
+      const bool own = procs.size() == static_cast<size_t>(nc + ng);
+      dead.errors.push_back(fmt::format("no result (its process{}, pid {}: {})",
+                                        own ? "" : " " + proc.label, proc.pid, proc.How()));
       out.push_back(std::move(dead));
-      ++missing;
       continue;
     }
     std::string text((std::istreambuf_iterator<char>(in_file)), std::istreambuf_iterator<char>());
     KVF_ASSIGN_OR_RETURN(RankResult res, ResultFromJson(text));
     out.push_back(std::move(res));
   }
-  if (missing == nc + ng)
-    return waited.ok() ? Status::Unavailable("no rank left a result") : waited;
   return out;
 }
 

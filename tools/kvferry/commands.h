@@ -16,5 +16,6 @@ void AddBenchOffloadCommand(CLI::App& bench);
 // `demo`: short narrated runs of the library, for scripts/demo.
 void AddDemoCommands(CLI::App& app);
 void AddDemoTieringCommand(CLI::App& demo);
+void AddSoakCommand(CLI::App& app);
 
 }  // namespace kvferry::tools

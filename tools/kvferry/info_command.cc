@@ -1,5 +1,6 @@
 // `kvferry info`: build features, devices present, every config knob.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -8,6 +9,7 @@
 #include "kvferry/config.h"
 #include "kvferry/device.h"
 #include "tools/kvferry/commands.h"
+#include "transport/ucx_info.h"
 
 namespace kvferry::tools {
 namespace {
@@ -58,6 +60,7 @@ int RunInfo(bool json) {
   auto features = BuildFeatures();
   auto devices = Devices();
   auto knobs = Config::Global().List();
+  auto ucx = QueryUcxRuntime();
   if (json) {
     nlohmann::json j;
     j["version"] = Version();
@@ -70,6 +73,19 @@ int RunInfo(bool json) {
                               {"memory_bytes", d.info.memory_bytes},
                               {"detail", d.info.detail},
                               {"error", d.error}});
+    }
+    if (ucx.ok()) {
+      j["ucx"] = {{"version", ucx->version},
+                  {"library", ucx->library_path},
+                  {"module_dir", ucx->module_dir},
+                  {"memory_types", ucx->memory_types},
+                  {"transports", nlohmann::json::array()}};
+      for (const auto& t : ucx->transports) {
+        j["ucx"]["transports"].push_back(
+            {{"transport", t.transport}, {"device", t.device}, {"kind", t.kind}});
+      }
+    } else {
+      j["ucx"] = {{"error", ucx.status().ToString()}};
     }
     for (const KnobView& k : knobs) {
       j["config"].push_back({{"name", k.name},
@@ -99,6 +115,17 @@ int RunInfo(bool json) {
     } else {
       fmt::print("  {:<8} unusable: {}\n", d.name, d.error);
     }
+  }
+  fmt::print("\nUCX at run time:\n");
+  if (ucx.ok()) {
+    fmt::print("  version     {}\n  library     {}\n  modules     {}\n  memory      {}\n",
+               ucx->version, ucx->library_path, ucx->module_dir,
+               fmt::join(ucx->memory_types, ", "));
+    for (const auto& t : ucx->transports) {
+      fmt::print("  transport   {:<10} device {:<12} {}\n", t.transport, t.device, t.kind);
+    }
+  } else {
+    fmt::print("  unavailable: {}\n", ucx.status().ToString());
   }
   fmt::print("\nConfig knobs (override with --set NAME=VALUE or the environment variable):\n");
   for (const KnobView& k : knobs) {

@@ -11,6 +11,11 @@
 int main(int argc, char** argv) {
   // A rank of a cluster started by `selftest` / `bench transfer` (hidden flags).
   if (int rc = kvferry::tools::MaybeRunRank(argc, argv); rc >= 0) return rc;
+  // A bad KVFERRY_* value is an error, not a silently kept default.
+  if (auto bad = kvferry::Config::Global().EnvironmentErrors(); !bad.empty()) {
+    for (const std::string& e : bad) std::fprintf(stderr, "kvferry: %s\n", e.c_str());
+    return 2;
+  }
   CLI::App app{"kvferry: moves LLM KV caches between GPUs, hosts, files and instances"};
   app.set_version_flag("--version", std::string(kvferry::Version()));
   app.require_subcommand(1);
@@ -34,6 +39,7 @@ int main(int argc, char** argv) {
   kvferry::tools::AddSelftestCommand(app);
   kvferry::tools::AddBenchCommands(app);
   kvferry::tools::AddDemoCommands(app);
+  kvferry::tools::AddSoakCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -126,11 +126,14 @@ std::string DescribeWait(int st) {
 
 }  // namespace
 
+std::string RankGroup::Rank::How() const {
+  return !ended               ? "still running"
+         : killed_at_deadline ? "killed at the run deadline"
+                              : DescribeWait(wait_status);
+}
+
 std::string RankGroup::Rank::Describe() const {
-  std::string how = !ended               ? "still running"
-                    : killed_at_deadline ? "killed at the run deadline"
-                                         : DescribeWait(wait_status);
-  return fmt::format("{} (pid {}): {}", label, pid, how);
+  return fmt::format("{} (pid {}): {}", label, pid, How());
 }
 
 StatusOr<std::unique_ptr<RankGroup>> RankGroup::Create(std::filesystem::path dir, ForkFn fork_fn) {

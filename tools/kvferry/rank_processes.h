@@ -58,6 +58,7 @@ class RankGroup {
     int wait_status = 0;  // from waitpid, when ended
     bool killed_at_deadline = false;
     std::string Describe() const;  // "context rank 1 (pid 123): exit code 2"
+    std::string How() const;       // "exit code 2"
   };
 
   // Waits until every rank ended or `deadline()` (asked again on every poll: it may move) has

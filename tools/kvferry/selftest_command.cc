@@ -31,6 +31,7 @@ struct Flags {
   bool layer_wise = false, json = false, no_verify = false, progress = false;
   int shared_prefix_blocks = 0;
   int crash_ctx_rank = -1;
+  std::string fault;
   int timeout_ms = 60000;
   std::string model;
 };
@@ -69,6 +70,10 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--crash-ctx-rank", f.crash_ctx_rank,
                   "fault injection: this context rank dies after publishing its first request "
                   "(the run must end, failed, within the deadlines)");
+  cmd->add_option("--fault", f.fault,
+                  "fault injection at a protocol step: SIDE:RANK:STEP:NTH:KIND[:STALL_MS], e.g. "
+                  "ctx:1:CREDIT:3:crash (steps FETCH ACCEPT REJECT CREDIT DATA DONE COMPLETE "
+                  "ABORT; kinds crash stall drop duplicate corrupt)");
   cmd->add_option("--shared-prefix-blocks", f.shared_prefix_blocks,
                   "blocks every request shares (a system prompt): fetched once, then reused")
       ->capture_default_str();
@@ -94,6 +99,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.layer_wise = f.layer_wise;
   c.shared_prefix_blocks = f.shared_prefix_blocks;
   c.crash_ctx_rank = f.crash_ctx_rank;
+  c.fault = f.fault;
   c.verify = !f.no_verify;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   c.dir = "(set by RunCluster)";

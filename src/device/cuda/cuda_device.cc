@@ -382,23 +382,29 @@ class DescRing {
 
 class CudaEvent final : public Event {
  public:
-  CudaEvent(int ordinal, EventHandle e) : ordinal_(ordinal), e_(std::move(e)) {}
+  // An event kvferry created (owned) ...
+  CudaEvent(int ordinal, EventHandle e)
+      : ordinal_(ordinal), owned_(std::move(e)), e_(owned_.get()) {}
+  // ... or an engine's event (WrapEvent): never destroyed here.
+  CudaEvent(int ordinal, cudaEvent_t native) : ordinal_(ordinal), e_(native) {}
 
   bool Query() override {
-    cudaError_t err = cudaEventQuery(e_.get());
+    cudaError_t err = cudaEventQuery(e_);
     if (err != cudaSuccess && err != cudaErrorNotReady) cudaGetLastError();
     // An error means the work will never complete normally; Synchronize() reports it.
     return err != cudaErrorNotReady;
   }
   Status Synchronize(Deadline deadline) override {
-    return PollUntil([this] { return cudaEventQuery(e_.get()); }, deadline,
+    return PollUntil([this] { return cudaEventQuery(e_); }, deadline,
                      fmt::format("cuda:{} event synchronize", ordinal_));
   }
-  cudaEvent_t get() const { return e_.get(); }
+  cudaEvent_t get() const { return e_; }
+  bool wrapped() const { return owned_.get() == nullptr; }
 
  private:
   const int ordinal_;
-  EventHandle e_;
+  EventHandle owned_;
+  const cudaEvent_t e_;
 };
 
 void CUDART_CB RunHostCallback(void* p) {
@@ -417,11 +423,23 @@ struct CopyRouting {
 
 class CudaStream final : public Stream {
  public:
-  CudaStream(int ordinal, StreamHandle s, const CopyRouting& routing)
-      : ordinal_(ordinal), routing_(routing), s_(std::move(s)), ce_(ordinal, routing.batched) {}
+  // `owned` is a stream kvferry created; otherwise `native` is an engine's stream (WrapStream),
+  // never destroyed here.
+  CudaStream(int ordinal, StreamHandle owned, cudaStream_t native, const CopyRouting& routing)
+      : ordinal_(ordinal),
+        routing_(routing),
+        owned_(std::move(owned)),
+        s_(owned_.get() != nullptr ? owned_.get() : native),
+        ce_(ordinal, routing.batched) {}
   ~CudaStream() override {
     cudaSetDevice(ordinal_);
-    s_.Reset();  // waits for queued work before the ring it reads is freed
+    // Wait for queued work before the ring it reads is freed.
+    if (owned_.get() != nullptr) {
+      owned_.Reset();
+    } else {
+      cudaStreamSynchronize(s_);
+      cudaGetLastError();
+    }
   }
 
   // Allocates the descriptor ring; called once, before the stream is handed out.
@@ -430,7 +448,7 @@ class CudaStream final : public Stream {
   Status Copy(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return Status::Ok();
     KVF_RETURN_IF_ERROR(Use());
-    return CudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s_.get()),
+    return CudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s_),
                      "cuda:{} cudaMemcpyAsync({} bytes)", ordinal_, bytes);
   }
 
@@ -470,13 +488,12 @@ class CudaStream final : public Stream {
       KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(small_.size()));
       std::memcpy(slots, small_.data(), small_.size() * sizeof(GatherDesc));
       std::atomic_thread_fence(std::memory_order_release);
-      KVF_RETURN_IF_ERROR(CudaCheck(LaunchGather(slots, static_cast<uint32_t>(small_.size()),
-                                                 routing_.gather_blocks, s_.get()),
-                                    "cuda:{} gather kernel launch ({} descriptors)", ordinal_,
-                                    small_.size()));
-      KVF_RETURN_IF_ERROR(ring_.Commit(s_.get()));
+      KVF_RETURN_IF_ERROR(CudaCheck(
+          LaunchGather(slots, static_cast<uint32_t>(small_.size()), routing_.gather_blocks, s_),
+          "cuda:{} gather kernel launch ({} descriptors)", ordinal_, small_.size()));
+      KVF_RETURN_IF_ERROR(ring_.Commit(s_));
     }
-    if (!ce_.empty()) KVF_RETURN_IF_ERROR(ce_.Submit(s_.get()));
+    if (!ce_.empty()) KVF_RETURN_IF_ERROR(ce_.Submit(s_));
     return Status::Ok();
   }
 
@@ -488,10 +505,10 @@ class CudaStream final : public Stream {
     }
     if (width == 0 || height == 0) return Status::Ok();
     KVF_RETURN_IF_ERROR(Use());
-    return CudaCheck(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
-                                       cudaMemcpyDefault, s_.get()),
-                     "cuda:{} cudaMemcpy2DAsync({} rows of {} bytes, pitches {}/{})", ordinal_,
-                     height, width, dst_pitch, src_pitch);
+    return CudaCheck(
+        cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault, s_),
+        "cuda:{} cudaMemcpy2DAsync({} rows of {} bytes, pitches {}/{})", ordinal_, height, width,
+        dst_pitch, src_pitch);
   }
 
   Status Fill(void* dst, uint8_t value, size_t bytes) override {
@@ -503,8 +520,8 @@ class CudaStream final : public Stream {
       info = cls.Info(dst);
     }
     if (info.cls == PtrClass::kDevice || info.cls == PtrClass::kOther) {
-      return CudaCheck(cudaMemsetAsync(dst, value, bytes, s_.get()),
-                       "cuda:{} cudaMemsetAsync({} bytes)", ordinal_, bytes);
+      return CudaCheck(cudaMemsetAsync(dst, value, bytes, s_), "cuda:{} cudaMemsetAsync({} bytes)",
+                       ordinal_, bytes);
     }
     // Host memory (pinned or not): the CPU fills it, in stream order.
     return HostCallback([dst, value, bytes] { std::memset(dst, value, bytes); });
@@ -513,7 +530,7 @@ class CudaStream final : public Stream {
   Status HostCallback(std::function<void()> fn) override {
     KVF_RETURN_IF_ERROR(Use());
     auto* heap = new std::function<void()>(std::move(fn));
-    cudaError_t err = cudaLaunchHostFunc(s_.get(), RunHostCallback, heap);
+    cudaError_t err = cudaLaunchHostFunc(s_, RunHostCallback, heap);
     if (err != cudaSuccess) {
       delete heap;
       return CudaError(err, fmt::format("cuda:{} cudaLaunchHostFunc", ordinal_));
@@ -523,25 +540,33 @@ class CudaStream final : public Stream {
 
   Status Record(Event& event) override {
     KVF_RETURN_IF_ERROR(Use());
-    return CudaCheck(cudaEventRecord(static_cast<CudaEvent&>(event).get(), s_.get()),
-                     "cuda:{} cudaEventRecord", ordinal_);
+    auto& e = static_cast<CudaEvent&>(event);
+    cudaError_t err = cudaEventRecord(e.get(), s_);
+    if (err == cudaErrorInvalidResourceHandle && e.wrapped()) {
+      cudaGetLastError();
+      return Status::InvalidArgument(fmt::format(
+          "cuda:{} cudaEventRecord: the wrapped event {} does not belong to this GPU's context "
+          "(an event of another device, or destroyed)",
+          ordinal_, static_cast<void*>(e.get())));
+    }
+    return CudaCheck(err, "cuda:{} cudaEventRecord", ordinal_);
   }
 
   Status Wait(Event& event) override {
     KVF_RETURN_IF_ERROR(Use());
-    return CudaCheck(cudaStreamWaitEvent(s_.get(), static_cast<CudaEvent&>(event).get(), 0),
+    return CudaCheck(cudaStreamWaitEvent(s_, static_cast<CudaEvent&>(event).get(), 0),
                      "cuda:{} cudaStreamWaitEvent", ordinal_);
   }
 
   Status Synchronize(Deadline deadline) override {
     KVF_RETURN_IF_ERROR(Use());
-    return PollUntil([this] { return cudaStreamQuery(s_.get()); }, deadline,
+    return PollUntil([this] { return cudaStreamQuery(s_); }, deadline,
                      fmt::format("cuda:{} stream synchronize", ordinal_));
   }
 
   bool Query() override {
     if (!Use().ok()) return false;
-    cudaError_t err = cudaStreamQuery(s_.get());
+    cudaError_t err = cudaStreamQuery(s_);
     if (err != cudaSuccess && err != cudaErrorNotReady) cudaGetLastError();
     return err != cudaErrorNotReady;
   }
@@ -562,7 +587,8 @@ class CudaStream final : public Stream {
 
   const int ordinal_;
   const CopyRouting routing_;
-  StreamHandle s_;
+  StreamHandle owned_;
+  const cudaStream_t s_;
   DescRing ring_;
   std::vector<GatherDesc> small_;  // scratch, reused across batches
   CopyEngineBatch ce_;             // scratch, reused across batches
@@ -617,9 +643,52 @@ class CudaDevice final : public Device {
   StatusOr<std::unique_ptr<Stream>> CreateStream() override {
     KVF_RETURN_IF_ERROR(Use());
     KVF_ASSIGN_OR_RETURN(StreamHandle s, StreamHandle::Create());
-    auto stream = std::make_unique<CudaStream>(ordinal_, std::move(s), Routing());
+    auto stream = std::make_unique<CudaStream>(ordinal_, std::move(s), nullptr, Routing());
     KVF_RETURN_IF_ERROR(stream->Init());
     return std::unique_ptr<Stream>(std::move(stream));
+  }
+
+  // See device.h: an engine's cudaStream_t of this GPU, not owned.
+  StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
+    if (native == nullptr) {
+      return Status::InvalidArgument(fmt::format(
+          "cuda:{} WrapStream: null stream (the legacy default stream is not accepted; pass the "
+          "engine's stream, or cudaStreamPerThread's value from the engine)",
+          ordinal_));
+    }
+    auto s = static_cast<cudaStream_t>(native);
+    int dev = -1;
+    cudaError_t err = cudaStreamGetDevice(s, &dev);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Status::InvalidArgument(fmt::format("cuda:{} WrapStream({}): not a usable stream: {}",
+                                                 ordinal_, native, cudaGetErrorName(err)));
+    }
+    if (dev != ordinal_) {
+      return Status::InvalidArgument(fmt::format(
+          "cuda:{} WrapStream({}): the stream belongs to cuda:{}", ordinal_, native, dev));
+    }
+    KVF_RETURN_IF_ERROR(Use());
+    auto stream = std::make_unique<CudaStream>(ordinal_, StreamHandle(), s, Routing());
+    KVF_RETURN_IF_ERROR(stream->Init());
+    return std::unique_ptr<Stream>(std::move(stream));
+  }
+
+  // See device.h: an engine's cudaEvent_t, not owned. CUDA has no query for an event's device;
+  // an invalid handle is refused here, another GPU's event at the first Record into it.
+  StatusOr<std::unique_ptr<Event>> WrapEvent(void* native) override {
+    if (native == nullptr) {
+      return Status::InvalidArgument(fmt::format("cuda:{} WrapEvent: null event", ordinal_));
+    }
+    KVF_RETURN_IF_ERROR(Use());
+    auto e = static_cast<cudaEvent_t>(native);
+    cudaError_t err = cudaEventQuery(e);
+    if (err != cudaSuccess && err != cudaErrorNotReady) {
+      cudaGetLastError();
+      return Status::InvalidArgument(fmt::format("cuda:{} WrapEvent({}): not a usable event: {}",
+                                                 ordinal_, native, cudaGetErrorName(err)));
+    }
+    return std::unique_ptr<Event>(new CudaEvent(ordinal_, e));
   }
 
   StatusOr<std::unique_ptr<Event>> CreateEvent() override {

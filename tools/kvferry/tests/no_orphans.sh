@@ -21,7 +21,8 @@ run_pids() {
   done
 }
 
-env TMPDIR="$tmp" "$kvferry" selftest --transport ucx --ctx-tp 2 --layers 2 --kv-heads 2 \
+# (--default-signal: a shell starts background commands with SIGINT ignored.)
+env --default-signal=INT TMPDIR="$tmp" "$kvferry" selftest --transport ucx --ctx-tp 2 --layers 2 --kv-heads 2 \
   --head-dim 16 --tokens-per-block 8 --prompt-tokens 16 --requests 1000000 --concurrency 2 \
   --timeout-ms $timeout_ms >"$tmp.out" 2>&1 &
 parent=$!
@@ -38,15 +39,20 @@ start=$(date +%s.%N)
 if [ "$victim" = parent ]; then
   kill -s "$sig" "$parent"
 else
-  kill -s "$sig" "$(echo "$ranks" | head -1)"
+  victim_pid=$(echo "$ranks" | head -1)  # context rank 0: ranks start in order
+  kill -s "$sig" "$victim_pid"
 fi
 limit=$(echo "$timeout_ms / 1000 + 5" | bc)
+# A stopped rank is not dead: the generation rank gives up after a request deadline (+ the
+# context side's abort grace, 1 s, + 1 s) without progress; then the other context rank gets one
+# more deadline + 3 s to end its requests (run_watch.h); + 8 s for a loaded machine.
+[ "$sig" = STOP ] && limit=$(echo "2 * $timeout_ms / 1000 + 1 + 1 + 3 + 8" | bc)
 while :; do
   left=$(run_pids)
   files=$(find "$tmp" -mindepth 1 2>/dev/null)
   [ -z "$left" ] && [ -z "$files" ] && break
   if [ "$(echo "$(date +%s.%N) - $start > $limit" | bc)" = 1 ]; then
-    echo "FAIL: after ${limit} s, processes left: $(echo $left); files left: $files"
+    echo "FAIL: after ${limit} s, processes left: $(echo $left); files left: $(echo "$files" | head -3)"
     ps -o pid,ppid,pgid,stat,cmd -p "$(echo $left | tr ' ' ,)" 2>/dev/null
     kill -9 $left 2>/dev/null
     cat "$tmp.out"
@@ -61,7 +67,14 @@ took=$(echo "$(date +%s.%N) - $start" | bc)
 echo "nothing left after ${took} s (limit ${limit} s); parent exit code $rc"
 tail -n 5 "$tmp.out"
 if [ "$victim" = rank ]; then
+  # The run ends, failed, with a summary that names the killed rank's process and how it ended.
   [ "$rc" != 0 ] || { echo "FAIL: run passed"; exit 1; }
+  if [ "$sig" = STOP ]; then
+    want="error: context rank 0: no result (its process, pid $victim_pid: killed at the run deadline)"
+  else
+    want="error: context rank 0: no result (its process, pid $victim_pid: killed by signal 9"
+  fi
+  grep -qF "$want" "$tmp.out" || { echo "FAIL: the killed rank is not named: $want"; exit 1; }
 fi
 rm -f "$tmp.out"
 echo PASS

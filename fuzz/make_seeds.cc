@@ -1,0 +1,120 @@
+// Writes the seed corpora checked in under fuzz/corpus/<target>/ (valid inputs of every decoder
+// and a few protocol programs). Usage: make_seeds fuzz/corpus
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "transceiver/handle.h"
+#include "transceiver/messages.h"
+#include "transport/ucx_address.h"
+
+namespace kvferry {
+namespace {
+
+void Write(const std::filesystem::path& dir, const std::string& name, uint8_t mode,
+           const std::vector<std::byte>& body) {
+  std::filesystem::create_directories(dir);
+  std::ofstream f(dir / name, std::ios::binary);
+  f.put(static_cast<char>(mode));
+  f.write(reinterpret_cast<const char*>(body.data()), static_cast<std::streamsize>(body.size()));
+}
+
+std::vector<std::byte> Raw(std::initializer_list<int> bytes) {
+  std::vector<std::byte> v;
+  for (int b : bytes) v.push_back(std::byte(b));
+  return v;
+}
+
+ContextHandle SmallHandle() {
+  ContextHandle h;
+  h.request_id = 7;
+  h.token = MakeAccessToken({1}, 7, std::vector<int64_t>{5, 6, 7}, 10);
+  h.shape = KvShape{4, 4, 8, DType::kBf16, 2, 4};
+  h.parallel = ParallelConfig{2, 1, {}, 1, 0};
+  h.pool_blocks = 32;
+  h.prompt_tokens = 10;
+  h.chunk_bytes = 4096;
+  h.blocks = {5, 6, 7};
+  h.addresses = {"inproc:1", "inproc:2"};
+  return h;
+}
+
+FetchMsg SmallFetch() {
+  FetchMsg f;
+  f.request_id = 7;
+  f.gen_instance = 3;
+  f.transfer_id = 1;
+  f.shape = KvShape{4, 4, 8, DType::kBf16, 2, 4};
+  f.parallel = ParallelConfig{1, 1, {}, 1, 0};
+  f.pool_blocks = 16;
+  f.prompt_tokens = 10;
+  f.chunk_bytes = 1024;
+  f.direct_min_bytes = 512;
+  f.blocks = {3, 2, 1};
+  f.reply_address = "inproc:3";
+  return f;
+}
+
+void WriteAll(const std::filesystem::path& root) {
+  ContextHandle h = SmallHandle();
+  Write(root / "handle_fuzz", "block_major", 0, EncodeHandle(h));
+  h.layout = LayoutKind::kPerLayer;
+  h.layer_wise = true;
+  Write(root / "handle_fuzz", "per_layer_layer_wise", 1 | (5 << 1), EncodeHandle(h));
+  h = SmallHandle();
+  h.parallel = ParallelConfig{4, 1, {}, 2, 1};
+  h.addresses = {"a", "b", "c", "d"};
+  h.ctx_direct = false;
+  Write(root / "handle_fuzz", "dp2", 1 | (3 << 1), EncodeHandle(h));
+
+  const std::pair<const char*, ControlMsg> msgs[] = {
+      {"fetch", SmallFetch()},
+      {"accept", AcceptMsg{7, 1}},
+      {"reject", RejectMsg{7, 1, 1, "no"}},
+      {"credit", CreditMsg{7, 1, 4}},
+      {"done", DoneMsg{7, 1, 4096}},
+      {"abort", AbortMsg{7, 1, 6, "cancelled"}},
+      {"complete", CompleteMsg{7, 1}},
+  };
+  for (const auto& [name, m] : msgs) Write(root / "message_fuzz", name, 0, EncodeMessage(m));
+  FetchMsg f = SmallFetch();
+  f.layout = LayoutKind::kPerLayer;
+  f.parallel = ParallelConfig{2, 2, {}, 1, 0};
+  Write(root / "message_fuzz", "fetch_resealed_tp2pp2", 8 | (1 << 4), EncodeMessage(f));
+
+  const uint8_t addr[] = {0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 1, 2, 3};
+  std::string text = EncodeUcxAddress(addr, sizeof(addr));
+  Write(root / "ucx_address_fuzz", "text", 0,
+        std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                               reinterpret_cast<const std::byte*>(text.data() + text.size())));
+  Write(root / "ucx_address_fuzz", "raw", 1,
+        std::vector<std::byte>(reinterpret_cast<const std::byte*>(addr),
+                               reinterpret_cast<const std::byte*>(addr) + sizeof(addr)));
+
+  // Protocol programs: config byte, then ops (see protocol_fuzz_body.cc, Harness::Run).
+  Write(root / "protocol_fuzz", "publish_fetch", 0, Raw({0x00, 9, 0x01, 0}));
+  Write(root / "protocol_fuzz", "per_layer_two_requests", 3,
+        Raw({0x00, 12, 0x20, 5, 0x01, 1, 0x21, 0, 0x05, 3}));
+  Write(root / "protocol_fuzz", "forged_complete", 0,
+        Raw({0x00, 9, 0x01, 0, 0x03, 1, 0, 4, 0x03, 2, 0, 4}));
+  Write(root / "protocol_fuzz", "hostile_fetch_first", 4,
+        Raw({0x00, 7, 0x02, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0x01, 0}));
+  Write(root / "protocol_fuzz", "layer_wise_cancel", 1,
+        Raw({0x08, 11, 0x01, 0, 0x05, 2, 0x1f, 0x0c, 0x04}));
+  Write(root / "protocol_fuzz", "mutated_handle_abort", 0,
+        Raw({0x00, 10, 0x09, 0, 3, 1, 0x03, 1, 3, 3, 0x06, 4, 1, 2, 3, 4}));
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s CORPUS_DIR (writes CORPUS_DIR/<target>/<seed>)\n", argv[0]);
+    return 2;
+  }
+  kvferry::WriteAll(argv[1]);
+  return 0;
+}

@@ -1,0 +1,213 @@
+#include "wire_fuzz_bodies.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "kvferry/kv_model.h"
+#include "planner/planner.h"
+#include "transceiver/engine.h"
+#include "transceiver/handle.h"
+#include "transceiver/messages.h"
+#include "transport/ucx_address.h"
+
+namespace kvferry {
+namespace {
+
+void Check(bool ok) {
+  if (!ok) __builtin_trap();
+}
+
+// A refusal: one of the codes the decoders document, with a message naming what was wrong.
+void CheckRefusal(const Status& st) {
+  Check(st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kDataLoss);
+  Check(!st.message().empty());
+}
+
+std::vector<std::byte> Bytes(const uint8_t* data, size_t size) {
+  std::vector<std::byte> v(size);
+  if (size) std::memcpy(v.data(), data, size);
+  return v;
+}
+
+// The local instance a mode byte picks: what a generation (or context) rank of a real deployment
+// could be, with a shape bounded as a real instance's is (a hostile peer can't choose ours).
+struct Local {
+  InstanceDesc desc;
+  int64_t chunk_bytes = 4096;
+  int64_t direct_min_bytes = 2048;
+  int64_t reused = 0;
+};
+
+bool ShapeIsLocal(const KvShape& s) {
+  return s.Validate().ok() && s.layers <= 64 && s.kv_heads <= 64 && s.head_dim <= 256 &&
+         s.tokens_per_block <= 64;
+}
+
+Local PickLocal(const KvShape& shape, uint8_t bits) {
+  static constexpr ParallelConfig kSplits[] = {
+      {1, 1, {}, 1, 0}, {2, 1, {}, 1, 0}, {1, 2, {}, 1, 0}, {4, 1, {}, 2, 1}};
+  Local l;
+  l.desc.shape = shape;
+  l.desc.parallel = kSplits[bits & 3];
+  l.desc.layout = (bits & 4) ? LayoutKind::kPerLayer : LayoutKind::kBlockMajor;
+  l.desc.pool_blocks = 48;
+  l.reused = (bits >> 3) & 1;
+  if (bits & 16) l.direct_min_bytes = kNoDirect;
+  if (bits & 32) l.chunk_bytes = 1 << 20;
+  return l;
+}
+
+// Every piece of a plan lies inside the pools of both ranks it names (a hostile handle or FETCH
+// must not make a rank read or write outside its own pool).
+void CheckPiecesInside(const std::vector<PairPlan>& pairs, const InstanceDesc& ctx,
+                       const InstanceDesc& gen) {
+  for (const PairPlan& pair : pairs) {
+    auto cs = SliceOf(ctx.shape, ctx.parallel, pair.ctx_rank);
+    auto gs = SliceOf(gen.shape, gen.parallel, pair.gen_rank);
+    Check(cs.ok() && gs.ok());
+    auto cl = PoolLayout::Make(ctx.layout, RankPoolDims(ctx.shape, *cs, ctx.pool_blocks),
+                               ctx.shape.ElementBytes());
+    auto gl = PoolLayout::Make(gen.layout, RankPoolDims(gen.shape, *gs, gen.pool_blocks),
+                               gen.shape.ElementBytes());
+    Check(cl.ok() && gl.ok());
+    Check(static_cast<int64_t>(pair.chunks.size()) <= kMaxChunksPerPair);
+    int64_t total = 0;
+    for (const Chunk& c : pair.chunks) {
+      int64_t chunk_total = 0;
+      for (const Piece& p : c.pieces) {
+        Check(p.bytes > 0 && p.rows > 0);
+        Check(p.src_region >= 0 && p.src_region < cl->num_regions());
+        Check(p.dst_region >= 0 && p.dst_region < gl->num_regions());
+        const int64_t src_end = p.src_offset + (p.rows - 1) * p.src_pitch + p.bytes;
+        const int64_t dst_end = p.dst_offset + (p.rows - 1) * p.dst_pitch + p.bytes;
+        Check(p.src_offset >= 0 && src_end <= cl->region_bytes());
+        Check(p.dst_offset >= 0 && dst_end <= gl->region_bytes());
+        chunk_total += p.total();
+      }
+      Check(chunk_total == c.bytes);
+      total += c.bytes;
+    }
+    Check(total == pair.bytes);
+  }
+}
+
+}  // namespace
+
+int HandleFuzzOne(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const uint8_t mode = data[0];
+  std::vector<std::byte> in = Bytes(data + 1, size - 1);
+  if ((mode & 1) && in.size() >= 16) {  // re-seal: a valid checksum over the mutated bytes
+    const uint64_t sum = XXH3_64bits(in.data(), in.size() - 8);
+    for (int i = 0; i < 8; ++i) in[in.size() - 8 + i] = std::byte((sum >> (8 * i)) & 0xff);
+  }
+  auto h = DecodeHandle(in);
+  if (!h.ok()) {
+    CheckRefusal(h.status());
+    return 0;
+  }
+  Check(EncodeHandle(*h) == in);
+  auto again = DecodeHandle(EncodeHandle(*h));
+  Check(again.ok() && *again == *h);
+  // Plan as each generation rank of a local instance would (GenerationSide::Fetch).
+  if (!ShapeIsLocal(h->shape)) return 0;
+  Local local = PickLocal(h->shape, static_cast<uint8_t>(mode >> 1));
+  if (!local.desc.parallel.Validate(local.desc.shape).ok()) return 0;
+  PlanInput pin;
+  pin.ctx = InstanceDesc{h->shape, h->parallel, h->layout, h->pool_blocks};
+  pin.gen = local.desc;
+  pin.prompt_tokens = h->prompt_tokens;
+  pin.ctx_blocks = h->blocks;
+  for (int64_t b = 0; b < local.desc.pool_blocks; ++b) pin.gen_blocks.push_back(47 - b);
+  pin.gen_reused_blocks = local.reused;
+  pin.chunk_bytes = std::min(local.chunk_bytes, h->chunk_bytes);
+  pin.direct_min_bytes = h->ctx_direct ? local.direct_min_bytes : kNoDirect;
+  pin.layer_wise = h->layer_wise;
+  for (int32_t g = 0; g < local.desc.parallel.world_size(); ++g) {
+    auto plan = PlanForGenRank(pin, g);
+    if (!plan.ok()) {
+      CheckRefusal(plan.status());
+      continue;
+    }
+    CheckPiecesInside(*plan, pin.ctx, pin.gen);
+  }
+  return 0;
+}
+
+int MessageFuzzOne(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const uint8_t mode = data[0];
+  std::vector<std::byte> in;
+  if (const uint8_t type = mode & 7; type != 0) {
+    in = {std::byte{kMessageMagic & 0xff}, std::byte{kMessageMagic >> 8},
+          std::byte{kMessageVersion}, std::byte{type}};
+  }
+  std::vector<std::byte> rest = Bytes(data + 1, size - 1);
+  in.insert(in.end(), rest.begin(), rest.end());
+  auto m = DecodeMessage(in);
+  if (!m.ok()) {
+    CheckRefusal(m.status());
+    return 0;
+  }
+  Check(EncodeMessage(*m) == in);
+  auto again = DecodeMessage(EncodeMessage(*m));
+  Check(again.ok() && *again == *m);
+  auto* f = std::get_if<FetchMsg>(&*m);
+  if (!f) return 0;
+  // Plan as a context rank does for an accepted FETCH (ContextSide: token, tokens and chunk
+  // bounds checked first). Re-sealed: the context's own shape, prompt and a valid token.
+  static const KvShape kCtxShape{4, 4, 8, DType::kBf16, 2, 4};
+  constexpr int64_t kCtxTokens = 10;
+  Local local = PickLocal(kCtxShape, static_cast<uint8_t>(mode >> 4));
+  if (mode & 8) {
+    f->shape = kCtxShape;
+    f->prompt_tokens = kCtxTokens;
+  }
+  if (f->prompt_tokens != kCtxTokens || f->chunk_bytes < 1 || f->chunk_bytes > local.chunk_bytes) {
+    return 0;  // the context rank rejects these before planning
+  }
+  PlanInput pin;
+  pin.ctx = local.desc;
+  pin.gen = InstanceDesc{f->shape, f->parallel, f->layout, f->pool_blocks};
+  pin.prompt_tokens = kCtxTokens;
+  pin.ctx_blocks = {5, 6, 7};
+  pin.gen_blocks = f->blocks;
+  pin.gen_reused_blocks = f->reused_blocks;
+  pin.chunk_bytes = f->chunk_bytes;
+  pin.direct_min_bytes = f->direct_min_bytes;
+  for (int32_t c = 0; c < local.desc.parallel.world_size(); ++c) {
+    auto plan = PlanForCtxRank(pin, c);
+    if (!plan.ok()) {
+      CheckRefusal(plan.status());
+      continue;
+    }
+    CheckPiecesInside(*plan, pin.ctx, pin.gen);
+  }
+  return 0;
+}
+
+int UcxAddressFuzzOne(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  std::string text;
+  if (data[0] & 1) {
+    text = EncodeUcxAddress(data + 1, size - 1);
+    auto raw = DecodeUcxAddress(text);
+    Check(raw.ok() && raw->size() == size - 1 &&
+          (size == 1 || std::memcmp(raw->data(), data + 1, size - 1) == 0));
+    return 0;
+  }
+  text.assign(reinterpret_cast<const char*>(data + 1), size - 1);
+  auto raw = DecodeUcxAddress(text);
+  if (!raw.ok()) {
+    CheckRefusal(raw.status());
+    return 0;
+  }
+  Check(EncodeUcxAddress(raw->data(), raw->size()) == text);
+  return 0;
+}
+
+}  // namespace kvferry

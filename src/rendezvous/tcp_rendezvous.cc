@@ -1,0 +1,285 @@
+// The default rendezvous: a one-thread TCP server holding keys in memory, and a client that
+// connects once per call (calls are rare: a few per rank at start, one per request for handles).
+//
+// The server polls its listening socket, its connections and a wake pipe. A connection carries
+// one request: the server reads it (at most one frame, bounded), answers and closes. A connection
+// that has not delivered a whole frame within kConnectionTimeout is dropped, and at most
+// kMaxConnections are open, so a stray or hostile client can't hold the server.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "base/log.h"
+#include "rendezvous/frame.h"
+#include "rendezvous/socket.h"
+
+namespace kvferry {
+namespace rendezvous {
+namespace {
+
+constexpr auto kConnectionTimeout = std::chrono::seconds(5);
+constexpr size_t kMaxConnections = 256;
+constexpr size_t kMaxStoreBytes = size_t{64} << 20;
+constexpr size_t kMaxStoreKeys = 65536;
+
+class Server final : public RendezvousServer {
+ public:
+  Server(Fd listener, Fd wake_read, Fd wake_write, std::string address, const RendezvousKey& key)
+      : listener_(std::move(listener)),
+        wake_read_(std::move(wake_read)),
+        wake_write_(std::move(wake_write)),
+        address_(std::move(address)),
+        key_(key) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Server() override {
+    stop_ = true;
+    const char c = 0;
+    (void)!write(wake_write_.get(), &c, 1);
+    thread_.join();
+  }
+  std::string address() const override { return address_; }
+  int64_t refused() const override { return refused_.load(); }
+
+ private:
+  struct Conn {
+    Fd fd;
+    std::vector<std::byte> in;
+    Clock::time_point started;
+  };
+
+  void Run() {
+    std::vector<Conn> conns;
+    std::vector<pollfd> fds;
+    while (!stop_) {
+      fds.clear();
+      fds.push_back({listener_.get(), POLLIN, 0});
+      fds.push_back({wake_read_.get(), POLLIN, 0});
+      for (const Conn& c : conns) fds.push_back({c.fd.get(), POLLIN, 0});
+      if (poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) {
+        Log(LogLevel::kWarn, "rendezvous: poll: {}", std::strerror(errno));
+      }
+      const auto now = Clock::now();
+      for (size_t i = conns.size(); i-- > 0;) {
+        const pollfd& p = fds[2 + i];
+        bool close = now - conns[i].started > kConnectionTimeout;
+        if (!close && (p.revents & (POLLIN | POLLHUP | POLLERR))) close = ReadFrom(conns[i]);
+        if (close) conns.erase(conns.begin() + static_cast<ptrdiff_t>(i));
+      }
+      if ((fds[0].revents & POLLIN) && conns.size() < kMaxConnections) {
+        int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd >= 0) conns.push_back(Conn{Fd(fd), {}, now});
+      }
+    }
+  }
+
+  // Reads what arrived; answers once a whole frame is in. True when the connection is done.
+  bool ReadFrom(Conn& c) {
+    std::byte buf[65536];
+    ssize_t n = read(c.fd.get(), buf, sizeof buf);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
+    if (n < 0) return false;
+    c.in.insert(c.in.end(), buf, buf + n);
+    if (c.in.size() < kHeaderBytes) return false;
+    StatusOr<size_t> length = DecodeHeader(c.in);
+    if (!length.ok()) return Refuse(c, length.status().message(), false);
+    const size_t total = kHeaderBytes + *length + kTagBytes;
+    if (c.in.size() < total) return false;
+    if (c.in.size() > total) return Refuse(c, "bytes after the frame", true);
+    StatusOr<Frame> request = DecodeFrame(c.in, key_);
+    if (!request.ok()) return Refuse(c, request.status().message(), false);
+    Reply(c, Handle(*request));
+    return true;
+  }
+
+  Frame Handle(const Frame& request) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Frame reply{FrameType::kOk, {}, {}, {}};
+    switch (request.type) {
+      case FrameType::kPut: {
+        auto it = store_.find(request.key);
+        const size_t old = it == store_.end() ? 0 : it->second.size() + it->first.size();
+        const size_t added = request.value.size() + request.key.size();
+        if (store_bytes_ - old + added > kMaxStoreBytes ||
+            (it == store_.end() && store_.size() >= kMaxStoreKeys)) {
+          ++refused_;
+          return Frame{FrameType::kRefused,
+                       {},
+                       {},
+                       fmt::format("rendezvous store full ({} keys, {} bytes; bounds {}, {})",
+                                   store_.size(), store_bytes_, kMaxStoreKeys, kMaxStoreBytes)};
+        }
+        store_bytes_ = store_bytes_ - old + added;
+        store_[request.key] = request.value;
+        return reply;
+      }
+      case FrameType::kGet: {
+        auto it = store_.find(request.key);
+        if (it == store_.end()) return Frame{FrameType::kNotFound, {}, {}, {}};
+        reply.value = it->second;
+        return reply;
+      }
+      case FrameType::kErase: {
+        auto it = store_.find(request.key);
+        if (it != store_.end()) {
+          store_bytes_ -= it->second.size() + it->first.size();
+          store_.erase(it);
+        }
+        return reply;
+      }
+      default:
+        ++refused_;
+        return Frame{FrameType::kRefused, {}, {}, "a reply type sent as a request"};
+    }
+  }
+
+  bool Refuse(Conn& c, std::string_view why, bool sign) {
+    ++refused_;
+    Log(LogLevel::kWarn, "rendezvous: refused a request: {}", why);
+    Reply(c, Frame{FrameType::kRefused, {}, {}, std::string(why)}, sign);
+    return true;
+  }
+
+  void Reply(Conn& c, const Frame& reply, bool sign = true) {
+    const std::vector<std::byte> bytes = EncodeFrame(reply, key_, sign);
+    (void)WriteAll(c.fd.get(), bytes, Clock::now() + std::chrono::seconds(1));
+  }
+
+  const Fd listener_, wake_read_, wake_write_;
+  const std::string address_;
+  const RendezvousKey key_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> refused_{0};
+  std::mutex mu_;
+  std::map<std::string, std::vector<std::byte>> store_;  // guarded by mu_
+  size_t store_bytes_ = 0;                               // guarded by mu_
+  std::thread thread_;
+};
+
+class Client final : public Rendezvous {
+ public:
+  Client(std::string host, std::string port, const RendezvousKey& key)
+      : host_(std::move(host)), port_(std::move(port)), key_(key) {}
+
+  Status Put(std::string_view key, std::span<const std::byte> value, Deadline deadline) override {
+    if (value.size() > kMaxRendezvousValueBytes) {
+      return Status::InvalidArgument(fmt::format("rendezvous value of {} bytes exceeds {}",
+                                                 value.size(), kMaxRendezvousValueBytes));
+    }
+    Frame f{FrameType::kPut, std::string(key), {value.begin(), value.end()}, {}};
+    KVF_ASSIGN_OR_RETURN(Frame reply, Call(f, deadline));
+    return Expect(reply, FrameType::kOk, key);
+  }
+
+  StatusOr<std::vector<std::byte>> Get(std::string_view key, Deadline deadline) override {
+    auto pause = std::chrono::milliseconds(1);
+    for (;;) {
+      KVF_ASSIGN_OR_RETURN(Frame reply,
+                           Call(Frame{FrameType::kGet, std::string(key), {}, {}}, deadline));
+      if (reply.type == FrameType::kOk) return std::move(reply.value);
+      if (reply.type != FrameType::kNotFound) {
+        KVF_RETURN_IF_ERROR(Expect(reply, FrameType::kOk, key));
+      }
+      if (Clock::now() + pause >= deadline) {
+        return Status::DeadlineExceeded(
+            fmt::format("rendezvous {}:{}: key '{}' did not appear in time", host_, port_, key));
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+  }
+
+  Status Erase(std::string_view key, Deadline deadline) override {
+    KVF_ASSIGN_OR_RETURN(Frame reply,
+                         Call(Frame{FrameType::kErase, std::string(key), {}, {}}, deadline));
+    return Expect(reply, FrameType::kOk, key);
+  }
+
+ private:
+  StatusOr<Frame> Call(const Frame& request, Deadline deadline) {
+    if (request.key.empty() || request.key.size() > kMaxRendezvousKeyBytes) {
+      return Status::InvalidArgument(fmt::format("rendezvous key of {} bytes: must be 1..{}",
+                                                 request.key.size(), kMaxRendezvousKeyBytes));
+    }
+    KVF_ASSIGN_OR_RETURN(Fd fd, ConnectTcp(host_, port_, deadline));
+    KVF_RETURN_IF_ERROR(WriteAll(fd.get(), EncodeFrame(request, key_), deadline));
+    std::vector<std::byte> in(kHeaderBytes);
+    KVF_RETURN_IF_ERROR(ReadExactly(fd.get(), in, deadline));
+    StatusOr<size_t> length = DecodeHeader(in);
+    if (!length.ok()) {
+      return Status::DataLoss(fmt::format("rendezvous {}:{} answered garbage: {}", host_, port_,
+                                          length.status().message()));
+    }
+    in.resize(kHeaderBytes + *length + kTagBytes);
+    KVF_RETURN_IF_ERROR(ReadExactly(fd.get(), std::span(in).subspan(kHeaderBytes), deadline));
+    StatusOr<Frame> reply = DecodeFrame(in, key_);
+    if (!reply.ok()) {
+      return Status(reply.status().code(),
+                    fmt::format("rendezvous {}:{}: {}", host_, port_, reply.status().message()));
+    }
+    return reply;
+  }
+
+  Status Expect(const Frame& reply, FrameType type, std::string_view key) const {
+    if (reply.type == type) return Status::Ok();
+    if (reply.type == FrameType::kRefused) {
+      return Status::InvalidArgument(
+          fmt::format("rendezvous {}:{} refused '{}': {}", host_, port_, key, reply.reason));
+    }
+    return Status::DataLoss(fmt::format("rendezvous {}:{} answered type 0x{:02x} for '{}'", host_,
+                                        port_, static_cast<int>(reply.type), key));
+  }
+
+  const std::string host_, port_;
+  const RendezvousKey key_;
+};
+
+}  // namespace
+}  // namespace rendezvous
+
+StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Start(std::string_view host,
+                                                                    uint16_t port,
+                                                                    const RendezvousKey& key) {
+  KVF_ASSIGN_OR_RETURN(rendezvous::Listener l, rendezvous::ListenTcp(host, port));
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    return Status::Internal(fmt::format("rendezvous: pipe: {}", std::strerror(errno)));
+  }
+  return std::unique_ptr<RendezvousServer>(
+      new rendezvous::Server(std::move(l.fd), rendezvous::Fd(pipe_fds[0]),
+                             rendezvous::Fd(pipe_fds[1]), std::move(l.address), key));
+}
+
+StatusOr<std::unique_ptr<Rendezvous>> ConnectRendezvous(std::string_view address,
+                                                        const RendezvousKey& key) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 || colon + 1 == address.size()) {
+    return Status::InvalidArgument(
+        fmt::format("rendezvous address '{}': expected host:port", address));
+  }
+  std::string host(address.substr(0, colon));
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  const std::string port(address.substr(colon + 1));
+  if (port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5) {
+    return Status::InvalidArgument(
+        fmt::format("rendezvous address '{}': the port '{}' is not a number", address, port));
+  }
+  return std::unique_ptr<Rendezvous>(new rendezvous::Client(std::move(host), port, key));
+}
+
+}  // namespace kvferry

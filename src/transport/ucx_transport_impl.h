@@ -1,0 +1,169 @@
+// The UCX transport's class, shared by its sources: ucx_transport.cc (life cycle, endpoints,
+// control messages, tagged data) and ucx_rma.cc (registration, remote keys, put/get/flush).
+//
+// Two workers on one context, and per peer two endpoints:
+//   control worker: control messages, each peer's control endpoint. Error mode PEER (unless
+//     ucx.error_mode=none): a crashed peer fails it (TCP reset or keepalive), and that fails
+//     every op of the peer. UCX refuses shared memory in this mode, which costs nothing for
+//     small control messages.
+//   data worker: tagged data and one-sided ops, each peer's data endpoint. Error mode NONE
+//     (unless ucx.error_mode=peer), so UCX picks its fastest transports on one host: shared
+//     memory, CMA, cuda_ipc. A dead peer's data ops are failed by the control endpoint's death.
+// Two workers rather than two endpoints on one: UCX pairs the endpoints two workers create to
+// each other in creation order, which must not pair a control endpoint with a data endpoint.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "transport/transport.h"
+#include "transport/ucx_util.h"
+
+namespace kvferry::ucx_detail {
+
+inline constexpr uint64_t kCtrlBit = uint64_t{1} << 63;
+
+class UcxTransport;
+
+struct OpState {
+  UcxTransport* owner = nullptr;
+  PeerId peer = kAnyPeer;
+  bool is_recv = false;
+  bool done = false;
+  Status status;
+  size_t bytes = 0;
+  void* request = nullptr;         // the UCX request while pending
+  Status forced;                   // when not OK: the status to report instead of UCX's
+  std::vector<std::byte> payload;  // control sends/receives own their bytes
+  uint64_t sender_tag = 0;         // control receives
+};
+
+class UcxOp final : public TransportOp {
+ public:
+  explicit UcxOp(std::shared_ptr<OpState> s) : s_(std::move(s)) {}
+  bool Done() const override { return s_->done; }
+  Status status() const override { return s_->status; }
+  size_t bytes() const override { return s_->bytes; }
+  OpState& state() const { return *s_; }
+
+ private:
+  std::shared_ptr<OpState> s_;
+};
+
+// A peer's remote key, unpacked on its data endpoint, with the registration it describes.
+struct RemoteKey {
+  RkeyPtr handle;
+  uint64_t base = 0;
+  uint64_t size = 0;
+};
+
+struct Peer {
+  ucp_ep_h ctrl_ep = nullptr;
+  ucp_ep_h data_ep = nullptr;
+  std::string address;
+  bool dead = false;
+  Status death;
+  bool hello_sent = false;
+  std::unordered_set<OpState*> recvs;                // pending receives naming this peer
+  std::unordered_map<std::string, RemoteKey> rkeys;  // by packed key bytes
+  const std::pair<const std::string, RemoteKey>* last_key = nullptr;
+};
+
+struct EpErrorArg {
+  UcxTransport* transport;
+  PeerId peer;
+};
+
+enum class ErrorMode { kSplit, kPeer, kNone };
+
+class UcxTransport final : public Transport {
+ public:
+  static StatusOr<std::unique_ptr<Transport>> Create(const TransportOptions& options);
+  ~UcxTransport() override;
+
+  const TransportCaps& caps() const override { return caps_; }
+  std::string LocalAddress() const override { return address_; }
+  StatusOr<PeerId> Connect(std::string_view address, Deadline deadline) override;
+  StatusOr<std::unique_ptr<TransportOp>> Send(PeerId peer, uint64_t tag, const void* buf,
+                                              size_t bytes, MemoryKind kind) override;
+  StatusOr<std::unique_ptr<TransportOp>> Recv(PeerId peer, uint64_t tag, void* buf, size_t capacity,
+                                              MemoryKind kind) override;
+  void Cancel(TransportOp& op) override;
+  Status SendControl(PeerId peer, std::span<const std::byte> bytes) override;
+  std::optional<ControlMessage> PollControl() override;
+  bool Progress() override;
+  StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
+                                                               MemoryKind kind) override;
+  StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,
+                                             MemoryKind kind, uint64_t remote_addr,
+                                             std::span<const std::byte> rkey) override;
+  StatusOr<std::unique_ptr<TransportOp>> Get(PeerId peer, void* local, size_t bytes,
+                                             MemoryKind kind, uint64_t remote_addr,
+                                             std::span<const std::byte> rkey) override;
+  StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer) override;
+  std::string DescribePeer(PeerId peer) override;
+
+  // Called by UCX.
+  static void OnSend(void* request, ucs_status_t status, void* user_data);
+  static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                     void* user_data);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+ private:
+  UcxTransport() = default;
+  void Finish(OpState* s, void* request, ucs_status_t status, size_t bytes);
+  std::shared_ptr<OpState> NewOp(PeerId peer, bool is_recv);
+  // Turns the result of an nbx call into an op; `s` was made by NewOp.
+  std::unique_ptr<TransportOp> Posted(std::shared_ptr<OpState> s, ucs_status_ptr_t ret,
+                                      std::string_view what);
+  // An op that is complete at once with the peer's death.
+  std::unique_ptr<TransportOp> Dead(PeerId peer, size_t bytes);
+  ucp_request_param_t Param(OpState* s, MemoryKind kind, bool recv) const;
+  StatusOr<Peer*> LivePeer(PeerId peer);
+  Status CheckKind(MemoryKind kind) const;
+  StatusOr<PeerId> ConnectAddress(const std::string& address);
+  StatusOr<ucp_ep_h> CreateEp(ucp_worker_h worker, const std::vector<uint8_t>& address,
+                              bool peer_errors, EpErrorArg* arg);
+  void CloseEp(ucp_ep_h ep, bool force);
+  void MarkDead(PeerId peer, Status why);
+  void HandleDeaths();
+  void DrainControl();
+  // Sends a control message; the state lets the caller watch its local completion.
+  StatusOr<std::shared_ptr<OpState>> PostControl(PeerId peer, uint8_t kind,
+                                                 std::span<const std::byte> bytes);
+  // The peer's remote key for `rkey` (unpacked once), after checking that [remote_addr,
+  // remote_addr + bytes) lies inside the registration it describes.
+  StatusOr<ucp_rkey_h> RemoteKeyFor(Peer& p, std::span<const std::byte> rkey, uint64_t remote_addr,
+                                    size_t bytes);
+
+  TransportCaps caps_;
+  bool device_is_host_ = true;
+  bool cuda_ = false;
+  ErrorMode mode_ = ErrorMode::kSplit;
+  bool ctrl_peer_errors_ = true;   // control endpoints in error mode PEER
+  bool data_peer_errors_ = false;  // data endpoints in error mode PEER
+  int progress_spin_ = 1;
+  ContextPtr context_;
+  WorkerPtr ctrl_worker_;
+  WorkerPtr data_worker_;
+  std::string address_;
+  uint64_t instance_ = 0;   // random, 63 bits: identifies this transport in control tags
+  std::deque<Peer> peers_;  // PeerId -> peer (deque: stable addresses for callbacks)
+  std::deque<EpErrorArg> ep_args_;
+  std::unordered_map<std::string, PeerId> peer_by_address_;
+  std::unordered_map<uint64_t, PeerId> peer_by_instance_;
+  std::unordered_map<OpState*, std::shared_ptr<OpState>> inflight_;
+  std::deque<std::shared_ptr<OpState>> control_in_;  // control receives, in arrival order
+  std::deque<ControlMessage> control_ready_;
+  std::vector<std::pair<PeerId, ucs_status_t>> deaths_;  // reported by OnEpError
+  std::vector<void*> closing_;  // close requests of dead peers' endpoints (error mode none)
+};
+
+}  // namespace kvferry::ucx_detail
