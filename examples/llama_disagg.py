@@ -12,7 +12,8 @@ allocation, ``[B, H, S, D]`` contiguous, is HND over the whole row: a custom lay
 wrap for tiering but not transfer, since handles name the layout rather than carry strides.)
 
     context process:    prefill each prompt (batch 1, its own row) -> first token,
-                        ContextSide.mark_ready(blocks) -> handle (bytes)
+                        ContextSide.mark_ready(blocks) -> handle (bytes), published with the
+                        first token on the rendezvous (the router's part)
     generation process: GenerationSide.fetch(handle, blocks) for every prompt, poll until all
                         complete, then greedy-decode from the fetched cache
     this process:       the same model, prefill and decode in one process (the reference);
@@ -160,25 +161,34 @@ def sync(device):
 # ---- the processes --------------------------------------------------------------------------
 
 
-def context_process(args, to_gen, results):
+def context_process(args, rv_address, rv_key, results):
     torch.set_num_threads(1)
     model = build_model(args)
     ps = prompts(args)
+    rv = kvferry.Rendezvous(rv_address, rv_key)
+    secret = kvferry.random_key()
+    rv.publish_instance_secret("ctx", 1, secret)  # what the other context ranks would fetch
     with kvferry.Device(args.kv_device) as dev:
         mem = KvMemory(dev, args, len(ps))
         ctx = kvferry.ContextSide(dev, mem.pool, transport=args.transport,
-                                  instance_secret=b"llama-demo-key!!", timeout=args.timeout)
-        ctx.set_instance_addresses([ctx.address])
+                                  instance_secret=secret, timeout=args.timeout)
+        rv.publish_rank_address("ctx", 1, 0, ctx.address)
+        ctx.set_instance_addresses(rv.gather_rank_addresses("ctx", 1, 1, timeout=args.timeout))
         requests = []
         t0 = time.perf_counter()
         for row, prompt in enumerate(ps):
             cache = cache_for_row(model, mem.k, mem.v, row, 0)
             first = prefill(model, cache, prompt, args.device)
             sync(args.device)
-            handle = ctx.mark_ready(1000 + row, mem.blocks(row, len(prompt)), len(prompt))
-            requests.append({"row": row, "handle": handle, "first": first, "tokens": len(prompt)})
+            rid = 1000 + row
+            handle = ctx.mark_ready(rid, mem.blocks(row, len(prompt)), len(prompt))
+            # The router's part: the handle, and what decode needs besides the cache.
+            rv.publish_handle(rid, handle)
+            rv.put(f"request/{rid}", json.dumps({"row": row, "first": first,
+                                                  "tokens": len(prompt)}).encode())
+            requests.append(rid)
         prefill_s = time.perf_counter() - t0
-        to_gen.put(requests)
+        rv.put("requests", json.dumps(requests).encode())
         done = []
         while len(done) < len(ps):
             got = ctx.poll(at_least=len(ps) - len(done), timeout=args.timeout)
@@ -192,17 +202,23 @@ def context_process(args, to_gen, results):
         mem.close()
 
 
-def generation_process(args, from_ctx, results):
+def generation_process(args, rv_address, rv_key, results):
     torch.set_num_threads(1)
     model = build_model(args)
     ps = prompts(args)
+    rv = kvferry.Rendezvous(rv_address, rv_key)
     with kvferry.Device(args.kv_device) as dev:
         # One pool and side per generation rank; with one rank the pool is the model's cache.
         ranks = [KvMemory(dev, args, len(ps), rank=r, tp=args.gen_tp)
                  for r in range(args.gen_tp)]
         sides = [kvferry.GenerationSide(dev, m.pool, transport=args.transport, instance_id=2,
                                         timeout=args.timeout) for m in ranks]
-        requests = from_ctx.get(timeout=args.timeout * 4)
+        ids = json.loads(rv.get("requests", timeout=args.timeout * 4))
+        requests = []
+        for rid in ids:
+            req = json.loads(rv.get(f"request/{rid}", timeout=args.timeout))
+            req["handle"] = rv.fetch_handle(rid, timeout=args.timeout)
+            requests.append(req)
         t0 = time.perf_counter()
         for req in requests:
             for m, side in zip(ranks, sides):
@@ -354,9 +370,14 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     ctx_mp = mp.get_context("spawn")
-    to_gen, results = ctx_mp.Queue(), ctx_mp.Queue()
-    procs = [ctx_mp.Process(target=context_process, args=(args, to_gen, results)),
-             ctx_mp.Process(target=generation_process, args=(args, to_gen, results))]
+    results = ctx_mp.Queue()
+    # The router: a rendezvous server carries addresses, the secret and handles between the
+    # instances (TCP on loopback here; across hosts the same).
+    rv_key = kvferry.random_key()
+    server = kvferry.RendezvousServer("127.0.0.1", 0, rv_key)
+    procs = [ctx_mp.Process(target=context_process, args=(args, server.address, rv_key, results)),
+             ctx_mp.Process(target=generation_process,
+                            args=(args, server.address, rv_key, results))]
     for p in procs:
         p.start()
     got = {}
@@ -369,6 +390,7 @@ def main(argv=None):
             p.join(timeout=args.timeout)
             if p.is_alive():
                 p.kill()
+        server.close()
     # The reference runs after the two processes, so that its times are not shared with them.
     ref = reference(args)
     ctx, gen = got.get("context", {}), got.get("generation", {})

@@ -172,5 +172,6 @@ void BindDevice(nb::module_& m);
 void BindPool(nb::module_& m);
 void BindTransceiver(nb::module_& m);
 void BindTiering(nb::module_& m);
+void BindRendezvous(nb::module_& m);
 
 }  // namespace kvferry::py
