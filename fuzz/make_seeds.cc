@@ -73,7 +73,7 @@ void WriteAll(const std::filesystem::path& root) {
       {"fetch", SmallFetch()},
       {"accept", AcceptMsg{7, 1}},
       {"reject", RejectMsg{7, 1, 1, "no"}},
-      {"credit", CreditMsg{7, 1, 4}},
+      {"credit", CreditMsg{7, 1, 4, {}}},
       {"done", DoneMsg{7, 1, 4096}},
       {"abort", AbortMsg{7, 1, 6, "cancelled"}},
       {"complete", CompleteMsg{7, 1}},

@@ -329,7 +329,7 @@ class Harness {
         break;
       }
       case 1:
-        msg = CreditMsg{r.id, tid, in.Pick<uint32_t>({1, 2, 3, 1000, UINT32_MAX})};
+        msg = CreditMsg{r.id, tid, in.Pick<uint32_t>({1, 2, 3, 1000, UINT32_MAX}), {}};
         break;
       case 2:
         msg = DoneMsg{r.id, tid, in.Pick<int64_t>({0, 1024, -1, INT64_MAX})};
@@ -347,7 +347,7 @@ class Harness {
         msg = RejectMsg{r.id, tid, code, "hostile reject"};
         break;
       case 7:
-        msg = CreditMsg{r.id ^ 1, tid + 1, 1};  // a neighbour's request, a stale transfer
+        msg = CreditMsg{r.id ^ 1, tid + 1, 1, {}};  // a neighbour's request, a stale transfer
         break;
     }
     (void)hostile_->SendControl(to, EncodeMessage(msg));
