@@ -3,14 +3,17 @@ moved between them by kvferry, and the tokens checked against the same model in 
 
 The model is a small Llama (Hugging Face ``transformers``) built from a config with seeded random
 weights: nothing is downloaded. Its KV cache is a ``transformers`` StaticCache whose per-layer K
-and V tensors live in kvferry-described memory: for every layer, K and V are ``[B, S, H, D]``
-tensors (the vLLM/SGLang "NHD" layout: token-major, heads inside), seen by the model as
-``[B, H, S, D]`` through a transpose. Batch row b's tokens are the pool blocks
-``b * S / T ... (b + 1) * S / T - 1``, so a request's blocks are its row of the cache: the pool
-*is* the model's cache, and kvferry moves it without a copy into a staging pool.
+and V tensors are torch tensors ``[B, S, H, D]`` (the vLLM/SGLang "NHD" order: token-major, heads
+inside), seen by the model as ``[B, H, S, D]`` through a transpose, and wrapped by a kvferry pool
+(``Pool.wrap``, layout 'per-layer-kv', zero copy). Batch row b's tokens are the pool blocks
+``b * S / T ... (b + 1) * S / T - 1``, so a request's blocks are its row of the cache: kvferry
+moves the model's own tensors, with no copy into a pool of its own. (transformers' default
+allocation, ``[B, H, S, D]`` contiguous, is HND over the whole row: a custom layout kvferry can
+wrap for tiering but not transfer, since handles name the layout rather than carry strides.)
 
     context process:    prefill each prompt (batch 1, its own row) -> first token,
-                        ContextSide.mark_ready(blocks) -> handle (bytes)
+                        ContextSide.mark_ready(blocks) -> handle (bytes), published with the
+                        first token on the rendezvous (the router's part)
     generation process: GenerationSide.fetch(handle, blocks) for every prompt, poll until all
                         complete, then greedy-decode from the fetched cache
     this process:       the same model, prefill and decode in one process (the reference);
@@ -82,36 +85,38 @@ def kv_shape(args, kv_heads=None):
 
 
 class KvMemory:
-    """Per layer, K and V as [B, S, H, D] torch tensors over one kvferry pool of one rank.
+    """The model's KV cache memory on one rank: per layer a K and a V torch tensor [B, S, H, D]
+    (vLLM/SGLang's NHD order), allocated by torch and wrapped by one kvferry pool, zero copy.
 
-    The pool's layout is 'per-layer' (one region per layer, [kv][block][token][head][dim]) with
-    B * S / T blocks; its regions are handed to torch through DLPack (zero copy)."""
+    kvferry sees them as the 'per-layer-kv' layout (one region per (layer, kv),
+    [block][token][head][dim]) with B * S / T blocks: block b * S / T + j holds tokens
+    j * T .. (j + 1) * T - 1 of batch row b."""
 
-    def __init__(self, dev, args, batch, rank=0, tp=1, memory="device"):
+    def __init__(self, dev, args, batch, rank=0, tp=1):
         shape = kv_shape(args)
+        parallel = kvferry.ParallelConfig(tp=tp)
         self.batch, self.seq = batch, args.max_len
         self.tpb = args.tokens_per_block
         assert self.seq % self.tpb == 0
         self.blocks_per_row = self.seq // self.tpb
-        self.pool = kvferry.Pool.allocate(dev, shape, kvferry.ParallelConfig(tp=tp), rank=rank,
-                                          layout="per-layer", memory=memory,
-                                          blocks=batch * self.blocks_per_row)
-        heads = self.pool.slice.head_count
-        dim = shape.head_dim
-        self.k, self.v = [], []
-        for layer in range(self.pool.num_regions):
-            region = torch.from_dlpack(self.pool.region(layer)).view(torch.float32)
-            kv = region.view(2, batch, self.seq, heads, dim)
-            self.k.append(kv[0])
-            self.v.append(kv[1])
+        heads = kvferry.slice_of(shape, parallel, rank).head_count
+        dims = (batch, self.seq, heads, shape.head_dim)
+        self.k = [torch.zeros(dims, dtype=torch.float32, device=args.device)
+                  for _ in range(args.layers)]
+        self.v = [torch.zeros(dims, dtype=torch.float32, device=args.device)
+                  for _ in range(args.layers)]
+        tensors = [t for layer in range(args.layers) for t in (self.k[layer], self.v[layer])]
+        self.pool = kvferry.Pool.wrap(dev, shape, tensors, parallel, rank=rank,
+                                      layout="per-layer-kv", blocks=batch * self.blocks_per_row)
+        assert self.pool.wrapped
 
     def blocks(self, row, tokens):
         n = -(-tokens // self.tpb)
         return [row * self.blocks_per_row + i for i in range(n)]
 
     def close(self):
-        self.k, self.v = [], []
         self.pool.close()
+        self.k, self.v = [], []
 
 
 def cache_for_row(model, mem_k, mem_v, row, seen_tokens):
@@ -156,25 +161,34 @@ def sync(device):
 # ---- the processes --------------------------------------------------------------------------
 
 
-def context_process(args, to_gen, results):
+def context_process(args, rv_address, rv_key, results):
     torch.set_num_threads(1)
     model = build_model(args)
     ps = prompts(args)
+    rv = kvferry.Rendezvous(rv_address, rv_key)
+    secret = kvferry.random_key()
+    rv.publish_instance_secret("ctx", 1, secret)  # what the other context ranks would fetch
     with kvferry.Device(args.kv_device) as dev:
         mem = KvMemory(dev, args, len(ps))
         ctx = kvferry.ContextSide(dev, mem.pool, transport=args.transport,
-                                  instance_secret=b"llama-demo-key!!", timeout=args.timeout)
-        ctx.set_instance_addresses([ctx.address])
+                                  instance_secret=secret, timeout=args.timeout)
+        rv.publish_rank_address("ctx", 1, 0, ctx.address)
+        ctx.set_instance_addresses(rv.gather_rank_addresses("ctx", 1, 1, timeout=args.timeout))
         requests = []
         t0 = time.perf_counter()
         for row, prompt in enumerate(ps):
             cache = cache_for_row(model, mem.k, mem.v, row, 0)
             first = prefill(model, cache, prompt, args.device)
             sync(args.device)
-            handle = ctx.mark_ready(1000 + row, mem.blocks(row, len(prompt)), len(prompt))
-            requests.append({"row": row, "handle": handle, "first": first, "tokens": len(prompt)})
+            rid = 1000 + row
+            handle = ctx.mark_ready(rid, mem.blocks(row, len(prompt)), len(prompt))
+            # The router's part: the handle, and what decode needs besides the cache.
+            rv.publish_handle(rid, handle)
+            rv.put(f"request/{rid}", json.dumps({"row": row, "first": first,
+                                                  "tokens": len(prompt)}).encode())
+            requests.append(rid)
         prefill_s = time.perf_counter() - t0
-        to_gen.put(requests)
+        rv.put("requests", json.dumps(requests).encode())
         done = []
         while len(done) < len(ps):
             got = ctx.poll(at_least=len(ps) - len(done), timeout=args.timeout)
@@ -188,17 +202,23 @@ def context_process(args, to_gen, results):
         mem.close()
 
 
-def generation_process(args, from_ctx, results):
+def generation_process(args, rv_address, rv_key, results):
     torch.set_num_threads(1)
     model = build_model(args)
     ps = prompts(args)
+    rv = kvferry.Rendezvous(rv_address, rv_key)
     with kvferry.Device(args.kv_device) as dev:
         # One pool and side per generation rank; with one rank the pool is the model's cache.
         ranks = [KvMemory(dev, args, len(ps), rank=r, tp=args.gen_tp)
                  for r in range(args.gen_tp)]
         sides = [kvferry.GenerationSide(dev, m.pool, transport=args.transport, instance_id=2,
                                         timeout=args.timeout) for m in ranks]
-        requests = from_ctx.get(timeout=args.timeout * 4)
+        ids = json.loads(rv.get("requests", timeout=args.timeout * 4))
+        requests = []
+        for rid in ids:
+            req = json.loads(rv.get(f"request/{rid}", timeout=args.timeout))
+            req["handle"] = rv.fetch_handle(rid, timeout=args.timeout)
+            requests.append(req)
         t0 = time.perf_counter()
         for req in requests:
             for m, side in zip(ranks, sides):
@@ -290,7 +310,7 @@ def bench_baseline(args, lengths):
     cmd = [args.bench, "bench", "transfer", "--layers", str(args.layers),
            "--kv-heads", str(args.kv_heads), "--head-dim", str(args.hidden // args.heads),
            "--tokens-per-block", str(args.tokens_per_block), "--dtype", "fp32",
-           "--ctx-layout", "per-layer", "--gen-layout", "per-layer", "--gen-tp", str(args.gen_tp),
+           "--ctx-layout", "per-layer-kv", "--gen-layout", "per-layer-kv", "--gen-tp", str(args.gen_tp),
            "--requests", str(len(lengths)), "--concurrency", str(len(lengths)),
            "--sweep", str(mean), "--transport", args.transport,
            "--device", "cuda" if args.device.startswith("cuda") else "cpu",
@@ -350,9 +370,14 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     ctx_mp = mp.get_context("spawn")
-    to_gen, results = ctx_mp.Queue(), ctx_mp.Queue()
-    procs = [ctx_mp.Process(target=context_process, args=(args, to_gen, results)),
-             ctx_mp.Process(target=generation_process, args=(args, to_gen, results))]
+    results = ctx_mp.Queue()
+    # The router: a rendezvous server carries addresses, the secret and handles between the
+    # instances (TCP on loopback here; across hosts the same).
+    rv_key = kvferry.random_key()
+    server = kvferry.RendezvousServer("127.0.0.1", 0, rv_key)
+    procs = [ctx_mp.Process(target=context_process, args=(args, server.address, rv_key, results)),
+             ctx_mp.Process(target=generation_process,
+                            args=(args, server.address, rv_key, results))]
     for p in procs:
         p.start()
     got = {}
@@ -365,6 +390,7 @@ def main(argv=None):
             p.join(timeout=args.timeout)
             if p.is_alive():
                 p.kill()
+        server.close()
     # The reference runs after the two processes, so that its times are not shared with them.
     ref = reference(args)
     ctx, gen = got.get("context", {}), got.get("generation", {})
@@ -375,7 +401,8 @@ def main(argv=None):
                   "kv_heads": args.kv_heads, "vocab": args.vocab, "dtype": "fp32",
                   "seed": args.seed},
         "device": args.device, "transport": args.transport, "gen_tp": args.gen_tp,
-        "kv_layout": "per-layer (NHD), one block = tokens_per_block tokens of one sequence",
+        "kv_layout": "per-layer-kv: the model's K and V torch tensors [B, S, H, D] per layer, "
+                     "wrapped (zero copy); one block = tokens_per_block tokens of one row",
         "tokens_per_block": args.tokens_per_block,
         "prompt_lengths": [len(p) for p in prompts(args)], "new_tokens": args.new_tokens,
         "identical_tokens": bool(identical),

@@ -110,8 +110,8 @@ enum class DeviceStaging : uint8_t {
 
 struct TransferOptions {
   int64_t file_staging_blocks = 32;  // pinned staging of the file tier, in blocks
-  DeviceStaging device_staging = DeviceStaging::kAuto;
-  int64_t device_staging_blocks = 32;  // per copy stream
+  DeviceStaging device_staging = DeviceStaging::kNever;  // knob default: measured slower (doc)
+  int64_t device_staging_blocks = 32;                    // per copy stream
   // Defaults from the config knobs (tiering.file_staging_blocks, tiering.device_staging,
   // tiering.device_staging_blocks).
   static TransferOptions FromConfig();

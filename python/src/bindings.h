@@ -93,11 +93,13 @@ struct PoolCore {
 struct EventCore {
   std::shared_ptr<DeviceCore> device;
   std::shared_ptr<Event> event;
+  nb::object native;  // the engine's event (wrap_event), kept alive with the wrapper
 };
 
 struct StreamCore {
   std::shared_ptr<DeviceCore> device;
   std::unique_ptr<Stream> stream;
+  nb::object native;  // the engine's stream (wrap_stream)
 };
 
 // The Python-visible wrappers whose cores other bindings need.
@@ -170,5 +172,6 @@ void BindDevice(nb::module_& m);
 void BindPool(nb::module_& m);
 void BindTransceiver(nb::module_& m);
 void BindTiering(nb::module_& m);
+void BindRendezvous(nb::module_& m);
 
 }  // namespace kvferry::py

@@ -72,6 +72,20 @@ std::string KnobText(nb::handle value) {
   return {};
 }
 
+// The native handle of a torch.cuda.Stream / torch.cuda.Event (or an int).
+void* NativeHandle(nb::handle obj, const char* attr) {
+  nb::handle h = obj;
+  nb::object tmp;
+  if (nb::hasattr(obj, attr)) {
+    tmp = obj.attr(attr);
+    h = tmp;
+  }
+  if (!nb::isinstance<nb::int_>(h)) {
+    ThrowInvalid(std::string("expected an int handle or an object with .") + attr);
+  }
+  return reinterpret_cast<void*>(nb::cast<uintptr_t>(h));
+}
+
 }  // namespace
 
 void BindDevice(nb::module_& m) {
@@ -200,14 +214,41 @@ void BindDevice(nb::module_& m) {
            [](PyDevice& d) {
              const std::shared_ptr<DeviceCore>& c = d.core();
              auto s = Take(c->device->CreateStream());
-             return PyStream(std::make_shared<StreamCore>(StreamCore{c, std::move(s)}));
+             return PyStream(
+                 std::make_shared<StreamCore>(StreamCore{c, std::move(s), nb::object()}));
            })
       .def("create_event",
            [](PyDevice& d) {
              const std::shared_ptr<DeviceCore>& c = d.core();
              std::shared_ptr<Event> e = Take(c->device->CreateEvent());
-             return PyEvent(std::make_shared<EventCore>(EventCore{c, std::move(e)}));
+             return PyEvent(std::make_shared<EventCore>(EventCore{c, std::move(e), nb::object()}));
            })
+      .def(
+          "wrap_stream",
+          [](PyDevice& d, nb::object native) {
+            const std::shared_ptr<DeviceCore>& c = d.core();
+            auto s = Take(c->device->WrapStream(NativeHandle(native, "cuda_stream")));
+            auto core = std::make_shared<StreamCore>(StreamCore{c, std::move(s)});
+            core->native = native;
+            return PyStream(std::move(core));
+          },
+          nb::arg("native"),
+          "Wraps the engine's stream (torch.cuda.Stream or a cudaStream_t as int), not owned: "
+          "kvferry's work enqueued on it orders with the engine's. Keep the native stream alive.")
+      .def(
+          "wrap_event",
+          [](PyDevice& d, nb::object native) {
+            const std::shared_ptr<DeviceCore>& c = d.core();
+            std::shared_ptr<Event> e =
+                Take(c->device->WrapEvent(NativeHandle(native, "cuda_event")));
+            auto core = std::make_shared<EventCore>(EventCore{c, std::move(e)});
+            core->native = native;
+            return PyEvent(std::move(core));
+          },
+          nb::arg("native"),
+          "Wraps the engine's event (torch.cuda.Event or a cudaEvent_t as int), not owned, e.g. "
+          "for ContextSide.mark_layer_ready_on. Keep the native event alive until the request "
+          "is terminal.")
       .def("close", &PyDevice::close)
       .def("__enter__", [](nb::handle self) { return self; })
       .def("__exit__", [](PyDevice& d, nb::args) { d.close(); })

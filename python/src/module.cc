@@ -9,4 +9,5 @@ NB_MODULE(_kvferry, m) {
   kvferry::py::BindPool(m);
   kvferry::py::BindTransceiver(m);
   kvferry::py::BindTiering(m);
+  kvferry::py::BindRendezvous(m);
 }

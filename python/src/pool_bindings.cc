@@ -1,6 +1,7 @@
 // The KV model (KvShape, ParallelConfig, RankSlice) and block pools, with zero-copy views of a
 // pool's regions (numpy for host memory, DLPack for GPU memory).
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
@@ -35,6 +36,157 @@ nb::object View(const std::shared_ptr<PoolCore>& core, std::byte* data, size_t b
   return nb::cast(nb::ndarray<uint8_t, nb::ndim<1>>(data, 1, shape, owner, nullptr,
                                                     nb::dtype<uint8_t>(), nb::device::cuda::value,
                                                     core->device->device->info().ordinal));
+}
+
+}  // namespace
+
+// ---- wrapping engine tensors (BlockPool::Wrap) --------------------------------------------------
+
+namespace {
+
+const char* DTypeCodeName(uint8_t code) {
+  switch (code) {
+    case 0:
+      return "int";
+    case 1:
+      return "uint";
+    case 2:
+      return "float";
+    case 4:
+      return "bfloat";
+  }
+  return "other";
+}
+
+// The tensor's elements must be the shape's dtype (by width, and by kind where DLPack says it).
+void CheckDType(const nb::ndarray<>& a, DType want, size_t i) {
+  const auto dt = a.dtype();
+  const int bits = dt.bits * dt.lanes;
+  const bool float_kind = want == DType::kFp32 || want == DType::kFp16;
+  bool ok = bits == DTypeSize(want) * 8;
+  if (ok && float_kind) ok = dt.code == 2;
+  if (ok && want == DType::kBf16) ok = dt.code == 4;
+  if (!ok) {
+    ThrowInvalid("tensor " + std::to_string(i) + " holds " + std::to_string(bits) + "-bit " +
+                 DTypeCodeName(dt.code) + " elements; the KvShape's dtype is " +
+                 std::string(DTypeName(want)));
+  }
+}
+
+// Bytes from the tensor's first element to one past its last (strides must not be negative).
+int64_t SpanBytes(const nb::ndarray<>& a, size_t i) {
+  int64_t last = 0;
+  for (size_t d = 0; d < a.ndim(); ++d) {
+    if (a.shape(d) == 0) ThrowInvalid("tensor " + std::to_string(i) + " is empty");
+    if (a.stride(d) < 0) {
+      ThrowInvalid("tensor " + std::to_string(i) + " has a negative stride on axis " +
+                   std::to_string(d));
+    }
+    last += static_cast<int64_t>(a.shape(d) - 1) * a.stride(d);
+  }
+  return (last + 1) * static_cast<int64_t>(a.itemsize());
+}
+
+// Named layouts are dense: each tensor must be C-contiguous (its own strides say nothing the
+// layout would use).
+void CheckContiguous(const nb::ndarray<>& a, size_t i) {
+  int64_t expect = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect) {
+      ThrowInvalid("tensor " + std::to_string(i) + " is not contiguous (axis " + std::to_string(d) +
+                   " has stride " + std::to_string(a.stride(d)) + " elements, " +
+                   std::to_string(expect) +
+                   " expected); a named layout needs dense tensors: pass .contiguous() memory "
+                   "or byte_strides");
+    }
+    expect *= static_cast<int64_t>(a.shape(d));
+  }
+}
+
+MemoryKind KindOf(const nb::ndarray<>& a, const DeviceCore& dev, size_t i) {
+  const int ordinal = dev.device->info().ordinal;
+  switch (a.device_type()) {
+    case nb::device::cpu::value:
+      return dev.is_cuda() ? MemoryKind::kHost : MemoryKind::kDevice;
+    case nb::device::cuda_host::value:
+      return dev.is_cuda() ? MemoryKind::kPinnedHost : MemoryKind::kDevice;
+    case nb::device::cuda::value:
+      if (!dev.is_cuda() || a.device_id() != ordinal) {
+        ThrowInvalid("tensor " + std::to_string(i) +
+                     " is on cuda:" + std::to_string(a.device_id()) + ", the pool's device is " +
+                     dev.device->info().platform + ":" + std::to_string(ordinal));
+      }
+      return MemoryKind::kDevice;
+  }
+  ThrowInvalid("tensor " + std::to_string(i) + ": DLPack device type " +
+               std::to_string(a.device_type()) + " is neither CPU nor CUDA memory");
+  return MemoryKind::kHost;
+}
+
+RegionSplit ParseSplit(const std::string& s) {
+  if (s == "one") return RegionSplit::kNone;
+  if (s == "per-layer") return RegionSplit::kPerLayer;
+  if (s == "per-kv") return RegionSplit::kPerKv;
+  if (s == "per-layer-kv") return RegionSplit::kPerLayerKv;
+  ThrowInvalid("split '" + s + "': expected one|per-layer|per-kv|per-layer-kv");
+  return RegionSplit::kNone;
+}
+
+PyPool WrapTensors(PyDevice& device, const KvShape& shape, nb::handle tensors,
+                   const ParallelConfig& parallel, int32_t rank, const std::string& layout,
+                   int64_t blocks, std::optional<std::vector<int64_t>> byte_strides,
+                   const std::string& split) {
+  const std::shared_ptr<DeviceCore>& dev = device.core();
+  std::vector<nb::object> objects;
+  if (nb::isinstance<nb::list>(tensors) || nb::isinstance<nb::tuple>(tensors)) {
+    for (nb::handle t : tensors) objects.push_back(nb::borrow(t));
+  } else {
+    objects.push_back(nb::borrow(tensors));
+  }
+  if (objects.empty()) ThrowInvalid("wrap needs at least one tensor");
+  std::vector<nb::ndarray<>> arrays;
+  std::vector<ExternalRegion> regions;
+  for (size_t i = 0; i < objects.size(); ++i) {
+    nb::ndarray<> a;
+    if (!nb::try_cast(objects[i], a)) {
+      ThrowInvalid("tensor " + std::to_string(i) + " (" +
+                   nb::cast<std::string>(nb::str(nb::type_name(objects[i].type()))) +
+                   ") does not export DLPack (a torch tensor or numpy array is needed)");
+    }
+    CheckDType(a, shape.dtype, i);
+    if (!byte_strides.has_value()) CheckContiguous(a, i);
+    ExternalRegion r;
+    r.base = static_cast<std::byte*>(a.data_handle()) + a.byte_offset();
+    r.bytes = SpanBytes(a, i);
+    r.memory = KindOf(a, *dev, i);
+    r.device = a.device_type() == nb::device::cuda::value ? a.device_id() : 0;
+    if (i > 0 && r.memory != regions[0].memory) {
+      ThrowInvalid("tensor " + std::to_string(i) + " is " + std::string(MemoryKindName(r.memory)) +
+                   " memory, tensor 0 is " + std::string(MemoryKindName(regions[0].memory)));
+    }
+    regions.push_back(r);
+    arrays.push_back(std::move(a));
+  }
+  PoolSpec spec{shape, parallel, rank, LayoutKind::kBlockMajor, regions[0].memory, blocks};
+  auto core = std::make_shared<PoolCore>();
+  core->device = dev;
+  if (byte_strides.has_value()) {
+    if (byte_strides->size() != kNumAxes) {
+      ThrowInvalid("byte_strides has " + std::to_string(byte_strides->size()) +
+                   " entries; one per axis (block, layer, kv, head, token, dim) is needed");
+    }
+    PoolStrides s{};
+    std::copy(byte_strides->begin(), byte_strides->end(), s.begin());
+    RankSlice slice = Take(SliceOf(shape, parallel, rank));
+    PoolLayout l = Take(PoolLayout::FromByteStrides(RankPoolDims(shape, slice, blocks), s,
+                                                    ParseSplit(split), shape.ElementBytes()));
+    core->pool.emplace(Take(BlockPool::Wrap(*dev->device, spec, l, regions)));
+  } else {
+    spec.layout = Take(ParseLayoutKind(layout));
+    core->pool.emplace(Take(BlockPool::Wrap(*dev->device, spec, regions)));
+  }
+  core->owners = std::move(objects);
+  return PyPool(std::move(core));
 }
 
 }  // namespace
@@ -128,6 +280,19 @@ void BindPool(nb::module_& m) {
           nb::arg("blocks"),
           "Allocates a pool of `blocks` blocks; layout 'block-major' (TensorRT-LLM) or "
           "'per-layer' (vLLM, one region per layer), memory 'device', 'pinned' or 'host'.")
+      .def_static(
+          "wrap", &WrapTensors, nb::arg("device"), nb::arg("shape"), nb::arg("tensors"),
+          nb::arg("parallel") = ParallelConfig{}, nb::arg("rank") = 0,
+          nb::arg("layout") = "per-layer-kv", nb::arg("blocks"),
+          nb::arg("byte_strides") = nb::none(), nb::arg("split") = "per-layer-kv",
+          "Wraps the engine's own tensors (torch, numpy: anything with __dlpack__; CPU or CUDA), "
+          "zero copy: one tensor per region of the layout, in region order (layer * kv regions + "
+          "kv). `layout` names the engine layout ('per-layer-kv': a K and a V tensor per layer, "
+          "[block][token][head][dim]; 'per-layer', 'per-layer-hnd', 'per-layer-kv-hnd', "
+          "'flashinfer', 'flashinfer-hnd', 'block-major', 'block-major-nhd'); dense tensors are "
+          "needed then. Or give byte_strides over (block, layer, kv, head, token, dim) and the "
+          "region split ('one', 'per-layer', 'per-kv', 'per-layer-kv') for any strides (such a "
+          "custom pool serves tiering, not transfers). The pool keeps the tensors alive.")
       .def_prop_ro("blocks", [](PyPool& p) { return p.pool().blocks(); })
       .def_prop_ro("num_regions", [](PyPool& p) { return p.pool().num_regions(); })
       .def_prop_ro("region_bytes", [](PyPool& p) { return p.pool().layout().region_bytes(); })
@@ -154,6 +319,9 @@ void BindPool(nb::module_& m) {
       .def_prop_ro("slice", [](PyPool& p) { return p.pool().slice(); })
       .def_prop_ro("memory",
                    [](PyPool& p) { return std::string(MemoryKindName(p.pool().memory())); })
+      .def_prop_ro(
+          "wrapped", [](PyPool& p) { return p.pool().wrapped(); },
+          "True when the memory is the engine's (Pool.wrap).")
       .def_prop_ro("closed", &PyPool::closed)
       .def(
           "region",

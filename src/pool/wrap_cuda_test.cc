@@ -25,7 +25,7 @@ constexpr int64_t kBlocks = 8;
 
 Deadline Soon() { return DeadlineIn(milliseconds(30000)); }
 
-#define SKIP_WITHOUT_GPU()                                                 \
+#define SKIP_WITHOUT_GPU() \
   if (internal::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA GPU present"
 
 // The engine: cudaMalloc'd tensors and its own stream.
@@ -45,8 +45,8 @@ PoolSpec SpecOf(LayoutKind kind, MemoryKind memory, ParallelConfig parallel = {}
 
 // Allocates the engine's tensors for `spec` and wraps them.
 BlockPool WrapEngine(Device& dev, const PoolSpec& spec, Engine& eng) {
-  const PoolDims n = RankPoolDims(spec.shape, *SliceOf(spec.shape, spec.parallel, spec.rank),
-                                  spec.blocks);
+  const PoolDims n =
+      RankPoolDims(spec.shape, *SliceOf(spec.shape, spec.parallel, spec.rank), spec.blocks);
   eng.tensor_bytes = EngineTensorBytes(spec.layout, n, spec.shape.ElementBytes());
   std::vector<ExternalRegion> regions;
   for (int32_t r = 0; r < EngineTensors(spec.layout, n); ++r) {
@@ -66,10 +66,10 @@ BlockPool WrapEngine(Device& dev, const PoolSpec& spec, Engine& eng) {
 void CopyRegions(const BlockPool& dst, const BlockPool& src, cudaStream_t s) {
   ASSERT_EQ(dst.num_regions(), src.num_regions());
   for (int32_t r = 0; r < dst.num_regions(); ++r) {
-    ASSERT_EQ(cudaMemcpyAsync(dst.region(r), src.region(r),
-                              static_cast<size_t>(src.layout().region_bytes()), cudaMemcpyDefault,
-                              s),
-              cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpyAsync(dst.region(r), src.region(r),
+                        static_cast<size_t>(src.layout().region_bytes()), cudaMemcpyDefault, s),
+        cudaSuccess);
   }
 }
 
@@ -154,8 +154,8 @@ TEST(WrappedCudaTransfer, VllmHndIntoBlockMajorOverInproc) {
   std::vector<BlockPool> ctx_pools;
   std::vector<std::unique_ptr<ContextSide>> ctx;
   for (int r = 0; r < 2; ++r) {
-    ctx_pools.push_back(
-        WrapEngine(*dev, SpecOf(LayoutKind::kPerLayerHnd, MemoryKind::kDevice, ctx_par, r), eng[r]));
+    ctx_pools.push_back(WrapEngine(
+        *dev, SpecOf(LayoutKind::kPerLayerHnd, MemoryKind::kDevice, ctx_par, r), eng[r]));
   }
   for (int r = 0; r < 2; ++r) {
     auto side = ContextSide::Create(*dev, ctx_pools[r], o, transport());
@@ -197,7 +197,8 @@ TEST(WrappedCudaTransfer, VllmHndIntoBlockMajorOverInproc) {
       events.push_back(e);
       auto wrapped = dev->WrapEvent(e);
       ASSERT_TRUE(wrapped.ok()) << wrapped.status().ToString();
-      ASSERT_TRUE(ctx[r]->MarkLayerReadyOn(id, l, std::shared_ptr<Event>(std::move(*wrapped))).ok());
+      ASSERT_TRUE(
+          ctx[r]->MarkLayerReadyOn(id, l, std::shared_ptr<Event>(std::move(*wrapped))).ok());
     }
   }
   ASSERT_TRUE((*gen)->Fetch(handle, gen_blocks, 0).ok());
@@ -215,9 +216,9 @@ TEST(WrappedCudaTransfer, VllmHndIntoBlockMajorOverInproc) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const int64_t tpb = kShape.tokens_per_block;
   for (size_t i = 0; i < gen_blocks.size(); ++i) {
-    auto r = CheckBlock(*out, id,
-                        {gen_blocks[i], int64_t(i) * tpb,
-                         std::min<int64_t>(tpb, tokens - int64_t(i) * tpb)});
+    auto r = CheckBlock(
+        *out, id,
+        {gen_blocks[i], int64_t(i) * tpb, std::min<int64_t>(tpb, tokens - int64_t(i) * tpb)});
     ASSERT_TRUE(r.ok());
     EXPECT_FALSE(r->has_value()) << "block " << i << ": " << (*r)->ToString();
   }

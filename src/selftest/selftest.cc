@@ -1,6 +1,7 @@
 #include "selftest/selftest.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -18,6 +19,7 @@
 
 #include "kvferry/testdata.h"
 #include "kvferry/transceiver.h"
+#include "selftest/baseline.h"
 #include "selftest/run_watch.h"
 #include "transceiver/faulty_transport.h"
 #include "transport/inproc_transport.h"
@@ -33,6 +35,8 @@ double CpuSeconds() {
   getrusage(RUSAGE_SELF, &u);
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
+
+}  // namespace
 
 Status WriteFileAtomic(const fs::path& path, std::span<const std::byte> bytes) {
   fs::path tmp = path;
@@ -75,14 +79,17 @@ std::string AsString(const std::vector<std::byte>& b) {
   return std::string(reinterpret_cast<const char*>(b.data()), b.size());
 }
 
+int64_t TokensOf(const SelftestConfig& cfg, int i) {
+  return cfg.prompt_tokens[i % cfg.prompt_tokens.size()];
+}
+
+namespace {
+
 int64_t BlocksFor(const SelftestConfig& cfg, int64_t tokens) {
   return (tokens + cfg.shape.tokens_per_block - 1) / cfg.shape.tokens_per_block;
 }
 int64_t MaxBlocksPerRequest(const SelftestConfig& cfg) {
   return BlocksFor(cfg, *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
-}
-int64_t TokensOf(const SelftestConfig& cfg, int i) {
-  return cfg.prompt_tokens[i % cfg.prompt_tokens.size()];
 }
 uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
 // Test-data seed of the shared prefix blocks (they hold the same values for every request).
@@ -194,164 +201,29 @@ void GiveUp(RankResult& r, std::string msg, const std::vector<uint64_t>& live, s
   r.failed += static_cast<int>(live.size() + never_started);
 }
 
-int64_t BaselineBytes(const SelftestConfig& cfg) {
-  int64_t total = 0;
-  for (int i = 0; i < cfg.requests; ++i) total += TokensOf(cfg, i) * cfg.shape.BytesPerToken();
-  return std::clamp<int64_t>(total, 4 << 20, int64_t{1} << 30);
-}
-
-std::string Hex(std::span<const std::byte> b) {
-  std::string s;
-  for (std::byte x : b) s += fmt::format("{:02x}", std::to_integer<int>(x));
-  return s;
-}
-std::vector<std::byte> Unhex(const std::string& s) {
-  std::vector<std::byte> out;
-  for (size_t i = 0; i + 1 < s.size(); i += 2)
-    out.push_back(std::byte(std::stoi(s.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-// Raw transport bandwidth between context rank 0 and generation rank 0, same processes, same
-// bytes as the run: one-sided put where the transport has it, else tagged send/receive.
-constexpr size_t kBaseMsg = 4 << 20;
-constexpr int kBaseWindow = 16;
-
-StatusOr<double> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make,
-                                std::string* name) {
-  const fs::path dir(cfg.dir);
-  auto deadline = DeadlineIn(cfg.timeout);
-  KVF_ASSIGN_OR_RETURN(auto t, make());
-  KVF_RETURN_IF_ERROR(WriteText(dir / "base-ctx.addr", t->LocalAddress()));
-  KVF_ASSIGN_OR_RETURN(auto gen_info, WaitForFile(dir / "base-gen.info", deadline));
-  auto info = nlohmann::json::parse(AsString(gen_info));
-  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(info["addr"].get<std::string>(), deadline));
-  auto dev = OpenCpuDevice();
-  KVF_ASSIGN_OR_RETURN(Buffer src, dev->Allocate(MemoryKind::kPinnedHost, kBaseMsg * kBaseWindow));
-  std::memset(src.data(), 1, src.size());
-  const int64_t total = BaselineBytes(cfg);
-  const int64_t msgs = (total + kBaseMsg - 1) / kBaseMsg;
-  const bool can_put = t->caps().one_sided && info.contains("rkey");
-  std::vector<std::byte> rkey;
-  uint64_t raddr = 0;
-  if (can_put) {
-    rkey = Unhex(info["rkey"].get<std::string>());
-    raddr = info["raddr"].get<uint64_t>();
-  }
-  // One timed pass of `msgs` messages, put or tagged send, kBaseWindow in flight.
-  auto pass = [&](bool put) -> StatusOr<double> {
-    std::deque<std::unique_ptr<TransportOp>> window;
-    auto start = Clock::now();
-    for (int64_t i = 0; i < msgs; ++i) {
-      size_t slot = static_cast<size_t>(i % kBaseWindow);
-      StatusOr<std::unique_ptr<TransportOp>> op =
-          put ? t->Put(peer, src.data() + slot * kBaseMsg, kBaseMsg, MemoryKind::kHost,
-                       raddr + slot * kBaseMsg, rkey)
-              : t->Send(peer, static_cast<uint64_t>(i), src.data() + slot * kBaseMsg, kBaseMsg,
-                        MemoryKind::kHost);
-      if (!op.ok()) return op.status();
-      window.push_back(std::move(op).value());
-      if (window.size() == kBaseWindow) {
-        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-        window.pop_front();
-      }
-    }
-    while (!window.empty()) {
-      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-      window.pop_front();
-    }
-    if (put) {
-      KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
-      KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
-    }
-    double secs = std::chrono::duration<double>(Clock::now() - start).count();
-    return msgs * double(kBaseMsg) / secs / 1e9;
-  };
-  // The baseline is the faster of the raw methods the transport has: the honest ceiling.
-  double gbps = 0;
-  if (can_put) {
-    KVF_ASSIGN_OR_RETURN(gbps, pass(true));
-    *name = fmt::format("{} put {} MiB messages", t->caps().name, kBaseMsg >> 20);
-  }
-  KVF_ASSIGN_OR_RETURN(double tag, pass(false));
-  if (tag > gbps) {
-    gbps = tag;
-    *name = fmt::format("{} tag send {} MiB messages", t->caps().name, kBaseMsg >> 20);
-  }
-  KVF_RETURN_IF_ERROR(WriteText(dir / "base.done", fmt::format("{}", gbps)));
-  // Keep the transport alive until the receiver has seen the end.
-  KVF_ASSIGN_OR_RETURN(auto ack, WaitForFile(dir / "base.ack", deadline));
-  return gbps;
-}
-
-Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make) {
-  const fs::path dir(cfg.dir);
-  auto deadline = DeadlineIn(cfg.timeout);
-  KVF_ASSIGN_OR_RETURN(auto t, make());
-  auto dev = OpenCpuDevice();
-  KVF_ASSIGN_OR_RETURN(Buffer dst, dev->Allocate(MemoryKind::kPinnedHost, kBaseMsg * kBaseWindow));
-  nlohmann::json info;
-  info["addr"] = t->LocalAddress();
-  std::unique_ptr<MemoryRegistration> reg;
-  if (t->caps().one_sided) {
-    auto r = t->RegisterMemory(dst.data(), dst.size(), MemoryKind::kHost);
-    if (r.ok()) {
-      reg = std::move(r).value();
-      info["rkey"] = Hex(reg->PackedKey());
-      info["raddr"] = reg->address();
-    }
-  }
-  KVF_RETURN_IF_ERROR(WriteText(dir / "base-gen.info", info.dump()));
-  KVF_ASSIGN_OR_RETURN(auto ctx_addr, WaitForFile(dir / "base-ctx.addr", deadline));
-  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(AsString(ctx_addr), deadline));
-  {  // the tagged-send pass (after the put pass, if any)
-    const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
-    std::deque<std::unique_ptr<TransportOp>> window;
-    for (int64_t i = 0; i < msgs; ++i) {
-      size_t slot = static_cast<size_t>(i % kBaseWindow);
-      KVF_ASSIGN_OR_RETURN(
-          auto op, t->Recv(peer, static_cast<uint64_t>(i), dst.data() + slot * kBaseMsg, kBaseMsg,
-                           MemoryKind::kHost));
-      window.push_back(std::move(op));
-      if (window.size() == kBaseWindow) {
-        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-        window.pop_front();
-      }
-    }
-    while (!window.empty()) {
-      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-      window.pop_front();
-    }
-  }
-  // Keep progressing (one-sided puts need the target alive) until the sender is done.
-  while (!fs::exists(dir / "base.done")) {
-    t->Progress();
-    if (Clock::now() > deadline) return Status::DeadlineExceeded("baseline sender did not finish");
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  return WriteText(dir / "base.ack", "1");
-}
-
-// Ranks other than the two rank 0s take no part in the baseline, but creating an MPI transport
-// is collective: they create one too and hold it until the baseline is over.
-Status BaselineBystander(const SelftestConfig& cfg, const TransportMaker& make) {
-  if (cfg.transport != "mpi") return Status::Ok();
-  KVF_ASSIGN_OR_RETURN(auto t, make());
-  KVF_ASSIGN_OR_RETURN(auto ack,
-                       WaitForFile(fs::path(cfg.dir) / "base.ack", DeadlineIn(cfg.timeout)));
-  return Status::Ok();
-}
-
 TransceiverOptions SideOptions(const SelftestConfig& cfg) {
   TransceiverOptions o;
   o.transport = cfg.transport;
   o.timeout = cfg.timeout;
   o.instance_secret = SecretFor(cfg);
   o.instance_id = 0xD0D0;
+  o.checksum = cfg.checksum;
   return o;
 }
 
 }  // namespace
+
+std::string RankDevice(const SelftestConfig& cfg, bool context, int rank) {
+  if (cfg.device.rfind("cuda", 0) != 0) return cfg.device;
+  if (cfg.gpus.empty() && cfg.device != "cuda") return cfg.device;  // "cuda:N": every rank on N
+  // Local rank: context ranks first, then generation ranks, so the two instances land on
+  // different GPUs when there are several.
+  const int local = context ? rank : cfg.ctx.world_size() + rank;
+  if (!cfg.gpus.empty()) return fmt::format("cuda:{}", cfg.gpus[local % cfg.gpus.size()]);
+  int visible = 0;
+  for (const std::string& d : ListDevices()) visible += d.rfind("cuda:", 0) == 0;
+  return fmt::format("cuda:{}", visible > 0 ? local % visible : 0);
+}
 
 Status ValidateSelftest(const SelftestConfig& cfg) {
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
@@ -365,6 +237,10 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  const std::vector<std::string> transports = AvailableTransports();
+  if (std::find(transports.begin(), transports.end(), cfg.transport) == transports.end())
+    return Status::InvalidArgument(fmt::format("--transport {}: this build has {}", cfg.transport,
+                                               fmt::join(transports, ", ")));
   if (cfg.timeout.count() < 1)
     return Status::InvalidArgument(
         fmt::format("--timeout-ms {} must be at least 1", cfg.timeout.count()));
@@ -387,6 +263,13 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
                       "(use --transport ucx)",
                       cfg.fault));
     }
+  }
+  if (!cfg.gpus.empty() && cfg.device.rfind("cuda", 0) != 0) {
+    return Status::InvalidArgument(
+        fmt::format("--gpus needs --device cuda (the device is {})", cfg.device));
+  }
+  for (int g : cfg.gpus) {
+    if (g < 0) return Status::InvalidArgument(fmt::format("--gpus: {} is not a GPU ordinal", g));
   }
   for (int64_t t : cfg.prompt_tokens) {
     if (cfg.shared_prefix_blocks < 0 ||
@@ -420,10 +303,11 @@ struct RankMemory {
   std::unique_ptr<PoolAccess> access;
 };
 
-StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, const ParallelConfig& split,
-                                    LayoutKind layout, int rank) {
+StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, bool context, int rank) {
+  const ParallelConfig& split = context ? cfg.ctx : cfg.gen;
+  const LayoutKind layout = context ? cfg.ctx_layout : cfg.gen_layout;
   RankMemory m;
-  KVF_ASSIGN_OR_RETURN(m.dev, OpenDevice(cfg.device));
+  KVF_ASSIGN_OR_RETURN(m.dev, OpenDevice(RankDevice(cfg, context, rank)));
   PoolSpec spec{cfg.shape, split, rank, layout, MemoryKind::kDevice, PoolBlocks(cfg)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*m.dev, spec));
   m.pool = std::make_unique<BlockPool>(std::move(pool));
@@ -449,7 +333,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.context = true;
   res.rank = rank;
   const double cpu0 = CpuSeconds();
-  KVF_ASSIGN_OR_RETURN(RankMemory m, OpenRankMemory(cfg, cfg.ctx, cfg.ctx_layout, rank));
+  KVF_ASSIGN_OR_RETURN(RankMemory m, OpenRankMemory(cfg, true, rank));
   Device& dev = *m.dev;
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
@@ -543,7 +427,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       res.latencies.push_back(s.seconds);
       if (s.state != TransferState::kComplete) {
         ++res.failed;
-        AddError(res, fmt::format("request {:#x}: {} {}", s.request_id, TransferStateName(s.state),
+        AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
                                   s.reason.ToString()));
       }
     }
@@ -565,11 +449,20 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
   }
   if (cfg.baseline && rank == 0) {
-    auto b = BaselineSender(cfg, make, &res.baseline_name);
-    if (b.ok())
-      res.baseline_gbps = *b;
-    else
+    auto b = BaselineSender(cfg, make, dev);
+    if (b.ok()) {
+      res.baseline_gbps = b->gbps;
+      res.baseline_name = b->name;
+    } else {
       AddError(res, "baseline: " + b.status().ToString());
+    }
+    auto c = CopyBaseline(cfg, dev);
+    if (c.ok()) {
+      res.copy_gbps = c->gbps;
+      res.copy_name = c->name;
+    } else {
+      AddError(res, "copy baseline: " + c.status().ToString());
+    }
   }
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.json", rank), ResultToJson(res)));
   return res;
@@ -581,7 +474,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   RankResult res;
   res.rank = rank;
   const double cpu0 = CpuSeconds();
-  KVF_ASSIGN_OR_RETURN(RankMemory m, OpenRankMemory(cfg, cfg.gen, cfg.gen_layout, rank));
+  KVF_ASSIGN_OR_RETURN(RankMemory m, OpenRankMemory(cfg, false, rank));
   Device& dev = *m.dev;
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
@@ -622,7 +515,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         watch.Ended();
         ++res.failed;
         busy[slot] = false;
-        AddError(res, fmt::format("request {}: fetch refused: {}", i, st.ToString()));
+        AddError(res, fmt::format("request {}: fetch refused: {}", RequestId(i), st.ToString()));
         continue;
       }
       inflight[RequestId(i)] = {i, slot};
@@ -636,7 +529,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       res.latencies.push_back(s.seconds);
       bool ok = s.state == TransferState::kComplete;
       if (!ok)
-        AddError(res, fmt::format("request {}: {} {}", i, TransferStateName(s.state),
+        AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
                                   s.reason.ToString()));
       if (ok && cfg.verify) {
         int64_t tokens = TokensOf(cfg, i);
@@ -648,7 +541,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                            {BlockId(cfg, bpr, slot, b), b * cfg.shape.tokens_per_block, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
-            AddError(res, fmt::format("request {} block {}: {}", i, b,
+            AddError(res, fmt::format("request {} block {}: {}", s.request_id, b,
                                       m.ok() ? (*m)->ToString() : m.status().ToString()));
           }
         }
@@ -677,7 +570,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
   if (cfg.baseline && rank == 0) {
-    Status b = BaselineReceiver(cfg, make);
+    Status b = BaselineReceiver(cfg, make, dev);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
   } else if (cfg.baseline) {
     Status b = BaselineBystander(cfg, make);
@@ -728,6 +621,8 @@ std::string ResultToJson(const RankResult& r) {
   j["latencies"] = r.latencies;
   j["baseline_gbps"] = r.baseline_gbps;
   j["baseline_name"] = r.baseline_name;
+  j["copy_gbps"] = r.copy_gbps;
+  j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
   return j.dump();
 }
@@ -749,6 +644,8 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.latencies = j.value("latencies", std::vector<double>{});
   r.baseline_gbps = j.value("baseline_gbps", 0.0);
   r.baseline_name = j.value("baseline_name", std::string());
+  r.copy_gbps = j.value("copy_gbps", 0.0);
+  r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
   return r;
 }
@@ -780,6 +677,8 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
       if (r.baseline_gbps > 0) {
         s.baseline_gbps = r.baseline_gbps;
         s.baseline_name = r.baseline_name;
+        s.copy_gbps = r.copy_gbps;
+        s.copy_name = r.copy_name;
       }
       continue;
     }
@@ -790,11 +689,12 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     failed_pairs += r.failed;
     lat.insert(lat.end(), r.latencies.begin(), r.latencies.end());
   }
-  s.verified =
+  s.completed =
       (verified_pairs == expected_pairs && failed_pairs == 0)
           ? cfg.requests
           : std::min(cfg.requests, verified_pairs * cfg.requests / std::max(1, expected_pairs));
-  s.failed = std::max(s.failed, cfg.requests - s.verified);
+  s.verified = cfg.verify ? s.completed : 0;
+  s.failed = std::max(s.failed, cfg.requests - s.completed);
   s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
   std::sort(lat.begin(), lat.end());
   auto pct = [&](double p) {

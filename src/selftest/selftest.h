@@ -46,13 +46,17 @@ struct SelftestConfig {
   std::string fault;
   std::chrono::milliseconds timeout{60000};
   std::string dir;  // rendezvous directory
+  // GPU of each rank process (--gpus), cycled over context ranks then generation ranks; empty:
+  // the local rank modulo the visible GPUs (device "cuda"), or every rank on "cuda:N".
+  std::vector<int> gpus;
+  bool checksum = true;  // per-chunk payload checksums (transfer.checksum)
 };
 
 struct RankResult {
   bool context = false;
   int rank = 0;
   int requests = 0;  // requests this rank took part in
-  int verified = 0;  // generation: requests whose every element checked out
+  int verified = 0;  // generation: requests complete (and, with cfg.verify, checked element-wise)
   int failed = 0;
   int prefix_hits = 0;  // generation: requests that reused the resident prefix
   int64_t bytes = 0;
@@ -62,6 +66,8 @@ struct RankResult {
   std::vector<double> latencies;   // per request, seconds (generation: fetch to complete)
   double baseline_gbps = 0;        // raw transport bandwidth, same processes, same bytes (rank 0s)
   std::string baseline_name;
+  double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
+  std::string copy_name;
   std::vector<std::string> errors;  // the first few
 };
 
@@ -71,6 +77,8 @@ StatusOr<RankResult> ResultFromJson(const std::string& text);
 using TransportMaker = std::function<StatusOr<std::unique_ptr<Transport>>()>;
 
 Status ValidateSelftest(const SelftestConfig& cfg);
+// The device a rank process opens ("cpu", "cuda:N").
+std::string RankDevice(const SelftestConfig& cfg, bool context, int rank);
 // Runs one rank to the end and writes its result file. `make_transport` overrides cfg.transport
 // (the in-process transport needs a shared fabric).
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
@@ -83,6 +91,9 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg);
 // The aggregate over all ranks: what the command prints.
 struct SelftestSummary {
   int requests = 0, verified = 0, failed = 0;
+  // Requests that ended complete on every generation rank; `verified` counts those also checked
+  // element by element, so it is 0 when verification is off (cfg.verify false).
+  int completed = 0;
   int prefix_hits = 0;  // (request, generation rank) pairs that reused the resident prefix
   int64_t bytes = 0;    // payload bytes received by the generation instance
   double seconds = 0;   // wall time of the generation instance (max over ranks)
@@ -94,6 +105,8 @@ struct SelftestSummary {
   double control_cpu_us_per_request = 0;
   double baseline_gbps = 0;
   std::string baseline_name;
+  double copy_gbps = 0;
+  std::string copy_name;
   std::vector<std::string> errors;
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);

@@ -137,7 +137,8 @@ struct BlockManager::Impl {
   // staging is full). File moves need their slot leases in `leases` (same order).
   void Onboard(Tier from, std::vector<BlockMove> moves, std::vector<tiering::SlotLease> leases,
                bool prefetch);
-  void SubmitFileRead(tiering::Op op);
+  void SubmitFileRead(tiering::Op op);  // now, or deferred behind earlier reads
+  void StartFileRead(tiering::Op op);   // now (staging is free)
   void AddOp(tiering::Op op);
 };
 

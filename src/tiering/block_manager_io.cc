@@ -26,14 +26,29 @@ void BlockManager::Impl::Maintain() {
   RunWatermarks();
 }
 
+namespace {
+
+// Operations finish in submission order within a lane (a copy stream, or the FIFO I/O thread), so
+// a lane's first unfinished op ends the polling of that lane: a call queries a few batches, not
+// every one in flight.
+int LaneOf(const Op& op) {
+  if (op.kind == OpKind::kDemote || op.kind == OpKind::kSpill || op.from == Tier::kFile) return 2;
+  return op.kind == OpKind::kOffload ? 0 : 1;
+}
+
+}  // namespace
+
 void BlockManager::Impl::RetireFinished() {
   const Clock::time_point now = Clock::now();
+  bool lane_blocked[3] = {false, false, false};
   for (auto it = ops.begin(); it != ops.end();) {
-    if (it->batch.Query()) {
+    const int lane = LaneOf(*it);
+    if (!lane_blocked[lane] && it->batch.Query()) {
       Retire(*it);
       it = ops.erase(it);  // releases the leases the retirement did not hand on
       continue;
     }
+    lane_blocked[lane] = true;
     const bool file_io =
         it->kind == OpKind::kDemote || it->kind == OpKind::kSpill || it->from == Tier::kFile;
     if (file_io && !it->abandoned && now > it->deadline) {
@@ -142,7 +157,7 @@ void BlockManager::Impl::SubmitDeferred() {
          static_cast<int64_t>(deferred.front().items.size()) <= tm->file_staging_free()) {
     Op op = std::move(deferred.front());
     deferred.pop_front();
-    SubmitFileRead(std::move(op));
+    StartFileRead(std::move(op));
   }
 }
 
@@ -151,6 +166,10 @@ void BlockManager::Impl::SubmitFileRead(Op op) {
     deferred.push_back(std::move(op));  // in order: never ahead of earlier deferred reads
     return;
   }
+  StartFileRead(std::move(op));
+}
+
+void BlockManager::Impl::StartFileRead(Op op) {
   std::vector<BlockMove> moves;
   for (const OpItem& it : op.items) moves.emplace_back(it.src, it.dst, it.tokens, it.key);
   auto batch = tm->Move(Tier::kFile, Tier::kPrimary, moves);

@@ -39,9 +39,10 @@ struct Options {
   std::string dir;
   std::string model = "all";
   std::string layout = "all";
-  // Layout of the host tier: "block-major" (packed blocks, one contiguous range each: whole-block
-  // copies of per-layer pools go through device staging on GPUs) or "same" as the primary pool.
-  std::string host_layout = "block-major";
+  // Layout of the host tier: "same" as the primary pool (default), or "block-major" (packed
+  // blocks, one contiguous range each; with tiering.device_staging, whole-block copies of
+  // per-layer pools then go gather -> staging -> one copy per block).
+  std::string host_layout = "same";
   bool verify = false;
   bool json = false;
   bool contiguous = false;
@@ -86,6 +87,7 @@ StatusOr<std::unique_ptr<SlabStore>> OpenFileTier(const std::string& backend,
   so.slot_payload_bytes = block_bytes;
   so.max_slots = blocks;
   so.backend = backend;
+  so.recover = "none";  // each backend starts from an empty tier (they share the directory)
   return SlabStore::Open(so);
 }
 
@@ -292,7 +294,20 @@ class Bench {
     r.verified = verify(host, X, 5000, half);
     rows.push_back(r);
     if (!file) return Status::Ok();
-    const std::set<std::string> slab_files_before = SlabFiles(o_.dir);
+    // Whatever ends the run (an error included), the slab files (and lock) it created go; the
+    // stores are closed before (they are destroyed first, being declared after this).
+    struct RemoveNewSlabFiles {
+      const std::string dir;
+      const std::set<std::string> before;
+      ~RemoveNewSlabFiles() {
+        for (const std::string& f : SlabFiles(dir)) {
+          if (!before.contains(f)) {
+            std::error_code ec;
+            std::filesystem::remove(std::filesystem::path(dir) / f, ec);
+          }
+        }
+      }
+    } remove_new_slab_files{o_.dir, SlabFiles(o_.dir)};
     for (const std::string& want : o_.file_backends) {
       KVF_ASSIGN_OR_RETURN(std::unique_ptr<SlabStore> store, OpenFileTier(want, o_.dir, bb, n));
       const FileBackendCaps caps = store->backend();
@@ -363,13 +378,6 @@ class Bench {
       rows.push_back(r);
       // The offload is checked by the round trip: what the onboard read back is what it wrote.
       rows[offload_row].verified = r.verified;
-    }
-    // The stores are closed: remove the slab files (and lock) this run created.
-    for (const std::string& f : SlabFiles(o_.dir)) {
-      if (!slab_files_before.contains(f)) {
-        std::error_code ec;
-        std::filesystem::remove(std::filesystem::path(o_.dir) / f, ec);
-      }
     }
     return Status::Ok();
   }
@@ -477,8 +485,12 @@ int RunBenchOffload(const Options& o) {
   }
   if (!o.dir.empty()) {
     struct stat sb;
-    if (::stat(o.dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode)) {
-      fmt::print(stderr, "bench offload: --dir {}: no such directory\n", o.dir);
+    if (::stat(o.dir.c_str(), &sb) != 0) {
+      fmt::print(stderr, "bench offload: --dir {}: {}\n", o.dir, std::strerror(errno));
+      return 2;
+    }
+    if (!S_ISDIR(sb.st_mode)) {
+      fmt::print(stderr, "bench offload: --dir {}: not a directory\n", o.dir);
       return 2;
     }
   }
@@ -563,7 +575,7 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
   cmd->add_option("--host-layout", o->host_layout,
-                  "host tier layout: block-major (packed blocks; default) | same (as the primary)");
+                  "host tier layout: same (as the primary; default) | block-major (packed blocks)");
   cmd->add_option("--file-backend", o->file_backends,
                   "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
                   "(in-memory stand-in); default posix io_uring cufile (one falling back to "

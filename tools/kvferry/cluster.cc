@@ -66,6 +66,8 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
   j["dir"] = c.dir;
+  j["gpus"] = c.gpus;
+  j["checksum"] = c.checksum;
   return j.dump();
 }
 
@@ -91,6 +93,8 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
   c.dir = j["dir"];
+  c.gpus = j.value("gpus", std::vector<int>{});
+  c.checksum = j.value("checksum", true);
   return c;
 }
 
@@ -259,6 +263,7 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   };
   // Ranks killed at the deadline say so in their result below (RankGroup::Rank::Describe).
   (void)group->Wait(deadline, tick);
+  if (tick) tick();  // the final count, however short the run
   std::vector<RankResult> out;
   for (int r = 0; r < nc + ng; ++r) {
     const bool context = r < nc;

@@ -13,6 +13,7 @@ void AddBenchTransferCommand(CLI::App& bench);
 // `bench`: a group of measurements; each Add*Command registers one under it.
 void AddBenchCommands(CLI::App& app);
 void AddBenchOffloadCommand(CLI::App& bench);
+void AddBenchTieringCommand(CLI::App& bench);
 // `demo`: short narrated runs of the library, for scripts/demo.
 void AddDemoCommands(CLI::App& app);
 void AddDemoTieringCommand(CLI::App& demo);

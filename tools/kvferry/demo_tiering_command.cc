@@ -82,6 +82,7 @@ int RunDemo(Options o) {
     so.slot_payload_bytes = TieringDemoBlockBytes();
     so.max_slots = o.demo.file_slots;
     so.slots_per_file = std::min<int64_t>(so.slots_per_file, o.demo.file_slots);
+    so.recover = "none";  // the demo narrates one run from an empty cache
     auto store = SlabStore::Open(so);
     if (!store.ok()) {
       fmt::print(stderr, "demo tiering: file tier in {}: {}\n", dir, store.status().ToString());

@@ -7,6 +7,7 @@ void AddBenchCommands(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "measurements, each beside its same-run baseline");
   bench->require_subcommand(1);
   AddBenchOffloadCommand(*bench);
+  AddBenchTieringCommand(*bench);
   AddBenchTransferCommand(*bench);
 }
 

@@ -32,6 +32,8 @@ struct Flags {
   int shared_prefix_blocks = 0;
   int crash_ctx_rank = -1;
   std::string fault;
+  std::vector<int> gpus;
+  bool checksum = true;
   int timeout_ms = 60000;
   std::string model;
 };
@@ -57,8 +59,11 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->capture_default_str();
   cmd->add_option("--gen-pp-layers", f.gen.pp_layers, "layers of each generation PP stage")
       ->delimiter(',');
-  cmd->add_option("--ctx-layout", f.ctx_layout, "block-major|per-layer")->capture_default_str();
-  cmd->add_option("--gen-layout", f.gen_layout, "block-major|per-layer")->capture_default_str();
+  const char* const layouts =
+      "a named layout: block-major|per-layer|per-layer-hnd|per-layer-kv|per-layer-kv-hnd|"
+      "flashinfer|flashinfer-hnd|block-major-nhd";
+  cmd->add_option("--ctx-layout", f.ctx_layout, layouts)->capture_default_str();
+  cmd->add_option("--gen-layout", f.gen_layout, layouts)->capture_default_str();
   cmd->add_option("--requests", f.requests)->capture_default_str();
   cmd->add_option("--prompt-tokens", f.prompt_tokens, "prompt lengths, cycled over requests")
       ->delimiter(',');
@@ -80,6 +85,13 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--timeout-ms", f.timeout_ms, "deadline of each request")->capture_default_str();
   cmd->add_flag("--json", f.json, "machine-readable output");
   cmd->add_flag("--progress", f.progress, "print progress every second while it runs");
+  cmd->add_option("--gpus", f.gpus,
+                  "GPU of each rank process, cycled over context ranks then generation ranks "
+                  "(default: the local rank modulo the visible GPUs)")
+      ->delimiter(',');
+  cmd->add_option("--checksum", f.checksum,
+                  "per-chunk XXH3-64 payload checksums, verified by the generation side")
+      ->capture_default_str();
 }
 
 StatusOr<SelftestConfig> ToConfig(const Flags& f) {
@@ -101,6 +113,8 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.crash_ctx_rank = f.crash_ctx_rank;
   c.fault = f.fault;
   c.verify = !f.no_verify;
+  c.gpus = f.gpus;
+  c.checksum = f.checksum;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   c.dir = "(set by RunCluster)";
   KVF_RETURN_IF_ERROR(ValidateSelftest(c));
@@ -109,6 +123,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
 
 nlohmann::json SummaryJson(const SelftestSummary& s) {
   return {{"requests", s.requests},
+          {"completed", s.completed},
           {"verified", s.verified},
           {"failed", s.failed},
           {"bytes", s.bytes},
@@ -183,8 +198,9 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
         "over {}\n",
         f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.gen.tp, f.gen.pp,
         f.transport);
-    fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7}  {}\n", "tokens", "MB", "GB/s",
-               "p50 ms", "p99 ms", "ctl us/r", "base GB/s", "ratio", "baseline");
+    fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n", "tokens",
+               "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s", "ratio", "copy GB/s",
+               "ratio", "raw | copy baselines");
   }
   int rc = 0;
   for (int64_t tokens : sweep) {
@@ -196,7 +212,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       return 2;
     }
     cfg->baseline = true;
-    auto ranks = RunCluster(*cfg);
+    auto ranks = RunCluster(*cfg, f.progress && !f.json);
     if (!ranks.ok()) {
       fmt::print(stderr, "kvferry bench transfer ({} tokens): {}\n", tokens,
                  ranks.status().ToString());
@@ -205,20 +221,30 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     }
     SelftestSummary s = Summarize(*cfg, *ranks);
     double ratio = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
+    double copy_ratio = s.copy_gbps > 0 ? s.gbps / s.copy_gbps : 0;
     if (s.failed) rc = 1;
     nlohmann::json row = SummaryJson(s);
     row["case"] = fmt::format("{}tok", tokens);
     row["tokens"] = tokens;
     row["baseline"] = s.baseline_name;
     row["baseline_gbps"] = s.baseline_gbps;
+    row["copy_baseline"] = s.copy_name;
+    row["copy_gbps"] = s.copy_gbps;
+    row["copy_ratio"] = copy_ratio;
+    row["checksum"] = cfg->checksum;
     row["ratio"] = ratio;
-    row["verified_all"] = s.failed == 0;
+    row["verified_all"] = cfg->verify && s.failed == 0;  // --no-verify checks nothing
     if (f.json) {
       std::puts(row.dump().c_str());
     } else {
-      fmt::print("{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f}  {}{}\n",
-                 tokens, s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms, s.control_cpu_us_per_request,
-                 s.baseline_gbps, ratio, s.baseline_name, s.failed ? "  FAILED" : "");
+      fmt::print(
+          "{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
+          "{:>7.2f}  "
+          "{} | {}{}{}\n",
+          tokens, s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms, s.control_cpu_us_per_request,
+          s.baseline_gbps, ratio, s.copy_gbps, copy_ratio, s.baseline_name, s.copy_name,
+          s.failed ? "  FAILED" : "",
+          cfg->verify || s.failed ? "" : "  (not verified: --no-verify)");
       for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
     }
   }
@@ -237,6 +263,7 @@ void AddSelftestCommand(CLI::App& app) {
 
 void AddBenchTransferCommand(CLI::App& bench) {
   auto f = std::make_shared<Flags>();
+  f->checksum = false;  // measured alone; --checksum true measures its cost
   auto sweep = std::make_shared<std::vector<int64_t>>(std::vector<int64_t>{128, 1024, 4096});
   auto* cmd = bench.add_subcommand(
       "transfer", "context -> generation GB/s and latency beside raw transport bandwidth");

@@ -1,0 +1,232 @@
+#include "selftest/baseline.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <deque>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+namespace kvferry {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+constexpr size_t kBaseMsg = 4 << 20;
+constexpr int kBaseWindow = 16;
+
+int64_t BaselineBytes(const SelftestConfig& cfg) {
+  int64_t total = 0;
+  for (int i = 0; i < cfg.requests; ++i) total += TokensOf(cfg, i) * cfg.shape.BytesPerToken();
+  return std::clamp<int64_t>(total, 4 << 20, int64_t{1} << 30);
+}
+
+std::string Hex(std::span<const std::byte> b) {
+  std::string s;
+  for (std::byte x : b) s += fmt::format("{:02x}", std::to_integer<int>(x));
+  return s;
+}
+std::vector<std::byte> Unhex(const std::string& s) {
+  std::vector<std::byte> out;
+  for (size_t i = 0; i + 1 < s.size(); i += 2)
+    out.push_back(std::byte(std::stoi(s.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+// The raw buffers live where the pools live: GPU memory when the transport takes it.
+struct RawBuffer {
+  Buffer buf;
+  MemoryKind wire = MemoryKind::kHost;
+  std::string where;
+};
+StatusOr<RawBuffer> RawAllocate(Device& dev, const Transport& t, size_t bytes) {
+  RawBuffer r;
+  const bool gpu = dev.info().platform != "cpu";
+  if (gpu && t.caps().device_memory) {
+    KVF_ASSIGN_OR_RETURN(r.buf, dev.Allocate(MemoryKind::kDevice, bytes));
+    r.wire = MemoryKind::kDevice;
+    r.where = "gpu";
+  } else {
+    KVF_ASSIGN_OR_RETURN(r.buf, dev.Allocate(MemoryKind::kPinnedHost, bytes));
+    r.where = gpu ? "pinned host" : "host";
+  }
+  KVF_ASSIGN_OR_RETURN(auto s, dev.CreateStream());
+  KVF_RETURN_IF_ERROR(s->Fill(r.buf.data(), 1, bytes));
+  KVF_RETURN_IF_ERROR(s->Synchronize(DeadlineIn(milliseconds(30000))));
+  return r;
+}
+
+}  // namespace
+
+StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make,
+                                        Device& dev) {
+  const fs::path dir(cfg.dir);
+  auto deadline = DeadlineIn(cfg.timeout);
+  KVF_ASSIGN_OR_RETURN(auto t, make());
+  KVF_RETURN_IF_ERROR(WriteText(dir / "base-ctx.addr", t->LocalAddress()));
+  KVF_ASSIGN_OR_RETURN(auto gen_info, WaitForFile(dir / "base-gen.info", deadline));
+  auto info = nlohmann::json::parse(AsString(gen_info));
+  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(info["addr"].get<std::string>(), deadline));
+  KVF_ASSIGN_OR_RETURN(RawBuffer src, RawAllocate(dev, *t, kBaseMsg * kBaseWindow));
+  const int64_t total = BaselineBytes(cfg);
+  const int64_t msgs = (total + kBaseMsg - 1) / kBaseMsg;
+  const bool can_put = t->caps().one_sided && info.contains("rkey");
+  std::vector<std::byte> rkey;
+  uint64_t raddr = 0;
+  if (can_put) {
+    rkey = Unhex(info["rkey"].get<std::string>());
+    raddr = info["raddr"].get<uint64_t>();
+  }
+  std::unique_ptr<MemoryRegistration> local;  // registered like the pools are
+  if (can_put) {
+    auto r = t->RegisterMemory(src.buf.data(), src.buf.size(), src.wire);
+    if (r.ok()) local = std::move(r).value();
+  }
+  // One timed pass of `msgs` messages, put or tagged send, kBaseWindow in flight. Puts are
+  // warmed first (each slot once, flushed): the first put to a region maps it (cuda_ipc opens the
+  // peer's memory handle), a one-time cost the pools pay at their first request too.
+  auto pass = [&](bool put) -> StatusOr<double> {
+    std::deque<std::unique_ptr<TransportOp>> window;
+    for (int i = 0; put && i < kBaseWindow; ++i) {
+      KVF_ASSIGN_OR_RETURN(auto op, t->Put(peer, src.buf.data() + i * kBaseMsg, kBaseMsg, src.wire,
+                                           raddr + i * kBaseMsg, rkey));
+      window.push_back(std::move(op));
+    }
+    if (put) {
+      KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
+      for (auto& op : window) KVF_RETURN_IF_ERROR(WaitOp(*t, *op, deadline));
+      window.clear();
+    }
+    auto start = Clock::now();
+    for (int64_t i = 0; i < msgs; ++i) {
+      size_t slot = static_cast<size_t>(i % kBaseWindow);
+      std::byte* at = src.buf.data() + slot * kBaseMsg;
+      StatusOr<std::unique_ptr<TransportOp>> op =
+          put ? t->Put(peer, at, kBaseMsg, src.wire, raddr + slot * kBaseMsg, rkey)
+              : t->Send(peer, static_cast<uint64_t>(i), at, kBaseMsg, src.wire);
+      if (!op.ok()) return op.status();
+      window.push_back(std::move(op).value());
+      if (window.size() == kBaseWindow) {
+        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+        window.pop_front();
+      }
+    }
+    while (!window.empty()) {
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+      window.pop_front();
+    }
+    if (put) {
+      KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
+    }
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    return msgs * double(kBaseMsg) / secs / 1e9;
+  };
+  // The baseline is the faster of the raw methods the transport has: the honest ceiling.
+  BaselineResult out;
+  if (can_put) {
+    KVF_ASSIGN_OR_RETURN(out.gbps, pass(true));
+    out.name = fmt::format("raw {} put, {} memory, {} MiB x{} in flight", t->caps().name, src.where,
+                           kBaseMsg >> 20, kBaseWindow);
+  }
+  KVF_ASSIGN_OR_RETURN(double tag, pass(false));
+  if (tag > out.gbps) {
+    out.gbps = tag;
+    out.name = fmt::format("raw {} tag send, {} memory, {} MiB x{} in flight", t->caps().name,
+                           src.where, kBaseMsg >> 20, kBaseWindow);
+  }
+  out.name += " [" + t->DescribePeer(peer) + "]";  // the transports UCX picked
+  KVF_RETURN_IF_ERROR(WriteText(dir / "base.done", fmt::format("{}", out.gbps)));
+  // Keep the transport alive until the receiver has seen the end.
+  KVF_ASSIGN_OR_RETURN(auto ack, WaitForFile(dir / "base.ack", deadline));
+  local.reset();
+  return out;
+}
+
+Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, Device& dev) {
+  const fs::path dir(cfg.dir);
+  auto deadline = DeadlineIn(cfg.timeout);
+  KVF_ASSIGN_OR_RETURN(auto t, make());
+  KVF_ASSIGN_OR_RETURN(RawBuffer dst, RawAllocate(dev, *t, kBaseMsg * kBaseWindow));
+  nlohmann::json info;
+  info["addr"] = t->LocalAddress();
+  std::unique_ptr<MemoryRegistration> reg;
+  if (t->caps().one_sided) {
+    auto r = t->RegisterMemory(dst.buf.data(), dst.buf.size(), dst.wire);
+    if (r.ok()) {
+      reg = std::move(r).value();
+      info["rkey"] = Hex(reg->PackedKey());
+      info["raddr"] = reg->address();
+    }
+  }
+  KVF_RETURN_IF_ERROR(WriteText(dir / "base-gen.info", info.dump()));
+  KVF_ASSIGN_OR_RETURN(auto ctx_addr, WaitForFile(dir / "base-ctx.addr", deadline));
+  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(AsString(ctx_addr), deadline));
+  {  // the tagged-send pass (after the put pass, if any)
+    const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
+    std::deque<std::unique_ptr<TransportOp>> window;
+    for (int64_t i = 0; i < msgs; ++i) {
+      size_t slot = static_cast<size_t>(i % kBaseWindow);
+      KVF_ASSIGN_OR_RETURN(auto op, t->Recv(peer, static_cast<uint64_t>(i),
+                                            dst.buf.data() + slot * kBaseMsg, kBaseMsg, dst.wire));
+      window.push_back(std::move(op));
+      if (window.size() == kBaseWindow) {
+        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+        window.pop_front();
+      }
+    }
+    while (!window.empty()) {
+      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
+      window.pop_front();
+    }
+  }
+  // Keep progressing (one-sided puts need the target alive) until the sender is done.
+  while (!fs::exists(dir / "base.done")) {
+    t->Progress();
+    if (Clock::now() > deadline) return Status::DeadlineExceeded("baseline sender did not finish");
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return WriteText(dir / "base.ack", "1");
+}
+
+Status BaselineBystander(const SelftestConfig& cfg, const TransportMaker& make) {
+  if (cfg.transport != "mpi") return Status::Ok();
+  KVF_ASSIGN_OR_RETURN(auto t, make());
+  KVF_ASSIGN_OR_RETURN(auto ack,
+                       WaitForFile(fs::path(cfg.dir) / "base.ack", DeadlineIn(cfg.timeout)));
+  return Status::Ok();
+}
+
+StatusOr<BaselineResult> CopyBaseline(const SelftestConfig& cfg, Device& dev) {
+  const size_t bytes =
+      static_cast<size_t>(std::min<int64_t>(BaselineBytes(cfg), int64_t{256} << 20));
+  const bool gpu = dev.info().platform != "cpu";
+  const MemoryKind kind = gpu ? MemoryKind::kDevice : MemoryKind::kHost;
+  // On a GPU, the destination is on generation rank 0's GPU: a peer copy when it is another.
+  const std::string to = RankDevice(cfg, false, 0);
+  std::unique_ptr<Device> other;
+  if (gpu && to != RankDevice(cfg, true, 0)) {
+    KVF_ASSIGN_OR_RETURN(other, OpenDevice(to));
+  }
+  KVF_ASSIGN_OR_RETURN(Buffer a, dev.Allocate(kind, bytes));
+  KVF_ASSIGN_OR_RETURN(Buffer b, (other ? *other : dev).Allocate(kind, bytes));
+  KVF_ASSIGN_OR_RETURN(auto s, dev.CreateStream());
+  KVF_RETURN_IF_ERROR(s->Fill(a.data(), 1, bytes));
+  KVF_RETURN_IF_ERROR(s->Fill(b.data(), 2, bytes));
+  KVF_RETURN_IF_ERROR(s->Synchronize(DeadlineIn(milliseconds(30000))));
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto start = Clock::now();
+    KVF_RETURN_IF_ERROR(s->Copy(b.data(), a.data(), bytes));
+    KVF_RETURN_IF_ERROR(s->Synchronize(DeadlineIn(milliseconds(30000))));
+    const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    best = std::max(best, bytes / secs / 1e9);
+  }
+  return BaselineResult{
+      best, fmt::format("one {} of {} MiB, {}{}", gpu ? "cudaMemcpy" : "memcpy", bytes >> 20,
+                        dev.info().name, other ? fmt::format(" to {}", to) : "")};
+}
+
+}  // namespace kvferry
