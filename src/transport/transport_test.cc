@@ -47,7 +47,7 @@ class ThreadHarness final : public Harness {
     TransportOptions o;
     o.name = name_;
     o.fabric = InProcFabric::Create();
-    // "ucx_nopeer": UCX with ucx.error_mode=none (shared memory instead of TCP on UCX 1.13).
+    // "ucx" runs the default (ucx.error_mode=split); "ucx_nopeer" ucx.error_mode=none.
     const bool nopeer = name_ == "ucx_nopeer";
     if (nopeer) {
       o.name = "ucx";
