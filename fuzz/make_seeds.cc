@@ -71,9 +71,11 @@ void WriteAll(const std::filesystem::path& root) {
 
   const std::pair<const char*, ControlMsg> msgs[] = {
       {"fetch", SmallFetch()},
-      {"accept", AcceptMsg{7, 1, false}},
+      {"accept", AcceptMsg{7, 1}},
       {"reject", RejectMsg{7, 1, 1, "no"}},
       {"credit", CreditMsg{7, 1, 4, {}}},
+      {"credit_slots", CreditMsg{7, 1, 4, {0, 1, kNoSlot}}},
+      {"chunk", ChunkMsg{7, 1, 2, true, 0x1234}},
       {"done", DoneMsg{7, 1, 4096}},
       {"abort", AbortMsg{7, 1, 6, "cancelled"}},
       {"complete", CompleteMsg{7, 1}},
@@ -82,7 +84,14 @@ void WriteAll(const std::filesystem::path& root) {
   FetchMsg f = SmallFetch();
   f.layout = LayoutKind::kPerLayer;
   f.parallel = ParallelConfig{2, 2, {}, 1, 0};
-  Write(root / "message_fuzz", "fetch_resealed_tp2pp2", 8 | (1 << 4), EncodeMessage(f));
+  Write(root / "message_fuzz", "fetch_resealed_tp2pp2", 1 | 16 | (1 << 5), EncodeMessage(f));
+  f = SmallFetch();
+  f.checksum = true;
+  f.rma = true;
+  f.rma_target.pool = {RemoteRegion{}};
+  f.rma_target.slot_bytes = 1024;
+  f.rma_target.slots = 2;
+  Write(root / "message_fuzz", "fetch_rma", 0, EncodeMessage(f));
 
   const uint8_t addr[] = {0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 1, 2, 3};
   std::string text = EncodeUcxAddress(addr, sizeof(addr));

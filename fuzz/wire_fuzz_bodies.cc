@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <span>
 #include <vector>
@@ -18,7 +19,7 @@ namespace kvferry {
 namespace {
 
 void Check(bool ok) {
-  if (!ok) __builtin_trap();
+  if (!ok) std::abort();
 }
 
 // A refusal: one of the codes the decoders document, with a message naming what was wrong.
@@ -142,7 +143,7 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const uint8_t mode = data[0];
   std::vector<std::byte> in;
-  if (const uint8_t type = mode & 7; type != 0) {
+  if (const uint8_t type = mode & 15; type != 0 && type <= 8) {
     in = {std::byte{kMessageMagic & 0xff}, std::byte{kMessageMagic >> 8},
           std::byte{kMessageVersion}, std::byte{type}};
   }
@@ -162,8 +163,8 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   // bounds checked first). Re-sealed: the context's own shape, prompt and a valid token.
   static const KvShape kCtxShape{4, 4, 8, DType::kBf16, 2, 4};
   constexpr int64_t kCtxTokens = 10;
-  Local local = PickLocal(kCtxShape, static_cast<uint8_t>(mode >> 4));
-  if (mode & 8) {
+  Local local = PickLocal(kCtxShape, static_cast<uint8_t>(mode >> 5));
+  if (mode & 16) {
     f->shape = kCtxShape;
     f->prompt_tokens = kCtxTokens;
   }

@@ -20,9 +20,9 @@ namespace kvferry {
 // (split, layout, reuse, direct) that plans against the decoded handle.
 int HandleFuzzOne(const uint8_t* data, size_t size);
 
-// Control messages. Mode bits 0..2: 0 = the bytes as they are, 1..7 = prepend a valid header of
-// that message type. Bit 3: a FETCH gets the local context's shape, prompt and valid token
-// (re-sealed) so it reaches the context rank's planning; bits 4..7 pick the local split/layout.
+// Control messages. Mode bits 0..3: 1..8 = prepend a valid header of that message type, else the
+// bytes as they are. Bit 4: a FETCH gets the local context's shape and prompt (re-sealed) so it
+// reaches the context rank's planning; bits 5..7 pick the local split/layout.
 int MessageFuzzOne(const uint8_t* data, size_t size);
 
 // UCX address text. Mode bit 0: the input is raw worker-address bytes, encoded first (so the

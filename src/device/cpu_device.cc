@@ -12,6 +12,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "base/thread_annotations.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
 
@@ -24,21 +25,21 @@ class HandleRegistry {
  public:
   enum Kind { kStream = 0, kEvent = 1 };
   void Add(Kind k, const void* p) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     live_[k].insert(p);
   }
   void Remove(Kind k, const void* p) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     live_[k].erase(p);
   }
   bool Has(Kind k, const void* p) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     return live_[k].count(p) > 0;
   }
 
  private:
-  std::mutex mu_;
-  std::unordered_set<const void*> live_[2];  // guarded by mu_
+  Mutex mu_;
+  std::unordered_set<const void*> live_[2] GUARDED_BY(mu_);
 };
 
 // Adds a handle to its device's registry for its lifetime (no registry: a wrapper, not listed).
@@ -103,7 +104,7 @@ class CpuStream final : public Stream {
         worker_([this] { Run(); }) {}
   ~CpuStream() override {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       stop_ = true;
     }
     cv_.notify_all();
@@ -179,9 +180,9 @@ class CpuStream final : public Stream {
   }
 
   Status Synchronize(Deadline deadline) override {
-    std::unique_lock lock(mu_);
+    MutexLock lock(mu_);
     uint64_t want = enqueued_;
-    if (!done_cv_.wait_until(lock, deadline, [&] { return finished_ >= want; })) {
+    if (!lock.WaitUntil(done_cv_, deadline, [&]() REQUIRES(mu_) { return finished_ >= want; })) {
       return Status::DeadlineExceeded(
           fmt::format("cpu stream: {} operations still pending at the deadline", want - finished_));
     }
@@ -189,14 +190,14 @@ class CpuStream final : public Stream {
   }
 
   bool Query() override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     return finished_ >= enqueued_;
   }
 
  private:
   Status Enqueue(std::function<void()> fn) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       queue_.push_back(std::move(fn));
       ++enqueued_;
     }
@@ -205,27 +206,27 @@ class CpuStream final : public Stream {
   }
 
   void Run() {
-    std::unique_lock lock(mu_);
+    MutexLock lock(mu_);
     while (true) {
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stop_ and drained
       std::function<void()> fn = std::move(queue_.front());
       queue_.pop_front();
-      lock.unlock();
+      lock.Unlock();
       fn();
-      lock.lock();
+      lock.Lock();
       ++finished_;
       done_cv_.notify_all();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;               // work queued or stop
-  std::condition_variable done_cv_;          // an operation finished
-  std::deque<std::function<void()>> queue_;  // guarded by mu_
-  uint64_t enqueued_ = 0;                    // guarded by mu_
-  uint64_t finished_ = 0;                    // guarded by mu_
-  bool stop_ = false;                        // guarded by mu_
+  Mutex mu_;
+  std::condition_variable cv_;       // work queued or stop
+  std::condition_variable done_cv_;  // an operation finished
+  std::deque<std::function<void()>> queue_ GUARDED_BY(mu_);
+  uint64_t enqueued_ GUARDED_BY(mu_) = 0;
+  uint64_t finished_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   Registered listed_;
   std::thread worker_;  // last: starts after the members above exist
 };

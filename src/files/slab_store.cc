@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "base/log.h"
+#include "base/thread_annotations.h"
 #include "files/posix_io.h"
 #include "files/slot_header.h"
 #include "kvferry/config.h"
@@ -101,6 +102,7 @@ struct SlotInfo {
   SlotState state = SlotState::kFree;
   SlotKey key;
   int64_t bytes = 0;
+  bool corruption_logged = false;  // a failed verification was logged (once per written content)
 };
 
 // How one slot's payload moves, decided per item before I/O.
@@ -134,12 +136,12 @@ class SlabStoreImpl : public SlabStore {
   const FileBackendCaps& backend() const override { return caps_; }
   int64_t capacity() const override { return options_.max_slots; }
   int64_t free_slots() const override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     return static_cast<int64_t>(free_.size()) + (options_.max_slots - next_fresh_);
   }
 
   StatusOr<SlotId> Allocate() override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     SlotId s;
     if (!free_.empty()) {
       s = free_.back();
@@ -155,7 +157,7 @@ class SlabStoreImpl : public SlabStore {
   }
 
   void Release(SlotId slot) override {
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     if (slot < 0 || slot >= options_.max_slots || slot >= next_fresh_ ||
         slots_[slot].state == SlotState::kFree) {
       return;
@@ -168,8 +170,9 @@ class SlabStoreImpl : public SlabStore {
   std::vector<Status> Read(std::span<const SlotRead> reads) override;
   std::vector<RecoveredSlot> Recovered() const override { return recovered_; }
 
-  // Scans the slab files an earlier store left (options.recover); called once by Open.
-  Status Recover();
+  // Scans the slab files an earlier store left (options.recover); called once by Open, before
+  // the store is shared (so without the locks).
+  Status Recover() NO_THREAD_SAFETY_ANALYSIS;
 
  private:
   std::string FilePath(int64_t index) const {
@@ -204,16 +207,16 @@ class SlabStoreImpl : public SlabStore {
   const int window_;
   const bool cpu_device_;
 
-  mutable std::mutex mu_;
-  std::vector<SlotInfo> slots_;  // guarded by mu_
-  std::vector<SlotId> free_;     // guarded by mu_
-  SlotId next_fresh_ = 0;        // guarded by mu_; slots >= it were never allocated
+  mutable Mutex mu_;
+  std::vector<SlotInfo> slots_ GUARDED_BY(mu_);
+  std::vector<SlotId> free_ GUARDED_BY(mu_);
+  SlotId next_fresh_ GUARDED_BY(mu_) = 0;  // slots >= it were never allocated
 
-  std::mutex files_mu_;
-  std::vector<std::unique_ptr<BackendFile>> files_;  // guarded by files_mu_; never shrink
+  Mutex files_mu_;
+  std::vector<std::unique_ptr<BackendFile>> files_ GUARDED_BY(files_mu_);  // never shrink
 
-  std::mutex arenas_mu_;
-  std::vector<std::unique_ptr<Arena>> arenas_;  // guarded by arenas_mu_
+  Mutex arenas_mu_;
+  std::vector<std::unique_ptr<Arena>> arenas_ GUARDED_BY(arenas_mu_);
 
   std::vector<RecoveredSlot> recovered_;  // set by Recover, then constant
 };
@@ -227,7 +230,7 @@ Status SlabStoreImpl::Recover() {
     any_file |= scanned;
   }
   if (!any_file) return Status::Ok();  // a fresh directory: slots are handed out in id order
-  std::lock_guard<std::mutex> l(mu_);
+  MutexLock l(mu_);
   free_.clear();
   for (SlotId s = options_.max_slots - 1; s >= 0; --s) {
     if (!kept[s]) free_.push_back(s);  // reclaimed (lowest ids handed out first)
@@ -278,7 +281,7 @@ StatusOr<bool> SlabStoreImpl::ScanFile(int64_t index, std::vector<bool>& kept) {
       if (payloads && Checksum64(page + kSlotHeaderBlock, bytes) != h->payload_checksum) continue;
       const SlotKey key{h->key_hi, h->key_lo};
       {
-        std::lock_guard<std::mutex> l(mu_);
+        MutexLock l(mu_);
         slots_[slot] = SlotInfo{SlotState::kWritten, key, bytes};
       }
       kept[slot] = true;
@@ -301,7 +304,7 @@ StatusOr<uint64_t> SlabStoreImpl::DeviceChecksum(Arena& a, int i, const void* de
 
 StatusOr<BackendFile*> SlabStoreImpl::FileOf(SlotId slot) {
   const int64_t index = slot / options_.slots_per_file;
-  std::lock_guard<std::mutex> l(files_mu_);
+  MutexLock l(files_mu_);
   if (files_[index]) return files_[index].get();
   const int64_t first = index * options_.slots_per_file;
   const int64_t nslots = std::min(options_.slots_per_file, options_.max_slots - first);
@@ -313,7 +316,7 @@ StatusOr<BackendFile*> SlabStoreImpl::FileOf(SlotId slot) {
 
 StatusOr<std::unique_ptr<Arena>> SlabStoreImpl::AcquireArena() {
   {
-    std::lock_guard<std::mutex> l(arenas_mu_);
+    MutexLock l(arenas_mu_);
     if (!arenas_.empty()) {
       std::unique_ptr<Arena> a = std::move(arenas_.back());
       arenas_.pop_back();
@@ -328,7 +331,7 @@ StatusOr<std::unique_ptr<Arena>> SlabStoreImpl::AcquireArena() {
 }
 
 void SlabStoreImpl::ReleaseArena(std::unique_ptr<Arena> a) {
-  std::lock_guard<std::mutex> l(arenas_mu_);
+  MutexLock l(arenas_mu_);
   arenas_.push_back(std::move(a));
 }
 
@@ -444,7 +447,7 @@ void SlabStoreImpl::WriteWindow(std::span<const SlotWrite> w, std::span<Status> 
     } else if (sw.bytes > 0 && sw.src == nullptr) {
       p.status = Status::InvalidArgument(fmt::format("{}: null source", SlotPrefix(sw.slot)));
     } else {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(mu_);
       SlotInfo& info = slots_[sw.slot];
       if (info.state == SlotState::kFree) {
         p.status = Status::InvalidArgument(
@@ -494,7 +497,7 @@ void SlabStoreImpl::WriteWindow(std::span<const SlotWrite> w, std::span<Status> 
   for (size_t i = 0; i < w.size(); ++i) {
     const SlotWrite& sw = w[i];
     if (plans[i].status.ok()) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(mu_);
       SlotInfo& info = slots_[sw.slot];
       if (info.state == SlotState::kAllocated)
         info = SlotInfo{SlotState::kWritten, sw.key, sw.bytes};
@@ -539,7 +542,7 @@ void SlabStoreImpl::ReadWindow(std::span<const SlotRead> r, std::span<Status> ou
           fmt::format("{}: bad destination ({} bytes at {}; a slot holds {})", prefix, sr.bytes,
                       sr.dst, payload_cap_));
     } else {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(mu_);
       const SlotInfo& info = slots_[sr.slot];
       if (info.state != SlotState::kWritten) {
         p.status = Status::NotFound(fmt::format("{}: not written", prefix));
@@ -638,6 +641,17 @@ void SlabStoreImpl::ReadWindow(std::span<const SlotRead> r, std::span<Status> ou
       std::memcpy(static_cast<std::byte*>(sr.dst) + p.body, a.tail_page(ii), p.tail);
     }
     out[i] = st.ok() ? Status::Ok() : st.WithContext(prefix + ": staging to device memory");
+  }
+  // A slot whose contents fail verification is useless to every later read: its owner drops it.
+  // Say so once per slot (and written contents), with the reason.
+  for (size_t i = 0; i < r.size(); ++i) {
+    if (out[i].code() != StatusCode::kDataLoss) continue;
+    MutexLock l(mu_);
+    SlotInfo& info = slots_[r[i].slot];
+    if (info.corruption_logged) continue;
+    info.corruption_logged = true;
+    Log(LogLevel::kWarn, "file tier: dropping corrupt slot {} of {}: {}", r[i].slot, options_.dir,
+        out[i].message());
   }
 }
 

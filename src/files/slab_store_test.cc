@@ -285,6 +285,36 @@ TEST_P(SlabStoreConformance, CorruptedPayloadByteIsDataLoss) {
   EXPECT_EQ(ReadOne(*s, id, {5, 5}, dst).code(), StatusCode::kDataLoss);
 }
 
+TEST_P(SlabStoreConformance, CorruptSlotIsLoggedOncePerContents) {
+  auto s = OpenStore(Options());
+  ASSERT_TRUE(s);
+  SlotId id = -1;
+  for (int i = 0; i < 8; ++i) id = *s->Allocate();  // id 7: file 1, slot 2 of it
+  std::vector<std::byte> dst(kPayload);
+  auto count = [](const std::string& text) {
+    size_t n = 0;
+    for (size_t at = 0; (at = text.find("dropping corrupt slot 7 of", at)) != std::string::npos;
+         ++at)
+      ++n;
+    return n;
+  };
+  testing::internal::CaptureStderr();
+  WriteOne(*s, id, {5, 5}, kPayload, 5);
+  Poke(1, 2 * SlabSlotBytes(kPayload) + kSlotHeaderBlock + 1000, std::byte{0x5A});
+  EXPECT_EQ(ReadOne(*s, id, {5, 5}, dst).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(ReadOne(*s, id, {5, 5}, dst).code(), StatusCode::kDataLoss);
+  std::string once = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(once), 1u) << once;
+  EXPECT_NE(once.find("slot 7: checksum mismatch"), std::string::npos) << once;
+  // New contents, corrupted again: logged again.
+  testing::internal::CaptureStderr();
+  WriteOne(*s, id, {5, 5}, kPayload, 6);
+  Poke(1, 2 * SlabSlotBytes(kPayload) + kSlotHeaderBlock + 1000, std::byte{0x5B});
+  EXPECT_EQ(ReadOne(*s, id, {5, 5}, dst).code(), StatusCode::kDataLoss);
+  std::string again = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(again), 1u) << again;
+}
+
 TEST_P(SlabStoreConformance, CorruptedHeaderIsDataLoss) {
   auto s = OpenStore(Options());
   ASSERT_TRUE(s);

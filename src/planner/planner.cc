@@ -305,7 +305,7 @@ class Chunker {
   void Finish() {
     if (pending_) Place(*pending_);
     pending_.reset();
-    open_ = nullptr;
+    Close();
   }
 
  private:
@@ -316,7 +316,7 @@ class Chunker {
     }
     out_.bytes += p.total();
     if (p.bytes >= direct_min_) {  // each row is contiguous on both sides and big: direct
-      open_ = nullptr;
+      Close();
       for (int64_t r = 0; r < p.rows; ++r) {
         if (!Room()) return;
         Chunk& c = out_.chunks.emplace_back();
@@ -375,12 +375,20 @@ class Chunker {
 
   // Opens a packed chunk, reserving room for as many pieces like `p` as fit; false when the pair
   // has too many chunks already.
+  // The reservation is small and a closed chunk gives back what it did not use: a peer's
+  // chunk_bytes and direct_min_bytes (a FETCH's) can make up to kMaxChunksPerPair chunks of one
+  // piece each, and thousands of reserved pieces per chunk would be gigabytes.
   bool Open(const Piece& p) {
     if (!Room()) return false;
+    Close();
     open_ = &out_.chunks.emplace_back();
-    open_->pieces.reserve(
-        static_cast<size_t>(std::min<int64_t>(chunk_bytes_ / p.total() + 1, 4096)));
+    open_->pieces.reserve(static_cast<size_t>(std::min<int64_t>(chunk_bytes_ / p.total() + 1, 64)));
     return true;
+  }
+
+  void Close() {
+    if (open_ && open_->pieces.capacity() > 2 * open_->pieces.size()) open_->pieces.shrink_to_fit();
+    open_ = nullptr;
   }
 
   void Append(const Piece& part) {

@@ -338,6 +338,34 @@ TEST(PlannerErrors, MoreChunksThanDataTagsCanNumberAreRefused) {
   EXPECT_TRUE(PlanTransfer(in).ok());
 }
 
+// Pieces alternating between direct and packed (a FETCH's direct_min_bytes between the two piece
+// sizes) make a chunk per piece: each may reserve only what it holds, or a hostile FETCH makes
+// the context rank allocate gigabytes (found by message_fuzz: out of memory).
+TEST(PlannerErrors, ChunkReservationsFollowTheirContents) {
+  KvShape shape{2, 2, 64, DType::kFp16, 2, 4};
+  PlanInput in;
+  in.ctx = {shape, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 128};
+  in.gen = {shape, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 64};
+  in.prompt_tokens = 4 * 40 - 1;  // a partial last block: a piece of another size
+  for (int64_t i = 0; i < 40; ++i) {
+    in.ctx_blocks.push_back(2 * i);
+    in.gen_blocks.push_back(63 - i);
+  }
+  in.chunk_bytes = int64_t{1} << 30;
+  in.direct_min_bytes = 512;  // whole blocks go direct, the partial block's rows are packed
+  auto plan = PlanTransfer(in);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  size_t pieces = 0, reserved = 0;
+  for (const PairPlan& p : plan->pairs) {
+    for (const Chunk& c : p.chunks) {
+      pieces += c.pieces.size();
+      reserved += c.pieces.capacity();
+    }
+  }
+  EXPECT_GT(pieces, 0u);
+  EXPECT_LE(reserved, 2 * pieces + 64) << pieces << " pieces";
+}
+
 TEST(Planner, FullyReusedPromptMovesNothing) {
   PlanInput in = SmallInput();
   in.gen_reused_blocks = 3;

@@ -1,6 +1,7 @@
 #include "selftest/selftest.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -236,6 +237,10 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
   if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  const std::vector<std::string> transports = AvailableTransports();
+  if (std::find(transports.begin(), transports.end(), cfg.transport) == transports.end())
+    return Status::InvalidArgument(fmt::format("--transport {}: this build has {}", cfg.transport,
+                                               fmt::join(transports, ", ")));
   if (cfg.timeout.count() < 1)
     return Status::InvalidArgument(
         fmt::format("--timeout-ms {} must be at least 1", cfg.timeout.count()));
@@ -422,7 +427,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       res.latencies.push_back(s.seconds);
       if (s.state != TransferState::kComplete) {
         ++res.failed;
-        AddError(res, fmt::format("request {:#x}: {} {}", s.request_id, TransferStateName(s.state),
+        AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
                                   s.reason.ToString()));
       }
     }
@@ -510,7 +515,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         watch.Ended();
         ++res.failed;
         busy[slot] = false;
-        AddError(res, fmt::format("request {}: fetch refused: {}", i, st.ToString()));
+        AddError(res, fmt::format("request {}: fetch refused: {}", RequestId(i), st.ToString()));
         continue;
       }
       inflight[RequestId(i)] = {i, slot};
@@ -524,7 +529,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       res.latencies.push_back(s.seconds);
       bool ok = s.state == TransferState::kComplete;
       if (!ok)
-        AddError(res, fmt::format("request {}: {} {}", i, TransferStateName(s.state),
+        AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
                                   s.reason.ToString()));
       if (ok && cfg.verify) {
         int64_t tokens = TokensOf(cfg, i);
@@ -536,7 +541,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                            {BlockId(cfg, bpr, slot, b), b * cfg.shape.tokens_per_block, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
-            AddError(res, fmt::format("request {} block {}: {}", i, b,
+            AddError(res, fmt::format("request {} block {}: {}", s.request_id, b,
                                       m.ok() ? (*m)->ToString() : m.status().ToString()));
           }
         }
@@ -684,11 +689,12 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     failed_pairs += r.failed;
     lat.insert(lat.end(), r.latencies.begin(), r.latencies.end());
   }
-  s.verified =
+  s.completed =
       (verified_pairs == expected_pairs && failed_pairs == 0)
           ? cfg.requests
           : std::min(cfg.requests, verified_pairs * cfg.requests / std::max(1, expected_pairs));
-  s.failed = std::max(s.failed, cfg.requests - s.verified);
+  s.verified = cfg.verify ? s.completed : 0;
+  s.failed = std::max(s.failed, cfg.requests - s.completed);
   s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
   std::sort(lat.begin(), lat.end());
   auto pct = [&](double p) {

@@ -56,7 +56,7 @@ struct RankResult {
   bool context = false;
   int rank = 0;
   int requests = 0;  // requests this rank took part in
-  int verified = 0;  // generation: requests whose every element checked out
+  int verified = 0;  // generation: requests complete (and, with cfg.verify, checked element-wise)
   int failed = 0;
   int prefix_hits = 0;  // generation: requests that reused the resident prefix
   int64_t bytes = 0;
@@ -91,6 +91,9 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg);
 // The aggregate over all ranks: what the command prints.
 struct SelftestSummary {
   int requests = 0, verified = 0, failed = 0;
+  // Requests that ended complete on every generation rank; `verified` counts those also checked
+  // element by element, so it is 0 when verification is off (cfg.verify false).
+  int completed = 0;
   int prefix_hits = 0;  // (request, generation rank) pairs that reused the resident prefix
   int64_t bytes = 0;    // payload bytes received by the generation instance
   double seconds = 0;   // wall time of the generation instance (max over ranks)

@@ -165,8 +165,6 @@ class Soak {
     spec.nth = 1;
     const bool crash = cfg_.transport == "inproc" && Pick(20) == 0;
     spec.kind = crash ? FaultKind::kCrash : kKinds[Pick(std::size(kKinds))];
-    if (spec.kind == FaultKind::kCorrupt && spec.step == FaultStep::kData)
-      spec.kind = FaultKind::kDrop;  // payload corruption needs per-chunk checksums to be caught
     spec.stall =
         milliseconds(static_cast<int64_t>(cfg_.timeout.count() * (0.25 + 1.25 * Uniform())) + 1);
     rig.faulty(context, rank).Arm(spec);
@@ -282,6 +280,10 @@ class Soak {
     o.chunk_bytes = 1024;
     o.staging_chunks = 3;
     o.direct_min_bytes = 512;
+    // Both data paths in turn (one-sided puts; tagged messages), checksums on: a corrupted or
+    // lost chunk fails its request rather than completing it with wrong bytes.
+    o.rma = report_.epochs % 2 == 0;
+    o.checksum = true;
     KVF_ASSIGN_OR_RETURN(auto rig, FaultRig::Create(layout.ctx, layout.gen, o));
     crash_armed_.clear();
     std::vector<bool> busy(cfg_.concurrency, false);

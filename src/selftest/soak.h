@@ -12,8 +12,9 @@
 // Faults: every few requests (--fault-rate) a transport of the serving ranks is armed for the next
 // occurrence of a random step (FETCH, ACCEPT, CREDIT, DATA, DONE, COMPLETE, ABORT) with a random
 // kind (crash, stall, drop, duplicate, corrupt); "injected" counts faults that fired. A crash ends
-// its epoch early (its ranks can't serve); the next epoch starts on fresh transports. Payload
-// corruption is left out (undetected without per-chunk checksums; see docs/reliability.md).
+// its epoch early (its ranks can't serve); the next epoch starts on fresh transports. Epochs
+// alternate the one-sided and the tagged data path; per-chunk checksums are on, so a corrupted or
+// lost chunk must fail its request (a completed request with wrong bytes is a verify failure).
 #pragma once
 
 #include <chrono>

@@ -22,12 +22,12 @@ MemorySlabStore::MemorySlabStore(int64_t slot_payload_bytes, int64_t max_slots)
 }
 
 int64_t MemorySlabStore::free_slots() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return static_cast<int64_t>(free_.size());
 }
 
 StatusOr<SlotId> MemorySlabStore::Allocate() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (free_.empty()) {
     return Status::ResourceExhausted(
         fmt::format("memory slab store: all {} slots in use", slots_.size()));
@@ -40,7 +40,7 @@ StatusOr<SlotId> MemorySlabStore::Allocate() {
 }
 
 void MemorySlabStore::Release(SlotId slot) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (slot < 0 || slot >= capacity() || !slots_[slot].allocated) return;
   slots_[slot].allocated = false;
   slots_[slot].written = false;
@@ -50,7 +50,7 @@ void MemorySlabStore::Release(SlotId slot) {
 std::vector<Status> MemorySlabStore::Write(std::span<const SlotWrite> writes) {
   std::vector<Status> out;
   out.reserve(writes.size());
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (const SlotWrite& w : writes) {
     if (w.slot < 0 || w.slot >= capacity() || !slots_[w.slot].allocated) {
       out.push_back(Status::InvalidArgument(fmt::format("slot {} is not allocated", w.slot)));
@@ -76,7 +76,7 @@ std::vector<Status> MemorySlabStore::Write(std::span<const SlotWrite> writes) {
 std::vector<Status> MemorySlabStore::Read(std::span<const SlotRead> reads) {
   std::vector<Status> out;
   out.reserve(reads.size());
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (const SlotRead& r : reads) {
     if (r.slot < 0 || r.slot >= capacity() || !slots_[r.slot].written) {
       out.push_back(Status::NotFound(fmt::format("slot {} holds no data", r.slot)));
@@ -105,7 +105,7 @@ std::vector<Status> MemorySlabStore::Read(std::span<const SlotRead> reads) {
 }
 
 bool MemorySlabStore::CorruptForTest(SlotId slot, int64_t offset) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (slot < 0 || slot >= capacity() || !slots_[slot].written) return false;
   auto& d = slots_[slot].data;
   if (d.empty()) return false;

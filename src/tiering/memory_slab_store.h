@@ -13,6 +13,7 @@
 #include <mutex>
 #include <vector>
 
+#include "base/thread_annotations.h"
 #include "files/slab_store.h"
 
 namespace kvferry::tiering {
@@ -22,7 +23,10 @@ class MemorySlabStore final : public SlabStore {
   MemorySlabStore(int64_t slot_payload_bytes, int64_t max_slots);
 
   const FileBackendCaps& backend() const override { return caps_; }
-  int64_t capacity() const override { return static_cast<int64_t>(slots_.size()); }
+  int64_t capacity() const override {
+    MutexLock l(mu_);
+    return static_cast<int64_t>(slots_.size());
+  }
   int64_t free_slots() const override;
   StatusOr<SlotId> Allocate() override;
   void Release(SlotId slot) override;
@@ -43,9 +47,9 @@ class MemorySlabStore final : public SlabStore {
   };
   const FileBackendCaps caps_;
   const int64_t payload_bytes_;
-  mutable std::mutex mu_;
-  std::vector<Slot> slots_;   // guarded by mu_
-  std::vector<SlotId> free_;  // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<Slot> slots_ GUARDED_BY(mu_);
+  std::vector<SlotId> free_ GUARDED_BY(mu_);
 };
 
 // Forwards everything to `base` (not owned; must outlive the wrapper).

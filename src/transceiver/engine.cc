@@ -108,7 +108,7 @@ void Engine::Stop() {
 
 void Engine::Post(std::function<void()> fn) {
   {
-    std::lock_guard lock(cmd_mu_);
+    MutexLock lock(cmd_mu_);
     commands_.push_back(std::move(fn));
   }
   cmd_cv_.notify_one();
@@ -133,7 +133,7 @@ void Engine::Run() {
     bool busy = false;
     std::deque<std::function<void()>> cmds;
     {
-      std::lock_guard lock(cmd_mu_);
+      MutexLock lock(cmd_mu_);
       cmds.swap(commands_);
     }
     for (auto& c : cmds) c();
@@ -165,15 +165,15 @@ void Engine::Run() {
       // progress call): with bytes in flight, keep driving, yielding the core between calls.
       std::this_thread::yield();
     } else if (!busy) {
-      std::unique_lock lock(cmd_mu_);
-      cmd_cv_.wait_for(lock, std::chrono::microseconds(50),
-                       [&] { return !commands_.empty() || stop_; });
+      MutexLock lock(cmd_mu_);
+      lock.WaitFor(cmd_cv_, std::chrono::microseconds(50),
+                   [&]() REQUIRES(cmd_mu_) { return !commands_.empty() || stop_; });
     }
   }
   // Commands posted after the loop ended still complete (with whatever state they find).
   std::deque<std::function<void()>> rest;
   {
-    std::lock_guard lock(cmd_mu_);
+    MutexLock lock(cmd_mu_);
     rest.swap(commands_);
   }
   for (auto& c : rest) c();
@@ -181,7 +181,7 @@ void Engine::Run() {
 
 void Engine::SetStatus(const TransferStatus& status) {
   {
-    std::lock_guard lock(status_mu_);
+    MutexLock lock(status_mu_);
     auto it = statuses_.find(status.request_id);
     const bool was_live = it != statuses_.end() && !IsTerminal(it->second.state);
     live_ += int{!IsTerminal(status.state)} - int{was_live};
@@ -193,8 +193,9 @@ void Engine::SetStatus(const TransferStatus& status) {
 }
 
 std::vector<TransferStatus> Engine::PollStatuses(size_t at_least, Deadline deadline) {
-  std::unique_lock lock(status_mu_);
-  status_cv_.wait_until(lock, deadline, [&] { return reports_.size() >= at_least; });
+  MutexLock lock(status_mu_);
+  lock.WaitUntil(status_cv_, deadline,
+                 [&]() REQUIRES(status_mu_) { return reports_.size() >= at_least; });
   std::vector<TransferStatus> out(reports_.begin(), reports_.end());
   reports_.clear();
   // Terminal requests leave the table once reported; Query then says not found.
@@ -206,7 +207,7 @@ std::vector<TransferStatus> Engine::PollStatuses(size_t at_least, Deadline deadl
 }
 
 StatusOr<TransferStatus> Engine::QueryStatus(uint64_t request_id) const {
-  std::lock_guard lock(status_mu_);
+  MutexLock lock(status_mu_);
   auto it = statuses_.find(request_id);
   if (it == statuses_.end()) {
     return Status::NotFound(

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/thread_annotations.h"
 #include "kvferry/pool.h"
 #include "kvferry/transceiver.h"
 #include "planner/planner.h"
@@ -134,9 +135,9 @@ class Engine {
   LocalRma rma_;
   std::string rma_why_;
 
-  std::mutex cmd_mu_;
+  Mutex cmd_mu_;
   std::condition_variable cmd_cv_;
-  std::deque<std::function<void()>> commands_;  // guarded by cmd_mu_
+  std::deque<std::function<void()>> commands_ GUARDED_BY(cmd_mu_);
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
   std::atomic<int64_t> ended_{0};
@@ -144,10 +145,10 @@ class Engine {
   std::atomic<int64_t> slots_in_use_{0};  // staging slots acquired, not released
   std::thread thread_;
 
-  mutable std::mutex status_mu_;
+  mutable Mutex status_mu_;
   std::condition_variable status_cv_;
-  std::map<uint64_t, TransferStatus> statuses_;  // guarded by status_mu_
-  std::deque<TransferStatus> reports_;           // guarded by status_mu_: terminal, not yet polled
+  std::map<uint64_t, TransferStatus> statuses_ GUARDED_BY(status_mu_);
+  std::deque<TransferStatus> reports_ GUARDED_BY(status_mu_);  // terminal, not yet polled
 };
 
 // Builds the 2-D copy descriptors of a chunk between pool and a packed buffer.

@@ -7,7 +7,10 @@
 //   - every (request, rank) reaches exactly one terminal state, within its deadline plus kGrace;
 //   - no lease or staging slot survives on any side (the faulty one included);
 //   - survivors keep serving: after the fault a request on the other DP groups (and, unless the
-//     fault crashed a rank, on the same ranks) completes and verifies element by element.
+//     fault crashed a rank, on the same ranks) completes and verifies element by element;
+//   - a faulted transfer that completes holds the right bytes (per-chunk checksums on: a corrupted
+//     or missing chunk fails the request with DATA_LOSS instead).
+// DATA cells run on both data paths: one-sided (puts, then a CHUNK message) and tagged.
 // Each cell prints a "MATRIX|" line with what the faulted full transfer ended in on each rank
 // (docs/reliability.md lists them).
 #include <fmt/format.h>
@@ -16,6 +19,7 @@
 #include <map>
 #include <set>
 
+#include "kvferry/config.h"
 #include "selftest/fault_rig.h"
 #include "transceiver/handle.h"
 
@@ -27,7 +31,10 @@ using std::chrono::milliseconds;
 // The grace covers scheduling on a loaded machine (2 shared cores, load ~15): a request normally
 // ends within a few milliseconds of its deadline.
 constexpr milliseconds kTimeout{600};
-constexpr milliseconds kGrace{600};  // the promise checked: terminal within deadline + grace
+// The one-sided path holds a generation rank's blocks for transfer.abort_grace_ms after it gives
+// up (a context rank may still be putting into them); set to 300 ms here.
+constexpr milliseconds kAbortGrace{300};
+constexpr milliseconds kGrace = kAbortGrace + milliseconds(900);  // the promise checked
 constexpr milliseconds kStall{700};  // longer than the deadline: stalled messages arrive stale
 
 enum class Where { kWire, kPublish };
@@ -39,10 +46,11 @@ struct Cell {
   FaultStep step = FaultStep::kFetch;
   int64_t nth = 1;
   FaultKind kind = FaultKind::kCrash;
+  bool rma = true;  // the one-sided data path (puts + CHUNK), else tagged send/receive
   std::string Name() const {
     std::string step_name = where == Where::kPublish ? "PUBLISH" : std::string(FaultStepName(step));
-    return fmt::format("{}_r{}_{}_{}_{}", context ? "ctx" : "gen", rank_in_group, step_name, nth,
-                       FaultKindName(kind));
+    return fmt::format("{}_r{}_{}_{}_{}{}", context ? "ctx" : "gen", rank_in_group, step_name, nth,
+                       FaultKindName(kind), rma ? "" : "_tagged");
   }
 };
 
@@ -138,11 +146,15 @@ class FaultMatrix : public ::testing::TestWithParam<Cell> {};
 
 TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
   const Cell& cell = GetParam();
+  ASSERT_TRUE(
+      Config::Global().Set("transfer.abort_grace_ms", std::to_string(kAbortGrace.count())).ok());
   TransceiverOptions o;
   o.timeout = kTimeout;
   o.chunk_bytes = 1024;  // several chunks per pair, some staged, some direct
   o.staging_chunks = 2;
   o.direct_min_bytes = 512;
+  o.rma = cell.rma;
+  o.checksum = true;  // a corrupted or missing chunk must fail the request, never complete it
   // Two DP groups of two ranks on each side: group 0 takes the fault, group 1 must not notice.
   RigInstance ctx{Shape(), {4, 1, {}, 2, 0}, LayoutKind::kBlockMajor, 32};
   RigInstance gen{Shape(), {4, 1, {}, 2, 0}, LayoutKind::kPerLayer, 32};
@@ -193,13 +205,9 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
   EXPECT_TRUE(ledger.Settle(settle)) << "request 1 never ended everywhere";
   std::string outcome = ledger.Outcome(1);
   if (ledger.AllComplete(1)) {
-    // Completed: the bytes must be right, except where the fault corrupted a chunk (payload
-    // corruption is detected only with per-chunk checksums; the line says so).
+    // Completed: the bytes must be right, whatever the fault (checksums catch corruption).
     Status v = rig.Verify(1, Blocks(3), kTokens, 0);
-    const bool corrupt_data = cell.kind == FaultKind::kCorrupt && cell.step == FaultStep::kData;
-    if (!corrupt_data) {
-      EXPECT_TRUE(v.ok()) << v.ToString();
-    }
+    EXPECT_TRUE(v.ok()) << v.ToString();
     outcome += v.ok() ? " verified" : " WRONG-DATA";
   }
 
@@ -254,19 +262,30 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
   };
   std::vector<Survivor> survivors{{6, 1}};
   if (!crashed) survivors.push_back({5, 0});
+  // A survivor that did not complete is tried once more with a fresh id: on this shared 2-core
+  // machine (load 20-40 while other builds run) a healthy 8 KB transfer can miss a 600 ms
+  // deadline. A rank the fault left broken fails both times.
+  int retried = 0;
   for (const Survivor& s : survivors) {
-    auto h = rig.Publish(s.id, Blocks(0), kTokens, s.group, false);
-    ASSERT_TRUE(h.ok()) << h.status().ToString();
-    ledger.ExpectGroup(true, s.group, s.id);
-    ASSERT_TRUE(rig.Fetch(*h, Blocks(9), s.group).ok());
-    ledger.ExpectGroup(false, s.group, s.id);
-  }
-  EXPECT_TRUE(ledger.Settle(settle)) << "survivors never ended";
-  for (const Survivor& s : survivors) {
-    EXPECT_TRUE(ledger.AllComplete(s.id))
-        << "survivor request " << s.id << " (group " << s.group << "): " << ledger.Outcome(s.id);
-    Status v = rig.Verify(s.id, Blocks(9), kTokens, s.group);
-    EXPECT_TRUE(v.ok()) << v.ToString();
+    bool ok = false;
+    std::string outcomes;
+    for (uint64_t id : {s.id, s.id + 100}) {
+      auto h = rig.Publish(id, Blocks(id > 100 ? 28 : 0), kTokens, s.group, false);
+      ASSERT_TRUE(h.ok()) << h.status().ToString();
+      ledger.ExpectGroup(true, s.group, id);
+      ASSERT_TRUE(rig.Fetch(*h, Blocks(id > 100 ? 28 : 9), s.group).ok());
+      ledger.ExpectGroup(false, s.group, id);
+      EXPECT_TRUE(ledger.Settle(settle)) << "survivor " << id << " never ended";
+      outcomes += ledger.Outcome(id) + "; ";
+      if (ledger.AllComplete(id)) {
+        Status v = rig.Verify(id, Blocks(id > 100 ? 28 : 9), kTokens, s.group);
+        EXPECT_TRUE(v.ok()) << v.ToString();
+        ok = true;
+        break;
+      }
+      ++retried;
+    }
+    EXPECT_TRUE(ok) << "survivor request " << s.id << " (group " << s.group << "): " << outcomes;
   }
   ledger.Check();
 
@@ -279,8 +298,8 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
   }
   EXPECT_EQ(t.live_requests, 0) << "leases survive";
   EXPECT_EQ(t.staging_slots_in_use, 0) << "staging slots survive";
-  std::printf("MATRIX|%s|%s|survivors %s\n", cell.Name().c_str(), outcome.c_str(),
-              ::testing::Test::HasFailure() ? "FAILED" : "ok");
+  std::printf("MATRIX|%s|%s|survivors %s%s\n", cell.Name().c_str(), outcome.c_str(),
+              ::testing::Test::HasFailure() ? "FAILED" : "ok", retried ? " (retried)" : "");
 }
 
 // Found by the matrix: a generation rank that cancels made the context ranks end, but they did
@@ -336,8 +355,11 @@ std::vector<Cell> AllCells() {
       for (bool context : {true, false}) {
         for (FaultStep step : kAllFaultSteps) {
           cells.push_back(Cell{Where::kWire, context, rank, step, 1, kind});
-          if (step == FaultStep::kData)  // a chunk in the middle of the transfer, too
-            cells.push_back(Cell{Where::kWire, context, rank, step, 3, kind});
+          if (step != FaultStep::kData) continue;
+          // A chunk in the middle of the transfer too, and both data paths.
+          cells.push_back(Cell{Where::kWire, context, rank, step, 3, kind});
+          cells.push_back(Cell{Where::kWire, context, rank, step, 1, kind, false});
+          cells.push_back(Cell{Where::kWire, context, rank, step, 3, kind, false});
         }
       }
     }

@@ -46,11 +46,13 @@ class FaultOp final : public TransportOp {
   }
 };
 
-std::optional<FaultStep> StepOf(std::span<const std::byte> bytes) {
+// The step a control message is. A CHUNK message (one-sided path: "chunk k is in place") is the
+// DATA step where it arrives; where it leaves, the puts before it were the DATA steps.
+std::optional<FaultStep> StepOf(std::span<const std::byte> bytes, bool incoming) {
   auto msg = DecodeMessage(bytes);
   if (!msg.ok()) return std::nullopt;
   return std::visit(
-      [](const auto& m) -> FaultStep {
+      [incoming](const auto& m) -> std::optional<FaultStep> {
         using T = std::decay_t<decltype(m)>;
         if constexpr (std::is_same_v<T, FetchMsg>) return FaultStep::kFetch;
         if constexpr (std::is_same_v<T, AcceptMsg>) return FaultStep::kAccept;
@@ -58,7 +60,12 @@ std::optional<FaultStep> StepOf(std::span<const std::byte> bytes) {
         if constexpr (std::is_same_v<T, CreditMsg>) return FaultStep::kCredit;
         if constexpr (std::is_same_v<T, DoneMsg>) return FaultStep::kDone;
         if constexpr (std::is_same_v<T, CompleteMsg>) return FaultStep::kComplete;
-        return FaultStep::kAbort;
+        if constexpr (std::is_same_v<T, AbortMsg>) return FaultStep::kAbort;
+        if constexpr (std::is_same_v<T, ChunkMsg>) {
+          if (incoming) return FaultStep::kData;
+          return std::nullopt;
+        }
+        return std::nullopt;
       },
       *msg);
 }
@@ -322,7 +329,7 @@ Status FaultyTransport::SendControl(PeerId peer, std::span<const std::byte> byte
   MaybeCrash();
   if (crashed_) return target_->SendControl(peer, bytes);
   std::optional<FaultSpec> f;
-  if (auto step = StepOf(bytes)) f = Hit(*step);
+  if (auto step = StepOf(bytes, false)) f = Hit(*step);
   std::vector<std::byte> copy(bytes.begin(), bytes.end());
   int copies = 1;
   if (f) {
@@ -391,7 +398,7 @@ std::optional<ControlMessage> FaultyTransport::PollControl() {
     std::optional<ControlMessage> m = target_->PollControl();
     if (!m || crashed_) return m;
     std::optional<FaultSpec> f;
-    if (auto step = StepOf(m->bytes)) f = Hit(*step);
+    if (auto step = StepOf(m->bytes, true)) f = Hit(*step);
     if (!f) return m;
     switch (f->kind) {
       case FaultKind::kCrash:

@@ -5,7 +5,9 @@
 // Steps are recognized on the wire: control messages by their decoded type (FETCH, ACCEPT,
 // REJECT, CREDIT, DONE, COMPLETE, ABORT), whether this transport sends them or receives them (a
 // context rank sees FETCH arrive, a generation rank sees it leave); DATA is a chunk's data
-// operation: a Send or Put on the sending side, a posted Recv on the receiving side. The fault
+// operation: a Send or Put on the sending side (one-sided: each put of a chunk's rows counts), a
+// posted Recv or an arriving CHUNK message (one-sided: "chunk k is in place") on the receiving
+// side. The fault
 // fires at the Nth occurrence of the step on this transport (counted from construction or the
 // last Arm), once:
 //   crash      the step happens, then the transport dies before anything else: `crash` is called

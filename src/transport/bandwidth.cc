@@ -76,6 +76,7 @@ StatusOr<BandwidthResult> MeasurePutBandwidth(Transport& t, PeerId peer, const v
   KVF_ASSIGN_OR_RETURN(auto flush, t.Flush(peer));
   KVF_RETURN_IF_ERROR(WaitOp(t, *flush, deadline).WithContext("bandwidth flush"));
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  r.transports = t.DescribePeer(peer);
   return r;
 }
 
@@ -84,12 +85,15 @@ StatusOr<BandwidthResult> SendBandwidth(Transport& t, PeerId peer, const void* l
                                         const BandwidthParams& params, Deadline deadline) {
   KVF_RETURN_IF_ERROR(CheckParams(local_bytes, params));
   const auto* src = static_cast<const std::byte*>(local);
-  return Pump(
-      t, local_bytes / params.message_bytes, params,
-      [&](size_t i, size_t off, size_t n) {
-        return t.Send(peer, tag_base + i, src + off, n, kind);
-      },
-      deadline);
+  KVF_ASSIGN_OR_RETURN(BandwidthResult r, Pump(
+                                              t, local_bytes / params.message_bytes, params,
+                                              [&](size_t i, size_t off, size_t n) {
+                                                return t.Send(peer, tag_base + i, src + off, n,
+                                                              kind);
+                                              },
+                                              deadline));
+  r.transports = t.DescribePeer(peer);
+  return r;
 }
 
 StatusOr<BandwidthResult> ReceiveBandwidth(Transport& t, PeerId peer, void* local,

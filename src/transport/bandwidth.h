@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "transport/transport.h"
 
@@ -18,13 +19,14 @@ namespace kvferry {
 struct BandwidthResult {
   size_t bytes = 0;
   double seconds = 0;
+  std::string transports;  // what carried them: Transport::DescribePeer after the run
   double GBps() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 };
 
 struct BandwidthParams {
   size_t total_bytes = size_t{1} << 30;
   size_t message_bytes = size_t{4} << 20;
-  int window = 8;  // messages in flight
+  int window = 8;  // messages in flight (ucx_perftest ucp_put_bw keeps up to 32 puts in flight)
 };
 
 // Puts total_bytes into the peer's registered region [remote_addr, remote_addr + remote_bytes).

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "base/thread_annotations.h"
+
 namespace kvferry {
 namespace {
 
@@ -79,11 +81,11 @@ class Fabric final : public InProcFabric {
   };
 
   Status Kill(std::string_view address) override {
-    std::lock_guard lock(mu);
+    MutexLock lock(mu);
     return KillLocked(address);
   }
 
-  Status KillLocked(std::string_view address) {
+  Status KillLocked(std::string_view address) REQUIRES(mu) {
     auto it = nodes.find(address);
     if (it == nodes.end())
       return Status::NotFound("no inproc transport at " + std::string(address));
@@ -111,10 +113,10 @@ class Fabric final : public InProcFabric {
     return Status::Ok();
   }
 
-  std::mutex mu;
-  std::map<std::string, Node, std::less<>> nodes;  // guarded by mu
-  uint64_t next_id = 0;                            // guarded by mu
-  uint64_t next_region = 1;                        // guarded by mu
+  Mutex mu;
+  std::map<std::string, Node, std::less<>> nodes GUARDED_BY(mu);
+  uint64_t next_id GUARDED_BY(mu) = 0;
+  uint64_t next_region GUARDED_BY(mu) = 1;
 };
 
 // Key: "IPRK" + u64 registration id (little-endian).
@@ -135,7 +137,7 @@ class InProcRegistration final : public MemoryRegistration {
     id_ = id;
   }
   ~InProcRegistration() override {
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     auto it = fabric_->nodes.find(owner_);
     if (it != fabric_->nodes.end()) it->second.regions.erase(id_);
   }
@@ -173,13 +175,13 @@ class InProcTransport final : public Transport {
     caps_.one_sided = true;
     caps_.detects_crashed_peers = true;  // InProcFabric::Kill
     caps_.max_control_bytes = size_t{1} << 20;
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     address_ = std::string(kScheme) + std::to_string(fabric_->next_id++);
     fabric_->nodes[address_];
   }
 
   ~InProcTransport() override {
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     (void)fabric_->KillLocked(address_);
   }
 
@@ -191,7 +193,7 @@ class InProcTransport final : public Transport {
       return Status::InvalidArgument("not an inproc address: '" + std::string(address) + "'");
     }
     {
-      std::lock_guard lock(fabric_->mu);
+      MutexLock lock(fabric_->mu);
       auto it = fabric_->nodes.find(address);
       if (it == fabric_->nodes.end()) {
         return Status::Unavailable("no inproc transport at " + std::string(address));
@@ -208,7 +210,7 @@ class InProcTransport final : public Transport {
     KVF_RETURN_IF_ERROR(CheckKind(kind));
     KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
     auto op = std::make_shared<OpState>();
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     Fabric::Node& me = fabric_->nodes[address_];
     if (!me.alive) return FailedOp(Status::Unavailable("inproc transport was killed"));
     auto it = fabric_->nodes.find(*dest);
@@ -236,7 +238,7 @@ class InProcTransport final : public Transport {
     }
     auto op = std::make_shared<OpState>();
     Fabric::PendingRecv recv{from, tag, static_cast<std::byte*>(buf), capacity, op};
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     Fabric::Node& me = fabric_->nodes[address_];
     if (!me.alive) return FailedOp(Status::Unavailable("inproc transport was killed"));
     for (auto s = me.sends.begin(); s != me.sends.end(); ++s) {
@@ -259,7 +261,7 @@ class InProcTransport final : public Transport {
     auto* mine = dynamic_cast<InProcOp*>(&op);
     if (mine == nullptr || mine->Done()) return;
     OpState* target = mine->state().get();
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     for (auto& [name, node] : fabric_->nodes) {
       node.recvs.remove_if([&](Fabric::PendingRecv& r) { return r.op.get() == target; });
       node.sends.remove_if([&](Fabric::PendingSend& s) { return s.op.get() == target; });
@@ -273,7 +275,7 @@ class InProcTransport final : public Transport {
                                      " bytes exceeds " + std::to_string(caps_.max_control_bytes));
     }
     KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     if (!fabric_->nodes[address_].alive) return Status::Unavailable("inproc transport was killed");
     auto it = fabric_->nodes.find(*dest);
     if (it == fabric_->nodes.end() || !it->second.alive) {
@@ -286,7 +288,7 @@ class InProcTransport final : public Transport {
   std::optional<ControlMessage> PollControl() override {
     std::pair<std::string, std::vector<std::byte>> msg;
     {
-      std::lock_guard lock(fabric_->mu);
+      MutexLock lock(fabric_->mu);
       auto& q = fabric_->nodes[address_].control;
       if (q.empty()) return std::nullopt;
       msg = std::move(q.front());
@@ -306,7 +308,7 @@ class InProcTransport final : public Transport {
       owned.resize(bytes);
       ptr = owned.data();
     }
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     const uint64_t id = fabric_->next_region++;
     fabric_->nodes[address_].regions[id] = Fabric::Region{static_cast<std::byte*>(ptr), bytes};
     return std::unique_ptr<MemoryRegistration>(std::make_unique<InProcRegistration>(
@@ -321,7 +323,7 @@ class InProcTransport final : public Transport {
     KVF_RETURN_IF_ERROR(CheckKind(kind));
     KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
     KVF_ASSIGN_OR_RETURN(uint64_t id, DecodeKey(rkey));
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     if (!fabric_->nodes[address_].alive)
       return FailedOp(Status::Unavailable("inproc transport was killed"));
     auto it = fabric_->nodes.find(*dest);
@@ -349,7 +351,7 @@ class InProcTransport final : public Transport {
 
   StatusOr<std::unique_ptr<TransportOp>> Flush(PeerId peer) override {
     KVF_ASSIGN_OR_RETURN(const std::string* dest, PeerAddress(peer));
-    std::lock_guard lock(fabric_->mu);
+    MutexLock lock(fabric_->mu);
     auto it = fabric_->nodes.find(*dest);
     if (!fabric_->nodes[address_].alive || it == fabric_->nodes.end() || !it->second.alive) {
       return FailedOp(Status::Unavailable("inproc peer " + *dest + " is dead"));

@@ -129,8 +129,9 @@ class Transport {
   // One-sided (caps().one_sided; otherwise kUnavailable). Put writes `bytes` from `local` to
   // `remote_addr` inside a peer's registration whose PackedKey() is `rkey`; it completes when
   // `local` may be reused (local completion: the bytes need not be visible remotely yet).
-  // A range outside that registration is refused locally with kInvalidArgument (the packed key
-  // carries the registration's address and size); a key that is not a packed key too.
+  // A range outside that registration is refused with kInvalidArgument before any byte moves
+  // (by the call, or by its op; ucx: locally, as its packed key carries the registration's
+  // address and size); a key that is not a packed key too.
   // Flush completes when every Put issued to `peer` before it is visible in the peer's memory.
   // RegisterMemory(nullptr, bytes, kind) lets the transport allocate the region, in the memory
   // peers reach fastest (ucx on one host: shared memory, so a Put is one copy; user memory is

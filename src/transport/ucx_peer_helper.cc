@@ -5,6 +5,8 @@
 //   hangreg  like hang, after registering a 64 MiB region of its own memory and sending
 //            (address, key) (the parent puts into it, then kills it)
 //   bw    register a 64 MiB region, send (address, key), receive tag-send bandwidth traffic
+//   cuda  register 64 MiB of GPU memory (cuda:0), send (address, key); on each control message
+//         "check" answer with the FNV-1a hash of the region's bytes (copied to the host)
 // Each mode first connects to the parent and sends the control message "ready"; each ends on
 // the parent's control message "exit" or after 60 s. Exit status 0 on success.
 #include <unistd.h>
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/device.h"
 #include "transport/bandwidth.h"
 #include "transport/transport.h"
 
@@ -43,11 +46,54 @@ bool AwaitExit(Transport& t, Deadline deadline) {
   return false;
 }
 
+uint32_t Fnv1a(const std::vector<std::byte>& v) {
+  uint32_t h = 2166136261u;
+  for (std::byte b : v) h = (h ^ static_cast<uint8_t>(b)) * 16777619u;
+  return h;
+}
+
+int CudaTarget(Transport& t, PeerId parent, Deadline deadline) {
+  auto dev = OpenDevice("cuda:0");
+  if (!dev.ok()) return Fail(dev.status());
+  constexpr size_t kBytes = size_t{64} << 20;
+  auto region = (*dev)->Allocate(MemoryKind::kDevice, kBytes);
+  if (!region.ok()) return Fail(region.status());
+  auto stream = (*dev)->CreateStream();
+  if (!stream.ok()) return Fail(stream.status());
+  Status st = (*stream)->Fill(region->data(), 0, kBytes);
+  if (st.ok()) st = (*stream)->Synchronize(deadline);
+  if (!st.ok()) return Fail(st);
+  auto reg = t.RegisterMemory(region->data(), kBytes, MemoryKind::kDevice);
+  if (!reg.ok()) return Fail(reg.status());
+  std::vector<std::byte> msg(8);
+  const uint64_t addr = (*reg)->address();
+  std::memcpy(msg.data(), &addr, 8);
+  auto key = (*reg)->PackedKey();
+  msg.insert(msg.end(), key.begin(), key.end());
+  if (st = t.SendControl(parent, msg); !st.ok()) return Fail(st);
+  std::vector<std::byte> host(kBytes);
+  while (Clock::now() < deadline) {
+    auto m = t.PollControl();
+    if (!m) {
+      t.Progress();
+      continue;
+    }
+    const std::string text(reinterpret_cast<const char*>(m->bytes.data()), m->bytes.size());
+    if (text == "exit") return 0;
+    if (text != "check") continue;
+    st = (*stream)->Copy(host.data(), region->data(), kBytes);
+    if (st.ok()) st = (*stream)->Synchronize(deadline);
+    if (!st.ok()) return Fail(st);
+    if (st = t.SendControl(parent, Bytes(std::to_string(Fnv1a(host)))); !st.ok()) return Fail(st);
+  }
+  return Fail(Status::DeadlineExceeded("no 'exit' from parent"));
+}
+
 int Main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(
-        stderr,
-        "usage: ucx_peer_helper echo|hang|hangaddr|hangreg|bw PARENT_ADDRESS [BW_TOTAL_MIB]\n");
+    std::fprintf(stderr,
+                 "usage: ucx_peer_helper echo|hang|hangaddr|hangreg|bw|cuda PARENT_ADDRESS "
+                 "[BW_TOTAL_MIB]\n");
     return 2;
   }
   alarm(90);  // never outlive a broken parent
@@ -55,6 +101,7 @@ int Main(int argc, char** argv) {
   const Deadline deadline = DeadlineIn(milliseconds(60000));
   TransportOptions o;
   o.name = "ucx";
+  o.device_memory_is_host = mode != "cuda";
   auto made = CreateTransport(o);
   if (!made.ok()) return Fail(made.status());
   Transport& t = **made;
@@ -87,6 +134,8 @@ int Main(int argc, char** argv) {
     if (st = t.SendControl(*parent, msg); !st.ok()) return Fail(st);
     while (Clock::now() < deadline) t.Progress();
     return 3;
+  } else if (mode == "cuda") {
+    return CudaTarget(t, *parent, deadline);
   } else if (mode == "bw") {
     // The transport allocates the region (shared memory on one host: the fastest put target).
     auto reg = t.RegisterMemory(nullptr, size_t{64} << 20, MemoryKind::kHost);

@@ -44,6 +44,7 @@ inline Status FromUcs(ucs_status_t st, std::string_view what) {
     case UCS_ERR_IO_ERROR:
     case UCS_ERR_NO_DEVICE:
     case UCS_ERR_UNSUPPORTED:
+    case UCS_ERR_SHMEM_SEGMENT:  // a dead peer over shared memory: its segment is gone
       return Status::Unavailable(std::move(msg));
     default:
       return Status::Internal(std::move(msg));

@@ -292,7 +292,20 @@ class Bench {
     r.verified = verify(host, X, 5000, half);
     rows.push_back(r);
     if (!file) return Status::Ok();
-    const std::set<std::string> slab_files_before = SlabFiles(o_.dir);
+    // Whatever ends the run (an error included), the slab files (and lock) it created go; the
+    // stores are closed before (they are destroyed first, being declared after this).
+    struct RemoveNewSlabFiles {
+      const std::string dir;
+      const std::set<std::string> before;
+      ~RemoveNewSlabFiles() {
+        for (const std::string& f : SlabFiles(dir)) {
+          if (!before.contains(f)) {
+            std::error_code ec;
+            std::filesystem::remove(std::filesystem::path(dir) / f, ec);
+          }
+        }
+      }
+    } remove_new_slab_files{o_.dir, SlabFiles(o_.dir)};
     for (const std::string& want : o_.file_backends) {
       KVF_ASSIGN_OR_RETURN(std::unique_ptr<SlabStore> store, OpenFileTier(want, o_.dir, bb, n));
       const FileBackendCaps caps = store->backend();
@@ -363,13 +376,6 @@ class Bench {
       rows.push_back(r);
       // The offload is checked by the round trip: what the onboard read back is what it wrote.
       rows[offload_row].verified = r.verified;
-    }
-    // The stores are closed: remove the slab files (and lock) this run created.
-    for (const std::string& f : SlabFiles(o_.dir)) {
-      if (!slab_files_before.contains(f)) {
-        std::error_code ec;
-        std::filesystem::remove(std::filesystem::path(o_.dir) / f, ec);
-      }
     }
     return Status::Ok();
   }
@@ -477,8 +483,12 @@ int RunBenchOffload(const Options& o) {
   }
   if (!o.dir.empty()) {
     struct stat sb;
-    if (::stat(o.dir.c_str(), &sb) != 0 || !S_ISDIR(sb.st_mode)) {
-      fmt::print(stderr, "bench offload: --dir {}: no such directory\n", o.dir);
+    if (::stat(o.dir.c_str(), &sb) != 0) {
+      fmt::print(stderr, "bench offload: --dir {}: {}\n", o.dir, std::strerror(errno));
+      return 2;
+    }
+    if (!S_ISDIR(sb.st_mode)) {
+      fmt::print(stderr, "bench offload: --dir {}: not a directory\n", o.dir);
       return 2;
     }
   }

@@ -263,6 +263,7 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   };
   // Ranks killed at the deadline say so in their result below (RankGroup::Rank::Describe).
   (void)group->Wait(deadline, tick);
+  if (tick) tick();  // the final count, however short the run
   std::vector<RankResult> out;
   for (int r = 0; r < nc + ng; ++r) {
     const bool context = r < nc;

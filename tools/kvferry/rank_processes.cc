@@ -205,6 +205,9 @@ Status RankGroup::Spawn(std::string label, const std::vector<std::string>& args)
     if (setpgid(0, group) != 0) _exit(125);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(126);  // the parent died before the line above
+    // Ranks report through files; whatever they (or UCX's logger) print goes to stderr, so this
+    // process's stdout (--json) stays machine-readable.
+    if (dup2(STDERR_FILENO, STDOUT_FILENO) < 0) _exit(124);
     execvp(argv[0], argv.data());
     _exit(127);
   }
