@@ -239,8 +239,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     } else {
       fmt::print(
           "{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
-          "{:>7.2f}  "
-          "{} | {}{}{}\n",
+          "{:>7.2f}  {} | {}{}{}\n",
           tokens, s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms, s.control_cpu_us_per_request,
           s.baseline_gbps, ratio, s.copy_gbps, copy_ratio, s.baseline_name, s.copy_name,
           s.failed ? "  FAILED" : "",
