@@ -143,6 +143,7 @@ TEST(WrappedCudaTransfer, VllmHndIntoBlockMajorOverInproc) {
   auto transport = [&] {
     TransportOptions t;
     t.fabric = fabric;
+    t.device_memory_is_host = false;  // GPU pools: the in-process transport must stage them
     return std::move(CreateTransport(t).value());
   };
   TransceiverOptions o;
