@@ -17,6 +17,7 @@ MemorySlabStore::MemorySlabStore(int64_t slot_payload_bytes, int64_t max_slots)
             /*max_in_flight=*/1,
             /*note=*/"in memory, for tests"},
       payload_bytes_(slot_payload_bytes),
+      capacity_(std::max<int64_t>(max_slots, 0)),
       slots_(static_cast<size_t>(std::max<int64_t>(max_slots, 0))) {
   for (int64_t i = max_slots - 1; i >= 0; --i) free_.push_back(i);
 }

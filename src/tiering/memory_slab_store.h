@@ -23,10 +23,8 @@ class MemorySlabStore final : public SlabStore {
   MemorySlabStore(int64_t slot_payload_bytes, int64_t max_slots);
 
   const FileBackendCaps& backend() const override { return caps_; }
-  int64_t capacity() const override {
-    MutexLock l(mu_);
-    return static_cast<int64_t>(slots_.size());
-  }
+  // Constant after construction: no lock (Write and Read call it while holding mu_).
+  int64_t capacity() const override { return capacity_; }
   int64_t free_slots() const override;
   StatusOr<SlotId> Allocate() override;
   void Release(SlotId slot) override;
@@ -47,6 +45,7 @@ class MemorySlabStore final : public SlabStore {
   };
   const FileBackendCaps caps_;
   const int64_t payload_bytes_;
+  const int64_t capacity_;  // slots_.size(), fixed at construction
   mutable Mutex mu_;
   std::vector<Slot> slots_ GUARDED_BY(mu_);
   std::vector<SlotId> free_ GUARDED_BY(mu_);
