@@ -177,10 +177,10 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
   if (cell.where == Where::kPublish) {
     switch (cell.kind) {
       case FaultKind::kCrash:  // the context rank dies right after publishing
-        {
-          Status killed = rig.Kill(true, target);
-          ASSERT_TRUE(killed.ok()) << killed.ToString();
-        }
+      {
+        Status killed = rig.Kill(true, target);
+        ASSERT_TRUE(killed.ok()) << killed.ToString();
+      }
         crashed = true;
         break;
       case FaultKind::kStall:  // the handle reaches the generation side after the deadline
