@@ -62,7 +62,12 @@ Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
                std::unique_ptr<Transport> transport)
     : device_(device), pool_(pool), options_(options), transport_(std::move(transport)) {}
 
-Engine::~Engine() { Stop(); }
+Engine::~Engine() {
+  Stop();
+  // Copies still queued on the stream read or write staging and the pool: the stream drains them
+  // when destroyed, which must happen before staging_ (declared after it) is freed.
+  stream_.reset();
+}
 
 Status Engine::Start() {
   const bool cpu = device_.info().platform == "cpu";
