@@ -265,6 +265,12 @@ InstanceDesc Engine::SelfDesc() const {
   return d;
 }
 
+int64_t Engine::plan_budget() const {
+  int64_t bytes = options_.chunk_bytes * options_.staging_chunks;  // allocated: it fit
+  for (int32_t i = 0; i < pool_.num_regions(); ++i) bytes += pool_.region_size(i);
+  return bytes;
+}
+
 void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
                  bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes) {
   out.clear();
