@@ -49,7 +49,7 @@ bool ShapeIsLocal(const KvShape& s) {
 }
 
 Local PickLocal(const KvShape& shape, uint8_t bits) {
-  static constexpr ParallelConfig kSplits[] = {
+  static const ParallelConfig kSplits[] = {
       {1, 1, {}, 1, 0}, {2, 1, {}, 1, 0}, {1, 2, {}, 1, 0}, {4, 1, {}, 2, 1}};
   Local l;
   l.desc.shape = shape;
