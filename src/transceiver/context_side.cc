@@ -416,6 +416,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       in.chunk_bytes = f.chunk_bytes;
       in.direct_min_bytes = f.direct_min_bytes;
       in.layer_wise = r->layer_wise;
+      in.max_plan_bytes = plan_budget();
       auto plan = PlanForCtxRank(in, pool_.slice().rank);
       if (!plan.ok()) return Reject(peer, f, plan.status());
       r->plan = std::move(plan).value();

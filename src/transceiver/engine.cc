@@ -62,7 +62,12 @@ Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
                std::unique_ptr<Transport> transport)
     : device_(device), pool_(pool), options_(options), transport_(std::move(transport)) {}
 
-Engine::~Engine() { Stop(); }
+Engine::~Engine() {
+  Stop();
+  // Copies still queued on the stream read or write staging and the pool: the stream drains them
+  // when destroyed, which must happen before staging_ (declared after it) is freed.
+  stream_.reset();
+}
 
 Status Engine::Start() {
   const bool cpu = device_.info().platform == "cpu";
@@ -274,6 +279,12 @@ InstanceDesc Engine::SelfDesc() const {
   d.layout = pool_.spec().layout;
   d.pool_blocks = pool_.blocks();
   return d;
+}
+
+int64_t Engine::plan_budget() const {
+  int64_t bytes = options_.chunk_bytes * options_.staging_chunks;  // allocated: it fit
+  for (int32_t i = 0; i < pool_.num_regions(); ++i) bytes += pool_.region_size(i);
+  return bytes;
 }
 
 void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,

@@ -116,6 +116,9 @@ class Engine {
     return pool_.region(region) + offset;
   }
   InstanceDesc SelfDesc() const;
+  // The memory a plan made from a peer's FETCH or handle may take: this rank's pool and staging
+  // bytes (PlanInput::max_plan_bytes).
+  int64_t plan_budget() const;
   // One-sided path: the pool and staging are registered (caps().one_sided, the pool reachable by
   // the transport, transfer.rma on). rma_why() says why not.
   bool rma_ok() const { return rma_.staging != nullptr; }

@@ -87,6 +87,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
     in.direct_min_bytes = h.ctx_direct && direct_ok() ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
+    in.max_plan_bytes = plan_budget();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
     return Call([&]() -> Status {

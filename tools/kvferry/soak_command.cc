@@ -29,6 +29,9 @@ nlohmann::json ReportJson(const SoakReport& r, bool pass) {
           {"faults_injected", r.faults_injected},
           {"fault_pct", r.requests ? 100.0 * r.faults_injected / r.requests : 0},
           {"cancels", r.cancels},
+          {"forged", r.forged},
+          {"faults_by_step", r.faults_by_step},
+          {"faults_by_kind", r.faults_by_kind},
           {"epochs", r.epochs},
           {"request_states", r.request_states},
           {"rank_states", r.rank_states},
@@ -123,9 +126,15 @@ int RunSoakCommand(SoakFlags f) {
   }
   fmt::print("kvferry soak: {} requests over {} in {} epochs ({})\n", r.requests, f.cfg.transport,
              r.epochs, fmt::join(r.layouts, ", "));
-  fmt::print("  faults injected {} ({:.1f}%)  cancels {}\n", r.faults_injected,
-             r.requests ? 100.0 * r.faults_injected / r.requests : 0.0, r.cancels);
+  fmt::print("  faults injected {} ({:.1f}%)  cancels {}  forged handles {}\n", r.faults_injected,
+             r.requests ? 100.0 * r.faults_injected / r.requests : 0.0, r.cancels, r.forged);
   std::string states;
+  for (const auto& [s, n] : r.faults_by_step) states += fmt::format(" {} {}", s, n);
+  fmt::print("  faults by step:{}\n", states);
+  states.clear();
+  for (const auto& [s, n] : r.faults_by_kind) states += fmt::format(" {} {}", s, n);
+  fmt::print("  faults by kind:{}\n", states);
+  states.clear();
   for (const auto& [s, n] : r.request_states) states += fmt::format(" {} {}", s, n);
   fmt::print("  requests:{}\n", states);
   states.clear();
@@ -161,6 +170,9 @@ void AddSoakCommand(CLI::App& app) {
   cmd->add_option("--fault-rate", f->cfg.fault_rate, "faults injected per request")
       ->capture_default_str();
   cmd->add_option("--cancel-rate", f->cfg.cancel_rate, "requests cancelled (either side)")
+      ->capture_default_str();
+  cmd->add_option("--forge-rate", f->cfg.forge_rate,
+                  "requests fetched with a forged handle (the context ranks must refuse them)")
       ->capture_default_str();
   cmd->add_option("--concurrency", f->cfg.concurrency, "requests in flight")->capture_default_str();
   cmd->add_option("--epoch-requests", f->cfg.epoch_requests,
