@@ -14,12 +14,14 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
 #include "kvferry/testdata.h"
 #include "kvferry/transceiver.h"
 #include "selftest/baseline.h"
+#include "selftest/metrics_board.h"
 #include "selftest/run_watch.h"
 #include "transceiver/faulty_transport.h"
 #include "transport/inproc_transport.h"
@@ -71,7 +73,10 @@ StatusOr<std::vector<std::byte>> WaitForFile(const fs::path& path, Deadline dead
     if (Clock::now() > deadline) {
       return Status::DeadlineExceeded(fmt::format("waited too long for {}", path.string()));
     }
-    std::this_thread::sleep_for(milliseconds(2));
+    // Short naps: a handle published by the context rank is picked up within ~0.1 ms, so bench
+    // transfer measures transfers rather than this poll (2 ms naps capped 4k-token GPU requests,
+    // 0.7 ms each, at a third of their speed).
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
 
@@ -326,6 +331,14 @@ std::vector<int> RequestsOfGroup(const SelftestConfig& cfg, const ParallelConfig
   return mine;
 }
 
+static std::optional<RequestTimeline> Slowest(const std::vector<RequestTimeline>& timelines) {
+  std::optional<RequestTimeline> out;
+  for (const RequestTimeline& t : timelines) {
+    if (!out || t.end > out->end) out = t;
+  }
+  return out;
+}
+
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                                     const TransportMaker& make) {
   const fs::path dir(cfg.dir);
@@ -341,6 +354,14 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        ContextSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
+  MetricsBoard board;  // before the server: the server's thread reads it
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (cfg.metrics_port >= 0) {
+    const std::string name = fmt::format("context rank {}", rank);
+    board.Attach([&side, name] { return std::vector<MetricsSource>{{name, side->metrics()}}; });
+    const int port = cfg.metrics_port == 0 ? 0 : cfg.metrics_port + rank;
+    KVF_ASSIGN_OR_RETURN(metrics_server, board.Serve(static_cast<uint16_t>(port), name));
+  }
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
   auto deadline = DeadlineIn(cfg.timeout);
   std::vector<std::string> addrs;
@@ -444,6 +465,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -482,6 +504,14 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, false, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
+  MetricsBoard board;  // before the server: the server's thread reads it
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (cfg.metrics_port >= 0) {
+    const std::string name = fmt::format("generation rank {}", rank);
+    board.Attach([&side, name] { return std::vector<MetricsSource>{{name, side->metrics()}}; });
+    const int port = cfg.metrics_port == 0 ? 0 : cfg.metrics_port + cfg.ctx.world_size() + rank;
+    KVF_ASSIGN_OR_RETURN(metrics_server, board.Serve(static_cast<uint16_t>(port), name));
+  }
   const RankSlice me = pool.slice();
   const std::vector<int> mine = RequestsOfGroup(cfg, cfg.gen, me.dp_group);
   std::vector<bool> busy(cfg.concurrency, false);    // slot k % concurrency, as on the context side
@@ -490,6 +520,9 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   int done = 0;
   RunWatch watch(cfg, dir / fmt::format("progress-gen-{}", rank), static_cast<int>(mine.size()));
   Clock::time_point start{};
+  std::set<uint64_t> warming;  // warm-up requests in flight (cfg.warmup)
+  // At least one request of the rank is measured.
+  const int warmup = std::min(cfg.warmup, static_cast<int>(mine.size()) - 1);
   // With a shared prefix, the first request brings it; the others wait for it, then reuse it.
   bool prefix_resident = cfg.shared_prefix_blocks == 0;
   while (done < static_cast<int>(mine.size())) {
@@ -499,8 +532,10 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
       if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
       int slot = static_cast<int>(next % cfg.concurrency);
+      const bool warm_up = static_cast<int>(next) < warmup;
       ++next;
-      if (start == Clock::time_point{}) start = Clock::now();
+      if (warm_up) warming.insert(RequestId(i));
+      if (start == Clock::time_point{} && !warm_up) start = Clock::now();
       watch.Started();
       busy[slot] = true;
       std::vector<int64_t> blocks;
@@ -525,8 +560,10 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       watch.Ended();
       auto [i, slot] = inflight[s.request_id];
       inflight.erase(s.request_id);
-      res.bytes += s.bytes;
-      res.latencies.push_back(s.seconds);
+      if (warming.erase(s.request_id) == 0) {
+        res.bytes += s.bytes;
+        res.latencies.push_back(s.seconds);
+      }
       bool ok = s.state == TransferState::kComplete;
       if (!ok)
         AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
@@ -569,6 +606,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -624,6 +662,18 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_gbps"] = r.copy_gbps;
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
+  if (r.slowest) {
+    const RequestTimeline& t = *r.slowest;
+    j["slowest"] = {{"request_id", t.request_id},
+                    {"state", t.state},
+                    {"code", t.code},
+                    {"bytes", t.bytes},
+                    {"chunks", t.chunks},
+                    {"fetch_s", t.fetch},
+                    {"first_byte_s", t.first_byte},
+                    {"last_byte_s", t.last_byte},
+                    {"end_s", t.end}};
+  }
   return j.dump();
 }
 
@@ -647,6 +697,20 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_gbps = j.value("copy_gbps", 0.0);
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
+  if (j.contains("slowest")) {
+    const auto& s = j["slowest"];
+    RequestTimeline t;
+    t.request_id = s.value("request_id", uint64_t{0});
+    t.state = s.value("state", std::string());
+    t.code = s.value("code", std::string());
+    t.bytes = s.value("bytes", int64_t{0});
+    t.chunks = s.value("chunks", int64_t{0});
+    t.fetch = s.value("fetch_s", -1.0);
+    t.first_byte = s.value("first_byte_s", -1.0);
+    t.last_byte = s.value("last_byte_s", -1.0);
+    t.end = s.value("end_s", -1.0);
+    r.slowest = t;
+  }
   return r;
 }
 
