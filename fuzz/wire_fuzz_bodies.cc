@@ -185,6 +185,14 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   pin.gen_reused_blocks = f->reused_blocks;
   pin.chunk_bytes = f->chunk_bytes;
   pin.direct_min_bytes = f->direct_min_bytes;
+  // The context rank's own budget (Engine::plan_budget): its pool plus its staging, 8 chunks here.
+  auto cs = SliceOf(local.desc.shape, local.desc.parallel, 0);
+  Check(cs.ok());
+  auto cl = PoolLayout::Make(local.desc.layout,
+                             RankPoolDims(local.desc.shape, *cs, local.desc.pool_blocks),
+                             local.desc.shape.ElementBytes());
+  Check(cl.ok());
+  pin.max_plan_bytes = cl->total_bytes() + local.chunk_bytes * 8;
   for (int32_t c = 0; c < local.desc.parallel.world_size(); ++c) {
     auto plan = PlanForCtxRank(pin, c);
     if (!plan.ok()) {

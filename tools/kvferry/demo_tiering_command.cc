@@ -14,6 +14,7 @@
 #include "kvferry/config.h"
 #include "kvferry/tiering_demo.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 #include "tools/kvferry/rank_processes.h"
 
 namespace kvferry::tools {
@@ -25,7 +26,7 @@ struct Options {
   TieringDemoOptions demo;
   std::string dir;  // empty: a fresh temp dir under $TMPDIR (or /tmp), removed at the end
   std::string file_backend = "posix";
-  bool json = false;
+  OutputFlags out;
 };
 
 // The demo's own temp dir, removed however the demo ends: at destruction, or by a janitor process
@@ -96,7 +97,7 @@ int RunDemo(Options o) {
       return 2;
     }
     file = std::move(store).value();
-    if (!o.json) {
+    if (!o.out.machine()) {
       const FileBackendCaps& caps = file->backend();
       fmt::print("file tier: {} backend in {}{}{}\n", caps.name, dir,
                  caps.direct_io ? ", O_DIRECT" : ", buffered",
@@ -104,13 +105,13 @@ int RunDemo(Options o) {
     }
   }
   auto rep = RunTieringDemo(**dev, o.demo, file.get(), [&](std::string_view line) {
-    if (!o.json) fmt::print("{}\n", line);
+    if (!o.out.machine()) fmt::print("{}\n", line);
   });
   if (!rep.ok()) {
     fmt::print(stderr, "demo tiering: {}\n", rep.status().ToString());
     return 1;
   }
-  if (o.json) {
+  if (o.out.machine()) {
     const auto& s = rep->stats;
     nlohmann::json j = {{"offloaded", s.offloaded},
                         {"demoted", s.demoted},
@@ -122,7 +123,14 @@ int RunDemo(Options o) {
                         {"verified_blocks", rep->verified_blocks},
                         {"file_backend", rep->file_backend},
                         {"file_note", file ? file->backend().note : ""}};
-    std::puts(j.dump().c_str());
+    Document doc("demo tiering");
+    doc.config() = {{"device", (*dev)->info().name},           {"layout", o.layout},
+                    {"conversations", o.demo.conversations},   {"rounds", o.demo.rounds},
+                    {"primary_blocks", o.demo.primary_blocks}, {"host_blocks", o.demo.host_blocks},
+                    {"file_slots", o.demo.file_slots},         {"file_backend", o.file_backend},
+                    {"block_bytes", TieringDemoBlockBytes()}};
+    doc.summary() = j;
+    doc.Print(o.out.format());
   }
   return 0;
 }
@@ -151,7 +159,7 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option("--file-backend", o->file_backend,
                   "posix | io_uring | cufile (unavailable ones fall back to posix, logged)")
       ->check(CLI::IsMember({"posix", "io_uring", "cufile"}));
-  cmd->add_flag("--json", o->json, "counts as one JSON object");
+  AddOutputFlags(cmd, o->out);
   cmd->callback([o] { std::exit(RunDemo(*o)); });
 }
 
