@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/thread_annotations.h"
 #include "files/slab_store.h"
 #include "kvferry/config.h"
 #include "kvferry/tiering.h"
@@ -59,9 +60,9 @@ struct BatchState {
   int stream = 0;                     // 0 = offload stream, 1 = onboard stream
   uint64_t dep_mark = 0;              // dedup of dependencies while planning a batch
   std::atomic<bool> recorded{false};  // `event` captures this batch's copies
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable cv;
-  bool host_done = false;  // guarded by mu: the host-side part (file I/O) is over
+  bool host_done GUARDED_BY(mu) = false;  // the host-side part (file I/O) is over
   std::vector<Status> items;
   size_t descriptors = 0;
   // Metrics: the batch's direction, when it was submitted, and whether its end was recorded.
@@ -83,7 +84,7 @@ using internal::BatchState;
 bool TransferBatch::Query() const {
   if (!s_) return true;
   {
-    std::lock_guard lock(s_->mu);
+    MutexLock lock(s_->mu);
     if (!s_->host_done) return false;
   }
   if (!s_->event->Query()) return false;
@@ -94,8 +95,8 @@ bool TransferBatch::Query() const {
 Status TransferBatch::Wait(Deadline deadline) const {
   if (!s_) return Status::Ok();
   {
-    std::unique_lock lock(s_->mu);
-    if (!s_->cv.wait_until(lock, deadline, [&] { return s_->host_done; })) {
+    MutexLock lock(s_->mu);
+    if (!lock.WaitUntil(s_->cv, deadline, [&]() REQUIRES(s_->mu) { return s_->host_done; })) {
       return Status::DeadlineExceeded("transfer batch: file I/O still pending at the deadline");
     }
   }
@@ -178,30 +179,31 @@ struct TransferManager::Impl {
   tiering::TierView dstaging_view[2];
   int64_t dstaging_blocks = 0;  // 0: copies go direct
 
-  mutable std::mutex mu;
+  // Guards what the caller's thread (Move and the other public calls) and the file worker share.
+  mutable Mutex mu;
   std::condition_variable cv;  // staging freed, a batch recorded, the worker went idle
-  std::vector<BlockState> state[2];
-  std::vector<std::shared_ptr<BatchState>> batches;
-  size_t batch_cursor = 0;
-  uint64_t next_seq = 1;
-  int64_t staging_head = 0;  // next to free
-  int64_t staging_used = 0;
-  int64_t unrecorded = 0;  // file onboards whose staging -> pool copy is not queued yet
-  std::deque<FileJob> jobs;
-  bool worker_busy = false;
-  bool stop = false;
-  TransferStats stats;
+  std::vector<BlockState> state[2] GUARDED_BY(mu);
+  std::vector<std::shared_ptr<BatchState>> batches GUARDED_BY(mu);
+  size_t batch_cursor GUARDED_BY(mu) = 0;
+  uint64_t next_seq GUARDED_BY(mu) = 1;
+  int64_t staging_head GUARDED_BY(mu) = 0;  // next to free
+  int64_t staging_used GUARDED_BY(mu) = 0;
+  int64_t unrecorded GUARDED_BY(mu) = 0;  // file onboards whose staging -> pool copy isn't queued
+  std::deque<FileJob> jobs GUARDED_BY(mu);
+  bool worker_busy GUARDED_BY(mu) = false;
+  bool stop GUARDED_BY(mu) = false;
+  TransferStats stats GUARDED_BY(mu);
   std::shared_ptr<internal::CopyCounters> counters = std::make_shared<internal::CopyCounters>();
-  std::vector<CopyDesc> desc;          // reused planning buffer (caller thread)
-  std::vector<CopyDesc> worker_desc;   // reused planning buffer (worker)
-  std::vector<BatchState*> deps;       // reused
-  std::vector<SlotWrite> slot_writes;  // worker
-  std::vector<SlotRead> slot_reads;    // worker
+  std::vector<CopyDesc> desc GUARDED_BY(mu);         // reused planning buffer (caller thread)
+  std::vector<CopyDesc> worker_desc GUARDED_BY(mu);  // reused planning buffer (worker)
+  std::vector<BatchState*> deps GUARDED_BY(mu);      // reused
+  std::vector<SlotWrite> slot_writes;                // worker
+  std::vector<SlotRead> slot_reads;                  // worker
   std::thread worker;
 
   ~Impl() {
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(mu);
       stop = true;
     }
     cv.notify_all();
@@ -223,13 +225,13 @@ struct TransferManager::Impl {
     return 0;
   }
 
-  std::shared_ptr<BatchState> AcquireBatch() {
+  std::shared_ptr<BatchState> AcquireBatch() REQUIRES(mu) {
     for (size_t n = 0; n < batches.size(); ++n) {
       size_t i = (batch_cursor + n) % batches.size();
       auto& b = batches[i];
       if (b.use_count() != 1) continue;
       {
-        std::lock_guard lock(b->mu);
+        MutexLock lock(b->mu);
         if (!b->host_done) continue;
       }
       if (!b->event->Query()) continue;
@@ -247,9 +249,9 @@ struct TransferManager::Impl {
 
   // Adds the batch behind `r` to `deps` if work on `stream` must wait for it. Waits (releasing the
   // lock) while it is a file onboard whose copy is not queued yet.
-  void AddDep(std::unique_lock<std::mutex>& lock, const BlockRef& r, int stream, uint64_t mark) {
+  void AddDep(MutexLock& lock, const BlockRef& r, int stream, uint64_t mark) REQUIRES(mu) {
     if (r.b == nullptr) return;
-    while (r.b->seq == r.seq && !r.b->recorded.load()) cv.wait(lock);
+    lock.Wait(cv, [&]() REQUIRES(mu) { return r.b->seq != r.seq || r.b->recorded.load(); });
     if (r.b->seq != r.seq) return;  // recycled: finished long ago
     if (r.b->stream == stream || r.b->dep_mark == mark) return;
     if (r.b->event->Query()) return;
@@ -257,7 +259,7 @@ struct TransferManager::Impl {
     deps.push_back(r.b);
   }
 
-  Status EnqueueWaits(int stream) {
+  Status EnqueueWaits(int stream) REQUIRES(mu) {
     for (BatchState* d : deps) KVF_RETURN_IF_ERROR(streams[stream]->Wait(*d->event));
     return Status::Ok();
   }
@@ -309,7 +311,7 @@ struct TransferManager::Impl {
   // Queues a staged batch on `stream`: per chunk of staging, the gather into staging and the
   // copy out of it (two CopyBatch calls). Returns descriptors queued; adds bytes moved.
   StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
-                              std::span<const int32_t> toks, int64_t* bytes) {
+                              std::span<const int32_t> toks, int64_t* bytes) REQUIRES(mu) {
     size_t descs = 0;
     const tiering::TierView& sv = views[static_cast<int>(from)];
     const tiering::TierView& dv = views[static_cast<int>(to)];
@@ -374,13 +376,13 @@ struct TransferManager::Impl {
   void RunRead(FileJob& job);
   void FinishHost(BatchState& b) {
     {
-      std::lock_guard lock(b.mu);
+      MutexLock lock(b.mu);
       b.host_done = true;
     }
     b.cv.notify_all();
   }
   void FreeStaging(int64_t n) {
-    std::lock_guard lock(mu);
+    MutexLock lock(mu);
     staging_head = (staging_head + n) % std::max<int64_t>(staging_blocks, 1);
     staging_used -= n;
   }
@@ -394,14 +396,14 @@ std::vector<int32_t>& TokensScratch() {
 }  // namespace
 
 void TransferManager::Impl::WorkerLoop() {
-  std::unique_lock lock(mu);
+  MutexLock lock(mu);
   while (true) {
-    cv.wait(lock, [&] { return stop || !jobs.empty(); });
+    lock.Wait(cv, [&]() REQUIRES(mu) { return stop || !jobs.empty(); });
     if (jobs.empty()) return;
     FileJob job = std::move(jobs.front());
     jobs.pop_front();
     worker_busy = true;
-    lock.unlock();
+    lock.Unlock();
     if (job.write) {
       RunWrite(job);
     } else {
@@ -409,7 +411,7 @@ void TransferManager::Impl::WorkerLoop() {
     }
     FreeStaging(job.staging_count);
     FinishHost(*job.batch);
-    lock.lock();
+    lock.Lock();
     worker_busy = false;
     cv.notify_all();
   }
@@ -442,7 +444,7 @@ void TransferManager::Impl::RunWrite(FileJob& job) {
     }
     b.items[i] = std::move(st);
   }
-  std::lock_guard lock(mu);
+  MutexLock lock(mu);
   stats.file_writes += static_cast<int64_t>(job.items.size());
   stats.file_write_errors += errors;
 }
@@ -470,7 +472,7 @@ void TransferManager::Impl::RunRead(FileJob& job) {
   }
   const int pool = static_cast<int>(job.pool_tier);
   {
-    std::unique_lock lock(mu);
+    MutexLock lock(mu);
     stats.file_reads += static_cast<int64_t>(job.items.size());
     stats.file_read_errors += errors;
     ++next_seq;  // a fresh dedup mark
@@ -547,6 +549,7 @@ StatusOr<std::unique_ptr<TransferManager>> TransferManager::Create(Device& devic
     if (p == nullptr) continue;
     for (int32_t r = 0; r < p->num_regions(); ++r) impl->region_ptrs[i].push_back(p->region(r));
     impl->views[i] = tiering::TierView{&p->layout(), impl->region_ptrs[i]};
+    MutexLock lock(impl->mu);
     impl->state[i].resize(static_cast<size_t>(p->blocks()));
   }
   KVF_ASSIGN_OR_RETURN(impl->compute_event, device.CreateEvent());
@@ -586,7 +589,7 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
   }
   const int64_t tpb = m.pools[0]->shape().tokens_per_block;
   const int64_t nsrc = m.Blocks(from), ndst = m.Blocks(to);
-  std::unique_lock lock(m.mu);
+  MutexLock lock(m.mu);
   const uint64_t seq = ++m.next_seq;
   for (size_t i = 0; i < moves.size(); ++i) {
     const BlockMove& mv = moves[i];
@@ -640,12 +643,12 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
   b->submitted = Clock::now();
   b->observed = false;
   {
-    std::lock_guard bl(b->mu);
+    MutexLock bl(b->mu);
     b->host_done = !file_io;
   }
   int64_t staging_first = 0;
   if (file_io) {
-    m.cv.wait(lock, [&] { return m.staging_used + n <= m.staging_blocks; });
+    lock.Wait(m.cv, [&]() REQUIRES(m.mu) { return m.staging_used + n <= m.staging_blocks; });
     staging_first = (m.staging_head + m.staging_used) % m.staging_blocks;
     m.staging_used += n;
   }
@@ -757,8 +760,8 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
 
 Status TransferManager::SyncWithCompute(Stream& compute) {
   Impl& m = *impl_;
-  std::unique_lock lock(m.mu);
-  m.cv.wait(lock, [&] { return m.unrecorded == 0; });
+  MutexLock lock(m.mu);
+  lock.Wait(m.cv, [&]() REQUIRES(m.mu) { return m.unrecorded == 0; });
   for (int i = 0; i < 2; ++i) {
     KVF_RETURN_IF_ERROR(m.streams[i]->Record(*m.sync_events[i]));
     KVF_RETURN_IF_ERROR(compute.Wait(*m.sync_events[i]));
@@ -768,7 +771,7 @@ Status TransferManager::SyncWithCompute(Stream& compute) {
 
 Status TransferManager::WaitForCompute(Stream& compute) {
   Impl& m = *impl_;
-  std::lock_guard lock(m.mu);
+  MutexLock lock(m.mu);
   KVF_RETURN_IF_ERROR(compute.Record(*m.compute_event));
   for (auto& s : m.streams) KVF_RETURN_IF_ERROR(s->Wait(*m.compute_event));
   return Status::Ok();
@@ -777,8 +780,9 @@ Status TransferManager::WaitForCompute(Stream& compute) {
 Status TransferManager::Drain(Deadline deadline) {
   Impl& m = *impl_;
   {
-    std::unique_lock lock(m.mu);
-    if (!m.cv.wait_until(lock, deadline, [&] { return m.jobs.empty() && !m.worker_busy; })) {
+    MutexLock lock(m.mu);
+    if (!lock.WaitUntil(m.cv, deadline,
+                        [&]() REQUIRES(m.mu) { return m.jobs.empty() && !m.worker_busy; })) {
       return Status::DeadlineExceeded("transfer manager: file batches still pending");
     }
     for (auto& s : m.streams) KVF_RETURN_IF_ERROR(s->Synchronize(deadline));
@@ -806,7 +810,7 @@ int64_t TransferManager::tier_blocks(Tier tier) const { return impl_->Blocks(tie
 int64_t TransferManager::file_staging_blocks() const { return impl_->staging_blocks; }
 bool TransferManager::device_staged() const { return impl_->dstaging_blocks > 0; }
 int64_t TransferManager::file_staging_free() const {
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->staging_blocks - impl_->staging_used;
 }
 TieringMetrics TransferManager::metrics() const {
@@ -833,7 +837,7 @@ TieringMetrics TransferManager::metrics() const {
 }
 
 TransferStats TransferManager::stats() const {
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   TransferStats s = impl_->stats;
   s.file_jobs_queued = static_cast<int64_t>(impl_->jobs.size()) + (impl_->worker_busy ? 1 : 0);
   return s;
