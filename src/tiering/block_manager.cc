@@ -311,7 +311,9 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
         seq.partial_tokens = cand_tokens;
         ++m.st.partial_copies;
       } else {
-        auto batch = m.tm->Move(cand_tier, Tier::kPrimary, std::span<const BlockMove>(&mv, 1));
+        auto batch = m.Submit([&] {
+          return m.tm->Move(cand_tier, Tier::kPrimary, std::span<const BlockMove>(&mv, 1));
+        });
         if (batch.ok()) {
           seq.partial_tokens = cand_tokens;
           ++m.st.partial_copies;

@@ -142,6 +142,14 @@ struct BlockManager::Impl {
   void SubmitFileRead(tiering::Op op);  // now, or deferred behind earlier reads
   void StartFileRead(tiering::Op op);   // now (staging is free)
   void AddOp(tiering::Op op);
+  // Runs `submit` (a TransferManager call) and adds its time to st.submit_ns.
+  template <typename F>
+  auto Submit(F&& submit) {
+    const Clock::time_point t0 = Clock::now();
+    auto batch = submit();
+    st.submit_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    return batch;
+  }
 };
 
 }  // namespace kvferry
