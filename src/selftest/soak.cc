@@ -317,6 +317,14 @@ class Soak {
     o.rma = report_.epochs % 2 == 0;
     o.checksum = true;
     KVF_ASSIGN_OR_RETURN(auto rig, FaultRig::Create(layout.ctx, layout.gen, o, cfg_.transport));
+    BoardScope board(cfg_.metrics, [&rig] {
+      std::vector<MetricsSource> s;
+      for (int r = 0; r < rig->ranks(true); ++r)
+        s.push_back({fmt::format("ctx{}", r), rig->ctx(r).metrics()});
+      for (int r = 0; r < rig->ranks(false); ++r)
+        s.push_back({fmt::format("gen{}", r), rig->gen(r).metrics()});
+      return s;
+    });
     crash_armed_.clear();
     std::vector<bool> busy(cfg_.concurrency, false);
     int64_t started = 0;

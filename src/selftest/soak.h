@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kvferry/status.h"
+#include "selftest/metrics_board.h"
 
 namespace kvferry {
 
@@ -43,6 +44,7 @@ struct SoakConfig {
   std::string transport = "inproc";  // or "ucx" (crash faults are then left out)
   uint64_t seed = 1;
   bool verify = true;
+  MetricsBoard* metrics = nullptr;  // when set: every epoch's sides, while it runs (--metrics-port)
 };
 
 struct SoakReport {

@@ -185,6 +185,7 @@ void Engine::Run() {
 }
 
 void Engine::SetStatus(const TransferStatus& status) {
+  metrics_.OnStatus(status);
   {
     MutexLock lock(status_mu_);
     auto it = statuses_.find(status.request_id);
@@ -219,6 +220,21 @@ StatusOr<TransferStatus> Engine::QueryStatus(uint64_t request_id) const {
         fmt::format("request {} is unknown here (never seen, or already polled)", request_id));
   }
   return it->second;
+}
+
+TransceiverMetrics Engine::Metrics(std::string side) const {
+  TransceiverMetrics m;
+  m.side = std::move(side);
+  m.transport = std::string(transport_->caps().name);
+  m.data_path = rma_ok() ? "one-sided" : "tagged";
+  metrics_.Fill(m);
+  m.live_requests = live_.load();
+  m.staging_slots_in_use = slots_in_use_.load();
+  m.staging_slots = options_.staging_chunks;
+  m.busy_cpu_seconds = static_cast<double>(busy_cpu_ns_.load()) / 1e9;
+  MutexLock lock(cmd_mu_);
+  m.command_queue = static_cast<int64_t>(commands_.size());
+  return m;
 }
 
 void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {

@@ -27,6 +27,7 @@ struct RecvOp {
   bool notified = false;            // CHUNK received (one-sided path, or checksums asked)
   bool has_checksum = false;
   uint64_t checksum = 0;
+  Clock::time_point started = Clock::now();  // metrics: the chunk's latency
 };
 
 struct RecvPair {
@@ -163,6 +164,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
   StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
   TransceiverStats stats() const override { return Stats(); }
+  TransceiverMetrics metrics() const override { return Metrics("generation"); }
+  std::vector<RequestTimeline> timelines() const override { return Timelines(); }
 
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {
@@ -456,6 +459,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
         ++p.completed;
         r.bytes += c.bytes;
+        NoteChunk(r.id, c.bytes, it->started);
         it = p.inflight.erase(it);
         busy = true;
         continue;

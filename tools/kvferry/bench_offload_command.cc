@@ -27,6 +27,7 @@
 #include "tiering/host_mirror.h"
 #include "tiering/memory_slab_store.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 
 namespace kvferry::tools {
 namespace {
@@ -44,7 +45,7 @@ struct Options {
   // per-layer pools then go gather -> staging -> one copy per block).
   std::string host_layout = "same";
   bool verify = false;
-  bool json = false;
+  OutputFlags out;
   bool contiguous = false;
   int iters = 5;
   int64_t total_bytes = 128 << 20;
@@ -525,7 +526,21 @@ int RunBenchOffload(const Options& o) {
   }
   bool failed = false;
   for (const Row& r : rows) failed |= r.verified.rfind("FAILED", 0) == 0;
-  if (o.json) {
+  if (o.out.machine()) {
+    Document doc("bench offload");
+    doc.config() = {{"device", (*dev)->info().name},
+                    {"tier", o.tier},
+                    {"model", o.model},
+                    {"layout", o.layout},
+                    {"host_layout", o.host_layout},
+                    {"file_backends", o.file_backends},
+                    {"iters", o.iters},
+                    {"total_bytes", o.total_bytes},
+                    {"contiguous", o.contiguous},
+                    {"verify", o.verify},
+                    {"shape",
+                     "kv_heads 8, head_dim 128, bf16, K and V; layers and tokens per "
+                     "block per case"}};
     for (const Row& r : rows) {
       const double g = Gbps(r.bytes, r.seconds), bg = Gbps(r.bytes, r.baseline_seconds);
       nlohmann::json j = {{"case", r.name},
@@ -548,8 +563,10 @@ int RunBenchOffload(const Options& o) {
         j["file_backend"] = r.file_backend;
         j["file_note"] = r.file_note;
       }
-      std::puts(j.dump().c_str());
+      doc.AddRow(std::move(j));
     }
+    doc.SetResult(!failed);
+    doc.Print(o.out.format());
     return failed ? 1 : 0;
   }
   fmt::print(
@@ -599,7 +616,7 @@ void AddBenchOffloadCommand(CLI::App& bench) {
                   "posix is reported, not measured twice)")
       ->delimiter(',');
   cmd->add_flag("--verify", o->verify, "check every byte after each round trip (CheckBlock)");
-  cmd->add_flag("--json", o->json, "one JSON object per case");
+  AddOutputFlags(cmd, o->out);
   cmd->add_flag("--contiguous", o->contiguous, "consecutive block ids (coalesce into few copies)");
   cmd->add_option("--iters", o->iters, "timed repetitions (median), after one warm-up")
       ->check(CLI::Range(1, 1000));

@@ -25,6 +25,7 @@
 #include "kvferry/testdata.h"
 #include "tiering/memory_slab_store.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 
 namespace kvferry::tools {
 namespace {
@@ -42,7 +43,7 @@ struct Options {
   std::string file_backend = "posix";
   uint64_t seed = 1;
   bool verify = false;
-  bool json = false;
+  OutputFlags out;
 };
 
 struct Mode {
@@ -340,8 +341,26 @@ int RunBenchTiering(const Options& o) {
     }
   }
   const int64_t bb = int64_t{o.layers} * 2 * o.kv_heads * o.head_dim * 2 * o.tokens_per_block;
-  if (o.json) {
-    for (const Result& r : results) std::puts(ToJson(r, bb, (*dev)->info().name).dump().c_str());
+  if (o.out.machine()) {
+    Document doc("bench tiering");
+    doc.config() = {{"device", (*dev)->info().name},
+                    {"shape", ShapeJson(KvShape{o.layers, o.kv_heads, o.head_dim, DType::kBf16, 2,
+                                                o.tokens_per_block})},
+                    {"layout", "block-major"},
+                    {"primary_blocks", o.primary_blocks},
+                    {"host_blocks", o.host_blocks},
+                    {"file_slots", o.file_slots},
+                    {"file_backend", o.file_backend},
+                    {"conversations", o.conversations},
+                    {"turns", o.turns},
+                    {"system_tokens", o.system_tokens},
+                    {"user_tokens", o.user_tokens},
+                    {"answer_tokens", o.answer_tokens},
+                    {"step_us", o.step_us},
+                    {"seed", o.seed},
+                    {"verify", o.verify}};
+    for (const Result& r : results) doc.AddRow(ToJson(r, bb, (*dev)->info().name));
+    doc.Print(o.out.format());
     return 0;
   }
   const int64_t distinct =
@@ -416,7 +435,7 @@ void AddBenchTieringCommand(CLI::App& bench) {
       ->check(CLI::IsMember({"posix", "io_uring", "memory"}));
   cmd->add_option("--seed", o->seed, "trace order seed");
   cmd->add_flag("--verify", o->verify, "check every reused block byte for byte (cpu device)");
-  cmd->add_flag("--json", o->json, "one JSON object per mode");
+  AddOutputFlags(cmd, o->out);
   cmd->callback([o] { std::exit(RunBenchTiering(*o)); });
 }
 
