@@ -117,6 +117,26 @@ struct BlockManager::Impl {
   void Unlease(Tier tier, int64_t id, int32_t priority);
   void Unref(int64_t b, int32_t priority);
 
+  // AddSequence's steps (block_manager.cc), in order.
+  struct Hit {
+    Tier tier;
+    int64_t id;
+  };
+  struct Candidate {  // a partially matching cached block
+    BlockKey key;
+    Tier tier = Tier::kPrimary;
+    int64_t id = -1;
+    int64_t tokens = 0;  // leading tokens it shares with the prompt's next block
+    bool found() const { return id >= 0; }
+  };
+  std::vector<Hit> LeasePrefixHits(const tiering::Sequence& seq);
+  Candidate LeasePartialCandidate(const tiering::Sequence& seq, size_t matched, size_t nblocks);
+  void UnleaseAll(const tiering::Sequence& seq, std::span<const Hit> hits, const Candidate& cand);
+  void PlaceAndOnboard(tiering::Sequence& seq, std::span<const Hit> hits,
+                       std::span<const int64_t> fresh, size_t nblocks, Admission& adm);
+  void StartPartialCopy(tiering::Sequence& seq, const Candidate& cand);
+  void StoreFullBlocks(const tiering::Sequence& seq, size_t first);
+
   // Movement (block_manager_io.cc). None of these waits.
   // Retires what finished and submits deferred reads: what the calls that allocate do first.
   void RetireAndSubmit();
