@@ -467,8 +467,11 @@ int RunBenchOffload(const Options& o) {
     fmt::print(stderr, "bench offload: {}\n", dev.status().ToString());
     return 2;
   }
-  if (o.host_layout != "block-major" && o.host_layout != "same") {
-    fmt::print(stderr, "bench offload: --host-layout must be block-major or same, not '{}'\n",
+  if (o.host_layout != "block-major" && o.host_layout != "block-major-nhd" &&
+      o.host_layout != "same") {
+    fmt::print(stderr,
+               "bench offload: --host-layout must be same, block-major or block-major-nhd, not "
+               "'{}'\n",
                o.host_layout);
     return 2;
   }
@@ -570,7 +573,7 @@ int RunBenchOffload(const Options& o) {
       "kvferry bench offload: device {} ({}), median of {} after a warm-up, ids {}, host tier "
       "{}\n",
       device, (*dev)->info().name, o.iters, o.contiguous ? "contiguous" : "shuffled",
-      o.host_layout == "same" ? "in the primary layout" : "block-major");
+      o.host_layout == "same" ? "in the primary layout" : o.host_layout);
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); paired = "
       "median of the per-iteration ratios (case and baseline timed back to back); pattern = GB/s "
@@ -604,7 +607,9 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
   cmd->add_option("--host-layout", o->host_layout,
-                  "host tier layout: same (as the primary; default) | block-major (packed blocks)");
+                  "host tier layout: same (as the primary; default) | block-major (packed blocks, "
+                  "[layer][kv][head][token][dim]) | block-major-nhd (packed blocks in a per-layer "
+                  "pool's own in-block order, [layer][kv][token][head][dim])");
   cmd->add_option("--file-backend", o->file_backends,
                   "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
                   "(in-memory stand-in); default posix io_uring cufile (one falling back to "
