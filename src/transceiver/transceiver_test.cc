@@ -632,6 +632,44 @@ TEST(Transceiver, LyingRmaTargetsAreRefusedAndWriteNothingOutsideTheDestination)
   }
 }
 
+// A FETCH corrupted in transit (one field changed, nothing re-sealed): here the generation pool's
+// block count, on a per-layer pool whose K and V halves are pool_blocks blocks apart. On the
+// one-sided path the context rank derived the generation layout from it and put V rows into other
+// blocks (other requests' data, already checked). Found by the soak (`cli.soak_ucx_short`: a
+// completed request with wrong bytes, DATA_LOSS at verify, after a corrupted FETCH). The FETCH
+// now carries a checksum: a corrupted one is dropped, and nothing outside the destination is
+// written.
+TEST(Transceiver, FetchCorruptedInTransitWritesNothingOutsideTheDestination) {
+  ASSERT_TRUE(Config::Global().Set("transfer.rma_row_min_bytes", "1").ok());
+  TransceiverOptions o = SmallChunks(true);
+  o.timeout = milliseconds(500);
+  class InTransit final : public TestTransport {
+   public:
+    explicit InTransit(std::unique_ptr<kvferry::Transport> base) : TestTransport(std::move(base)) {}
+    Status SendControl(PeerId p, std::span<const std::byte> b) override {
+      auto m = DecodeMessage(b);
+      if (!m.ok() || !std::holds_alternative<FetchMsg>(*m)) return base_->SendControl(p, b);
+      // The bytes of the changed message, with the original's trailing bytes (its checksum, if
+      // it has one): what a flipped bit on the way looks like.
+      FetchMsg changed = std::get<FetchMsg>(*m);
+      changed.pool_blocks = 32;  // 64: the V half of a layer lands 32 blocks early
+      std::vector<std::byte> bytes = EncodeMessage(changed);
+      EXPECT_EQ(bytes.size(), b.size());
+      std::copy(b.end() - 8, b.end(), bytes.end() - 8);
+      return base_->SendControl(p, bytes);
+    }
+  };
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer, 64}, o,
+             {}, [](auto t) { return std::make_unique<InTransit>(std::move(t)); });
+  auto h = cl.Publish(27, {3, 4, 9}, 11);
+  ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_NE(st[0].state, TransferState::kComplete);
+  cl.Verify(27, {0, 5, 6}, 0, 0, 0, /*sentinels=*/true);
+  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
+}
+
 // A handle with a valid checksum (re-encoded) but hostile sizes: refused with the field named,
 // or served, never an abort of the generation process (a bitmap or reservation sized by them).
 TEST(Transceiver, HostileHandleSizesAreRefusedOrHarmless) {

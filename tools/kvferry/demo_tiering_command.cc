@@ -15,6 +15,7 @@
 #include "kvferry/tiering_demo.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
+#include "tools/kvferry/rank_processes.h"
 
 namespace kvferry::tools {
 namespace {
@@ -23,12 +24,13 @@ struct Options {
   std::string device;
   std::string layout = "block-major";
   TieringDemoOptions demo;
-  std::string dir;  // empty: a fresh temp dir under /tmp, removed at the end
+  std::string dir;  // empty: a fresh temp dir under $TMPDIR (or /tmp), removed at the end
   std::string file_backend = "posix";
   OutputFlags out;
 };
 
-// Removes the directory it was given at destruction (the demo's own temp dir).
+// The demo's own temp dir, removed however the demo ends: at destruction, or by a janitor process
+// (RankGroup with no ranks) when this process dies by a signal (SIGKILL included).
 class TempDir {
  public:
   TempDir() = default;
@@ -36,20 +38,25 @@ class TempDir {
   TempDir& operator=(const TempDir&) = delete;
   ~TempDir() {
     if (path_.empty()) return;
+    janitor_.reset();  // removes the directory and waits for the janitor
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }
   StatusOr<std::string> Create() {
-    char tmpl[] = "/tmp/kvferry-demo-tiering-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) {
+    std::error_code ec;
+    std::string tmpl = (std::filesystem::temp_directory_path(ec) / "kvferry-demo-tiering-XXXXXX");
+    if (ec) tmpl = "/tmp/kvferry-demo-tiering-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
       return Status::Internal(fmt::format("mkdtemp {}: {}", tmpl, std::strerror(errno)));
     }
     path_ = tmpl;
+    KVF_ASSIGN_OR_RETURN(janitor_, RankGroup::Create(path_));
     return path_;
   }
 
  private:
   std::string path_;
+  std::unique_ptr<RankGroup> janitor_;
 };
 
 int RunDemo(Options o) {
@@ -138,6 +145,9 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option("--layout", o->layout, "block-major | per-layer");
   cmd->add_option("--conversations", o->demo.conversations, "conversations per round")
       ->check(CLI::Range(1, 1000));
+  cmd->add_option("--rounds", o->demo.rounds, "rounds of conversations")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   cmd->add_option("--primary-blocks", o->demo.primary_blocks)->check(CLI::Range(4, 1 << 20));
   cmd->add_option("--host-blocks", o->demo.host_blocks)->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--file-slots", o->demo.file_slots, "0 = no file tier")
@@ -145,7 +155,7 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option(
       "--dir", o->dir,
       "directory of the file tier (must exist; its slab files are left there; default: a "
-      "fresh temp dir under /tmp, removed at the end)");
+      "fresh temp dir under $TMPDIR or /tmp, removed however the demo ends)");
   cmd->add_option("--file-backend", o->file_backend,
                   "posix | io_uring | cufile (unavailable ones fall back to posix, logged)")
       ->check(CLI::IsMember({"posix", "io_uring", "cufile"}));
