@@ -119,144 +119,75 @@ void BuildIov(const FileIo& io, ItemState& st) {
   }
 }
 
-std::vector<Status> UringFileBackend::Run(bool write, std::span<const FileIo> ios,
-                                          Deadline deadline) {
-  std::vector<Status> out(ios.size());
-  std::vector<ItemState> items(ios.size());
-  std::vector<size_t> queue;  // items waiting for submission, in order
-  queue.reserve(ios.size());
-  for (size_t i = 0; i < ios.size(); ++i) {
-    out[i] = CheckIo(caps_, ios[i]);
-    if (out[i].ok() && ios[i].segments.size() > kMaxIov) {
-      out[i] = Status::InvalidArgument(
-          fmt::format("{} segments in one I/O; at most {}", ios[i].segments.size(), kMaxIov));
-    }
-    if (!out[i].ok()) {
-      items[i].finished = true;
-      continue;
-    }
-    items[i].total = files_internal::IoBytes(ios[i]);
-    if (items[i].total == 0) {
-      items[i].finished = true;
-      continue;
-    }
-    queue.push_back(i);
-  }
-  if (queue.empty()) return out;
-  auto ring_or = TakeRing();
-  if (!ring_or.ok()) {
-    for (size_t i : queue) out[i] = ring_or.status();
-    return out;
-  }
-  std::unique_ptr<Ring> ring = std::move(ring_or).value();
-  io_uring* r = ring->get();
+// One Write or Read call: admits the items, keeps up to max_in_flight of them in the ring,
+// resubmits short transfers, and past the deadline cancels what is in flight and waits until the
+// kernel holds none of the caller's buffers.
+class UringRun {
+ public:
+  enum class End { kDone, kDeadline, kRingBroken };
 
-  size_t next = 0;  // next index into queue
-  std::vector<size_t> resubmit;
-  int in_flight = 0;
-  const char* op = write ? "write" : "read";
+  UringRun(const FileBackendCaps& caps, bool write, std::span<const FileIo> ios)
+      : caps_(caps),
+        write_(write),
+        op_(write ? "write" : "read"),
+        ios_(ios),
+        out_(ios.size()),
+        items_(ios.size()) {}
 
-  auto prep = [&](size_t i) {
-    io_uring_sqe* sqe = io_uring_get_sqe(r);
-    ItemState& st = items[i];
-    BuildIov(ios[i], st);
-    const int fd = static_cast<const PosixFile*>(ios[i].file)->fd();
-    const off_t off = static_cast<off_t>(ios[i].offset + st.done);
-    if (write) {
-      io_uring_prep_writev(sqe, fd, st.iov.data(), static_cast<unsigned>(st.niov), off);
-    } else {
-      io_uring_prep_readv(sqe, fd, st.iov.data(), static_cast<unsigned>(st.niov), off);
-    }
-    io_uring_sqe_set_data64(sqe, i);
-    st.in_flight = true;
-    ++in_flight;
-  };
-
-  // Records a completion; false when the item needs another submission (short transfer, EINTR).
-  auto complete = [&](size_t i, int res) {
-    ItemState& st = items[i];
-    st.in_flight = false;
-    --in_flight;
-    if (res == -EINTR || res == -EAGAIN) return false;
-    if (res < 0) {
-      out[i] = ErrnoStatus(-res, op, ios[i].file->path(), ios[i].offset + st.done);
-    } else if (res == 0) {
-      out[i] =
-          write
-              ? Status::DataLoss(fmt::format("short write to {} at offset {}: {} of {} bytes",
-                                             ios[i].file->path(), ios[i].offset, st.done, st.total))
-              : Status::DataLoss(fmt::format("truncated file {}: read {} of {} bytes at "
-                                             "offset {}",
-                                             ios[i].file->path(), st.done, st.total,
-                                             ios[i].offset));
-    } else {
-      st.done += res;
-      if (st.done < st.total) return false;
-    }
-    st.finished = true;
-    return true;
-  };
-
-  bool timed_out = false;
-  while (true) {
-    // Refill: retries first, then new items, up to the depth.
-    while (in_flight < caps_.max_in_flight && (!resubmit.empty() || next < queue.size())) {
-      size_t i;
-      if (!resubmit.empty()) {
-        i = resubmit.back();
-        resubmit.pop_back();
-      } else {
-        i = queue[next++];
+  // Checks every item (errors go to its result); false when none needs the ring.
+  bool Admit() {
+    queue_.reserve(ios_.size());
+    for (size_t i = 0; i < ios_.size(); ++i) {
+      out_[i] = CheckIo(caps_, ios_[i]);
+      if (out_[i].ok() && ios_[i].segments.size() > kMaxIov) {
+        out_[i] = Status::InvalidArgument(
+            fmt::format("{} segments in one I/O; at most {}", ios_[i].segments.size(), kMaxIov));
       }
-      prep(i);
-    }
-    if (in_flight == 0) break;
-    int rc = io_uring_submit(r);
-    if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
-      // The ring is broken; nothing prepared can be trusted to run. Fail what is left.
-      Status st = Status::Internal(fmt::format("io_uring_submit: {}", strerror(-rc)));
-      for (size_t k = 0; k < items.size(); ++k) {
-        if (!items[k].finished) out[k] = st;
+      items_[i].total = out_[i].ok() ? files_internal::IoBytes(ios_[i]) : 0;
+      if (items_[i].total == 0) {
+        items_[i].finished = true;
+        continue;
       }
-      return out;  // the ring is dropped, not pooled (exit cancels and waits for its work)
+      queue_.push_back(i);
     }
-    // Reap at least one completion, or stop at the deadline.
-    auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now());
-    if (left.count() <= 0) {
-      timed_out = true;
-      break;
-    }
-    __kernel_timespec ts;
-    ts.tv_sec = left.count() / 1000000000;
-    ts.tv_nsec = left.count() % 1000000000;
-    io_uring_cqe* cqe = nullptr;
-    rc = io_uring_wait_cqe_timeout(r, &cqe, &ts);
-    if (rc == -ETIME) {
-      timed_out = true;
-      break;
-    }
-    if (rc == -EINTR) continue;
-    if (rc < 0) {
-      timed_out = true;  // treat like a deadline: cancel and drain below
-      break;
-    }
-    unsigned head;
-    unsigned seen = 0;
-    io_uring_for_each_cqe(r, head, cqe) {
-      ++seen;
-      uint64_t tag = io_uring_cqe_get_data64(cqe);
-      if (tag == kCancelTag) continue;
-      if (!complete(static_cast<size_t>(tag), cqe->res)) resubmit.push_back(tag);
-    }
-    io_uring_cq_advance(r, seen);
+    return !queue_.empty();
   }
 
-  if (timed_out) {
-    // Cancel what is in flight, then wait (unbounded, but cancelled or finishing file I/O ends
-    // promptly) until the kernel holds no buffer of ours.
+  void FailQueued(const Status& st) {
+    for (size_t i : queue_) out_[i] = st;
+  }
+
+  // Submits and reaps until every item finished, the deadline passed or the ring broke (then
+  // every unfinished item carries the ring's error and nothing prepared can be trusted to run).
+  End Pump(io_uring* r, Deadline deadline) {
+    while (true) {
+      Refill(r);
+      if (in_flight_ == 0) return End::kDone;
+      int rc = io_uring_submit(r);
+      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+        FailUnfinished(Status::Internal(fmt::format("io_uring_submit: {}", strerror(-rc))));
+        return End::kRingBroken;
+      }
+      auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return End::kDeadline;
+      __kernel_timespec ts;
+      ts.tv_sec = left.count() / 1000000000;
+      ts.tv_nsec = left.count() % 1000000000;
+      io_uring_cqe* cqe = nullptr;
+      rc = io_uring_wait_cqe_timeout(r, &cqe, &ts);
+      if (rc == -EINTR) continue;
+      if (rc < 0) return End::kDeadline;  // -ETIME, or a failed wait: cancel and drain
+      ReapReady(r);
+    }
+  }
+
+  // Cancels what is in flight and waits (unbounded, but cancelled or finishing file I/O ends
+  // promptly) for it; false when the ring could not be drained (the caller must leak it rather
+  // than free memory the kernel may still write).
+  bool CancelAndDrain(io_uring* r) {
     int cancels = 0;
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (!items[i].in_flight) continue;
+    for (size_t i = 0; i < items_.size(); ++i) {
+      if (!items_[i].in_flight) continue;
       io_uring_sqe* sqe = io_uring_get_sqe(r);
       if (sqe == nullptr) {
         io_uring_submit(r);
@@ -267,41 +198,154 @@ std::vector<Status> UringFileBackend::Run(bool write, std::span<const FileIo> io
       ++cancels;
     }
     io_uring_submit(r);
-    while (in_flight > 0 || cancels > 0) {
+    while (in_flight_ > 0 || cancels > 0) {
       io_uring_cqe* cqe = nullptr;
       int rc = io_uring_wait_cqe(r, &cqe);
       if (rc == -EINTR) continue;
       if (rc < 0) {
-        // Can't drain: leak the ring rather than free memory the kernel may still write.
         Log(LogLevel::kError, "io_uring: can't drain after deadline: {}", strerror(-rc));
-        (void)ring.release();
-        break;
+        return false;
       }
-      uint64_t tag = io_uring_cqe_get_data64(cqe);
+      const uint64_t tag = io_uring_cqe_get_data64(cqe);
       if (tag == kCancelTag) {
         --cancels;
       } else {
-        // A cancelled item completes with -ECANCELED (an error, recorded below as the deadline);
-        // one that finished anyway keeps its result.
-        if (cqe->res != -ECANCELED) (void)complete(tag, cqe->res);
-        if (items[tag].in_flight) {
-          items[tag].in_flight = false;
-          --in_flight;
+        // A cancelled item completes with -ECANCELED (an error, recorded as the deadline by
+        // FailAtDeadline); one that finished anyway keeps its result.
+        if (cqe->res != -ECANCELED) (void)Complete(tag, cqe->res);
+        if (items_[tag].in_flight) {
+          items_[tag].in_flight = false;
+          --in_flight_;
         }
       }
       io_uring_cqe_seen(r, cqe);
     }
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (!items[i].finished) {
-        out[i] = Status::DeadlineExceeded(fmt::format(
-            "{} of {} at offset {} did not finish before the deadline ({} of {} bytes done)", op,
-            ios[i].file->path(), ios[i].offset, items[i].done, items[i].total));
-      }
+    return true;
+  }
+
+  void FailAtDeadline() {
+    for (size_t i = 0; i < items_.size(); ++i) {
+      if (items_[i].finished) continue;
+      out_[i] = Status::DeadlineExceeded(fmt::format(
+          "{} of {} at offset {} did not finish before the deadline ({} of {} bytes done)", op_,
+          ios_[i].file->path(), ios_[i].offset, items_[i].done, items_[i].total));
     }
-    if (!ring) return out;
+  }
+
+  std::vector<Status> TakeResults() { return std::move(out_); }
+
+ private:
+  // Retries first, then new items, up to the depth.
+  void Refill(io_uring* r) {
+    while (in_flight_ < caps_.max_in_flight && (!resubmit_.empty() || next_ < queue_.size())) {
+      size_t i;
+      if (!resubmit_.empty()) {
+        i = resubmit_.back();
+        resubmit_.pop_back();
+      } else {
+        i = queue_[next_++];
+      }
+      Prep(r, i);
+    }
+  }
+
+  void Prep(io_uring* r, size_t i) {
+    io_uring_sqe* sqe = io_uring_get_sqe(r);
+    ItemState& st = items_[i];
+    BuildIov(ios_[i], st);
+    const int fd = static_cast<const PosixFile*>(ios_[i].file)->fd();
+    const off_t off = static_cast<off_t>(ios_[i].offset + st.done);
+    if (write_) {
+      io_uring_prep_writev(sqe, fd, st.iov.data(), static_cast<unsigned>(st.niov), off);
+    } else {
+      io_uring_prep_readv(sqe, fd, st.iov.data(), static_cast<unsigned>(st.niov), off);
+    }
+    io_uring_sqe_set_data64(sqe, i);
+    st.in_flight = true;
+    ++in_flight_;
+  }
+
+  // Every completion queued now; items that need another submission go to resubmit_.
+  void ReapReady(io_uring* r) {
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_cqe* cqe;
+    io_uring_for_each_cqe(r, head, cqe) {
+      ++seen;
+      const uint64_t tag = io_uring_cqe_get_data64(cqe);
+      if (tag == kCancelTag) continue;
+      if (!Complete(static_cast<size_t>(tag), cqe->res)) resubmit_.push_back(tag);
+    }
+    io_uring_cq_advance(r, seen);
+  }
+
+  // Records a completion; false when the item needs another submission (short transfer, EINTR).
+  bool Complete(size_t i, int res) {
+    ItemState& st = items_[i];
+    st.in_flight = false;
+    --in_flight_;
+    if (res == -EINTR || res == -EAGAIN) return false;
+    if (res < 0) {
+      out_[i] = ErrnoStatus(-res, op_, ios_[i].file->path(), ios_[i].offset + st.done);
+    } else if (res == 0) {
+      out_[i] = write_ ? Status::DataLoss(
+                             fmt::format("short write to {} at offset {}: {} of {} bytes",
+                                         ios_[i].file->path(), ios_[i].offset, st.done, st.total))
+                       : Status::DataLoss(
+                             fmt::format("truncated file {}: read {} of {} bytes at offset {}",
+                                         ios_[i].file->path(), st.done, st.total, ios_[i].offset));
+    } else {
+      st.done += res;
+      if (st.done < st.total) return false;
+    }
+    st.finished = true;
+    return true;
+  }
+
+  void FailUnfinished(const Status& st) {
+    for (size_t k = 0; k < items_.size(); ++k) {
+      if (!items_[k].finished) out_[k] = st;
+    }
+  }
+
+  const FileBackendCaps& caps_;
+  const bool write_;
+  const char* const op_;
+  const std::span<const FileIo> ios_;
+  std::vector<Status> out_;
+  std::vector<ItemState> items_;
+  std::vector<size_t> queue_;     // admitted items, in order
+  size_t next_ = 0;               // next index into queue_
+  std::vector<size_t> resubmit_;  // short transfers and retries
+  int in_flight_ = 0;
+};
+
+std::vector<Status> UringFileBackend::Run(bool write, std::span<const FileIo> ios,
+                                          Deadline deadline) {
+  UringRun run(caps_, write, ios);
+  if (!run.Admit()) return run.TakeResults();
+  auto ring_or = TakeRing();
+  if (!ring_or.ok()) {
+    run.FailQueued(ring_or.status());
+    return run.TakeResults();
+  }
+  std::unique_ptr<Ring> ring = std::move(ring_or).value();
+  switch (run.Pump(ring->get(), deadline)) {
+    case UringRun::End::kDone:
+      break;
+    case UringRun::End::kRingBroken:
+      return run.TakeResults();  // the ring is dropped, not pooled (exit cancels and waits)
+    case UringRun::End::kDeadline:
+      if (!run.CancelAndDrain(ring->get())) {
+        (void)ring.release();  // leaked: the kernel may still write into the caller's buffers
+        run.FailAtDeadline();
+        return run.TakeResults();
+      }
+      run.FailAtDeadline();
+      break;
   }
   GiveRing(std::move(ring));
-  return out;
+  return run.TakeResults();
 }
 
 }  // namespace
