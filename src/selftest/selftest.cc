@@ -17,12 +17,12 @@
 #include <sstream>
 #include <thread>
 
-#include "kvferry/testdata.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/transceiver.h"
 #include "selftest/baseline.h"
 #include "selftest/run_watch.h"
+#include "testing/testdata.h"
 #include "transceiver/faulty_transport.h"
-#include "transport/inproc_transport.h"
 
 namespace kvferry {
 namespace {

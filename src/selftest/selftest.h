@@ -17,7 +17,7 @@
 
 #include "kvferry/kv_model.h"
 #include "kvferry/status.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 

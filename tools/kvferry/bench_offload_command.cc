@@ -18,14 +18,13 @@
 #include <random>
 #include <set>
 
-#include "files/raw_io_bench.h"
-#include "files/slab_store.h"
 #include "kvferry/config.h"
-#include "kvferry/testdata.h"
+#include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
-#include "tiering/copy_plan.h"
-#include "tiering/host_mirror.h"
-#include "tiering/memory_slab_store.h"
+#include "testing/bench_support.h"
+#include "testing/host_mirror.h"
+#include "testing/raw_io_bench.h"
+#include "testing/testdata.h"
 #include "tools/kvferry/commands.h"
 
 namespace kvferry::tools {
@@ -79,8 +78,7 @@ StatusOr<std::unique_ptr<SlabStore>> OpenFileTier(const std::string& backend,
                                                   const std::string& dir, int64_t block_bytes,
                                                   int64_t blocks) {
   if (backend == "memory") {
-    return std::unique_ptr<SlabStore>(
-        std::make_unique<tiering::MemorySlabStore>(block_bytes, blocks));
+    return std::unique_ptr<SlabStore>(NewMemorySlabStore(block_bytes, blocks));
   }
   SlabStoreOptions so = SlabStoreOptionsFromConfig();
   so.dir = dir;
@@ -150,20 +148,11 @@ class Bench {
       return m;
     };
     const int32_t tpb = w.tokens_per_block;
-    auto view = [](const BlockPool& p, std::vector<std::byte*>& ptrs) {
-      for (int32_t i = 0; i < p.num_regions(); ++i) ptrs.push_back(p.region(i));
-      return tiering::TierView{&p.layout(), ptrs};
-    };
-    std::vector<std::byte*> pp, hp;
-    const tiering::TierView pv = view(primary, pp), hv = view(host, hp);
     // A plain memcpy loop over the fragments the manager would copy (CPU device only).
     auto pattern = [&](const std::vector<BlockMove>& m, bool to_host) -> Fn {
       if (dev_.info().platform != "cpu") return nullptr;
       auto d = std::make_shared<std::vector<CopyDesc>>();
-      for (const BlockMove& mv : m) {
-        tiering::AppendRunCopies(to_host ? pv : hv, mv.src, to_host ? hv : pv, mv.dst, 1,
-                                 mv.tokens == 0 ? tpb : mv.tokens, *d);
-      }
+      AppendBlockCopies(to_host ? primary : host, to_host ? host : primary, m, *d);
       return [d] {
         for (const CopyDesc& c : *d) {
           for (size_t r = 0; r < c.rows; ++r) {
@@ -328,7 +317,7 @@ class Bench {
       }
       const std::string be = want == "memory" ? "memory" : caps.name;
       // A file backend is measured against raw O_DIRECT I/O of the same bytes on the same
-      // directory (src/files/raw_io_bench.h; its own timing: the read's untimed pre-write and
+      // directory (src/testing/raw_io_bench.h; its own timing: the read's untimed pre-write and
       // the scratch file's creation are left out); the memory store against the same-bytes copy.
       Fn fw_base = d2h(bytes), fr_base = h2d(bytes);
       SecFn fw_raw, fr_raw;
