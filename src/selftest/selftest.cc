@@ -75,6 +75,36 @@ StatusOr<std::vector<std::byte>> WaitForFile(const fs::path& path, Deadline dead
   }
 }
 
+std::string RendezvousKeyHex(const RendezvousKey& key) {
+  std::string out;
+  for (uint8_t b : key) out += fmt::format("{:02x}", b);
+  return out;
+}
+
+StatusOr<RendezvousKey> ParseRendezvousKeyHex(std::string_view hex) {
+  RendezvousKey key{};
+  auto nibble = [](char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+  };
+  bool ok = hex.size() == 2 * key.size();
+  for (size_t i = 0; ok && i < key.size(); ++i) {
+    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    ok = hi >= 0 && lo >= 0;
+    key[i] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  if (!ok) {
+    return Status::InvalidArgument(
+        fmt::format("rendezvous key '{}': expected 32 lowercase hex digits", hex));
+  }
+  return key;
+}
+
+StatusOr<std::unique_ptr<Rendezvous>> ConnectRunRendezvous(const SelftestConfig& cfg) {
+  if (cfg.rendezvous.empty()) return Status::InvalidArgument("no rendezvous address");
+  KVF_ASSIGN_OR_RETURN(RendezvousKey key, ParseRendezvousKeyHex(cfg.rendezvous_key));
+  return ConnectRendezvous(cfg.rendezvous, key);
+}
+
 std::string AsString(const std::vector<std::byte>& b) {
   return std::string(reinterpret_cast<const char*>(b.data()), b.size());
 }
@@ -92,6 +122,8 @@ int64_t MaxBlocksPerRequest(const SelftestConfig& cfg) {
   return BlocksFor(cfg, *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
 }
 uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
+// The context instance's name on the rendezvous.
+constexpr std::string_view kContextInstance = "ctx";
 // Test-data seed of the shared prefix blocks (they hold the same values for every request).
 constexpr uint64_t kPrefixSeed = 0x5E1FFFFFFFFFFFFFULL;
 
@@ -236,7 +268,7 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     if (t < 1)
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
-  if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  if (cfg.dir.empty()) return Status::InvalidArgument("no run directory");
   const std::vector<std::string> transports = AvailableTransports();
   if (std::find(transports.begin(), transports.end(), cfg.transport) == transports.end())
     return Status::InvalidArgument(fmt::format("--transport {}: this build has {}", cfg.transport,
@@ -339,15 +371,24 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
-  KVF_ASSIGN_OR_RETURN(auto side,
-                       ContextSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
-  KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   auto deadline = DeadlineIn(cfg.timeout);
-  std::vector<std::string> addrs;
-  for (int r = 0; r < cfg.ctx.world_size(); ++r) {
-    KVF_ASSIGN_OR_RETURN(auto a, WaitForFile(dir / fmt::format("ctx-{}.addr", r), deadline));
-    addrs.push_back(AsString(a));
+  // Rank 0 makes the instance's secret; the other ranks take it from the rendezvous.
+  TransceiverOptions options = SideOptions(cfg);
+  if (rank == 0) {
+    options.instance_secret = RandomKey();
+    KVF_RETURN_IF_ERROR(PublishInstanceSecret(*rv, kContextInstance, options.instance_id,
+                                              options.instance_secret, deadline));
+  } else {
+    KVF_ASSIGN_OR_RETURN(options.instance_secret,
+                         FetchInstanceSecret(*rv, kContextInstance, options.instance_id, deadline));
   }
+  KVF_ASSIGN_OR_RETURN(auto side, ContextSide::Create(dev, pool, options, std::move(transport)));
+  KVF_RETURN_IF_ERROR(PublishRankAddress(*rv, kContextInstance, options.instance_id, rank,
+                                         side->address(), deadline));
+  KVF_ASSIGN_OR_RETURN(std::vector<std::string> addrs,
+                       GatherRankAddresses(*rv, kContextInstance, options.instance_id,
+                                           cfg.ctx.world_size(), deadline));
   KVF_RETURN_IF_ERROR(side->SetInstanceAddresses(addrs));
   const RankSlice me = pool.slice();
   std::vector<int> group = GroupRanks(cfg.shape, cfg.ctx, me.dp_group);
@@ -404,8 +445,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
           events[id].push_back(ev);
         }
       }
-      if (leader)
-        KVF_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("req-{}.handle", i), *handle));
+      if (leader) KVF_RETURN_IF_ERROR(PublishHandle(*rv, id, *handle, DeadlineIn(cfg.timeout)));
       if (cfg.crash_ctx_rank == rank) {
         // Fault injection: die like a crashed process, with the request published and its
         // blocks leased; the other ranks must end their requests without hanging.
@@ -425,6 +465,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       events.erase(s.request_id);
       res.bytes += s.bytes;
       res.latencies.push_back(s.seconds);
+      // Complete here means every generation rank has it: nobody needs the handle any more.
+      if (leader && s.state == TransferState::kComplete) {
+        (void)rv->Erase(HandleKey(s.request_id), DeadlineIn(milliseconds(1000)));
+      }
       if (s.state != TransferState::kComplete) {
         ++res.failed;
         AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
@@ -482,6 +526,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, false, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   const RankSlice me = pool.slice();
   const std::vector<int> mine = RequestsOfGroup(cfg, cfg.gen, me.dp_group);
   std::vector<bool> busy(cfg.concurrency, false);    // slot k % concurrency, as on the context side
@@ -496,7 +541,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
     while (next < mine.size() && !busy[next % cfg.concurrency] && (next == 0 || prefix_resident) &&
            !watch.Stopped()) {
       int i = mine[next];
-      auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
+      auto handle = FetchHandle(*rv, RequestId(i), DeadlineIn(milliseconds(5)));
       if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
       int slot = static_cast<int>(next % cfg.concurrency);
       ++next;
