@@ -260,6 +260,9 @@ def generation_process(args, rv_address, rv_key, results):
         results.put({"who": "generation", "ok": True, "tokens": tokens, "transfer_s": transfer_s,
                      "join_s": join_s, "decode_s": decode_s, "bytes": nbytes,
                      "slowest_request_s": slowest.seconds,
+                     "slowest_timeline": max(
+                         (kvferry.metrics.slowest(side) for side in sides),
+                         key=lambda t: t["end"] if t else -1),
                      "metrics": kvferry.metrics.snapshot(
                          {f"gen{r}": side for r, side in enumerate(sides)})})
         for s in sides:
@@ -317,8 +320,8 @@ def bench_baseline(args, lengths):
            "--no-verify", "--json"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 4)
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        row = json.loads(out.stdout)["rows"][-1]  # one document (docs/output.md)
+    except (subprocess.SubprocessError, ValueError, IndexError, KeyError) as e:
         return {"error": f"{' '.join(cmd)}: {e}"}
     return {"command": " ".join(cmd), "bytes": row.get("bytes"), "seconds": row.get("seconds"),
             "gbps": row.get("gbps"), "p50_ms": row.get("p50_ms")}
@@ -413,6 +416,7 @@ def main(argv=None):
                     "reference_prefill": ref["prefill_s"], "reference_decode": ref["decode_s"]},
         "transfer_bytes": gen.get("bytes"),
         "slowest_request_s": gen.get("slowest_request_s"),
+        "slowest_timeline": gen.get("slowest_timeline"),
         "generation_metrics": gen.get("metrics"),
         "bench_transfer_baseline": baseline,
         "kvferry_version": kvferry.version(),
@@ -435,6 +439,8 @@ def main(argv=None):
             print(f"transfer (kvferry, all prompts) {t['transfer'] * 1e3:7.1f} ms   "
                   f"{report['transfer_bytes']} bytes, {gbps:.2f} GB/s, slowest request "
                   f"{report['slowest_request_s'] * 1e3:.1f} ms")
+            if report["slowest_timeline"]:
+                print("  slowest: " + kvferry.metrics.format_timeline(report["slowest_timeline"]))
             if baseline and "seconds" in baseline:
                 print(f"  same run, kvferry bench transfer (same shape, layout, split, "
                       f"transport; {baseline['bytes']} bytes): {baseline['seconds'] * 1e3:.1f} ms,"

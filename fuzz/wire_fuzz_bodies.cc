@@ -49,7 +49,7 @@ bool ShapeIsLocal(const KvShape& s) {
 }
 
 Local PickLocal(const KvShape& shape, uint8_t bits) {
-  static constexpr ParallelConfig kSplits[] = {
+  static const ParallelConfig kSplits[] = {
       {1, 1, {}, 1, 0}, {2, 1, {}, 1, 0}, {1, 2, {}, 1, 0}, {4, 1, {}, 2, 1}};
   Local l;
   l.desc.shape = shape;
@@ -149,6 +149,11 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   }
   std::vector<std::byte> rest = Bytes(data + 1, size - 1);
   in.insert(in.end(), rest.begin(), rest.end());
+  if (!in.empty() && (mode & 15) != 0) {  // the harness built the header: it seals the message too
+    const uint64_t seal = MessageSeal(in);
+    for (size_t i = 0; i < kMessageSealBytes; ++i)
+      in.push_back(std::byte((seal >> (8 * i)) & 0xff));
+  }
   auto m = DecodeMessage(in);
   if (!m.ok()) {
     CheckRefusal(m.status());
@@ -180,6 +185,14 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   pin.gen_reused_blocks = f->reused_blocks;
   pin.chunk_bytes = f->chunk_bytes;
   pin.direct_min_bytes = f->direct_min_bytes;
+  // The context rank's own budget (Engine::plan_budget): its pool plus its staging, 8 chunks here.
+  auto cs = SliceOf(local.desc.shape, local.desc.parallel, 0);
+  Check(cs.ok());
+  auto cl = PoolLayout::Make(local.desc.layout,
+                             RankPoolDims(local.desc.shape, *cs, local.desc.pool_blocks),
+                             local.desc.shape.ElementBytes());
+  Check(cl.ok());
+  pin.max_plan_bytes = cl->total_bytes() + local.chunk_bytes * 8;
   for (int32_t c = 0; c < local.desc.parallel.world_size(); ++c) {
     auto plan = PlanForCtxRank(pin, c);
     if (!plan.ok()) {

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/metrics.h"
 #include "kvferry/pool.h"
 #include "kvferry/slab_store.h"
 #include "kvferry/status.h"
@@ -174,6 +175,8 @@ class TransferManager {
   // waiting (Move waits for staging otherwise). Staging only frees up between calls.
   int64_t file_staging_free() const;
   TransferStats stats() const;
+  // Bytes, batches and copy latency per direction, file I/O and its queue (kvferry/metrics.h).
+  TieringMetrics metrics() const;
 
   struct Impl;
 

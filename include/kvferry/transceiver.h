@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/metrics.h"
 #include "kvferry/pool.h"
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
@@ -126,6 +127,11 @@ class ContextSide {
   virtual StatusOr<TransferStatus> Query(uint64_t request_id) const = 0;
   virtual Status Cancel(uint64_t request_id) = 0;
   virtual TransceiverStats stats() const = 0;
+  // Counters, queue depths and latency histograms since creation (kvferry/metrics.h).
+  virtual TransceiverMetrics metrics() const = 0;
+  // Timelines of recently ended requests (the last 256, oldest first, then the slowest ended
+  // here when it is older).
+  virtual std::vector<RequestTimeline> timelines() const = 0;
 };
 
 // The receiving side, one per generation rank.
@@ -149,6 +155,11 @@ class GenerationSide {
   virtual StatusOr<TransferStatus> Query(uint64_t request_id) const = 0;
   virtual Status Cancel(uint64_t request_id) = 0;
   virtual TransceiverStats stats() const = 0;
+  // Counters, queue depths and latency histograms since creation (kvferry/metrics.h).
+  virtual TransceiverMetrics metrics() const = 0;
+  // Timelines of recently ended requests (the last 256, oldest first, then the slowest ended
+  // here when it is older).
+  virtual std::vector<RequestTimeline> timelines() const = 0;
 };
 
 }  // namespace kvferry

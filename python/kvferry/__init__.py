@@ -17,6 +17,16 @@ block; using a closed object raises :class:`ClosedError`. Failures raise subclas
 
 from __future__ import annotations
 
+try:
+    # The UCX 1.22 the extension links comes from the libucx-cu13 wheel (a dependency): load its
+    # libraries first, as RAPIDS packages do, so the extension's libucp.so.0 is that one wherever
+    # the wheel lies (its RUNPATH also names site-packages/libucx/lib).
+    import libucx as _libucx
+
+    _libucx.load_library()
+except ImportError:
+    pass
+
 from . import errors, metrics
 from ._kvferry import (
     BlockManager,

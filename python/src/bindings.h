@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/metrics.h"
 #include "kvferry/pool.h"
 #include "kvferry/status.h"
 
@@ -167,6 +168,11 @@ class PyStream {
 };
 
 // Registration of each part of the module.
+// Metrics snapshots as dicts (metrics_bindings.cc).
+nb::dict MetricsDict(const TransceiverMetrics& m);
+nb::dict MetricsDict(const TieringMetrics& m);
+nb::dict TimelineDict(const RequestTimeline& t);
+void BindMetrics(nb::module_& m);
 void BindErrors(nb::module_& m);
 void BindDevice(nb::module_& m);
 void BindPool(nb::module_& m);

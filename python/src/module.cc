@@ -10,4 +10,5 @@ NB_MODULE(_kvferry, m) {
   kvferry::py::BindTransceiver(m);
   kvferry::py::BindTiering(m);
   kvferry::py::BindRendezvous(m);
+  kvferry::py::BindMetrics(m);
 }

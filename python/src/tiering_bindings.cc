@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "kvferry/block_manager.h"
+#include "kvferry/prometheus.h"
 #include "kvferry/tiering.h"
 
 namespace kvferry::py {
@@ -239,6 +240,15 @@ void BindTiering(nb::module_& m) {
           nb::arg("compute"), "Later copies wait for the work queued on `compute` so far.")
       .def("tier_blocks", [](PyTransferManager& t, Tier tier) { return t.get().tier_blocks(tier); })
       .def_prop_ro("stats", [](PyTransferManager& t) { return TransferStatsDict(t.get().stats()); })
+      .def(
+          "metrics", [](PyTransferManager& t) { return MetricsDict(t.get().metrics()); },
+          "Bytes, batches, blocks and copy latency per direction (from, to), file I/O counts.")
+      .def(
+          "_metrics_source",
+          [](PyTransferManager& t, std::string name) {
+            return MetricsSource{std::move(name), t.get().metrics()};
+          },
+          nb::arg("name"))
       .def_prop_ro("closed", &PyTransferManager::closed)
       .def("close", &PyTransferManager::close)
       .def("__enter__", [](nb::handle self) { return self; })
@@ -306,6 +316,12 @@ void BindTiering(nb::module_& m) {
           },
           "Cache events since the last drain: kind (stored|moved|removed), key, from, to, reason.")
       .def_prop_ro("stats", [](PyBlockManager& b) { return BlockStatsDict(b.get().stats()); })
+      .def(
+          "_metrics_source",
+          [](PyBlockManager& b, std::string name) {
+            return MetricsSource{std::move(name), b.get().stats()};
+          },
+          nb::arg("name"))
       .def_prop_ro("closed", &PyBlockManager::closed)
       .def("close", &PyBlockManager::close)
       .def("__enter__", [](nb::handle self) { return self; })

@@ -11,6 +11,7 @@
 
 #include "bindings.h"
 #include "kvferry/inproc_transport.h"
+#include "kvferry/prometheus.h"
 #include "kvferry/transceiver.h"
 #include "kvferry/transport.h"
 
@@ -48,62 +49,6 @@ std::vector<PyStatus> ToPy(const std::vector<TransferStatus>& v) {
   for (const TransferStatus& s : v) out.push_back(ToPy(s));
   return out;
 }
-
-// What the binding saw of a side's requests: every terminal status reported through poll, by
-// state, with bytes, latency (mark_ready / fetch to terminal) and the error codes. Thread-safe.
-class SideMetrics {
- public:
-  static constexpr int kBuckets = 16;  // upper bounds 100 us * 2^i: 100 us .. 3.3 s, then +Inf
-  static double UpperBound(int i) { return 1e-4 * static_cast<double>(1 << i); }
-
-  void Record(const std::vector<TransferStatus>& statuses) {
-    std::lock_guard lock(mu_);
-    for (const TransferStatus& s : statuses) {
-      ++by_state_[static_cast<int>(s.state)];
-      bytes_ += s.bytes;
-      if (!s.reason.ok()) ++errors_[std::string(StatusCodeName(s.reason.code()))];
-      int b = 0;
-      while (b < kBuckets && s.seconds > UpperBound(b)) ++b;
-      ++latency_[b];
-      latency_sum_ += s.seconds;
-    }
-  }
-
-  nb::dict Snapshot() const {
-    std::lock_guard lock(mu_);
-    nb::dict requests, errors, d;
-    for (int st = static_cast<int>(TransferState::kComplete);
-         st <= static_cast<int>(TransferState::kCancelled); ++st) {
-      requests[std::string(TransferStateName(static_cast<TransferState>(st))).c_str()] =
-          by_state_[st];
-    }
-    for (const auto& [code, n] : errors_) errors[code.c_str()] = n;
-    nb::list buckets;
-    int64_t cumulative = 0, count = 0;
-    for (int b = 0; b <= kBuckets; ++b) {
-      cumulative += latency_[b];
-      buckets.append(nb::make_tuple(b < kBuckets ? UpperBound(b) : INFINITY, cumulative));
-    }
-    count = cumulative;
-    d["requests"] = requests;
-    d["errors"] = errors;
-    d["bytes"] = bytes_;
-    nb::dict latency;
-    latency["buckets"] = buckets;  // (upper bound seconds, cumulative count)
-    latency["sum"] = latency_sum_;
-    latency["count"] = count;
-    d["latency_seconds"] = latency;
-    return d;
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::array<int64_t, 6> by_state_{};
-  std::map<std::string, int64_t> errors_;
-  int64_t bytes_ = 0;
-  std::array<int64_t, kBuckets + 1> latency_{};
-  double latency_sum_ = 0;
-};
 
 nb::dict StatsDict(const TransceiverStats& s) {
   nb::dict d;
@@ -194,7 +139,6 @@ class PySide {
     std::shared_lock lock(mu_);
     return side_ == nullptr;
   }
-  SideMetrics& metrics() { return metrics_; }
   const DeviceCore* device_core() const { return dev_.get(); }
 
  private:
@@ -203,7 +147,6 @@ class PySide {
   std::shared_ptr<PoolCore> pool_;
   std::shared_mutex mu_;
   std::unique_ptr<Side> side_;
-  SideMetrics metrics_;
 };
 
 using PyContext = PySide<ContextSide>;
@@ -219,9 +162,7 @@ void CommonMethods(nb::class_<PySide<Side>>& c) {
           "poll",
           [](P& s, size_t at_least, double timeout) {
             Deadline d = DeadlineAfter(timeout);
-            std::vector<TransferStatus> got = s.Run([&](Side& x) { return x.Poll(at_least, d); });
-            s.metrics().Record(got);
-            return ToPy(got);
+            return ToPy(s.Run([&](Side& x) { return x.Poll(at_least, d); }));
           },
           nb::arg("at_least") = 0, nb::arg("timeout") = 0.0,
           "Terminal statuses not reported before; waits (without the GIL) until at least "
@@ -237,9 +178,26 @@ void CommonMethods(nb::class_<PySide<Side>>& c) {
           "stats", [](P& s) { return StatsDict(s.Run([](Side& x) { return x.stats(); })); },
           "requests_ended, busy_cpu_seconds (progress-thread CPU in iterations with work).")
       .def(
-          "metrics", [](P& s) { return s.metrics().Snapshot(); },
-          "What poll reported so far: requests by terminal state, bytes, errors by code, and a "
-          "latency histogram (mark_ready / fetch to terminal; cumulative buckets).")
+          "metrics", [](P& s) { return MetricsDict(s.Run([](Side& x) { return x.metrics(); })); },
+          "The side's metrics snapshot (kvferry/metrics.h): requests started and ended by state, "
+          "errors by code, bytes, chunks, staging and queue depth, progress CPU, and latency "
+          "histograms of requests and chunks (cumulative buckets).")
+      .def(
+          "timelines",
+          [](P& s) {
+            nb::list out;
+            for (const RequestTimeline& t : s.Run([](Side& x) { return x.timelines(); }))
+              out.append(TimelineDict(t));
+            return out;
+          },
+          "Timelines of recently ended requests (the last 256, then the slowest): seconds after "
+          "`created` of fetch, first_byte, last_byte and end (-1: never).")
+      .def(
+          "_metrics_source",
+          [](P& s, std::string name) {
+            return MetricsSource{std::move(name), s.Run([](Side& x) { return x.metrics(); })};
+          },
+          nb::arg("name"))
       .def_prop_ro("closed", &P::closed)
       .def("close", &P::close,
            "Stops the side (requests still moving end); waits for calls in other threads.")

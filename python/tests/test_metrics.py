@@ -34,7 +34,7 @@ def transfer_some(cpu, shape, fabric, n_ok=3):
     return ctx, gen, got
 
 
-def test_side_metrics_count_what_poll_reported(cpu, small_shape):
+def test_side_metrics_come_from_the_library(cpu, small_shape):
     ctx, gen, got = transfer_some(cpu, small_shape, kvferry.InProcFabric())
     g = gen.metrics()
     assert g["requests"]["complete"] == 3 and g["requests"]["error"] == 0
@@ -46,8 +46,26 @@ def test_side_metrics_count_what_poll_reported(cpu, small_shape):
     c = ctx.metrics()
     assert c["requests"]["complete"] == 3 and c["requests"]["cancelled"] == 1
     assert c["errors"] == {"CANCELLED": 1}
+    assert g["requests_started"] == 3 and g["live_requests"] == 0
+    assert g["kind"] == "generation" and g["transport"] == "inproc"
+    assert g["chunks"] >= 3 and g["chunk_bytes"] == g["bytes"]
+    assert g["chunk_latency_seconds"]["count"] == g["chunks"]
+    assert g["staging_slots_in_use"] == 0 and g["staging_slots"] > 0
+    # Timelines: one per request, the steps in order; the slowest is among them.
+    t = gen.timelines()
+    assert [x["request_id"] for x in t] == [0, 1, 2]
+    for x in t:
+        assert x["state"] == "complete" and x["code"] == "OK" and x["chunks"] >= 1
+        assert 0 <= x["fetch"] <= x["first_byte"] <= x["last_byte"] <= x["end"]
+    assert metrics.slowest(gen) in t
+    assert "first byte +" in metrics.format_timeline(t[0])
+    ct = ctx.timelines()
+    assert ct[-1]["request_id"] == 99 and ct[-1]["state"] == "cancelled"
+    assert ct[-1]["first_byte"] == -1
     ctx.close()
     gen.close()
+    with pytest.raises(kvferry.ClosedError):
+        gen.metrics()
 
 
 def test_prometheus_text_and_endpoint(cpu, small_shape):
@@ -58,17 +76,23 @@ def test_prometheus_text_and_endpoint(cpu, small_shape):
     bm.add_sequence(1, list(range(8)))
     sources = {"ctx0": ctx, "gen0": gen, "tiers": tm, "cache": bm}
     text = metrics.prometheus_text(sources)
-    assert 'kvferry_requests_total{source="gen0",side="generation",state="complete"} 3' in text
-    assert 'kvferry_requests_total{source="ctx0",side="context",state="cancelled"} 1' in text
-    assert 'kvferry_request_errors_total{source="ctx0",side="context",code="CANCELLED"} 1' in text
+    side = 'side="generation",transport="inproc"'
+    assert f'kvferry_requests_total{{source="gen0",{side},state="complete"}} 3' in text
+    ctx_side = 'source="ctx0",side="context",transport="inproc"'
+    assert f'kvferry_requests_total{{{ctx_side},state="cancelled"}} 1' in text
+    assert f'kvferry_request_errors_total{{{ctx_side},code="CANCELLED"}} 1' in text
     assert re.search(r'kvferry_request_latency_seconds_bucket\{source="gen0",side="generation",'
-                     r'le="\+Inf"\} 3', text)
+                     r'transport="inproc",le="\+Inf"\} 3', text)
+    assert re.search(r'kvferry_chunk_latency_seconds_count\{source="gen0"[^}]*\} [1-9]', text)
     assert 'kvferry_cached_blocks{source="cache",tier="primary"} 2' in text
     assert "# TYPE kvferry_request_latency_seconds histogram" in text
     # Every sample line parses as: name{labels} value
     for line in text.splitlines():
         if not line.startswith("#"):
             assert re.fullmatch(r'[a-z_]+(\{[^}]*\})? [-+0-9.eInf]+', line), line
+    # Each family's HELP/TYPE appears once.
+    types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))
     with metrics.MetricsServer(sources) as server:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
             body = r.read().decode()
@@ -76,7 +100,29 @@ def test_prometheus_text_and_endpoint(cpu, small_shape):
         assert "kvferry_transfer_bytes_total" in body
     with pytest.raises(TypeError):
         metrics.snapshot({"x": object()})
+    with pytest.raises(TypeError):
+        metrics.prometheus_text({"x": object()})
+    # Tier copies per direction.
+    gen.close()  # a closed source is left out, not an error
+    assert 'source="gen0"' not in metrics.prometheus_text(sources)
+    assert "gen0" not in metrics.snapshot(sources)
     bm.close()
     tm.close()
     ctx.close()
     gen.close()
+
+
+def test_transfer_manager_metrics_per_direction(cpu, small_shape):
+    primary = kvferry.Pool.allocate(cpu, small_shape, blocks=8)
+    host = kvferry.Pool.allocate(cpu, small_shape, memory="pinned", blocks=8)
+    with kvferry.TransferManager(cpu, primary, host) as tm:
+        tm.offload([(0, 3), (1, 4)]).wait(10.0)
+        tm.onboard([(3, 5)]).wait(10.0)
+        m = tm.metrics()
+        by = {(c["from"], c["to"]): c for c in m["copies"]}
+        assert set(by) == {("primary", "host"), ("host", "primary")}
+        assert by[("primary", "host")]["blocks"] == 2 and by[("primary", "host")]["batches"] == 1
+        assert by[("primary", "host")]["bytes"] == 2 * by[("host", "primary")]["bytes"] > 0
+        assert by[("host", "primary")]["latency_seconds"]["count"] == 1
+        text = metrics.prometheus_text({"tiers": tm})
+        assert 'kvferry_tier_copy_blocks_total{source="tiers",from="primary",to="host"} 2' in text

@@ -102,6 +102,11 @@ constexpr KnobDecl kKnobs[] = {
      "2-D fragments with rows narrower than this go to the gather kernel even when their total "
      "reaches cuda.copy_kernel_threshold (the copy engine is slow on narrow rows); 0: never",
      0, kMaxInt, ""},
+    {"cuda.copy_engine_list_row_bytes", KnobType::kInt, "16384",
+     "2-D fragments on the copy engine with rows at least this wide (and at most 256 rows) are "
+     "listed row by row in the cudaMemcpyBatchAsync; narrower rows, or all with a larger value, "
+     "go as one cudaMemcpy2DAsync each (the engine walks the rows)",
+     1, kMaxInt, ""},
     {"cuda.copy_engine_directions", KnobType::kString, "none",
      "small fragments (below cuda.copy_kernel_threshold) in these directions go to the copy "
      "engine in one cudaMemcpyBatchAsync instead of the gather kernel",

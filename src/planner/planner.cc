@@ -286,17 +286,22 @@ bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
 // Turns the ordered pieces of one pair into chunks.
 class Chunker {
  public:
-  Chunker(const PlanInput& in, PairPlan& out)
+  // `plan_bytes`: the memory the plan's chunks and pieces take so far, all pairs together.
+  Chunker(const PlanInput& in, PairPlan& out, int64_t& plan_bytes)
       : chunk_bytes_(in.chunk_bytes),
         direct_min_(in.direct_min_bytes),
         one_layer_(in.layer_wise),
-        out_(out) {}
+        max_plan_bytes_(in.max_plan_bytes),
+        out_(out),
+        plan_bytes_(plan_bytes) {}
 
   // True when the pair needs more than kMaxChunksPerPair chunks (the plan is then refused).
   bool too_many() const { return too_many_; }
+  // True when the plan needs more than max_plan_bytes of memory (the plan is then refused).
+  bool too_big() const { return too_big_; }
 
   void Add(const Piece& p) {
-    if (too_many_) return;
+    if (too_many_ || too_big_) return;
     if (pending_ && TryMerge(*pending_, p, one_layer_)) return;
     if (pending_) Place(*pending_);
     pending_ = p;
@@ -365,12 +370,24 @@ class Chunker {
     }
   }
 
-  // False (and too_many_ set) when one more chunk would exceed kMaxChunksPerPair.
+  // False (and too_many_ or too_big_ set) when one more chunk would exceed kMaxChunksPerPair or
+  // the plan's memory bound.
   bool Room() {
-    if (static_cast<int64_t>(out_.chunks.size()) < kMaxChunksPerPair) return true;
-    too_many_ = true;
+    if (static_cast<int64_t>(out_.chunks.size()) >= kMaxChunksPerPair) {
+      too_many_ = true;
+    } else if (!Charge(sizeof(Chunk) + sizeof(Piece))) {
+      too_big_ = true;
+    } else {
+      return true;
+    }
     open_ = nullptr;
     return false;
+  }
+
+  // Counts `bytes` more of plan memory; false when that passes max_plan_bytes.
+  bool Charge(int64_t bytes) {
+    plan_bytes_ += bytes;
+    return max_plan_bytes_ <= 0 || plan_bytes_ <= max_plan_bytes_;
   }
 
   // Opens a packed chunk, reserving room for as many pieces like `p` as fit; false when the pair
@@ -392,6 +409,8 @@ class Chunker {
   }
 
   void Append(const Piece& part) {
+    // The first piece of a chunk was charged with it (Room).
+    if (!open_->pieces.empty() && !Charge(sizeof(Piece))) too_big_ = true;
     if (open_->pieces.empty()) open_->last_layer = part.layer;
     open_->last_layer = std::max(open_->last_layer, part.layer);
     open_->bytes += part.total();
@@ -401,9 +420,12 @@ class Chunker {
   const int64_t chunk_bytes_;
   const int64_t direct_min_;
   const bool one_layer_;
+  const int64_t max_plan_bytes_;
   PairPlan& out_;
+  int64_t& plan_bytes_;
   std::optional<Piece> pending_;
   bool too_many_ = false;
+  bool too_big_ = false;
   Chunk* open_ = nullptr;  // the packed chunk being filled (always out_.chunks.back())
 };
 
@@ -503,8 +525,18 @@ Status TooManyChunks(const RankSlice& c, const RankSlice& g, const PlanInput& in
       c.rank, g.rank, kMaxChunksPerPair, in.chunk_bytes, in.direct_min_bytes));
 }
 
-// Plans one pair; returns false when the pair exchanges nothing.
-StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out) {
+Status TooBig(const RankSlice& c, const RankSlice& g, const PlanInput& in, int64_t plan_bytes) {
+  return Status::InvalidArgument(fmt::format(
+      "context rank {} -> generation rank {}: a plan of chunks of at most chunk_bytes={} "
+      "(direct_min_bytes={}) needs more than {} bytes of memory, the bound (max_plan_bytes={}: "
+      "this rank's pool and staging); use larger chunks",
+      c.rank, g.rank, in.chunk_bytes, in.direct_min_bytes, plan_bytes, in.max_plan_bytes));
+}
+
+// Plans one pair; returns false when the pair exchanges nothing. `plan_bytes`: the memory the
+// plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes).
+StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out,
+                        int64_t& plan_bytes) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
   // Layers both hold.
@@ -560,11 +592,18 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
     // Fits: at most the bytes of the request's distinct blocks in a pool (CheckSide).
     const int64_t pair_bytes = (l1 - l0) * shape.kv_factor * (h1 - h0) * moved_tokens * row_bytes;
     // Nothing can go direct: the chunk count is known now (no need to build a plan to refuse).
-    if (in.direct_min_bytes > pair_bytes && pair_bytes / in.chunk_bytes >= kMaxChunksPerPair) {
+    const int64_t min_chunks = pair_bytes / in.chunk_bytes;
+    if (in.direct_min_bytes > pair_bytes && min_chunks >= kMaxChunksPerPair) {
       return TooManyChunks(c, g, in);
     }
-    out.chunks.reserve(
-        static_cast<size_t>(std::min(pair_bytes / in.chunk_bytes + 1, kMaxChunksPerPair)));
+    // Each chunk holds a piece at least.
+    constexpr int64_t kChunkCost = sizeof(Chunk) + sizeof(Piece);
+    const int64_t left = in.max_plan_bytes - plan_bytes;
+    if (in.max_plan_bytes > 0 && in.direct_min_bytes > pair_bytes && min_chunks > left / kChunkCost)
+      return TooBig(c, g, in, plan_bytes + min_chunks * kChunkCost);
+    int64_t reserve = std::min(min_chunks + 1, kMaxChunksPerPair);
+    if (in.max_plan_bytes > 0) reserve = std::min(reserve, std::max<int64_t>(left, 0) / kChunkCost);
+    out.chunks.reserve(static_cast<size_t>(reserve));
   }
   // Enumerated axes outside the block loop when that lets runs of blocks merge into one piece
   // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
@@ -573,7 +612,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   for (const BlockRun& run : cx.runs) long_runs = long_runs || (!run.partial && run.count > 1);
   const bool axes_outside = full.n > 0 && long_runs && RunMerges(full, src, dst);
 
-  Chunker chunker(in, out);
+  Chunker chunker(in, out, plan_bytes);
   Piece p;
   int64_t src_l = 0, dst_l = 0;  // offset of the current layer (layouts without layer regions)
   int64_t src_k = 0, dst_k = 0;  // offset of the current kv (kv_outer, layouts without kv regions)
@@ -633,6 +672,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   }
   chunker.Finish();
   if (chunker.too_many()) return TooManyChunks(c, g, in);
+  if (chunker.too_big()) return TooBig(c, g, in, plan_bytes);
   return true;
 }
 
@@ -652,10 +692,11 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
   KVF_ASSIGN_OR_RETURN(cx.ctx, GroupSlices(in.ctx, ctx_rank));
   KVF_ASSIGN_OR_RETURN(cx.gen, GroupSlices(in.gen, gen_rank));
   std::vector<PairPlan> pairs;
+  int64_t plan_bytes = 0;
   for (const RankSlice& c : cx.ctx) {
     for (const RankSlice& g : cx.gen) {
       PairPlan pair;
-      KVF_ASSIGN_OR_RETURN(bool exchanges, PlanPair(cx, c, g, pair));
+      KVF_ASSIGN_OR_RETURN(bool exchanges, PlanPair(cx, c, g, pair, plan_bytes));
       if (exchanges) pairs.push_back(std::move(pair));
     }
   }

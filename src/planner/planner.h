@@ -62,6 +62,11 @@ struct PlanInput {
   // (layer-wise transfer overlapping prefill). Otherwise a piece may span layers when the
   // layouts allow it (fewer, larger pieces; a chunk then waits for its last_layer).
   bool layer_wise = false;
+  // The most memory the plan's chunks and pieces may take, all pairs together (0: no bound).
+  // chunk_bytes and direct_min_bytes come from the peer (a FETCH, a handle): each side passes its
+  // own pool and staging bytes here, so a peer can't make it allocate more than that (nor plan for
+  // longer). A plan that would need more is refused, naming chunk_bytes and this bound.
+  int64_t max_plan_bytes = 0;
 };
 
 // A 2-D copy: `rows` rows of `bytes`, at src_offset + r * src_pitch in the context rank's pool

@@ -338,6 +338,43 @@ TEST(PlannerErrors, MoreChunksThanDataTagsCanNumberAreRefused) {
   EXPECT_TRUE(PlanTransfer(in).ok());
 }
 
+// max_plan_bytes bounds the memory of the plan's chunks and pieces, all pairs together, whichever
+// way they come (direct rows, packed parts): the plan is refused naming chunk_bytes and the bound.
+TEST(PlannerErrors, PlanMemoryIsBoundedByMaxPlanBytes) {
+  KvShape shape{1, 4, 128, DType::kFp32, 2, 1};
+  PlanInput in;
+  in.ctx = {shape, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 2000};
+  in.gen = {shape, {2, 1, {}, 1, 0}, LayoutKind::kPerLayer, 2000};
+  in.prompt_tokens = 1100;
+  for (int64_t i = 0; i < 1100; ++i) {
+    in.ctx_blocks.push_back(i);
+    in.gen_blocks.push_back(1999 - i);
+  }
+  in.chunk_bytes = 4096;
+  in.direct_min_bytes = 0;  // every row direct: chunks counted as they are made
+  auto unbounded = PlanTransfer(in);
+  ASSERT_TRUE(unbounded.ok()) << unbounded.status().ToString();
+  int64_t chunks = 0;
+  for (const PairPlan& p : unbounded->pairs) chunks += static_cast<int64_t>(p.chunks.size());
+  const int64_t need = chunks * static_cast<int64_t>(sizeof(Chunk) + sizeof(Piece));
+  in.max_plan_bytes = need;  // exactly enough
+  EXPECT_TRUE(PlanTransfer(in).ok());
+  in.max_plan_bytes = need - 1;  // the last chunk of the second pair passes it
+  auto st = PlanTransfer(in);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find(fmt::format("max_plan_bytes={}", need - 1)),
+            std::string_view::npos)
+      << st.status().ToString();
+  // Each pair takes half: one rank's part alone is refused below half.
+  in.max_plan_bytes = need / 2 - 1;
+  ExpectError(in, {"chunk_bytes=4096", fmt::format("max_plan_bytes={}", need / 2 - 1), "pool"});
+  // Packed: known up front to need more (no chunk is built).
+  in.direct_min_bytes = INT64_MAX;
+  in.chunk_bytes = 16;
+  in.max_plan_bytes = 1 << 20;
+  ExpectError(in, {"chunk_bytes=16 ", "max_plan_bytes=1048576"});
+}
+
 // Pieces alternating between direct and packed (a FETCH's direct_min_bytes between the two piece
 // sizes) make a chunk per piece: each may reserve only what it holds, or a hostile FETCH makes
 // the context rank allocate gigabytes (found by message_fuzz: out of memory).

@@ -20,6 +20,7 @@
 #include "kvferry/inproc_transport.h"
 #include "kvferry/transceiver.h"
 #include "selftest/baseline.h"
+#include "selftest/metrics_board.h"
 #include "selftest/run_watch.h"
 #include "testing/testdata.h"
 #include "transceiver/faulty_transport.h"
@@ -358,6 +359,14 @@ std::vector<int> RequestsOfGroup(const SelftestConfig& cfg, const ParallelConfig
   return mine;
 }
 
+static std::optional<RequestTimeline> Slowest(const std::vector<RequestTimeline>& timelines) {
+  std::optional<RequestTimeline> out;
+  for (const RequestTimeline& t : timelines) {
+    if (!out || t.end > out->end) out = t;
+  }
+  return out;
+}
+
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                                     const TransportMaker& make) {
   const fs::path dir(cfg.dir);
@@ -384,6 +393,14 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                          FetchInstanceSecret(*rv, kContextInstance, options.instance_id, deadline));
   }
   KVF_ASSIGN_OR_RETURN(auto side, ContextSide::Create(dev, pool, options, std::move(transport)));
+  MetricsBoard board;  // before the server: the server's thread reads it
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (cfg.metrics_port >= 0) {
+    const std::string name = fmt::format("context rank {}", rank);
+    board.Attach([&side, name] { return std::vector<MetricsSource>{{name, side->metrics()}}; });
+    const int port = cfg.metrics_port == 0 ? 0 : cfg.metrics_port + rank;
+    KVF_ASSIGN_OR_RETURN(metrics_server, board.Serve(static_cast<uint16_t>(port), name));
+  }
   KVF_RETURN_IF_ERROR(PublishRankAddress(*rv, kContextInstance, options.instance_id, rank,
                                          side->address(), deadline));
   KVF_ASSIGN_OR_RETURN(std::vector<std::string> addrs,
@@ -488,6 +505,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -527,6 +545,14 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
+  MetricsBoard board;  // before the server: the server's thread reads it
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (cfg.metrics_port >= 0) {
+    const std::string name = fmt::format("generation rank {}", rank);
+    board.Attach([&side, name] { return std::vector<MetricsSource>{{name, side->metrics()}}; });
+    const int port = cfg.metrics_port == 0 ? 0 : cfg.metrics_port + cfg.ctx.world_size() + rank;
+    KVF_ASSIGN_OR_RETURN(metrics_server, board.Serve(static_cast<uint16_t>(port), name));
+  }
   const RankSlice me = pool.slice();
   const std::vector<int> mine = RequestsOfGroup(cfg, cfg.gen, me.dp_group);
   std::vector<bool> busy(cfg.concurrency, false);    // slot k % concurrency, as on the context side
@@ -614,6 +640,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -669,6 +696,18 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_gbps"] = r.copy_gbps;
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
+  if (r.slowest) {
+    const RequestTimeline& t = *r.slowest;
+    j["slowest"] = {{"request_id", t.request_id},
+                    {"state", t.state},
+                    {"code", t.code},
+                    {"bytes", t.bytes},
+                    {"chunks", t.chunks},
+                    {"fetch_s", t.fetch},
+                    {"first_byte_s", t.first_byte},
+                    {"last_byte_s", t.last_byte},
+                    {"end_s", t.end}};
+  }
   return j.dump();
 }
 
@@ -692,6 +731,20 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_gbps = j.value("copy_gbps", 0.0);
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
+  if (j.contains("slowest")) {
+    const auto& s = j["slowest"];
+    RequestTimeline t;
+    t.request_id = s.value("request_id", uint64_t{0});
+    t.state = s.value("state", std::string());
+    t.code = s.value("code", std::string());
+    t.bytes = s.value("bytes", int64_t{0});
+    t.chunks = s.value("chunks", int64_t{0});
+    t.fetch = s.value("fetch_s", -1.0);
+    t.first_byte = s.value("first_byte_s", -1.0);
+    t.last_byte = s.value("last_byte_s", -1.0);
+    t.end = s.value("end_s", -1.0);
+    r.slowest = t;
+  }
   return r;
 }
 

@@ -14,10 +14,12 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvferry/kv_model.h"
+#include "kvferry/metrics.h"
 #include "kvferry/rendezvous.h"
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
@@ -56,6 +58,10 @@ struct SelftestConfig {
   // the local rank modulo the visible GPUs (device "cuda"), or every rank on "cuda:N".
   std::vector<int> gpus;
   bool checksum = true;  // per-chunk payload checksums (transfer.checksum)
+  // Each rank serves its side's metrics on 127.0.0.1: context rank r at metrics_port + r,
+  // generation rank r at metrics_port + context ranks + r; 0: free ports (each named on stderr);
+  // -1: none.
+  int metrics_port = -1;
 };
 
 struct RankResult {
@@ -75,6 +81,8 @@ struct RankResult {
   double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
   std::string copy_name;
   std::vector<std::string> errors;  // the first few
+  // This rank's slowest request (the longest from start to terminal), when one ended.
+  std::optional<RequestTimeline> slowest;
 };
 
 std::string ResultToJson(const RankResult& r);

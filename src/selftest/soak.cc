@@ -11,6 +11,7 @@
 #include <set>
 
 #include "selftest/fault_rig.h"
+#include "transceiver/handle.h"
 
 namespace kvferry {
 namespace {
@@ -81,6 +82,7 @@ struct LiveRequest {
   std::map<RankKey, std::vector<TransferState>> got;
   std::optional<Clock::time_point> cancel_at;
   RankKey cancel_on{};
+  bool forged = false;  // fetched with a forged handle: the context ranks must refuse it
   bool Ended() const {
     for (const auto& [k, n] : expected) {
       auto it = got.find(k);
@@ -144,13 +146,30 @@ class Soak {
   double Uniform() { return std::uniform_real_distribution<double>(0, 1)(rng_); }
   int Pick(int n) { return std::uniform_int_distribution<int>(0, n - 1)(rng_); }
 
-  // Arms one transport of the serving ranks for the next occurrence of a random step.
-  void MaybeArm(FaultRig& rig, int ctx_group, int gen_group) {
+  // Counts the fault armed on a transport if it fired, and forgets it.
+  void Settle(FaultRig& rig, const RankKey& where) {
+    auto it = arms_.find(where);
+    if (it == arms_.end()) return;
+    if (rig.faulty(where.first, where.second).fired() > it->second.fired_before) {
+      ++report_.faults_by_step[std::string(FaultStepName(it->second.spec.step))];
+      ++report_.faults_by_kind[std::string(FaultKindName(it->second.spec.kind))];
+    }
+    arms_.erase(it);
+  }
+
+  // Arms one transport of the serving ranks of request `q` for the next occurrence of a step: the
+  // REJECT of a forged fetch, the ABORT of a cancel, or else a random step of a transfer.
+  void MaybeArm(FaultRig& rig, int ctx_group, const LiveRequest& q) {
     int64_t armed = 0;
     for (bool c : {true, false}) {
       for (int r = 0; r < rig.ranks(c); ++r) armed += rig.faulty(c, r).armed();
     }
-    if (injected_before_ + rig.FaultsFired() + armed >= cfg_.fault_rate * (issued_ + 1)) return;
+    // Forged fetches and cancels are rare: their REJECT is faulted whenever faults are on at all,
+    // their ABORT more often than the rate alone would (the others make room: the rate counts
+    // every fault).
+    const bool due = injected_before_ + rig.FaultsFired() + armed < cfg_.fault_rate * (issued_ + 1);
+    const bool extra = cfg_.fault_rate > 0 && (q.forged || (q.cancel_at && Pick(4) == 0));
+    if (!due && !extra) return;
     static constexpr FaultStep kSteps[] = {FaultStep::kFetch,  FaultStep::kAccept,
                                            FaultStep::kCredit, FaultStep::kData,
                                            FaultStep::kDone,   FaultStep::kComplete};
@@ -158,15 +177,19 @@ class Soak {
     static constexpr FaultKind kKinds[] = {FaultKind::kStall, FaultKind::kDrop,
                                            FaultKind::kDuplicate, FaultKind::kCorrupt};
     const bool context = Pick(2) == 0;
-    const std::vector<int> group = rig.Group(context, context ? ctx_group : gen_group);
+    const std::vector<int> group = rig.Group(context, context ? ctx_group : q.gen_group);
     const int rank = group[Pick(static_cast<int>(group.size()))];
     FaultSpec spec;
-    spec.step = kSteps[Pick(std::size(kSteps))];
+    spec.step = q.forged      ? FaultStep::kReject
+                : q.cancel_at ? FaultStep::kAbort
+                              : kSteps[Pick(std::size(kSteps))];
     spec.nth = 1;
     const bool crash = cfg_.transport == "inproc" && Pick(20) == 0;
     spec.kind = crash ? FaultKind::kCrash : kKinds[Pick(std::size(kKinds))];
     spec.stall =
         milliseconds(static_cast<int64_t>(cfg_.timeout.count() * (0.25 + 1.25 * Uniform())) + 1);
+    Settle(rig, {context, rank});
+    arms_[{context, rank}] = Arm{spec, rig.faulty(context, rank).fired()};
     rig.faulty(context, rank).Arm(spec);
     if (crash) crash_armed_.push_back({context, rank});
   }
@@ -188,22 +211,31 @@ class Soak {
     const int64_t nblocks = (q.tokens + rig.spec(true).shape.tokens_per_block - 1) /
                             rig.spec(true).shape.tokens_per_block;
     for (int64_t b = 0; b < nblocks; ++b) q.blocks.push_back(slot * kBlocksPerRequest + b);
-    MaybeArm(rig, ctx_group, q.gen_group);
     q.start = Clock::now();
-    auto handle = rig.Publish(q.id, q.blocks, q.tokens, ctx_group, false);
-    if (!handle.ok()) return handle.status().WithContext(fmt::format("request {}", q.id));
-    for (int r : rig.Group(true, ctx_group)) q.expected[{true, r}] = 1;
-    Status st = rig.Fetch(*handle, q.blocks, q.gen_group);
-    for (int r : rig.Group(false, q.gen_group)) {
-      // A rank that refused at the call (a dead context rank) started nothing.
-      if (rig.gen(r).Query(q.id).ok()) q.expected[{false, r}] = 1;
-    }
-    if (Uniform() < cfg_.cancel_rate) {
+    if (Uniform() < cfg_.forge_rate) {
+      q.forged = true;
+      ++report_.forged;
+    } else if (Uniform() < cfg_.cancel_rate) {
       ++report_.cancels;
       q.cancel_at = q.start + std::chrono::microseconds(Pick(4000));
       const bool context = Pick(2) == 0;
       const std::vector<int> group = rig.Group(context, context ? ctx_group : q.gen_group);
       q.cancel_on = {context, group[Pick(static_cast<int>(group.size()))]};
+    }
+    MaybeArm(rig, ctx_group, q);
+    auto handle = rig.Publish(q.id, q.blocks, q.tokens, ctx_group, false);
+    if (!handle.ok()) return handle.status().WithContext(fmt::format("request {}", q.id));
+    for (int r : rig.Group(true, ctx_group)) q.expected[{true, r}] = 1;
+    std::vector<std::byte> fetched = *handle;
+    if (q.forged) {  // the access token altered: REJECT, then the context ranks' deadline
+      KVF_ASSIGN_OR_RETURN(ContextHandle h, DecodeHandle(fetched));
+      h.token[0] ^= 1;
+      fetched = EncodeHandle(h);
+    }
+    Status st = rig.Fetch(fetched, q.blocks, q.gen_group);
+    for (int r : rig.Group(false, q.gen_group)) {
+      // A rank that refused at the call (a dead context rank) started nothing.
+      if (rig.gen(r).Query(q.id).ok()) q.expected[{false, r}] = 1;
     }
     ++issued_;
     live_.emplace(q.id, std::move(q));
@@ -285,6 +317,14 @@ class Soak {
     o.rma = report_.epochs % 2 == 0;
     o.checksum = true;
     KVF_ASSIGN_OR_RETURN(auto rig, FaultRig::Create(layout.ctx, layout.gen, o, cfg_.transport));
+    BoardScope board(cfg_.metrics, [&rig] {
+      std::vector<MetricsSource> s;
+      for (int r = 0; r < rig->ranks(true); ++r)
+        s.push_back({fmt::format("ctx{}", r), rig->ctx(r).metrics()});
+      for (int r = 0; r < rig->ranks(false); ++r)
+        s.push_back({fmt::format("gen{}", r), rig->gen(r).metrics()});
+      return s;
+    });
     crash_armed_.clear();
     std::vector<bool> busy(cfg_.concurrency, false);
     int64_t started = 0;
@@ -301,6 +341,7 @@ class Soak {
     }
     injected_before_ += rig->FaultsFired();
     report_.faults_injected = injected_before_;
+    while (!arms_.empty()) Settle(*rig, arms_.begin()->first);
     rig->DisarmAll();
     // Leaks: every request ended; the counters must come back to zero.
     TransceiverStats t = rig->Totals();
@@ -329,6 +370,11 @@ class Soak {
   SoakReport report_;
   std::map<uint64_t, LiveRequest> live_;
   std::vector<RankKey> crash_armed_;
+  struct Arm {
+    FaultSpec spec;
+    int64_t fired_before = 0;  // the transport's fired() when armed
+  };
+  std::map<RankKey, Arm> arms_;  // the fault last armed on each transport, until counted
   int64_t issued_ = 0;
   int64_t injected_before_ = 0;
   uint64_t next_id_ = 0;
@@ -349,7 +395,7 @@ StatusOr<SoakReport> RunSoak(const SoakConfig& config, const SoakProgress& progr
   if (config.timeout.count() < 1)
     return Status::InvalidArgument(
         fmt::format("soak: timeout={} ms must be positive", config.timeout.count()));
-  for (double rate : {config.fault_rate, config.cancel_rate}) {
+  for (double rate : {config.fault_rate, config.cancel_rate, config.forge_rate}) {
     if (!(rate >= 0 && rate <= 1))
       return Status::InvalidArgument(fmt::format("soak: rate {} is outside [0, 1]", rate));
   }

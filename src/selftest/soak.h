@@ -10,11 +10,14 @@
 //     and malloc's bytes in use beside it.
 //
 // Faults: every few requests (--fault-rate) a transport of the serving ranks is armed for the next
-// occurrence of a random step (FETCH, ACCEPT, CREDIT, DATA, DONE, COMPLETE, ABORT) with a random
-// kind (crash, stall, drop, duplicate, corrupt); "injected" counts faults that fired. A crash ends
-// its epoch early (its ranks can't serve); the next epoch starts on fresh transports. Epochs
-// alternate the one-sided and the tagged data path; per-chunk checksums are on, so a corrupted or
-// lost chunk must fail its request (a completed request with wrong bytes is a verify failure).
+// occurrence of a random step (FETCH, ACCEPT, CREDIT, DATA, DONE, COMPLETE; ABORT when the request
+// will be cancelled, REJECT when it is fetched with a forged handle) with a random kind (crash,
+// stall, drop, duplicate, corrupt); "injected" counts faults that fired. A crash ends its epoch
+// early (its ranks can't serve); the next epoch starts on fresh transports. Epochs alternate the
+// one-sided and the tagged data path; per-chunk checksums are on, so a corrupted or lost chunk must
+// fail its request (a completed request with wrong bytes is a verify failure). A few requests
+// (--forge-rate) are fetched with a forged handle (access token altered): the context ranks must
+// REJECT them (the generation ranks end in error, the context ranks at their deadline).
 #pragma once
 
 #include <chrono>
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "kvferry/status.h"
+#include "selftest/metrics_board.h"
 
 namespace kvferry {
 
@@ -33,18 +37,23 @@ struct SoakConfig {
   std::chrono::seconds duration{0};  // > 0: run this long instead (the long soak)
   double fault_rate = 0.06;          // faults armed per request
   double cancel_rate = 0.05;         // requests cancelled at a random moment, either side
+  double forge_rate = 0.01;          // requests fetched with a forged handle (REJECT)
   int concurrency = 16;              // requests in flight
   int epoch_requests = 400;          // requests per rig before the next layout
   std::chrono::milliseconds timeout{300};
   std::string transport = "inproc";  // or "ucx" (crash faults are then left out)
   uint64_t seed = 1;
   bool verify = true;
+  MetricsBoard* metrics = nullptr;  // when set: every epoch's sides, while it runs (--metrics-port)
 };
 
 struct SoakReport {
   int64_t requests = 0;
   int64_t faults_injected = 0;
   int64_t cancels = 0;
+  int64_t forged = 0;
+  std::map<std::string, int64_t> faults_by_step;  // fired faults per step ("ABORT", ...)
+  std::map<std::string, int64_t> faults_by_kind;  // fired faults per kind ("crash", ...)
   int64_t epochs = 0;
   std::map<std::string, int64_t> request_states;  // per request: complete if every rank completed,
                                                   // else the first other state a rank reported

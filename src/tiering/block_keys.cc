@@ -1,4 +1,5 @@
 // The block key chain (include/kvferry/block_manager.h): RootKey, NextKey.
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -48,19 +49,32 @@ BlockKey RootKey(const CacheIdentity& id) {
 }
 
 BlockKey NextKey(const BlockKey& parent, std::span<const int32_t> tokens) {
+  // The bytes (parent.hi, parent.lo as LE u64, then each token as LE u32) are hashed in one call
+  // where they fit a stack buffer (every usual block size): the streaming API fed 4 bytes at a
+  // time cost ~20x more per key. Both give the same hash (xxhash guarantees it; the golden test
+  // BlockKeys.ChainIsStableAcrossVersions pins the values).
+  constexpr size_t kMaxOneShotTokens = 256;
+  uint8_t buf[16 + 4 * kMaxOneShotTokens];
+  for (int i = 0; i < 8; ++i) {
+    buf[i] = static_cast<uint8_t>(parent.hi >> (8 * i));
+    buf[8 + i] = static_cast<uint8_t>(parent.lo >> (8 * i));
+  }
+  auto put = [&](size_t at, int32_t t) {
+    const uint32_t u = static_cast<uint32_t>(t);
+    for (int i = 0; i < 4; ++i) buf[at + i] = static_cast<uint8_t>(u >> (8 * i));
+  };
+  if (tokens.size() <= kMaxOneShotTokens) {
+    for (size_t i = 0; i < tokens.size(); ++i) put(16 + 4 * i, tokens[i]);
+    return FromXxh(XXH3_128bits_withSeed(buf, 16 + 4 * tokens.size(), kKeySeed));
+  }
   XXH3_state_t st;
   std::memset(&st, 0, sizeof(st));  // quiets -Wmaybe-uninitialized; reset sets every field
   XXH3_128bits_reset_withSeed(&st, kKeySeed);
-  uint8_t pb[16];
-  for (int i = 0; i < 8; ++i) {
-    pb[i] = static_cast<uint8_t>(parent.hi >> (8 * i));
-    pb[8 + i] = static_cast<uint8_t>(parent.lo >> (8 * i));
-  }
-  XXH3_128bits_update(&st, pb, sizeof(pb));
-  for (int32_t t : tokens) {
-    uint8_t tb[4];
-    for (int i = 0; i < 4; ++i) tb[i] = static_cast<uint8_t>(static_cast<uint32_t>(t) >> (8 * i));
-    XXH3_128bits_update(&st, tb, 4);
+  XXH3_128bits_update(&st, buf, 16);
+  for (size_t at = 0; at < tokens.size(); at += kMaxOneShotTokens) {
+    const size_t n = std::min(kMaxOneShotTokens, tokens.size() - at);
+    for (size_t i = 0; i < n; ++i) put(4 * i, tokens[at + i]);
+    XXH3_128bits_update(&st, buf, 4 * n);
   }
   return FromXxh(XXH3_128bits_digest(&st));
 }

@@ -48,6 +48,8 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
       root(RootKey(o.identity)),
       file(t.file()),
       block_bytes(t.primary().layout().block_bytes()),
+      index(t.tier_blocks(Tier::kPrimary) + t.tier_blocks(Tier::kHost) +
+            t.tier_blocks(Tier::kFile)),
       lru{tiering::PriorityLru(t.tier_blocks(Tier::kPrimary)),
           tiering::PriorityLru(t.tier_blocks(Tier::kHost)),
           tiering::PriorityLru(t.tier_blocks(Tier::kFile))} {
@@ -61,7 +63,7 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
   for (const RecoveredSlot& r : file->Recovered()) {
     const BlockKey key{r.key.hi, r.key.lo};
     if (r.bytes != block_bytes || r.slot < 0 || r.slot >= t.tier_blocks(Tier::kFile) ||
-        index.count(key)) {
+        index.Contains(key)) {
       file->Release(r.slot);
       continue;
     }
@@ -75,8 +77,7 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
 void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,
                                   std::span<const int32_t> tokens, Tier tier, int64_t id,
                                   int32_t priority, bool recovered) {
-  index.emplace(key, Cached{tier, id, parent, {tokens.begin(), tokens.end()}, priority, recovered});
-  if (!recovered) children.emplace(parent, key);
+  index.Insert(key, parent, tokens, tier, id, priority, recovered);
   tiering::Slot& s = SlotOf(tier, id);
   s.has_key = true;
   s.key = key;
@@ -85,7 +86,7 @@ void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,
 }
 
 void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
-  Cached& c = index.at(key);
+  Cached& c = index.At(key);
   SlotOf(c.tier, c.id).has_key = false;
   --st.cached[static_cast<int>(c.tier)];
   events.push_back(KvEvent{KvEventKind::kMoved, key, c.tier, to, ""});
@@ -98,30 +99,21 @@ void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
 }
 
 void BlockManager::Impl::Drop(const BlockKey& key, std::string reason) {
-  auto it = index.find(key);
-  if (it == index.end()) return;
-  const Tier tier = it->second.tier;
-  const int64_t id = it->second.id;
+  const Cached* c = index.Find(key);
+  if (c == nullptr) return;
+  const Tier tier = c->tier;
+  const int64_t id = c->id;
   SlotOf(tier, id).has_key = false;
   if (tier == Tier::kFile) file_leases[id].Reset();  // no-op while an operation holds the slot
-  if (!it->second.recovered) {
-    auto [b, e] = children.equal_range(it->second.parent);
-    for (auto c = b; c != e; ++c) {
-      if (c->second == key) {
-        children.erase(c);
-        break;
-      }
-    }
-  }
-  index.erase(it);
+  index.Erase(key);
   --st.cached[static_cast<int>(tier)];
   ++st.dropped[static_cast<int>(tier)];
   events.push_back(KvEvent{KvEventKind::kRemoved, key, tier, tier, std::move(reason)});
 }
 
 bool BlockManager::Impl::IndexedAt(const BlockKey& key, Tier tier, int64_t id) const {
-  auto it = index.find(key);
-  return it != index.end() && it->second.tier == tier && it->second.id == id;
+  const Cached* c = index.Find(key);
+  return c != nullptr && c->tier == tier && c->id == id;
 }
 
 void BlockManager::Impl::Lease(const Cached& c) {
@@ -146,7 +138,7 @@ void BlockManager::Impl::Unref(int64_t b, int32_t priority) {
   if (--s.refs > 0) return;
   if (s.arriving) return;  // the read's retirement queues or frees it
   if (s.has_key) {
-    Cached& c = index.at(s.key);
+    Cached& c = index.At(s.key);
     c.priority = std::max(c.priority, priority);
     Lru(Tier::kPrimary).Push(b, c.priority);
   } else {
@@ -212,7 +204,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   if (priority < kMinPriority || priority > kMaxPriority) {
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
-  m.Maintain();
+  m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
   const int64_t tpb = m.tpb;
   Sequence seq;
   seq.tokens.assign(prompt.begin(), prompt.end());
@@ -229,12 +221,12 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   };
   std::vector<Hit> hits;
   for (size_t i = 0; i < full; ++i) {
-    auto it = m.index.find(seq.keys[i]);
+    const Cached* c = m.index.Find(seq.keys[i]);
     ++m.st.lookups;
-    if (it == m.index.end()) break;
-    if (it->second.tier == Tier::kFile && m.SlotOf(Tier::kFile, it->second.id).busy) break;
-    m.Lease(it->second);
-    hits.push_back({it->second.tier, it->second.id});
+    if (c == nullptr) break;
+    if (c->tier == Tier::kFile && m.SlotOf(Tier::kFile, c->id).busy) break;
+    m.Lease(*c);
+    hits.push_back({c->tier, c->id});
   }
   const size_t matched = hits.size();
   // 2. Partial reuse: the cached child of the last match sharing the most leading tokens (not
@@ -246,19 +238,17 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
     const BlockKey parent = matched == 0 ? m.root : seq.keys[matched - 1];
     const size_t base = matched * tpb;
     const size_t want = std::min<size_t>(tpb, prompt.size() - base);
-    auto [b, e] = m.children.equal_range(parent);
-    for (auto c = b; c != e; ++c) {
-      const Cached& cc = m.index.at(c->second);
-      if (cc.tier != Tier::kHost && m.SlotOf(cc.tier, cc.id).busy) continue;
-      if (cc.tier == Tier::kPrimary && m.SlotOf(cc.tier, cc.id).arriving) continue;
+    m.index.ForEachChild(parent, [&](const Cached& cc) {
+      if (cc.tier != Tier::kHost && m.SlotOf(cc.tier, cc.id).busy) return;
+      if (cc.tier == Tier::kPrimary && m.SlotOf(cc.tier, cc.id).arriving) return;
       size_t n = 0;
       while (n < want && cc.tokens[n] == prompt[base + n]) ++n;
       if (static_cast<int64_t>(n) > cand_tokens) {
         cand_tokens = static_cast<int64_t>(n);
         cand = &cc;
-        cand_key = c->second;
+        cand_key = cc.key;
       }
-    }
+    });
     if (cand != nullptr) m.Lease(*cand);
   }
   const Tier cand_tier = cand ? cand->tier : Tier::kPrimary;
@@ -270,9 +260,9 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   Status alloc = m.AllocatePrimary(static_cast<int64_t>(nblocks) - primary_hits, fresh);
   if (!alloc.ok()) {
     for (size_t i = 0; i < hits.size(); ++i) {
-      m.Unlease(hits[i].tier, hits[i].id, m.index.at(seq.keys[i]).priority);
+      m.Unlease(hits[i].tier, hits[i].id, m.index.At(seq.keys[i]).priority);
     }
-    if (cand) m.Unlease(cand_tier, cand_id, m.index.at(cand_key).priority);
+    if (cand) m.Unlease(cand_tier, cand_id, m.index.At(cand_key).priority);
     return alloc;
   }
   Admission adm;
@@ -306,7 +296,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   seq.matched = matched;
   // 5. Partial copy of the candidate into the next block.
   if (cand) {
-    const int32_t cand_prio = m.index.at(cand_key).priority;
+    const int32_t cand_prio = m.index.At(cand_key).priority;
     if (cand_tokens > 0) {
       BlockMove mv(cand_id, seq.blocks[matched], static_cast<int32_t>(cand_tokens), cand_key);
       if (cand_tier == Tier::kFile) {
@@ -334,7 +324,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   }
   // 6. Store the prompt's full blocks not cached yet.
   for (size_t i = 0; i < seq.keys.size(); ++i) {
-    if (m.index.count(seq.keys[i])) continue;
+    if (m.index.Contains(seq.keys[i])) continue;
     const BlockKey parent = i == 0 ? m.root : seq.keys[i - 1];
     std::span<const int32_t> toks(seq.tokens.data() + i * tpb, static_cast<size_t>(tpb));
     m.Register(seq.keys[i], parent, toks, Tier::kPrimary, seq.blocks[i], seq.priority);
@@ -401,17 +391,17 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
   if (priority < kMinPriority || priority > kMaxPriority) {
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
-  m.Maintain();
+  m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
   Sequence probe;
   probe.tokens.assign(prompt.begin(), prompt.end());
   ExtendKeys(probe, m.root, m.tpb);
   std::vector<const Cached*> lower;  // host and file hits, in chain order
   for (const BlockKey& k : probe.keys) {
-    auto it = m.index.find(k);
-    if (it == m.index.end()) break;
-    if (it->second.tier == Tier::kPrimary) continue;
-    if (m.SlotOf(it->second.tier, it->second.id).busy) break;
-    lower.push_back(&it->second);
+    const Cached* c = m.index.Find(k);
+    if (c == nullptr) break;
+    if (c->tier == Tier::kPrimary) continue;
+    if (m.SlotOf(c->tier, c->id).busy) break;
+    lower.push_back(c);
   }
   // Only blocks that are free or evictable now; the prefix stops where they run out.
   const int64_t avail = static_cast<int64_t>(m.free_primary.size()) + m.Lru(Tier::kPrimary).size();
@@ -427,7 +417,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
     const Cached& c = *lower[i];
     m.SlotOf(Tier::kPrimary, blocks[i]).refs = 0;
     const BlockKey key = m.SlotOf(c.tier, c.id).key;
-    m.index.at(key).priority = std::max(m.index.at(key).priority, priority);
+    m.index.At(key).priority = std::max(m.index.At(key).priority, priority);
     if (c.tier == Tier::kHost) {
       from_host.emplace_back(c.id, blocks[i], 0, key);
       host_dst.push_back(blocks[i]);
@@ -442,7 +432,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
   for (int64_t b : host_dst) {  // stream-ordered: cached in the primary tier from now on
     const tiering::Slot& s = m.SlotOf(Tier::kPrimary, b);
     if (s.has_key) {
-      m.Lru(Tier::kPrimary).Push(b, m.index.at(s.key).priority);
+      m.Lru(Tier::kPrimary).Push(b, m.index.At(s.key).priority);
     } else {
       m.free_primary.push_back(b);
     }
@@ -458,7 +448,7 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   Impl& m = *impl_;
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
-  m.Maintain();
+  m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
   Sequence& s = it->second;
   const size_t need = (s.tokens.size() + tokens.size() + m.tpb - 1) / m.tpb;
   std::vector<int64_t> fresh;
@@ -470,7 +460,7 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   const size_t before = s.keys.size();
   ExtendKeys(s, m.root, m.tpb);
   for (size_t i = before; i < s.keys.size(); ++i) {
-    if (m.index.count(s.keys[i])) continue;
+    if (m.index.Contains(s.keys[i])) continue;
     const BlockKey parent = i == 0 ? m.root : s.keys[i - 1];
     std::span<const int32_t> toks(s.tokens.data() + i * m.tpb, static_cast<size_t>(m.tpb));
     m.Register(s.keys[i], parent, toks, Tier::kPrimary, s.blocks[i], s.priority);
@@ -497,8 +487,11 @@ StatusOr<std::vector<int64_t>> BlockManager::Blocks(uint64_t id) const {
 }
 
 std::vector<KvEvent> BlockManager::DrainEvents() {
-  std::vector<KvEvent> out;
-  out.swap(impl_->events);
+  // Moved out element by element: the manager keeps its buffer's capacity, so recording events
+  // does not reallocate inside the calls that allocate blocks.
+  std::vector<KvEvent> out(std::make_move_iterator(impl_->events.begin()),
+                           std::make_move_iterator(impl_->events.end()));
+  impl_->events.clear();
   return out;
 }
 
@@ -507,13 +500,13 @@ BlockManagerStats BlockManager::stats() const {
   BlockManagerStats s = m.st;
   s.free_primary = static_cast<int64_t>(m.free_primary.size());
   s.free_host = static_cast<int64_t>(m.free_host.size());
-  for (const tiering::Op& op : m.ops) {
-    ++s.ops_in_flight;
-    s.inflight_bytes += op.bytes;
-    const bool file_io =
-        op.kind == OpKind::kDemote || op.kind == OpKind::kSpill || op.from == Tier::kFile;
-    s.file_ops_in_flight += file_io;
-    for (const tiering::OpItem& it : op.items) s.leased_slots += it.slot ? 1 : 0;
+  for (const auto& lane : m.ops) {
+    for (const tiering::Op& op : lane) {
+      ++s.ops_in_flight;
+      s.inflight_bytes += op.bytes;
+      s.file_ops_in_flight += tiering::IsFileIo(op);
+      for (const tiering::OpItem& it : op.items) s.leased_slots += it.slot ? 1 : 0;
+    }
   }
   for (const tiering::Op& op : m.deferred) {
     s.deferred_reads += static_cast<int64_t>(op.items.size());
@@ -523,11 +516,11 @@ BlockManagerStats BlockManager::stats() const {
 }
 
 StatusOr<std::pair<Tier, int64_t>> BlockManager::Find(const BlockKey& key) const {
-  auto it = impl_->index.find(key);
-  if (it == impl_->index.end()) {
+  const Cached* c = impl_->index.Find(key);
+  if (c == nullptr) {
     return Status::NotFound(fmt::format("key {:016x}{:016x} is not cached", key.hi, key.lo));
   }
-  return std::make_pair(it->second.tier, it->second.id);
+  return std::make_pair(c->tier, c->id);
 }
 
 }  // namespace kvferry

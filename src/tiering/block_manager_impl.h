@@ -4,33 +4,18 @@
 #pragma once
 
 #include <deque>
-#include <list>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "kvferry/block_manager.h"
 #include "kvferry/slab_store.h"
+#include "tiering/key_index.h"
 #include "tiering/priority_lru.h"
 #include "tiering/slot_lease.h"
 
 namespace kvferry {
 namespace tiering {
-
-struct KeyHash {
-  size_t operator()(const BlockKey& k) const {
-    return static_cast<size_t>(k.lo ^ (k.hi * 0x9e3779b97f4a7c15ULL));
-  }
-};
-
-struct Cached {
-  Tier tier;
-  int64_t id;
-  BlockKey parent;
-  std::vector<int32_t> tokens;
-  int32_t priority;
-  bool recovered = false;  // found in the file tier at open: parent and tokens unknown
-};
 
 // One block of the primary or host tier, or one slot of the file tier.
 struct Slot {
@@ -83,6 +68,17 @@ struct Op {
   std::vector<OpItem> items;
 };
 
+// Where an op completes: 0 the offload stream, 1 the onboard stream, 2 the FIFO I/O thread (file
+// reads and writes). Within a lane, ops finish in submission order.
+inline constexpr int kLanes = 3;
+inline bool IsFileIo(const Op& op) {
+  return op.kind == OpKind::kDemote || op.kind == OpKind::kSpill || op.from == Tier::kFile;
+}
+inline int LaneOf(const Op& op) {
+  if (IsFileIo(op)) return 2;
+  return op.kind == OpKind::kOffload ? 0 : 1;
+}
+
 }  // namespace tiering
 
 struct BlockManager::Impl {
@@ -94,15 +90,17 @@ struct BlockManager::Impl {
   const BlockKey root;
   SlabStore* const file;
   const int64_t block_bytes;
-  std::unordered_map<BlockKey, tiering::Cached, tiering::KeyHash> index;
-  std::unordered_multimap<BlockKey, BlockKey, tiering::KeyHash> children;
+  tiering::KeyIndex index;  // every cached key: where it is, its chain links
   std::vector<tiering::Slot> slots[kNumTiers];
   tiering::PriorityLru lru[kNumTiers];
   std::vector<tiering::SlotLease> file_leases;  // by slot id: leases the index holds
   std::vector<int64_t> free_primary, free_host;
   std::unordered_map<uint64_t, tiering::Sequence> seqs;
-  std::list<tiering::Op> ops;        // in flight
+  // In flight, by lane (tiering::LaneOf): each lane finishes in submission order, so retiring
+  // looks at the front of each and stops at its first unfinished op.
+  std::deque<tiering::Op> ops[tiering::kLanes];
   std::deque<tiering::Op> deferred;  // file reads waiting for staging (batch not made yet)
+  int64_t demoting = 0;              // host blocks in demotions in flight
   std::vector<KvEvent> events;
   BlockManagerStats st;
 
@@ -120,6 +118,10 @@ struct BlockManager::Impl {
   void Unref(int64_t b, int32_t priority);
 
   // Movement (block_manager_io.cc). None of these waits.
+  // Retires what finished and submits deferred reads: what the calls that allocate do first.
+  void RetireAndSubmit();
+  // That, then the watermarks (Poll, RemoveSequence): moving victims down ahead of need stays off
+  // the allocation path, whose stall the engine sees.
   void Maintain();
   void RetireFinished();
   void Retire(tiering::Op& op);

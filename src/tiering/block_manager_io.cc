@@ -17,49 +17,43 @@ using tiering::SlotLease;
 
 void BlockManager::Impl::AddOp(Op op) {
   op.deadline = Clock::now() + opt.io_timeout;
-  ops.push_back(std::move(op));
+  if (op.kind == OpKind::kDemote) demoting += static_cast<int64_t>(op.items.size());
+  ops[tiering::LaneOf(op)].push_back(std::move(op));
+}
+
+void BlockManager::Impl::RetireAndSubmit() {
+  RetireFinished();
+  SubmitDeferred();
 }
 
 void BlockManager::Impl::Maintain() {
-  RetireFinished();
-  SubmitDeferred();
+  RetireAndSubmit();
   RunWatermarks();
 }
 
-namespace {
-
-// Operations finish in submission order within a lane (a copy stream, or the FIFO I/O thread), so
-// a lane's first unfinished op ends the polling of that lane: a call queries a few batches, not
-// every one in flight.
-int LaneOf(const Op& op) {
-  if (op.kind == OpKind::kDemote || op.kind == OpKind::kSpill || op.from == Tier::kFile) return 2;
-  return op.kind == OpKind::kOffload ? 0 : 1;
-}
-
-}  // namespace
-
 void BlockManager::Impl::RetireFinished() {
+  // A lane's first unfinished op ends its polling: a call queries a few batches, not every one in
+  // flight (this runs at the start of every public call).
+  for (std::deque<Op>& lane : ops) {
+    while (!lane.empty() && lane.front().batch.Query()) {
+      Op op = std::move(lane.front());
+      lane.pop_front();
+      if (op.kind == OpKind::kDemote) demoting -= static_cast<int64_t>(op.items.size());
+      Retire(op);
+    }  // `op` goes out of scope: releases the leases the retirement did not hand on
+  }
+  // Deadlines grow in submission order: only the oldest file ops can be past theirs.
   const Clock::time_point now = Clock::now();
-  bool lane_blocked[3] = {false, false, false};
-  for (auto it = ops.begin(); it != ops.end();) {
-    const int lane = LaneOf(*it);
-    if (!lane_blocked[lane] && it->batch.Query()) {
-      Retire(*it);
-      it = ops.erase(it);  // releases the leases the retirement did not hand on
-      continue;
-    }
-    lane_blocked[lane] = true;
-    const bool file_io =
-        it->kind == OpKind::kDemote || it->kind == OpKind::kSpill || it->from == Tier::kFile;
-    if (file_io && !it->abandoned && now > it->deadline) {
-      // Past its deadline: counted and reported, but its slots and blocks stay leased until the
-      // I/O has really ended (a slot whose write may still run must not be reused).
-      it->abandoned = true;
-      ++st.abandoned;
-      Log(LogLevel::kWarn, "tiering: a file {} of {} blocks is past its {} ms deadline",
-          it->kind == OpKind::kDemote ? "write" : "read", it->items.size(), opt.io_timeout.count());
-    }
-    ++it;
+  for (Op& op : ops[2]) {
+    if (now <= op.deadline) break;
+    if (op.abandoned) continue;
+    // Past its deadline: counted and reported, but its slots and blocks stay leased until the
+    // I/O has really ended (a slot whose write may still run must not be reused).
+    op.abandoned = true;
+    ++st.abandoned;
+    Log(LogLevel::kWarn, "tiering: a file {} of {} blocks is past its {} ms deadline",
+        op.kind == OpKind::kDemote || op.kind == OpKind::kSpill ? "write" : "read", op.items.size(),
+        opt.io_timeout.count());
   }
 }
 
@@ -90,7 +84,7 @@ void BlockManager::Impl::Retire(Op& op) {
           free_host.push_back(it.src);  // onboarded meanwhile: the file copy is not needed
           break;
         }
-        const int32_t prio = index.at(it.key).priority;
+        const int32_t prio = index.At(it.key).priority;
         if (item.ok()) {
           Relocate(it.key, Tier::kFile, it.dst);
           file_leases[it.dst] = std::move(it.slot);
@@ -110,7 +104,7 @@ void BlockManager::Impl::Retire(Op& op) {
         if (!IndexedAt(it.key, Tier::kFile, it.dst)) break;
         if (item.ok()) {
           file_leases[it.dst] = std::move(it.slot);
-          Lru(Tier::kFile).Push(it.dst, index.at(it.key).priority);
+          Lru(Tier::kFile).Push(it.dst, index.At(it.key).priority);
           ++st.demoted;
         } else {
           Drop(it.key, "write to the file tier failed: " + item.ToString());
@@ -124,7 +118,7 @@ void BlockManager::Impl::Retire(Op& op) {
           SlotOf(Tier::kFile, it.src).busy = false;
           if (IndexedAt(it.key, Tier::kFile, it.src)) {
             file_leases[it.src] = std::move(it.slot);
-            Lru(Tier::kFile).Push(it.src, index.at(it.key).priority);
+            Lru(Tier::kFile).Push(it.src, index.At(it.key).priority);
           }
         }
         if (op.from != Tier::kFile) break;  // host onboards: ordered by the streams
@@ -140,7 +134,7 @@ void BlockManager::Impl::Retire(Op& op) {
         }
         if (d.refs == 0) {  // a prefetch, or every sequence ended while it arrived
           if (d.has_key) {
-            Lru(Tier::kPrimary).Push(it.dst, index.at(d.key).priority);
+            Lru(Tier::kPrimary).Push(it.dst, index.At(d.key).priority);
           } else {
             d.failed = false;
             free_primary.push_back(it.dst);
@@ -211,10 +205,6 @@ void BlockManager::Impl::RunWatermarks() {
   }
   if (file == nullptr || !tm->has_tier(Tier::kHost)) return;
   const int64_t nh = tm->tier_blocks(Tier::kHost);
-  int64_t demoting = 0;
-  for (const Op& op : ops) {
-    if (op.kind == OpKind::kDemote) demoting += static_cast<int64_t>(op.items.size());
-  }
   const int64_t host_free = static_cast<int64_t>(free_host.size()) + demoting;
   if (host_free < Mark(nh, opt.free_low_pct)) Demote(Mark(nh, opt.free_high_pct) - host_free);
 }
@@ -244,7 +234,7 @@ void BlockManager::Impl::Demote(int64_t count) {
       Log(LogLevel::kError, "tiering: demotion not queued: {}", batch.status().ToString());
       for (const OpItem& it : op.items) {
         SlotOf(Tier::kHost, it.src).busy = false;
-        Lru(Tier::kHost).Push(it.src, index.at(it.key).priority);
+        Lru(Tier::kHost).Push(it.src, index.At(it.key).priority);
       }
       return;  // the leases go back with `op`
     }
@@ -330,7 +320,7 @@ void BlockManager::Impl::EvictPrimary(std::span<const int64_t> victims) {
       Drop(key, "evicted from the primary tier, the last tier");
       continue;
     }
-    const int32_t prio = index.at(key).priority;
+    const int32_t prio = index.At(key).priority;
     if (prio < opt.offload_min_priority) {
       Drop(key, fmt::format("evicted from the primary tier; priority {} is below "
                             "offload_min_priority {}",
@@ -373,7 +363,7 @@ void BlockManager::Impl::EvictPrimary(std::span<const int64_t> victims) {
       continue;
     }
     Relocate(m.key, Tier::kHost, m.dst);
-    Lru(Tier::kHost).Push(m.dst, index.at(m.key).priority);
+    Lru(Tier::kHost).Push(m.dst, index.At(m.key).priority);
     ++st.offloaded;
     op.items.push_back(OpItem{m.key, m.src, m.dst, 0, {}});
   }
@@ -425,7 +415,7 @@ void BlockManager::Impl::Onboard(Tier from, std::vector<BlockMove> moves,
     op.prefetch = prefetch;
     for (const BlockMove& mv : moves) {
       if (!batch.ok()) {  // programming error: the key stays in the host tier
-        Lru(Tier::kHost).Push(mv.src, index.at(mv.key).priority);
+        Lru(Tier::kHost).Push(mv.src, index.At(mv.key).priority);
         continue;
       }
       Relocate(mv.key, Tier::kPrimary, mv.dst);

@@ -153,6 +153,20 @@ TEST(BlockKeys, ChainSeparatesEverythingThatChangesTheBytes) {
   EXPECT_NE(NextKey(ra, rev), NextKey(ra, toks));
 }
 
+// Keys are written into file slots and recovered after a restart: the chain's bytes and hash must
+// never change. Golden values of key format v1 (docs/tiering.md "Keys"), for short and long blocks.
+TEST(BlockKeys, ChainIsStableAcrossVersions) {
+  const BlockKey parent{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
+  std::vector<int32_t> toks(16);
+  std::iota(toks.begin(), toks.end(), -3);
+  const BlockKey k16 = NextKey(parent, toks);
+  std::vector<int32_t> long_toks(300);
+  std::iota(long_toks.begin(), long_toks.end(), 1 << 20);
+  const BlockKey k300 = NextKey(k16, long_toks);
+  EXPECT_EQ(k16, (BlockKey{0x399da3132c007272ULL, 0x53293bdf818b1bbcULL}));
+  EXPECT_EQ(k300, (BlockKey{0xdfb806204184c5e7ULL, 0x7f4c462e1c51b996ULL}));
+}
+
 TEST(BlockManager, ReusesPrimaryPrefixBlocks) {
   Env e(8, 0, 0);
   Admission a = e.Run(1, 1, 10);  // 2 full blocks + 2 tokens
@@ -448,6 +462,28 @@ TEST(BlockManager, WatermarksKeepFreeBlocksAheadOfAllocation) {
   EXPECT_GT(st.demoted, 0);
   EXPECT_EQ(st.dropped[0] + st.dropped[1] + st.dropped[2], 0);
   ExpectAllBack(e, 1, 6, 8, 100);
+}
+
+// The calls that allocate (their wall time is the engine's stall) leave the watermarks to Poll and
+// RemoveSequence: before, every AddSequence first moved victims down to the high watermark.
+TEST(BlockManager, WatermarksRunInPollNotInTheCallsThatAllocate) {
+  Env e(8, 4, 32, Watermarks(25, 50));
+  const int32_t tpb = static_cast<int32_t>(e.tpb());
+  e.Run(1, 1, 6 * tpb);  // 6 cached blocks in the LRU, 2 free (= the low watermark)
+  e.Settle();
+  ASSERT_EQ(e.bm->stats().free_primary, 2);
+  ASSERT_TRUE(e.bm->AddSequence(2, Conv(2, tpb)).ok());  // 1 free: below the low watermark
+  ASSERT_TRUE(e.bm->AddSequence(3, Conv(3, tpb)).ok());  // takes the last free block
+  auto st = e.bm->stats();
+  EXPECT_EQ(st.background_evictions, 0);
+  EXPECT_EQ(st.free_primary, 0);
+  e.bm->Poll();
+  st = e.bm->stats();
+  EXPECT_EQ(st.background_evictions, 4);  // up to 50% of 8 free
+  EXPECT_EQ(st.free_primary, 4);
+  ASSERT_TRUE(e.bm->RemoveSequence(2).ok());
+  ASSERT_TRUE(e.bm->RemoveSequence(3).ok());
+  e.Settle();
 }
 
 TEST(BlockManager, AllocationNeverWaitsForTheDisk) {

@@ -12,6 +12,7 @@
 #include "kvferry/config.h"
 #include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
+#include "metrics/atomic_histogram.h"
 #include "tiering/copy_plan.h"
 
 namespace kvferry {
@@ -42,6 +43,14 @@ TransferOptions TransferOptions::FromConfig() {
 
 namespace internal {
 
+// Copies of one direction (from tier x 3 + to tier), for metrics(). Shared with the batches, so a
+// handle that outlives the manager still records into live memory.
+struct TierCopyCounters {
+  std::atomic<int64_t> batches{0}, blocks{0}, bytes{0};
+  AtomicHistogram latency;
+};
+using CopyCounters = std::array<TierCopyCounters, 9>;
+
 // One batch. Recycled by the manager once finished and no handle refers to it; `seq` changes on
 // every reuse, so a stale reference (BlockRef below) to an earlier use reads as finished.
 struct BatchState {
@@ -55,6 +64,16 @@ struct BatchState {
   bool host_done = false;  // guarded by mu: the host-side part (file I/O) is over
   std::vector<Status> items;
   size_t descriptors = 0;
+  // Metrics: the batch's direction, when it was submitted, and whether its end was recorded.
+  std::shared_ptr<CopyCounters> counters;
+  int direction = 0;
+  Clock::time_point submitted;
+  std::atomic<bool> observed{true};
+  void ObserveDone() {
+    if (counters && !observed.exchange(true))
+      (*counters)[direction].latency.Add(
+          std::chrono::duration<double>(Clock::now() - submitted).count());
+  }
 };
 
 }  // namespace internal
@@ -67,7 +86,9 @@ bool TransferBatch::Query() const {
     std::lock_guard lock(s_->mu);
     if (!s_->host_done) return false;
   }
-  return s_->event->Query();
+  if (!s_->event->Query()) return false;
+  s_->ObserveDone();
+  return true;
 }
 
 Status TransferBatch::Wait(Deadline deadline) const {
@@ -79,6 +100,7 @@ Status TransferBatch::Wait(Deadline deadline) const {
     }
   }
   KVF_RETURN_IF_ERROR(s_->event->Synchronize(deadline));
+  s_->ObserveDone();
   for (const Status& st : s_->items) {
     if (!st.ok()) return st;
   }
@@ -169,6 +191,7 @@ struct TransferManager::Impl {
   bool worker_busy = false;
   bool stop = false;
   TransferStats stats;
+  std::shared_ptr<internal::CopyCounters> counters = std::make_shared<internal::CopyCounters>();
   std::vector<CopyDesc> desc;          // reused planning buffer (caller thread)
   std::vector<CopyDesc> worker_desc;   // reused planning buffer (worker)
   std::vector<BatchState*> deps;       // reused
@@ -210,6 +233,7 @@ struct TransferManager::Impl {
         if (!b->host_done) continue;
       }
       if (!b->event->Query()) continue;
+      b->ObserveDone();
       batch_cursor = i + 1;
       return b;
     }
@@ -467,6 +491,7 @@ void TransferManager::Impl::RunRead(FileJob& job) {
     b.descriptors = worker_desc.size();
     stats.descriptors += static_cast<int64_t>(worker_desc.size());
     stats.bytes += bytes;
+    (*counters)[b.direction].bytes += bytes;
     b.recorded.store(true);
     --unrecorded;
     cv.notify_all();
@@ -610,6 +635,10 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
   b->dep_mark = 0;
   b->descriptors = 0;
   b->items.assign(moves.size(), Status::Ok());
+  b->counters = m.counters;
+  b->direction = static_cast<int>(from) * 3 + static_cast<int>(to);
+  b->submitted = Clock::now();
+  b->observed = false;
   {
     std::lock_guard bl(b->mu);
     b->host_done = !file_io;
@@ -659,6 +688,8 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
   };
   ++m.stats.batches;
   m.stats.blocks += n;
+  ++(*m.counters)[b->direction].batches;
+  (*m.counters)[b->direction].blocks += n;
   if (from == Tier::kFile) {
     FileJob job;
     job.batch = b;
@@ -703,6 +734,7 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
   b->descriptors = ndesc;
   m.stats.descriptors += static_cast<int64_t>(ndesc);
   m.stats.bytes += bytes;
+  (*m.counters)[b->direction].bytes += bytes;
   if (!st.ok()) {
     for (Status& s : b->items) s = st;
   }
@@ -777,6 +809,29 @@ int64_t TransferManager::file_staging_free() const {
   std::lock_guard lock(impl_->mu);
   return impl_->staging_blocks - impl_->staging_used;
 }
+TieringMetrics TransferManager::metrics() const {
+  TieringMetrics out;
+  for (int d = 0; d < 9; ++d) {
+    const internal::TierCopyCounters& c = (*impl_->counters)[d];
+    if (c.batches.load() == 0) continue;
+    TierCopyMetrics t;
+    t.from = std::string(TierName(static_cast<Tier>(d / 3)));
+    t.to = std::string(TierName(static_cast<Tier>(d % 3)));
+    t.batches = c.batches.load();
+    t.blocks = c.blocks.load();
+    t.bytes = c.bytes.load();
+    t.latency = c.latency.Snapshot();
+    out.copies.push_back(std::move(t));
+  }
+  TransferStats s = stats();
+  out.file_writes = s.file_writes;
+  out.file_write_errors = s.file_write_errors;
+  out.file_reads = s.file_reads;
+  out.file_read_errors = s.file_read_errors;
+  out.file_jobs_queued = s.file_jobs_queued;
+  return out;
+}
+
 TransferStats TransferManager::stats() const {
   std::lock_guard lock(impl_->mu);
   TransferStats s = impl_->stats;

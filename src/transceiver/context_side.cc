@@ -22,6 +22,7 @@ struct SendOp {
   std::unique_ptr<TransportOp> flush;              // one-sided: posted once every put is
   bool has_checksum = false;
   uint64_t checksum = 0;
+  Clock::time_point started = Clock::now();  // metrics: the chunk's latency
 };
 
 struct SendPair {
@@ -147,6 +148,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
   StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
   TransceiverStats stats() const override { return Stats(); }
+  TransceiverMetrics metrics() const override { return Metrics("context"); }
+  std::vector<RequestTimeline> timelines() const override { return Timelines(); }
 
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {
@@ -413,6 +416,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       in.chunk_bytes = f.chunk_bytes;
       in.direct_min_bytes = f.direct_min_bytes;
       in.layer_wise = r->layer_wise;
+      in.max_plan_bytes = plan_budget();
       auto plan = PlanForCtxRank(in, pool_.slice().rank);
       if (!plan.ok()) return Reject(peer, f, plan.status());
       r->plan = std::move(plan).value();
@@ -549,6 +553,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed).
   void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
     r.bytes += p.plan.chunks[s.chunk].bytes;
+    NoteChunk(r.id, p.plan.chunks[s.chunk].bytes, s.started);
     if (p.rma || s.has_checksum) {
       SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.has_checksum,
                                s.checksum});

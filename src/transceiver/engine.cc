@@ -62,7 +62,12 @@ Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
                std::unique_ptr<Transport> transport)
     : device_(device), pool_(pool), options_(options), transport_(std::move(transport)) {}
 
-Engine::~Engine() { Stop(); }
+Engine::~Engine() {
+  Stop();
+  // Copies still queued on the stream read or write staging and the pool: the stream drains them
+  // when destroyed, which must happen before staging_ (declared after it) is freed.
+  stream_.reset();
+}
 
 Status Engine::Start() {
   const bool cpu = device_.info().platform == "cpu";
@@ -180,6 +185,7 @@ void Engine::Run() {
 }
 
 void Engine::SetStatus(const TransferStatus& status) {
+  metrics_.OnStatus(status);
   {
     MutexLock lock(status_mu_);
     auto it = statuses_.find(status.request_id);
@@ -214,6 +220,21 @@ StatusOr<TransferStatus> Engine::QueryStatus(uint64_t request_id) const {
         fmt::format("request {} is unknown here (never seen, or already polled)", request_id));
   }
   return it->second;
+}
+
+TransceiverMetrics Engine::Metrics(std::string side) const {
+  TransceiverMetrics m;
+  m.side = std::move(side);
+  m.transport = std::string(transport_->caps().name);
+  m.data_path = rma_ok() ? "one-sided" : "tagged";
+  metrics_.Fill(m);
+  m.live_requests = live_.load();
+  m.staging_slots_in_use = slots_in_use_.load();
+  m.staging_slots = options_.staging_chunks;
+  m.busy_cpu_seconds = static_cast<double>(busy_cpu_ns_.load()) / 1e9;
+  MutexLock lock(cmd_mu_);
+  m.command_queue = static_cast<int64_t>(commands_.size());
+  return m;
 }
 
 void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {
@@ -258,6 +279,12 @@ InstanceDesc Engine::SelfDesc() const {
   d.layout = pool_.spec().layout;
   d.pool_blocks = pool_.blocks();
   return d;
+}
+
+int64_t Engine::plan_budget() const {
+  int64_t bytes = options_.chunk_bytes * options_.staging_chunks;  // allocated: it fit
+  for (int32_t i = 0; i < pool_.num_regions(); ++i) bytes += pool_.region_size(i);
+  return bytes;
 }
 
 void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,

@@ -23,6 +23,7 @@
 #include "planner/planner.h"
 #include "transceiver/messages.h"
 #include "transceiver/rma.h"
+#include "transceiver/side_metrics.h"
 
 namespace kvferry {
 
@@ -66,6 +67,9 @@ class Engine {
                             slots_in_use_.load()};
   }
   StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
+  // Metrics (kvferry/metrics.h): `side` is "context" or "generation".
+  TransceiverMetrics Metrics(std::string side) const;
+  std::vector<RequestTimeline> Timelines() const { return metrics_.Timelines(); }
 
   // Runs `fn` on the progress thread and returns its result.
   template <typename F>
@@ -91,6 +95,11 @@ class Engine {
   void Post(std::function<void()> fn);
   void SetStatus(const TransferStatus& status);
   void SendMsg(PeerId peer, const ControlMsg& msg);
+  // A chunk of the request is in place (RequestTimeline says when per side); `started` is when
+  // its pack or receive began.
+  void NoteChunk(uint64_t request_id, int64_t bytes, Clock::time_point started) {
+    metrics_.OnChunk(request_id, bytes, started);
+  }
 
   // Staging slots: -1 when none is free.
   int AcquireSlot();
@@ -107,6 +116,9 @@ class Engine {
     return pool_.region(region) + offset;
   }
   InstanceDesc SelfDesc() const;
+  // The memory a plan made from a peer's FETCH or handle may take: this rank's pool and staging
+  // bytes (PlanInput::max_plan_bytes).
+  int64_t plan_budget() const;
   // One-sided path: the pool and staging are registered (caps().one_sided, the pool reachable by
   // the transport, transfer.rma on). rma_why() says why not.
   bool rma_ok() const { return rma_.staging != nullptr; }
@@ -135,7 +147,7 @@ class Engine {
   LocalRma rma_;
   std::string rma_why_;
 
-  Mutex cmd_mu_;
+  mutable Mutex cmd_mu_;
   std::condition_variable cmd_cv_;
   std::deque<std::function<void()>> commands_ GUARDED_BY(cmd_mu_);
   std::atomic<bool> stop_{false};
@@ -149,6 +161,7 @@ class Engine {
   std::condition_variable status_cv_;
   std::map<uint64_t, TransferStatus> statuses_ GUARDED_BY(status_mu_);
   std::deque<TransferStatus> reports_ GUARDED_BY(status_mu_);  // terminal, not yet polled
+  SideMetrics metrics_;
 };
 
 // Builds the 2-D copy descriptors of a chunk between pool and a packed buffer.

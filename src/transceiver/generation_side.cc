@@ -27,6 +27,7 @@ struct RecvOp {
   bool notified = false;            // CHUNK received (one-sided path, or checksums asked)
   bool has_checksum = false;
   uint64_t checksum = 0;
+  Clock::time_point started = Clock::now();  // metrics: the chunk's latency
 };
 
 struct RecvPair {
@@ -86,6 +87,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
     in.direct_min_bytes = h.ctx_direct && direct_ok() ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
+    in.max_plan_bytes = plan_budget();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
     return Call([&]() -> Status {
@@ -162,6 +164,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
   StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
   TransceiverStats stats() const override { return Stats(); }
+  TransceiverMetrics metrics() const override { return Metrics("generation"); }
+  std::vector<RequestTimeline> timelines() const override { return Timelines(); }
 
   Status Cancel(uint64_t id) override {
     return Call([&]() -> Status {
@@ -455,6 +459,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
         ++p.completed;
         r.bytes += c.bytes;
+        NoteChunk(r.id, c.bytes, it->started);
         it = p.inflight.erase(it);
         busy = true;
         continue;

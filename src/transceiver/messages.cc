@@ -1,6 +1,7 @@
 #include "transceiver/messages.h"
 
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include "base/wire.h"
 
@@ -123,13 +124,30 @@ struct Encoder {
 
 }  // namespace
 
+// The seal: a FETCH, CREDIT or CHUNK changed on the way would otherwise direct puts to where the
+// generation rank never said (a FETCH's layout or target decides where a context rank writes).
+uint64_t MessageSeal(std::span<const std::byte> body) {
+  return XXH3_64bits(body.data(), body.size());
+}
+
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg) {
   WireWriter w;
   std::visit(Encoder{w}, msg);
-  return w.Take();
+  std::vector<std::byte> out = w.Take();
+  const uint64_t seal = MessageSeal(out);
+  for (size_t i = 0; i < kMessageSealBytes; ++i) out.push_back(std::byte((seal >> (8 * i)) & 0xff));
+  return out;
 }
 
-StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
+StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
+  if (sealed.size() < 4 + kMessageSealBytes) {
+    return Status::InvalidArgument(
+        fmt::format("control message: {} bytes, fewer than a header and its seal", sealed.size()));
+  }
+  const std::span<const std::byte> bytes = sealed.first(sealed.size() - kMessageSealBytes);
+  uint64_t seal = 0;
+  for (size_t i = 0; i < kMessageSealBytes; ++i)
+    seal |= uint64_t{std::to_integer<uint8_t>(sealed[bytes.size() + i])} << (8 * i);
   WireReader r(bytes);
   uint16_t magic = r.U16("magic");
   uint8_t version = r.U8("version");
@@ -141,6 +159,11 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes) {
   if (version != kMessageVersion) {
     return Status::InvalidArgument(
         fmt::format("control message: version {} not supported", version));
+  }
+  if (const uint64_t sum = MessageSeal(bytes); sum != seal) {
+    return Status::DataLoss(fmt::format(
+        "control message (type {}): seal {:#018x} does not match its bytes ({:#018x}): corrupted",
+        type, seal, sum));
   }
   ControlMsg out;
   switch (type) {

@@ -29,7 +29,10 @@
 namespace kvferry {
 
 inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
-inline constexpr uint8_t kMessageVersion = 2;
+// Version 3: every message ends with the XXH3-64 of its bytes (kMessageSealBytes, little-endian);
+// one whose seal does not match (corrupted on the way) is refused like any undecodable message.
+inline constexpr uint8_t kMessageVersion = 3;
+inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
 // A registered region of the generation rank that a context rank may put into.
@@ -132,6 +135,8 @@ using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneM
 
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
 StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);
+// The seal of a message's bytes before it (EncodeMessage appends it; fuzz harnesses re-seal).
+uint64_t MessageSeal(std::span<const std::byte> body);
 
 // The failure a peer reports in a REJECT or ABORT (code byte + reason), as a Status that is never
 // OK: code 0 (OK) or a code this build does not know becomes kInternal naming the code, so a

@@ -632,6 +632,44 @@ TEST(Transceiver, LyingRmaTargetsAreRefusedAndWriteNothingOutsideTheDestination)
   }
 }
 
+// A FETCH corrupted in transit (one field changed, nothing re-sealed): here the generation pool's
+// block count, on a per-layer pool whose K and V halves are pool_blocks blocks apart. On the
+// one-sided path the context rank derived the generation layout from it and put V rows into other
+// blocks (other requests' data, already checked). Found by the soak (`cli.soak_ucx_short`: a
+// completed request with wrong bytes, DATA_LOSS at verify, after a corrupted FETCH). The FETCH
+// now carries a checksum: a corrupted one is dropped, and nothing outside the destination is
+// written.
+TEST(Transceiver, FetchCorruptedInTransitWritesNothingOutsideTheDestination) {
+  ASSERT_TRUE(Config::Global().Set("transfer.rma_row_min_bytes", "1").ok());
+  TransceiverOptions o = SmallChunks(true);
+  o.timeout = milliseconds(500);
+  class InTransit final : public TestTransport {
+   public:
+    explicit InTransit(std::unique_ptr<kvferry::Transport> base) : TestTransport(std::move(base)) {}
+    Status SendControl(PeerId p, std::span<const std::byte> b) override {
+      auto m = DecodeMessage(b);
+      if (!m.ok() || !std::holds_alternative<FetchMsg>(*m)) return base_->SendControl(p, b);
+      // The bytes of the changed message, with the original's trailing bytes (its checksum, if
+      // it has one): what a flipped bit on the way looks like.
+      FetchMsg changed = std::get<FetchMsg>(*m);
+      changed.pool_blocks = 32;  // 64: the V half of a layer lands 32 blocks early
+      std::vector<std::byte> bytes = EncodeMessage(changed);
+      EXPECT_EQ(bytes.size(), b.size());
+      std::copy(b.end() - 8, b.end(), bytes.end() - 8);
+      return base_->SendControl(p, bytes);
+    }
+  };
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer, 64}, o,
+             {}, [](auto t) { return std::make_unique<InTransit>(std::move(t)); });
+  auto h = cl.Publish(27, {3, 4, 9}, 11);
+  ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_NE(st[0].state, TransferState::kComplete);
+  cl.Verify(27, {0, 5, 6}, 0, 0, 0, /*sentinels=*/true);
+  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
+}
+
 // A handle with a valid checksum (re-encoded) but hostile sizes: refused with the field named,
 // or served, never an abort of the generation process (a bitmap or reservation sized by them).
 TEST(Transceiver, HostileHandleSizesAreRefusedOrHarmless) {
@@ -734,6 +772,61 @@ TEST(Transceiver, HostileFetchWithAValidTokenIsRejected) {
   ASSERT_TRUE(cl.Fetch(h2, {2, 3}).ok());
   ExpectAllComplete(cl.Drain(0, 0, 1), 2);
   cl.Verify(23, {2, 3}, 8);
+}
+
+// A FETCH with the request's valid token and one-byte chunks: the context rank would plan about
+// 2^20 chunks (some 150 MB and 0.6 s of CPU) for a 1 MiB request. The plan is bounded by the
+// rank's own pool and staging (33 MiB here): a REJECT naming chunk_bytes and the bound, and the
+// genuine fetch still works.
+TEST(Transceiver, FetchCannotMakeAPlanLargerThanThePoolAndStaging) {
+  TransceiverOptions o;
+  o.chunk_bytes = 4 << 20;
+  o.staging_chunks = 8;
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 192},
+             {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 192}, o);
+  std::vector<int64_t> blocks(170);
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = static_cast<int64_t>(i);
+  const int64_t tokens = 170 * 4;  // 170 blocks of 6 KiB: 1,044,480 bytes
+  auto h = cl.Publish(26, blocks, tokens);
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok());
+  auto peer_transport = cl.Transport();
+  auto peer = peer_transport->Connect(cl.ctx_[0]->address(), DeadlineIn(milliseconds(1000)));
+  ASSERT_TRUE(peer.ok());
+  FetchMsg f;
+  f.request_id = 26;
+  f.token = decoded->token;
+  f.gen_instance = 99;
+  f.gen_rank = 0;
+  f.transfer_id = 5;
+  f.shape = Shape();
+  f.parallel = {1, 1, {}, 1, 0};
+  f.pool_blocks = 192;
+  f.prompt_tokens = tokens;
+  f.chunk_bytes = 1;
+  f.direct_min_bytes = kNoDirect;
+  f.blocks = blocks;
+  ASSERT_TRUE(peer_transport->SendControl(*peer, EncodeMessage(f)).ok());
+  std::optional<ControlMsg> reply;
+  for (auto deadline = DeadlineIn(milliseconds(10000)); !reply && Clock::now() < deadline;) {
+    peer_transport->Progress();
+    if (auto m = peer_transport->PollControl()) {
+      auto decoded_reply = DecodeMessage(m->bytes);
+      ASSERT_TRUE(decoded_reply.ok());
+      reply = *decoded_reply;
+    }
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  ASSERT_TRUE(reply.has_value()) << "no reply to the FETCH";
+  auto* rej = std::get_if<RejectMsg>(&*reply);
+  ASSERT_NE(rej, nullptr) << "a FETCH with one-byte chunks was accepted";
+  EXPECT_EQ(rej->code, static_cast<uint8_t>(StatusCode::kInvalidArgument));
+  EXPECT_NE(rej->reason.find("chunk_bytes=1 "), std::string::npos) << rej->reason;
+  EXPECT_NE(rej->reason.find("max_plan_bytes=34734080"), std::string::npos) << rej->reason;
+  // The genuine fetch is served.
+  ASSERT_TRUE(cl.Fetch(h, blocks).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(26, blocks, tokens);
 }
 
 // A Fetch that fails part-way (the second context rank is unreachable) tells the context rank it

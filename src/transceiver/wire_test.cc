@@ -115,6 +115,16 @@ TEST(Messages, EveryTypeRoundTrips) {
     EXPECT_EQ(*back, m);
     for (size_t n = 0; n < bytes.size(); ++n)
       EXPECT_FALSE(DecodeMessage(std::span(bytes).first(n)).ok());
+    // Any bit flipped on the way is refused (the seal), whichever field it lands in: a FETCH's
+    // layout or target decides where a context rank puts.
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      for (int bit : {0, 6}) {
+        std::vector<std::byte> flipped = bytes;
+        flipped[i] ^= std::byte(1 << bit);
+        auto st = DecodeMessage(flipped);
+        EXPECT_FALSE(st.ok()) << "byte " << i << " bit " << bit;
+      }
+    }
     bytes.push_back(std::byte{0});
     EXPECT_FALSE(DecodeMessage(bytes).ok()) << "trailing bytes";
   }

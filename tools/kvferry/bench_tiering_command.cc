@@ -3,13 +3,17 @@
 // answer is appended block by block, as a decoding engine would. The working set is larger than
 // the primary and host tiers together, so blocks cycle through host and file. Measured per mode:
 // hit rates per tier, bytes moved per tier, and the engine-visible stall of every call that
-// allocates (AddSequence, AppendTokens) at p50/p99/max, beside the same trace with tiering
-// disabled (primary only) and with on-demand tiering (no watermarks), all in the same run.
+// allocates (AddSequence, AppendTokens) at p50/p99/max (wall and the calling thread's CPU time),
+// beside the same trace with tiering disabled (primary only) and with on-demand tiering (no
+// watermarks), all in the same run. The engine calls Poll once per simulated forward pass (its
+// scheduler thread is idle then); Poll and RemoveSequence, where the watermarks run, are reported
+// apart as upkeep.
 #include <fmt/format.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -21,6 +25,7 @@
 #include "testing/bench_support.h"
 #include "testing/testdata.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 
 namespace kvferry::tools {
 namespace {
@@ -38,7 +43,7 @@ struct Options {
   std::string file_backend = "posix";
   uint64_t seed = 1;
   bool verify = false;
-  bool json = false;
+  OutputFlags out;
 };
 
 struct Mode {
@@ -53,6 +58,9 @@ struct Result {
   int64_t prompt_tokens = 0, reused_tokens = 0, requests = 0, verified_blocks = 0;
   int64_t prompt_blocks = 0;  // full prompt blocks: the denominator of the hit rates
   std::vector<double> stall_us, ready_us;
+  std::vector<double> stall_cpu_us;  // the caller thread's CPU time in those calls
+  std::vector<double> upkeep_us;     // Poll (during the forward pass) and RemoveSequence
+  int64_t events = 0;
   double seconds = 0;
   std::string file_backend;
 };
@@ -78,6 +86,31 @@ std::vector<std::pair<int32_t, int32_t>> Trace(const Options& o) {
   }
   return out;
 }
+
+double ThreadCpuUs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+}
+
+// Times one engine-visible call: wall time (what the engine waits) and the calling thread's CPU
+// time (the work done on it; the difference is time the thread was not running).
+class CallTimer {
+ public:
+  explicit CallTimer(std::vector<double>& wall, std::vector<double>* cpu = nullptr)
+      : wall_(wall), cpu_(cpu), t0_(Clock::now()), c0_(ThreadCpuUs()) {}
+  ~CallTimer() {
+    const double cpu = ThreadCpuUs() - c0_;
+    wall_.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0_).count());
+    if (cpu_ != nullptr) cpu_->push_back(cpu);
+  }
+
+ private:
+  std::vector<double>& wall_;
+  std::vector<double>* const cpu_;
+  const Clock::time_point t0_;
+  const double c0_;
+};
 
 int32_t UserToken(int32_t c, int32_t t, int32_t i) { return 1000000 + c * 100000 + t * 1000 + i; }
 int32_t AnswerToken(int32_t c, int32_t t, int32_t i) {
@@ -138,10 +171,13 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
   for (const auto& [c, t] : Trace(o)) {
     std::vector<int32_t>& h = history[c];
     for (int32_t i = 0; i < o.user_tokens; ++i) h.push_back(UserToken(c, t, i));
+    StatusOr<Admission> admitted = Status::Internal("not run");
+    {
+      CallTimer timer(res.stall_us, &res.stall_cpu_us);
+      admitted = bm->AddSequence(id, h);
+    }
+    KVF_ASSIGN_OR_RETURN(Admission a, std::move(admitted));
     auto t0 = Clock::now();
-    KVF_ASSIGN_OR_RETURN(Admission a, bm->AddSequence(id, h));
-    res.stall_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-    t0 = Clock::now();
     KVF_ASSIGN_OR_RETURN(Readiness r, bm->WaitReady(id, DeadlineIn(60s)));
     res.ready_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     if (!r.ready) return Status::DeadlineExceeded("bench tiering: onboards pending after 60 s");
@@ -166,16 +202,25 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
         }
       }
     }
-    if (o.step_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(o.step_us));
+    // The forward pass: the engine's scheduler thread is idle and keeps the tiers moving.
+    const auto step_end = Clock::now() + std::chrono::microseconds(o.step_us);
+    {
+      CallTimer timer(res.upkeep_us);
+      bm->Poll();
+    }
+    std::this_thread::sleep_until(step_end);
     // Decoding: the answer, one block of tokens per step.
     for (int32_t done = 0; done < o.answer_tokens; done += tpb) {
       std::vector<int32_t> chunk;
       for (int32_t i = done; i < std::min(o.answer_tokens, done + tpb); ++i) {
         chunk.push_back(AnswerToken(c, t, i));
       }
-      t0 = Clock::now();
-      KVF_RETURN_IF_ERROR(bm->AppendTokens(id, chunk));
-      res.stall_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      Status appended;
+      {
+        CallTimer timer(res.stall_us, &res.stall_cpu_us);
+        appended = bm->AppendTokens(id, chunk);
+      }
+      KVF_RETURN_IF_ERROR(appended);
       h.insert(h.end(), chunk.begin(), chunk.end());
       if (o.verify) {
         KVF_ASSIGN_OR_RETURN(auto blocks, bm->Blocks(id));
@@ -188,7 +233,13 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
         }
       }
     }
-    KVF_RETURN_IF_ERROR(bm->RemoveSequence(id++));
+    Status removed;
+    {
+      CallTimer timer(res.upkeep_us);
+      removed = bm->RemoveSequence(id++);
+    }
+    KVF_RETURN_IF_ERROR(removed);
+    res.events += static_cast<int64_t>(bm->DrainEvents().size());  // a router's drain, untimed
     ++res.requests;
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -215,6 +266,12 @@ nlohmann::json ToJson(const Result& r, int64_t bb, const std::string& device) {
           {"stall_us_p50", Pct(r.stall_us, 0.50)},
           {"stall_us_p99", Pct(r.stall_us, 0.99)},
           {"stall_us_max", Pct(r.stall_us, 1.0)},
+          {"stall_cpu_us_p50", Pct(r.stall_cpu_us, 0.50)},
+          {"stall_cpu_us_p99", Pct(r.stall_cpu_us, 0.99)},
+          {"stall_cpu_us_max", Pct(r.stall_cpu_us, 1.0)},
+          {"upkeep_us_p50", Pct(r.upkeep_us, 0.50)},
+          {"upkeep_us_p99", Pct(r.upkeep_us, 0.99)},
+          {"events", r.events},
           {"ready_wait_us_p50", Pct(r.ready_us, 0.50)},
           {"ready_wait_us_p99", Pct(r.ready_us, 0.99)},
           {"background_evictions", r.st.background_evictions},
@@ -268,8 +325,26 @@ int RunBenchTiering(const Options& o) {
     }
   }
   const int64_t bb = int64_t{o.layers} * 2 * o.kv_heads * o.head_dim * 2 * o.tokens_per_block;
-  if (o.json) {
-    for (const Result& r : results) std::puts(ToJson(r, bb, (*dev)->info().name).dump().c_str());
+  if (o.out.machine()) {
+    Document doc("bench tiering");
+    doc.config() = {{"device", (*dev)->info().name},
+                    {"shape", ShapeJson(KvShape{o.layers, o.kv_heads, o.head_dim, DType::kBf16, 2,
+                                                o.tokens_per_block})},
+                    {"layout", "block-major"},
+                    {"primary_blocks", o.primary_blocks},
+                    {"host_blocks", o.host_blocks},
+                    {"file_slots", o.file_slots},
+                    {"file_backend", o.file_backend},
+                    {"conversations", o.conversations},
+                    {"turns", o.turns},
+                    {"system_tokens", o.system_tokens},
+                    {"user_tokens", o.user_tokens},
+                    {"answer_tokens", o.answer_tokens},
+                    {"step_us", o.step_us},
+                    {"seed", o.seed},
+                    {"verify", o.verify}};
+    for (const Result& r : results) doc.AddRow(ToJson(r, bb, (*dev)->info().name));
+    doc.Print(o.out.format());
     return 0;
   }
   const int64_t distinct =
@@ -280,25 +355,30 @@ int RunBenchTiering(const Options& o) {
       "working set ~{} blocks vs primary {} + host {} (+ file {}, {})\n",
       device, (*dev)->info().name, o.conversations, o.turns, bb >> 10, distinct, o.primary_blocks,
       o.host_blocks, o.file_slots, o.file_backend);
-  fmt::print("stall = wall time of each AddSequence/AppendTokens call; ready wait = WaitReady\n");
+  fmt::print(
+      "stall = wall time of each AddSequence/AppendTokens call (cpu: the calling thread's CPU time "
+      "in it); ready wait = WaitReady; upkeep = Poll (once per forward pass) and RemoveSequence, "
+      "where the watermarks run\n");
   fmt::print(
       "hit rates: prompt blocks found per tier / all full prompt blocks; dropped: blocks that "
       "left the cache (host: no free block or disk bandwidth in time)\n");
   fmt::print(
-      "{:<18} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>13} {:>9} {:>9} {:>9} {:>9}\n",
+      "{:<18} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>13} {:>9} {:>9} {:>9} {:>9} {:>9} "
+      "{:>9}\n",
       "mode", "hit P", "hit H", "hit F", "reused", "GB->H", "GB->F", "GB<-H", "GB<-F", "dropped",
-      "stall p50", "p99 us", "max us", "ready p99");
+      "stall p50", "p99 us", "max us", "cpu p99", "ready p99", "upkeep99");
   for (const Result& r : results) {
     const nlohmann::json j = ToJson(r, bb, "");
     fmt::print(
         "{:<18} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>7.2f} {:>7.2f} {:>7.2f} {:>7.2f} {:>13} "
-        "{:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f}\n",
+        "{:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f}\n",
         r.mode.name, j["hit_rate"][0].get<double>(), j["hit_rate"][1].get<double>(),
         j["hit_rate"][2].get<double>(), j["reused_fraction"].get<double>(),
         j["bytes_to_host"].get<int64_t>() / 1e9, j["bytes_to_file"].get<int64_t>() / 1e9,
         j["bytes_from_host"].get<int64_t>() / 1e9, j["bytes_from_file"].get<int64_t>() / 1e9,
         fmt::format("{}/{}/{}", r.st.dropped[0], r.st.dropped[1], r.st.dropped[2]),
-        Pct(r.stall_us, 0.5), Pct(r.stall_us, 0.99), Pct(r.stall_us, 1.0), Pct(r.ready_us, 0.99));
+        Pct(r.stall_us, 0.5), Pct(r.stall_us, 0.99), Pct(r.stall_us, 1.0),
+        Pct(r.stall_cpu_us, 0.99), Pct(r.ready_us, 0.99), Pct(r.upkeep_us, 0.99));
   }
   return 0;
 }
@@ -337,7 +417,7 @@ void AddBenchTieringCommand(CLI::App& bench) {
       ->check(CLI::IsMember({"posix", "io_uring", "memory"}));
   cmd->add_option("--seed", o->seed, "trace order seed");
   cmd->add_flag("--verify", o->verify, "check every reused block byte for byte (cpu device)");
-  cmd->add_flag("--json", o->json, "one JSON object per mode");
+  AddOutputFlags(cmd, o->out);
   cmd->callback([o] { std::exit(RunBenchTiering(*o)); });
 }
 

@@ -70,6 +70,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["rendezvous_key"] = c.rendezvous_key;
   j["gpus"] = c.gpus;
   j["checksum"] = c.checksum;
+  j["metrics_port"] = c.metrics_port;
   return j.dump();
 }
 
@@ -99,6 +100,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.rendezvous_key = j.value("rendezvous_key", "");
   c.gpus = j.value("gpus", std::vector<int>{});
   c.checksum = j.value("checksum", true);
+  c.metrics_port = j.value("metrics_port", -1);
   return c;
 }
 

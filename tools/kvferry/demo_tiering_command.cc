@@ -14,6 +14,8 @@
 #include "kvferry/slab_store.h"
 #include "testing/tiering_demo.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
+#include "tools/kvferry/rank_processes.h"
 
 namespace kvferry::tools {
 namespace {
@@ -22,12 +24,13 @@ struct Options {
   std::string device;
   std::string layout = "block-major";
   TieringDemoOptions demo;
-  std::string dir;  // empty: a fresh temp dir under /tmp, removed at the end
+  std::string dir;  // empty: a fresh temp dir under $TMPDIR (or /tmp), removed at the end
   std::string file_backend = "posix";
-  bool json = false;
+  OutputFlags out;
 };
 
-// Removes the directory it was given at destruction (the demo's own temp dir).
+// The demo's own temp dir, removed however the demo ends: at destruction, or by a janitor process
+// (RankGroup with no ranks) when this process dies by a signal (SIGKILL included).
 class TempDir {
  public:
   TempDir() = default;
@@ -35,20 +38,25 @@ class TempDir {
   TempDir& operator=(const TempDir&) = delete;
   ~TempDir() {
     if (path_.empty()) return;
+    janitor_.reset();  // removes the directory and waits for the janitor
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }
   StatusOr<std::string> Create() {
-    char tmpl[] = "/tmp/kvferry-demo-tiering-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) {
+    std::error_code ec;
+    std::string tmpl = (std::filesystem::temp_directory_path(ec) / "kvferry-demo-tiering-XXXXXX");
+    if (ec) tmpl = "/tmp/kvferry-demo-tiering-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
       return Status::Internal(fmt::format("mkdtemp {}: {}", tmpl, std::strerror(errno)));
     }
     path_ = tmpl;
+    KVF_ASSIGN_OR_RETURN(janitor_, RankGroup::Create(path_));
     return path_;
   }
 
  private:
   std::string path_;
+  std::unique_ptr<RankGroup> janitor_;
 };
 
 int RunDemo(Options o) {
@@ -89,7 +97,7 @@ int RunDemo(Options o) {
       return 2;
     }
     file = std::move(store).value();
-    if (!o.json) {
+    if (!o.out.machine()) {
       const FileBackendCaps& caps = file->backend();
       fmt::print("file tier: {} backend in {}{}{}\n", caps.name, dir,
                  caps.direct_io ? ", O_DIRECT" : ", buffered",
@@ -97,13 +105,13 @@ int RunDemo(Options o) {
     }
   }
   auto rep = RunTieringDemo(**dev, o.demo, file.get(), [&](std::string_view line) {
-    if (!o.json) fmt::print("{}\n", line);
+    if (!o.out.machine()) fmt::print("{}\n", line);
   });
   if (!rep.ok()) {
     fmt::print(stderr, "demo tiering: {}\n", rep.status().ToString());
     return 1;
   }
-  if (o.json) {
+  if (o.out.machine()) {
     const auto& s = rep->stats;
     nlohmann::json j = {{"offloaded", s.offloaded},
                         {"demoted", s.demoted},
@@ -115,7 +123,14 @@ int RunDemo(Options o) {
                         {"verified_blocks", rep->verified_blocks},
                         {"file_backend", rep->file_backend},
                         {"file_note", file ? file->backend().note : ""}};
-    std::puts(j.dump().c_str());
+    Document doc("demo tiering");
+    doc.config() = {{"device", (*dev)->info().name},           {"layout", o.layout},
+                    {"conversations", o.demo.conversations},   {"rounds", o.demo.rounds},
+                    {"primary_blocks", o.demo.primary_blocks}, {"host_blocks", o.demo.host_blocks},
+                    {"file_slots", o.demo.file_slots},         {"file_backend", o.file_backend},
+                    {"block_bytes", TieringDemoBlockBytes()}};
+    doc.summary() = j;
+    doc.Print(o.out.format());
   }
   return 0;
 }
@@ -130,6 +145,9 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option("--layout", o->layout, "block-major | per-layer");
   cmd->add_option("--conversations", o->demo.conversations, "conversations per round")
       ->check(CLI::Range(1, 1000));
+  cmd->add_option("--rounds", o->demo.rounds, "rounds of conversations")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   cmd->add_option("--primary-blocks", o->demo.primary_blocks)->check(CLI::Range(4, 1 << 20));
   cmd->add_option("--host-blocks", o->demo.host_blocks)->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--file-slots", o->demo.file_slots, "0 = no file tier")
@@ -137,11 +155,11 @@ void AddDemoTieringCommand(CLI::App& demo) {
   cmd->add_option(
       "--dir", o->dir,
       "directory of the file tier (must exist; its slab files are left there; default: a "
-      "fresh temp dir under /tmp, removed at the end)");
+      "fresh temp dir under $TMPDIR or /tmp, removed however the demo ends)");
   cmd->add_option("--file-backend", o->file_backend,
                   "posix | io_uring | cufile (unavailable ones fall back to posix, logged)")
       ->check(CLI::IsMember({"posix", "io_uring", "cufile"}));
-  cmd->add_flag("--json", o->json, "counts as one JSON object");
+  AddOutputFlags(cmd, o->out);
   cmd->callback([o] { std::exit(RunDemo(*o)); });
 }
 

@@ -10,6 +10,7 @@
 #include "kvferry/device.h"
 #include "kvferry/ucx_info.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 
 namespace kvferry::tools {
 namespace {
@@ -56,12 +57,12 @@ std::vector<DeviceRow> Devices() {
   return rows;
 }
 
-int RunInfo(bool json) {
+int RunInfo(const OutputFlags& out) {
   auto features = BuildFeatures();
   auto devices = Devices();
   auto knobs = Config::Global().List();
   auto ucx = QueryUcxRuntime();
-  if (json) {
+  if (out.machine()) {
     nlohmann::json j;
     j["version"] = Version();
     for (const Feature& f : features) {
@@ -87,17 +88,21 @@ int RunInfo(bool json) {
     } else {
       j["ucx"] = {{"error", ucx.status().ToString()}};
     }
+    Document doc("info");
     for (const KnobView& k : knobs) {
-      j["config"].push_back({{"name", k.name},
-                             {"type", TypeName(k.type)},
-                             {"default", k.default_value},
-                             {"value", k.value},
-                             {"source", SourceName(k.source)},
-                             {"doc", k.doc},
-                             {"constraint", k.constraint},
-                             {"env", k.env_var}});
+      doc.AddRow({{"name", k.name},
+                  {"type", TypeName(k.type)},
+                  {"default", k.default_value},
+                  {"value", k.value},
+                  {"source", SourceName(k.source)},
+                  {"doc", k.doc},
+                  {"constraint", k.constraint},
+                  {"env", k.env_var}});
     }
-    std::puts(j.dump(2).c_str());
+    j.erase("version");  // in "versions"
+    doc.summary() = j;
+    doc.config() = {{"knobs_from", "defaults, environment and --set (rows)"}};
+    doc.Print(out.format());
     return 0;
   }
   fmt::print("kvferry {}\n\nBuild features:\n", Version());
@@ -141,9 +146,9 @@ int RunInfo(bool json) {
 
 void AddInfoCommand(CLI::App& app) {
   auto* cmd = app.add_subcommand("info", "build features, devices and every config knob");
-  auto json = std::make_shared<bool>(false);
-  cmd->add_flag("--json", *json, "machine-readable output");
-  cmd->callback([json] { std::exit(RunInfo(*json)); });
+  auto out = std::make_shared<OutputFlags>();
+  AddOutputFlags(cmd, *out);
+  cmd->callback([out] { std::exit(RunInfo(*out)); });
 }
 
 }  // namespace kvferry::tools

@@ -8,6 +8,7 @@
 #include "kvferry/config.h"
 #include "tools/kvferry/cluster.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 
 namespace kvferry::tools {
 namespace {
@@ -28,7 +29,9 @@ struct Flags {
   std::vector<int64_t> prompt_tokens{100};
   std::string transport = "ucx";
   std::string device;
-  bool layer_wise = false, json = false, no_verify = false, progress = false;
+  bool layer_wise = false, no_verify = false, progress = false;
+  OutputFlags out;
+  int metrics_port = -1;
   int shared_prefix_blocks = 0;
   int crash_ctx_rank = -1;
   std::string fault;
@@ -83,7 +86,11 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
                   "blocks every request shares (a system prompt): fetched once, then reused")
       ->capture_default_str();
   cmd->add_option("--timeout-ms", f.timeout_ms, "deadline of each request")->capture_default_str();
-  cmd->add_flag("--json", f.json, "machine-readable output");
+  AddOutputFlags(cmd, f.out);
+  cmd->add_option("--metrics-port", f.metrics_port,
+                  "each rank serves Prometheus metrics on 127.0.0.1: context rank r at PORT + r, "
+                  "generation rank r at PORT + context ranks + r (0: free ports, named on stderr)")
+      ->check(CLI::Range(0, 65535));
   cmd->add_flag("--progress", f.progress, "print progress every second while it runs");
   cmd->add_option("--gpus", f.gpus,
                   "GPU of each rank process, cycled over context ranks then generation ranks "
@@ -116,6 +123,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.gpus = f.gpus;
   c.checksum = f.checksum;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
+  c.metrics_port = f.metrics_port;
   c.dir = "(set by RunCluster)";
   KVF_RETURN_IF_ERROR(ValidateSelftest(c));
   return c;
@@ -137,29 +145,75 @@ nlohmann::json SummaryJson(const SelftestSummary& s) {
           {"errors", s.errors}};
 }
 
+// The configuration every document echoes.
+nlohmann::json ConfigJson(const Flags& f, const SelftestConfig& c) {
+  return {{"shape", ShapeJson(c.shape)},
+          {"ctx", {{"parallel", ParallelJson(c.ctx)}, {"layout", f.ctx_layout}}},
+          {"gen", {{"parallel", ParallelJson(c.gen)}, {"layout", f.gen_layout}}},
+          {"transport", c.transport},
+          {"device", c.device},
+          {"requests", c.requests},
+          {"prompt_tokens", c.prompt_tokens},
+          {"concurrency", c.concurrency},
+          {"layer_wise", c.layer_wise},
+          {"shared_prefix_blocks", c.shared_prefix_blocks},
+          {"verify", c.verify},
+          {"checksum", c.checksum},
+          {"timeout_ms", c.timeout.count()},
+          {"fault", c.fault},
+          {"crash_ctx_rank", c.crash_ctx_rank},
+          {"metrics_port", c.metrics_port}};
+}
+
+// The slowest request of the run: the longest timeline over every rank.
+std::optional<std::pair<const RankResult*, RequestTimeline>> SlowestOf(
+    const std::vector<RankResult>& ranks) {
+  std::optional<std::pair<const RankResult*, RequestTimeline>> out;
+  for (const RankResult& r : ranks) {
+    if (r.slowest && (!out || r.slowest->end > out->second.end)) out.emplace(&r, *r.slowest);
+  }
+  return out;
+}
+
+nlohmann::json SlowestJson(const std::vector<RankResult>& ranks) {
+  auto s = SlowestOf(ranks);
+  if (!s) return nullptr;
+  nlohmann::json j = TimelineJson(s->second);
+  j["side"] = s->first->context ? "context" : "generation";
+  j["rank"] = s->first->rank;
+  return j;
+}
+
+void PrintSlowest(const std::vector<RankResult>& ranks) {
+  if (auto s = SlowestOf(ranks)) {
+    fmt::print("  slowest: {} rank {}: {}\n", s->first->context ? "context" : "generation",
+               s->first->rank, TimelineText(s->second));
+  }
+}
+
 int RunSelftest(const Flags& f) {
+  Document doc("selftest");
   auto cfg = ToConfig(f);
   if (!cfg.ok()) {
     fmt::print(stderr, "kvferry selftest: {}\n", cfg.status().ToString());
     return 2;
   }
-  auto ranks = RunCluster(*cfg, f.progress && !f.json);
+  doc.config() = ConfigJson(f, *cfg);
+  auto ranks = RunCluster(*cfg, f.progress && !f.out.machine());
   if (!ranks.ok()) {
     fmt::print(stderr, "kvferry selftest: {}\n", ranks.status().ToString());
-    if (f.json)
-      std::puts(nlohmann::json{{"requests", f.requests},
-                               {"verified", 0},
-                               {"failed", f.requests},
-                               {"bytes", 0},
-                               {"seconds", 0},
-                               {"error", ranks.status().ToString()}}
-                    .dump()
-                    .c_str());
+    doc.summary() = {{"requests", f.requests}, {"verified", 0}, {"failed", f.requests}};
+    doc.SetResult(false, ranks.status().ToString());
+    doc.Print(f.out.format());
     return 1;
   }
   SelftestSummary s = Summarize(*cfg, *ranks);
-  if (f.json) {
-    std::puts(SummaryJson(s).dump().c_str());
+  const bool pass = s.failed == 0 && s.verified == s.requests;
+  if (f.out.machine()) {
+    doc.summary() = SummaryJson(s);
+    doc.summary()["slowest"] = SlowestJson(*ranks);
+    doc.SetResult(pass, s.errors.empty() ? "" : s.errors.front());
+    doc.Print(f.out.format());
   } else {
     fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
                cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
@@ -171,10 +225,11 @@ int RunSelftest(const Flags& f) {
         "transfer measures transfers alone)\n  latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
         "ms\n",
         s.bytes / 1e6, s.seconds, s.gbps, s.p50_ms, s.p90_ms, s.p99_ms);
+    PrintSlowest(*ranks);
     for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
-    fmt::print("{}\n", s.failed == 0 && s.verified == s.requests ? "PASS" : "FAIL");
+    fmt::print("{}\n", pass ? "PASS" : "FAIL");
   }
-  return s.failed == 0 && s.verified == s.requests ? 0 : 1;
+  return pass ? 0 : 1;
 }
 
 struct ModelShape {
@@ -183,7 +238,8 @@ struct ModelShape {
 };
 constexpr ModelShape kModels[] = {{"llama3-8b", 32, 8, 128}, {"llama3-70b", 80, 8, 128}};
 
-int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
+// bench transfer, step by step: the model preset, one sweep point, its row.
+void ApplyModel(Flags& f) {
   for (const ModelShape& m : kModels) {
     if (f.model == m.name) {
       f.layers = m.layers;
@@ -191,18 +247,56 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       f.head_dim = m.head_dim;
     }
   }
-  nlohmann::json rows = nlohmann::json::array();
-  if (!f.json) {
+}
+
+nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const SelftestConfig& cfg,
+                        const std::vector<RankResult>& ranks) {
+  nlohmann::json row = SummaryJson(s);
+  row["case"] = fmt::format("{}tok", tokens);
+  row["tokens"] = tokens;
+  row["baseline"] = s.baseline_name;
+  row["baseline_gbps"] = s.baseline_gbps;
+  row["copy_baseline"] = s.copy_name;
+  row["copy_gbps"] = s.copy_gbps;
+  row["copy_ratio"] = s.copy_gbps > 0 ? s.gbps / s.copy_gbps : 0;
+  row["checksum"] = cfg.checksum;
+  row["ratio"] = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
+  row["verified_all"] = cfg.verify && s.failed == 0;  // --no-verify checks nothing
+  row["slowest"] = SlowestJson(ranks);
+  return row;
+}
+
+void PrintBenchRow(const nlohmann::json& row, const SelftestSummary& s, bool verify) {
+  fmt::print(
+      "{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
+      "{:>7.2f}  {} | {}{}{}\n",
+      row["tokens"].get<int64_t>(), s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms,
+      s.control_cpu_us_per_request, s.baseline_gbps, row["ratio"].get<double>(), s.copy_gbps,
+      row["copy_ratio"].get<double>(), s.baseline_name, s.copy_name, s.failed ? "  FAILED" : "",
+      verify || s.failed ? "" : "  (not verified: --no-verify)");
+  for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
+}
+
+int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
+  ApplyModel(f);
+  Document doc("bench transfer");
+  if (auto cfg = ToConfig(f); cfg.ok()) {
+    doc.config() = ConfigJson(f, *cfg);
+    doc.config()["sweep"] = sweep;
+    doc.config()["model"] = f.model;
+  }
+  if (!f.out.machine()) {
     fmt::print(
-        "kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} -> gen tp{}pp{} "
-        "over {}\n",
-        f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.gen.tp, f.gen.pp,
-        f.transport);
+        "kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} {} -> gen "
+        "tp{}pp{} {} over {}\n",
+        f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.ctx_layout, f.gen.tp,
+        f.gen.pp, f.gen_layout, f.transport);
     fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n", "tokens",
                "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s", "ratio", "copy GB/s",
                "ratio", "raw | copy baselines");
   }
   int rc = 0;
+  std::string first_error;
   for (int64_t tokens : sweep) {
     Flags one = f;
     one.prompt_tokens = {tokens};
@@ -212,41 +306,26 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       return 2;
     }
     cfg->baseline = true;
-    auto ranks = RunCluster(*cfg, f.progress && !f.json);
+    auto ranks = RunCluster(*cfg, f.progress && !f.out.machine());
     if (!ranks.ok()) {
       fmt::print(stderr, "kvferry bench transfer ({} tokens): {}\n", tokens,
                  ranks.status().ToString());
+      if (first_error.empty()) first_error = ranks.status().ToString();
       rc = 1;
       continue;
     }
     SelftestSummary s = Summarize(*cfg, *ranks);
-    double ratio = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
-    double copy_ratio = s.copy_gbps > 0 ? s.gbps / s.copy_gbps : 0;
     if (s.failed) rc = 1;
-    nlohmann::json row = SummaryJson(s);
-    row["case"] = fmt::format("{}tok", tokens);
-    row["tokens"] = tokens;
-    row["baseline"] = s.baseline_name;
-    row["baseline_gbps"] = s.baseline_gbps;
-    row["copy_baseline"] = s.copy_name;
-    row["copy_gbps"] = s.copy_gbps;
-    row["copy_ratio"] = copy_ratio;
-    row["checksum"] = cfg->checksum;
-    row["ratio"] = ratio;
-    row["verified_all"] = cfg->verify && s.failed == 0;  // --no-verify checks nothing
-    if (f.json) {
-      std::puts(row.dump().c_str());
-    } else {
-      fmt::print(
-          "{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
-          "{:>7.2f}  {} | {}{}{}\n",
-          tokens, s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms, s.control_cpu_us_per_request,
-          s.baseline_gbps, ratio, s.copy_gbps, copy_ratio, s.baseline_name, s.copy_name,
-          s.failed ? "  FAILED" : "",
-          cfg->verify || s.failed ? "" : "  (not verified: --no-verify)");
-      for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
+    if (s.failed && first_error.empty() && !s.errors.empty()) first_error = s.errors.front();
+    nlohmann::json row = BenchRow(s, tokens, *cfg, *ranks);
+    if (!f.out.machine()) {
+      PrintBenchRow(row, s, cfg->verify);
+      if (sweep.size() == 1) PrintSlowest(*ranks);
     }
+    doc.AddRow(std::move(row));
   }
+  doc.SetResult(rc == 0, first_error);
+  doc.Print(f.out.format());
   return rc;
 }
 

@@ -9,6 +9,7 @@
 #include "kvferry/config.h"
 #include "selftest/soak.h"
 #include "tools/kvferry/commands.h"
+#include "tools/kvferry/output.h"
 
 namespace kvferry::tools {
 namespace {
@@ -18,7 +19,9 @@ struct SoakFlags {
   int duration_s = 0;
   int timeout_ms = 300;
   double max_rss_growth_pct = 5;
-  bool no_verify = false, json = false, progress = false, verbose = false;
+  bool no_verify = false, progress = false, verbose = false;
+  OutputFlags out;
+  int metrics_port = -1;
 };
 
 nlohmann::json ReportJson(const SoakReport& r, bool pass) {
@@ -26,6 +29,9 @@ nlohmann::json ReportJson(const SoakReport& r, bool pass) {
           {"faults_injected", r.faults_injected},
           {"fault_pct", r.requests ? 100.0 * r.faults_injected / r.requests : 0},
           {"cancels", r.cancels},
+          {"forged", r.forged},
+          {"faults_by_step", r.faults_by_step},
+          {"faults_by_kind", r.faults_by_kind},
           {"epochs", r.epochs},
           {"request_states", r.request_states},
           {"rank_states", r.rank_states},
@@ -68,7 +74,7 @@ int RunSoakCommand(SoakFlags f) {
   // arena RSS follows what is allocated, which is what the soak is after.
   mallopt(M_ARENA_MAX, 1);
   SoakProgress progress;
-  if (f.progress && !f.json) {
+  if (f.progress && !f.out.machine()) {
     progress = [](const SoakReport& r) {
       fmt::print(stderr,
                  "  {} requests, {} faults, {:.0f} s, RSS {:.1f} MiB (anonymous {:.2f}), heap "
@@ -77,6 +83,32 @@ int RunSoakCommand(SoakFlags f) {
                  r.heap_end_mib);
     };
   }
+  // --metrics-port: every epoch's sides while it runs.
+  MetricsBoard board;
+  std::unique_ptr<MetricsServer> server;
+  if (f.metrics_port >= 0) {
+    auto s = board.Serve(static_cast<uint16_t>(f.metrics_port), "soak");
+    if (!s.ok()) {
+      fmt::print(stderr, "kvferry soak: {}\n", s.status().ToString());
+      return 2;
+    }
+    server = std::move(s).value();
+    f.cfg.metrics = &board;
+  }
+  Document doc("soak");
+  doc.config() = {{"requests", f.cfg.requests},
+                  {"duration_s", f.duration_s},
+                  {"fault_rate", f.cfg.fault_rate},
+                  {"cancel_rate", f.cfg.cancel_rate},
+                  {"concurrency", f.cfg.concurrency},
+                  {"epoch_requests", f.cfg.epoch_requests},
+                  {"timeout_ms", f.timeout_ms},
+                  {"transport", f.cfg.transport},
+                  {"device", "cpu"},
+                  {"seed", f.cfg.seed},
+                  {"verify", f.cfg.verify},
+                  {"max_rss_growth_pct", f.max_rss_growth_pct},
+                  {"metrics_port", f.metrics_port}};
   auto report = RunSoak(f.cfg, progress);
   if (!report.ok()) {
     fmt::print(stderr, "kvferry soak: {}\n", report.status().ToString());
@@ -85,15 +117,24 @@ int RunSoakCommand(SoakFlags f) {
   const SoakReport& r = *report;
   const bool pass = r.not_exactly_once == 0 && r.leaked_leases == 0 && r.leaked_staging == 0 &&
                     r.verify_failures == 0 && r.rss_growth_pct <= f.max_rss_growth_pct;
-  if (f.json) {
-    std::puts(ReportJson(r, pass).dump().c_str());
+  if (f.out.machine()) {
+    doc.summary() = ReportJson(r, pass);
+    doc.config()["layouts"] = r.layouts;
+    doc.SetResult(pass, r.errors.empty() ? "" : r.errors.front());
+    doc.Print(f.out.format());
     return pass ? 0 : 1;
   }
   fmt::print("kvferry soak: {} requests over {} in {} epochs ({})\n", r.requests, f.cfg.transport,
              r.epochs, fmt::join(r.layouts, ", "));
-  fmt::print("  faults injected {} ({:.1f}%)  cancels {}\n", r.faults_injected,
-             r.requests ? 100.0 * r.faults_injected / r.requests : 0.0, r.cancels);
+  fmt::print("  faults injected {} ({:.1f}%)  cancels {}  forged handles {}\n", r.faults_injected,
+             r.requests ? 100.0 * r.faults_injected / r.requests : 0.0, r.cancels, r.forged);
   std::string states;
+  for (const auto& [s, n] : r.faults_by_step) states += fmt::format(" {} {}", s, n);
+  fmt::print("  faults by step:{}\n", states);
+  states.clear();
+  for (const auto& [s, n] : r.faults_by_kind) states += fmt::format(" {} {}", s, n);
+  fmt::print("  faults by kind:{}\n", states);
+  states.clear();
   for (const auto& [s, n] : r.request_states) states += fmt::format(" {} {}", s, n);
   fmt::print("  requests:{}\n", states);
   states.clear();
@@ -130,6 +171,9 @@ void AddSoakCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--cancel-rate", f->cfg.cancel_rate, "requests cancelled (either side)")
       ->capture_default_str();
+  cmd->add_option("--forge-rate", f->cfg.forge_rate,
+                  "requests fetched with a forged handle (the context ranks must refuse them)")
+      ->capture_default_str();
   cmd->add_option("--concurrency", f->cfg.concurrency, "requests in flight")->capture_default_str();
   cmd->add_option("--epoch-requests", f->cfg.epoch_requests,
                   "requests per layout before the next one (fresh transports)")
@@ -143,7 +187,11 @@ void AddSoakCommand(CLI::App& app) {
                   "fail when RSS grows more than this from the first quarter to the end")
       ->capture_default_str();
   cmd->add_flag("--no-verify", f->no_verify, "skip element checks of completed requests");
-  cmd->add_flag("--json", f->json, "machine-readable output");
+  AddOutputFlags(cmd, f->out);
+  cmd->add_option("--metrics-port", f->metrics_port,
+                  "serve Prometheus metrics of the running epoch's sides on 127.0.0.1:PORT (0: a "
+                  "free port, named on stderr)")
+      ->check(CLI::Range(0, 65535));
   cmd->add_flag("--progress", f->progress, "print a line per epoch");
   cmd->add_flag("--verbose", f->verbose, "keep the log level (default: errors only)");
   cmd->callback([f] { std::exit(RunSoakCommand(*f)); });

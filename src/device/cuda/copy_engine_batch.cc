@@ -7,9 +7,6 @@
 namespace kvferry::internal::cuda {
 namespace {
 
-// Rows at least this wide are listed one by one in the batch; narrower rows of a 2-D fragment
-// go to cudaMemcpy2DAsync, which walks them inside the engine.
-constexpr size_t kMinListedRow = 16 << 10;
 // A 2-D fragment is expanded into at most this many list entries.
 constexpr size_t kMaxListedRows = 256;
 // Entries per cudaMemcpyBatchAsync call (the attribute arrays are per call).
@@ -41,7 +38,7 @@ void CopyEngineBatch::Add(const CopyDesc& c, bool pageable) {
     sizes_.push_back(c.bytes);
     return;
   }
-  if (c.bytes < kMinListedRow || rows > kMaxListedRows) {
+  if (c.bytes < list_row_ || rows > kMaxListedRows) {
     rects_.push_back(c);
     return;
   }

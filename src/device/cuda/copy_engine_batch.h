@@ -27,7 +27,10 @@ class CopyEngineBatch {
  public:
   // `batched`: submit through cudaMemcpyBatchAsync (falls back to one call per fragment, for
   // good, when the runtime or driver does not support it). `ordinal`: for error messages.
-  CopyEngineBatch(int ordinal, bool batched) : ordinal_(ordinal), batched_(batched) {}
+  // `list_row`: 2-D fragments with rows at least this wide are listed row by row
+  // (cuda.copy_engine_list_row_bytes); narrower ones go to cudaMemcpy2DAsync.
+  CopyEngineBatch(int ordinal, bool batched, size_t list_row = 16 << 10)
+      : ordinal_(ordinal), batched_(batched), list_row_(list_row) {}
 
   void Clear();
   // Adds one fragment. `pageable`: one end is pageable host memory (never batched).
@@ -44,6 +47,7 @@ class CopyEngineBatch {
 
   const int ordinal_;
   bool batched_;
+  const size_t list_row_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;

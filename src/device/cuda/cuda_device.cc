@@ -416,6 +416,7 @@ void CUDART_CB RunHostCallback(void* p) {
 struct CopyRouting {
   uint64_t kernel_threshold = 1 << 20;  // cuda.copy_kernel_threshold
   uint64_t min_ce_row = 64 << 10;       // cuda.copy_engine_min_row_bytes
+  uint64_t list_row = 16 << 10;         // cuda.copy_engine_list_row_bytes
   bool ce_h2d = false, ce_d2h = false;  // cuda.copy_engine_directions
   bool batched = true;                  // cuda.batch_copies
   uint32_t gather_blocks = 0;           // cuda.gather_max_blocks, resolved (0 = uncapped)
@@ -430,7 +431,7 @@ class CudaStream final : public Stream {
         routing_(routing),
         owned_(std::move(owned)),
         s_(owned_.get() != nullptr ? owned_.get() : native),
-        ce_(ordinal, routing.batched) {}
+        ce_(ordinal, routing.batched, routing.list_row) {}
   ~CudaStream() override {
     cudaSetDevice(ordinal_);
     // Wait for queued work before the ring it reads is freed.
@@ -723,6 +724,7 @@ class CudaDevice final : public Device {
     CopyRouting r;
     r.kernel_threshold = static_cast<uint64_t>(c.Int("cuda.copy_kernel_threshold"));
     r.min_ce_row = static_cast<uint64_t>(c.Int("cuda.copy_engine_min_row_bytes"));
+    r.list_row = static_cast<uint64_t>(c.Int("cuda.copy_engine_list_row_bytes"));
     const std::string dirs = c.String("cuda.copy_engine_directions");
     r.ce_h2d = dirs == "h2d" || dirs == "both";
     r.ce_d2h = dirs == "d2h" || dirs == "both";

@@ -230,16 +230,20 @@ TEST_F(CudaDeviceTest, BothBatchPathsMatchTheCpuDevice) {
 
 // The other routing knobs: small fragments of one or both directions on the copy engine (one
 // cudaMemcpyBatchAsync), one copy-engine call per fragment, a gather grid of one block, narrow
-// 2-D rows kept on the kernel whatever their total. Every variant is byte-identical to the CPU.
+// 2-D rows kept on the kernel whatever their total, every 2-D fragment on the copy engine as one
+// cudaMemcpy2DAsync (none listed row by row). Every variant is byte-identical to the CPU.
 TEST_F(CudaDeviceTest, RoutingVariantsMatchTheCpuDevice) {
   struct Variant {
     const char* knob;
     const char* value;
   };
-  const Variant variants[] = {
-      {"cuda.copy_engine_directions", "both"}, {"cuda.copy_engine_directions", "h2d"},
-      {"cuda.copy_engine_directions", "d2h"},  {"cuda.batch_copies", "false"},
-      {"cuda.gather_max_blocks", "1"},         {"cuda.copy_engine_min_row_bytes", "1099511627776"}};
+  const Variant variants[] = {{"cuda.copy_engine_directions", "both"},
+                              {"cuda.copy_engine_directions", "h2d"},
+                              {"cuda.copy_engine_directions", "d2h"},
+                              {"cuda.batch_copies", "false"},
+                              {"cuda.gather_max_blocks", "1"},
+                              {"cuda.copy_engine_min_row_bytes", "1099511627776"},
+                              {"cuda.copy_engine_list_row_bytes", "1099511627776"}};
   const MemoryKind kinds[][2] = {{MemoryKind::kPinnedHost, MemoryKind::kDevice},
                                  {MemoryKind::kDevice, MemoryKind::kPinnedHost},
                                  {MemoryKind::kDevice, MemoryKind::kDevice}};

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Kills the parent or one rank of a running `kvferry selftest` and checks that, within the request
+# Kills the parent or one rank of a running kvferry command and checks that, within the request
 # deadline + 5 s, no process of the run and no temporary file is left.
-# Usage: no_orphans.sh KVFERRY parent|rank SIGNAL
+# Usage: no_orphans.sh KVFERRY selftest|bench-transfer|soak|demo parent|rank SIGNAL
+#   selftest, bench-transfer: ranks are processes (UCX) beside the parent and a janitor;
+#   soak (UCX workers in one process), demo (tiering with a file tier in a temp dir): the parent
+#   (and the demo's janitor) only, so the victim is the parent.
 # The run's processes are found by a marker in their environment (TMPDIR, a fresh directory that
-# also holds the run's rendezvous directory), so tests running beside this one don't count.
+# also holds the run's rendezvous directory and temp files), so tests running beside this one
+# don't count.
 set -u
-kvferry=$1 victim=$2 sig=$3
+kvferry=$1 command=$2 victim=$3 sig=$4
 timeout_ms=2000
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -21,20 +25,40 @@ run_pids() {
   done
 }
 
+shape=(--transport ucx --ctx-tp 2 --layers 2 --kv-heads 2 --head-dim 16 --tokens-per-block 8
+  --requests 1000000 --concurrency 2 --timeout-ms $timeout_ms)
+processes=5  # parent, janitor, three ranks
+case "$command" in
+  selftest) args=(selftest "${shape[@]}" --prompt-tokens 16) ;;
+  bench-transfer) args=(bench transfer "${shape[@]}" --sweep 16) ;;
+  soak) args=(soak --transport ucx --duration-s 600 --timeout-ms $timeout_ms); processes=1 ;;
+  demo)
+    args=(demo tiering --device cpu --rounds 200 --conversations 1000 --primary-blocks 64 --host-blocks 32
+      --file-slots 256)
+    processes=2  # parent, janitor of the file tier's temp dir
+    ;;
+  *) echo "FAIL: unknown command $command"; exit 1 ;;
+esac
 # (--default-signal: a shell starts background commands with SIGINT ignored.)
-env --default-signal=INT TMPDIR="$tmp" "$kvferry" selftest --transport ucx --ctx-tp 2 --layers 2 --kv-heads 2 \
-  --head-dim 16 --tokens-per-block 8 --prompt-tokens 16 --requests 1000000 --concurrency 2 \
-  --timeout-ms $timeout_ms >"$tmp.out" 2>&1 &
+env --default-signal=INT TMPDIR="$tmp" "$kvferry" "${args[@]}" >"$tmp.out" 2>&1 &
 parent=$!
-# Wait for the three ranks (and the clean-up process) to run and requests to flow.
+# Wait for the processes (ranks and the clean-up process) to run and work to flow.
 for _ in $(seq 200); do
-  [ "$(run_pids | wc -l)" -ge 5 ] && break
+  [ "$(run_pids | wc -l)" -ge $processes ] && break
   sleep 0.05
 done
 sleep 1
 ranks=$(pgrep -f -- "--cluster-config $tmp/")
-echo "run: parent $parent, ranks $(echo $ranks), all: $(echo $(run_pids))"
-[ -n "$ranks" ] || { echo "FAIL: no rank started"; cat "$tmp.out"; exit 1; }
+echo "run: $command, parent $parent, ranks $(echo $ranks), all: $(echo $(run_pids))"
+[ "$processes" = 1 ] || [ -n "$ranks" ] || [ "$command" = demo ] ||
+  { echo "FAIL: no rank started"; cat "$tmp.out"; exit 1; }
+[ "$(run_pids | wc -l)" -ge $processes ] ||
+  { echo "FAIL: fewer than $processes processes: $(echo $(run_pids))"; cat "$tmp.out"; exit 1; }
+if [ "$command" = demo ]; then
+  # The file tier's slab files are in the temp dir when the demo dies.
+  [ -n "$(find "$tmp" -type f 2>/dev/null | head -1)" ] ||
+    { echo "FAIL: the demo wrote no file under TMPDIR"; cat "$tmp.out"; exit 1; }
+fi
 start=$(date +%s.%N)
 if [ "$victim" = parent ]; then
   kill -s "$sig" "$parent"
