@@ -4,11 +4,14 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "selftest/fault_rig.h"
 #include "transceiver/handle.h"
@@ -42,6 +45,16 @@ std::vector<SoakLayout> Layouts(int64_t pool_blocks) {
        in(mha, {2, 1, {}, 2, 0}, bm)},
       {"mla tp2->tp1", in(mla, {2, 1, {}, 1, 0}, bm), in(mla, {1, 1, {}, 1, 0}, bm)},
   };
+}
+
+// The run queue per core, 1 to 4: how much longer than on an idle machine a request may take to
+// report when the soak shares a loaded one (its threads then wait seconds for a core). On an idle
+// machine, or in CI, 1.
+double LoadScale() {
+  double load = 0;
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  if (getloadavg(&load, 1) != 1) return 1;
+  return std::clamp(load / cores, 1.0, 4.0);
 }
 
 struct Rss {
@@ -281,6 +294,12 @@ class Soak {
       it->second.got[{r.context, r.rank}].push_back(r.status.state);
     }
     const auto now = Clock::now();
+    if (now >= load_read_ + std::chrono::seconds(1)) {
+      load_scale_ = LoadScale();
+      load_read_ = now;
+    }
+    const auto never_ended =
+        std::chrono::duration_cast<Clock::duration>((cfg_.timeout * 3 + kGrace) * load_scale_);
     for (auto it = live_.begin(); it != live_.end();) {
       LiveRequest& q = it->second;
       if (q.cancel_at && now >= *q.cancel_at) {
@@ -294,7 +313,7 @@ class Soak {
         Finish(rig, q);
         busy[q.slot] = false;
         it = live_.erase(it);
-      } else if (now > q.start + cfg_.timeout * 3 + kGrace) {
+      } else if (now > q.start + never_ended) {
         // Never ended: a broken promise. Its slot stays out of use (its blocks may be leased).
         ++report_.not_exactly_once;
         Error(fmt::format("request {}: some ranks never reported a terminal state", q.id));
@@ -374,7 +393,9 @@ class Soak {
     FaultSpec spec;
     int64_t fired_before = 0;  // the transport's fired() when armed
   };
-  std::map<RankKey, Arm> arms_;  // the fault last armed on each transport, until counted
+  std::map<RankKey, Arm> arms_;
+  double load_scale_ = 1;          // LoadScale(), read at most once a second
+  Clock::time_point load_read_{};  // the fault last armed on each transport, until counted
   int64_t issued_ = 0;
   int64_t injected_before_ = 0;
   uint64_t next_id_ = 0;

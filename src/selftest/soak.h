@@ -2,7 +2,9 @@
 // of several splits and layouts in turn (one FaultRig per epoch), with random cancels from either
 // side and faults injected at random protocol steps through FaultyTransport, checking what must
 // hold however long it runs:
-//   - every (request, rank) that took the request ends in exactly one terminal state;
+//   - every (request, rank) that took the request ends in exactly one terminal state (one that
+//     has not within 3 deadlines + 1 s, times the run queue per core on a loaded machine, never
+//     ended);
 //   - no lease and no staging slot is left on any side once an epoch's requests have ended;
 //   - completed requests hold the right bytes (every element checked);
 //   - memory does not grow: RSS at the end of the first quarter vs at the end (after malloc_trim;

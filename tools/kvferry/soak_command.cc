@@ -10,6 +10,7 @@
 #include "selftest/soak.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
+#include "tools/kvferry/process_soak.h"
 
 namespace kvferry::tools {
 namespace {
@@ -22,7 +23,75 @@ struct SoakFlags {
   bool no_verify = false, progress = false, verbose = false;
   OutputFlags out;
   int metrics_port = -1;
+  bool processes = false;
+  bool epoch_requests_given = false, timeout_given = false;
 };
+
+// --processes: UCX ranks as processes, crash faults ending them (process_soak.h).
+int RunProcessSoakCommand(const SoakFlags& f) {
+  if (f.cfg.transport != "ucx") {
+    fmt::print(stderr, "kvferry soak: --processes runs over ucx, not --transport {}\n",
+               f.cfg.transport);
+    return 2;
+  }
+  ProcessSoakConfig c;
+  c.requests = f.cfg.requests;
+  c.epoch_requests = f.epoch_requests_given ? f.cfg.epoch_requests : c.epoch_requests;
+  if (f.timeout_given) c.timeout = std::chrono::milliseconds(f.timeout_ms);
+  c.seed = f.cfg.seed;
+  std::function<void(const ProcessSoakReport&)> progress;
+  if (f.progress && !f.out.machine()) {
+    progress = [](const ProcessSoakReport& r) {
+      fmt::print(stderr, "  epoch {}: {} requests, {} verified, {} crashed, {:.0f} s\n", r.epochs,
+                 r.requests, r.verified, r.crashed_epochs, r.seconds);
+    };
+  }
+  auto report = RunProcessSoak(c, progress);
+  if (!report.ok()) {
+    fmt::print(stderr, "kvferry soak: {}\n", report.status().ToString());
+    return report.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  const ProcessSoakReport& r = *report;
+  const bool pass = r.broken == 0 && r.verify_failures == 0;
+  if (f.out.machine()) {
+    Document doc("soak");
+    doc.config() = {{"processes", true},
+                    {"requests", c.requests},
+                    {"epoch_requests", c.epoch_requests},
+                    {"timeout_ms", c.timeout.count()},
+                    {"transport", "ucx"},
+                    {"seed", c.seed}};
+    doc.summary() = {{"requests", r.requests},
+                     {"epochs", r.epochs},
+                     {"verified", r.verified},
+                     {"failed", r.failed},
+                     {"crashed_epochs", r.crashed_epochs},
+                     {"faults_by_kind", r.faults_by_kind},
+                     {"faults_by_step", r.faults_by_step},
+                     {"verify_failures", r.verify_failures},
+                     {"broken", r.broken},
+                     {"seconds", r.seconds},
+                     {"errors", r.errors},
+                     {"pass", pass}};
+    doc.SetResult(pass, r.errors.empty() ? "" : r.errors.front());
+    doc.Print(f.out.format());
+    return pass ? 0 : 1;
+  }
+  fmt::print(
+      "kvferry soak --processes: {} requests over ucx processes in {} epochs, one fault each\n",
+      r.requests, r.epochs);
+  std::string kinds, steps;
+  for (const auto& [k, n] : r.faults_by_kind) kinds += fmt::format(" {} {}", k, n);
+  for (const auto& [k, n] : r.faults_by_step) steps += fmt::format(" {} {}", k, n);
+  fmt::print("  faults by kind:{}\n  faults by step:{}\n", kinds, steps);
+  fmt::print("  verified {}  failed {}  epochs a crash ended a rank's process {}\n", r.verified,
+             r.failed, r.crashed_epochs);
+  fmt::print("  broken promises {}  verify failures {}  {:.1f} s\n", r.broken, r.verify_failures,
+             r.seconds);
+  for (const auto& e : r.errors) fmt::print("  error: {}\n", e);
+  fmt::print("{}\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
 
 nlohmann::json ReportJson(const SoakReport& r, bool pass) {
   return {{"requests", r.requests},
@@ -56,6 +125,7 @@ nlohmann::json ReportJson(const SoakReport& r, bool pass) {
 }
 
 int RunSoakCommand(SoakFlags f) {
+  if (f.processes) return RunProcessSoakCommand(f);
   f.cfg.duration = std::chrono::seconds(f.duration_s);
   f.cfg.timeout = std::chrono::milliseconds(f.timeout_ms);
   f.cfg.verify = !f.no_verify;
@@ -175,11 +245,15 @@ void AddSoakCommand(CLI::App& app) {
                   "requests fetched with a forged handle (the context ranks must refuse them)")
       ->capture_default_str();
   cmd->add_option("--concurrency", f->cfg.concurrency, "requests in flight")->capture_default_str();
-  cmd->add_option("--epoch-requests", f->cfg.epoch_requests,
-                  "requests per layout before the next one (fresh transports)")
-      ->capture_default_str();
-  cmd->add_option("--timeout-ms", f->timeout_ms, "deadline of each request")->capture_default_str();
-  cmd->add_option("--transport", f->cfg.transport, "inproc|ucx (ucx: no crash faults)")
+  auto* epoch = cmd->add_option("--epoch-requests", f->cfg.epoch_requests,
+                                "requests per layout before the next one (fresh transports; "
+                                "--processes: per multi-process run, default 24)")
+                    ->capture_default_str();
+  auto* timeout = cmd->add_option("--timeout-ms", f->timeout_ms,
+                                  "deadline of each request (--processes: default 2000)")
+                      ->capture_default_str();
+  cmd->add_option("--transport", f->cfg.transport,
+                  "inproc|ucx (ucx workers in this process: no crash faults; see --processes)")
       ->capture_default_str();
   cmd->add_option("--seed", f->cfg.seed, "random seed (faults, cancels, sizes)")
       ->capture_default_str();
@@ -194,7 +268,14 @@ void AddSoakCommand(CLI::App& app) {
       ->check(CLI::Range(0, 65535));
   cmd->add_flag("--progress", f->progress, "print a line per epoch");
   cmd->add_flag("--verbose", f->verbose, "keep the log level (default: errors only)");
-  cmd->callback([f] { std::exit(RunSoakCommand(*f)); });
+  cmd->add_flag("--processes", f->processes,
+                "--transport ucx with one process per rank (as selftest runs them) and one fault "
+                "per run, crashes included: a crash ends a rank's process");
+  cmd->callback([f, epoch, timeout] {
+    f->epoch_requests_given = epoch->count() > 0;
+    f->timeout_given = timeout->count() > 0;
+    std::exit(RunSoakCommand(*f));
+  });
 }
 
 }  // namespace kvferry::tools
