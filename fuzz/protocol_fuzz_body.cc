@@ -12,14 +12,14 @@
 #include <vector>
 
 #include "kvferry/config.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/pool.h"
-#include "kvferry/testdata.h"
 #include "kvferry/transceiver.h"
+#include "kvferry/transport.h"
+#include "testing/testdata.h"
 #include "transceiver/engine.h"
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
-#include "transport/inproc_transport.h"
-#include "transport/transport.h"
 
 namespace kvferry {
 namespace {

@@ -41,11 +41,10 @@
 #include "kvferry/device.h"
 #include "kvferry/metrics.h"
 #include "kvferry/pool.h"
+#include "kvferry/slab_store.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
-
-class SlabStore;  // the file tier (src/files/slab_store.h)
 
 enum class Tier : uint8_t { kPrimary = 0, kHost = 1, kFile = 2 };
 inline constexpr int kNumTiers = 3;

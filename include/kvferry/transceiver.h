@@ -33,6 +33,7 @@
 #include "kvferry/metrics.h"
 #include "kvferry/pool.h"
 #include "kvferry/status.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 
@@ -85,8 +86,6 @@ struct TransceiverOptions {
   std::optional<bool> checksum;
 };
 
-class Transport;  // src/transport/transport.h
-
 // The sending side, one per context rank.
 class ContextSide {
  public:
@@ -94,7 +93,8 @@ class ContextSide {
   // and pool must outlive the ContextSide.
   static StatusOr<std::unique_ptr<ContextSide>> Create(Device& device, const BlockPool& pool,
                                                        const TransceiverOptions& options);
-  // For tests and custom transports: takes a ready transport.
+  // For tests and custom transports (kvferry/transport.h; TransportWrapper forwards, for fault
+  // injection): takes a ready transport.
   static StatusOr<std::unique_ptr<ContextSide>> Create(Device& device, const BlockPool& pool,
                                                        const TransceiverOptions& options,
                                                        std::unique_ptr<Transport> transport);

@@ -10,10 +10,10 @@
 #include <mutex>
 
 #include "bindings.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/prometheus.h"
 #include "kvferry/transceiver.h"
-#include "transport/inproc_transport.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry::py {
 

@@ -22,8 +22,8 @@
 #include <thread>
 
 #include "base/log.h"
-#include "files/file_backend.h"
 #include "files/posix_io.h"
+#include "kvferry/file_backend.h"
 #include "kvferry_build_config.h"
 
 namespace kvferry {

@@ -1,4 +1,4 @@
-#include "files/file_backend.h"
+#include "kvferry/file_backend.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

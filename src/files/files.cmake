@@ -1,26 +1,20 @@
 # The file tier (src/files): SlabStore, the FileBackend seam and its backends, tests, bench, fuzz.
-# Included from src/CMakeLists.txt after the kvferry library is declared.
+# Included from src/CMakeLists.txt after the files layer (kvferry_files) is declared.
 
-target_sources(kvferry PRIVATE
+target_sources(kvferry_files PRIVATE
   files/posix_backend.cc
   files/posix_io.cc
-  files/raw_io_bench.cc
   files/slab_store.cc
   files/slot_header.cc
 )
-# xxHash checksums the slots (also found by other parts; a second find is a no-op).
-find_library(KVFERRY_XXHASH_LIB xxhash REQUIRED)
-find_path(KVFERRY_XXHASH_INCLUDE xxhash.h REQUIRED)
-target_include_directories(kvferry PRIVATE "${KVFERRY_XXHASH_INCLUDE}")
-# libcufile is dlopen'ed at run time (a missing libcufile, CUDA driver or GDS means posix, logged),
-# so only cufile.h is needed to build.
-target_link_libraries(kvferry PRIVATE "${KVFERRY_XXHASH_LIB}" ${CMAKE_DL_LIBS})
+# xxHash checksums the slots (the base layer brings it). libcufile is dlopen'ed at run time (a
+# missing libcufile, CUDA driver or GDS means posix, logged), so only cufile.h is needed to build.
 if(KVFERRY_HAVE_URING)
-  target_sources(kvferry PRIVATE files/uring_backend.cc)
-  target_link_libraries(kvferry PRIVATE PkgConfig::URING)
+  target_sources(kvferry_files PRIVATE files/uring_backend.cc)
+  target_link_libraries(kvferry_files PUBLIC PkgConfig::URING)
 endif()
 if(KVFERRY_HAVE_CUFILE)
-  target_sources(kvferry PRIVATE files/cufile_backend.cc)
+  target_sources(kvferry_files PRIVATE files/cufile_backend.cc)
   set_source_files_properties(files/cufile_backend.cc PROPERTIES
     INCLUDE_DIRECTORIES "${KVFERRY_CUFILE_INCLUDE};${CUDAToolkit_INCLUDE_DIRS}")
 endif()
@@ -33,7 +27,7 @@ endif()
 
 # SlabStore vs raw O_DIRECT throughput, measured in the same run (not a test).
 add_executable(slab_store_bench files/slab_store_bench.cc)
-target_link_libraries(slab_store_bench PRIVATE kvferry)
+target_link_libraries(slab_store_bench PRIVATE kvferry_internal)
 
 # libFuzzer target: clang with -fsanitize=fuzzer only (-DKVFERRY_FUZZ=ON). The decoder is compiled
 # into the target so that it is instrumented.
@@ -45,5 +39,5 @@ if(KVFERRY_FUZZ)
                  files/slot_header.cc "${PROJECT_SOURCE_DIR}/fuzz/slot_header_fuzz_body.cc")
   target_compile_options(slot_header_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)
   target_link_options(slot_header_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)
-  target_link_libraries(slot_header_fuzz PRIVATE kvferry)
+  target_link_libraries(slot_header_fuzz PRIVATE kvferry_internal)
 endif()

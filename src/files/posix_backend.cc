@@ -3,8 +3,8 @@
 #include <utility>
 
 #include "base/log.h"
-#include "files/file_backend.h"
 #include "files/posix_io.h"
+#include "kvferry/file_backend.h"
 #include "kvferry_build_config.h"
 
 namespace kvferry {

@@ -13,7 +13,7 @@
 #include <string>
 #include <string_view>
 
-#include "files/file_backend.h"
+#include "kvferry/file_backend.h"
 
 namespace kvferry::files_internal {
 

@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include "files/slab_store.h"
 #include "files/slot_header.h"
 #include "files/test_util.h"
+#include "kvferry/slab_store.h"
 
 namespace kvferry {
 namespace {

@@ -1,5 +1,5 @@
 // SlabStore over a FileBackend: slot map, lazy slab files, slot format (docs/file_format.md).
-#include "files/slab_store.h"
+#include "kvferry/slab_store.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

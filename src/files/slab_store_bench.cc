@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "files/raw_io_bench.h"
-#include "files/slab_store.h"
 #include "files/slot_header.h"
 #include "files/test_util.h"
+#include "kvferry/slab_store.h"
+#include "testing/raw_io_bench.h"
 
 namespace kvferry {
 namespace {

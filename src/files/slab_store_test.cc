@@ -1,6 +1,6 @@
 // The SlabStore conformance suite, run over every file backend this build has (posix with
 // O_DIRECT, posix buffered, io_uring, cufile). A backend that can't run here is reported skipped.
-#include "files/slab_store.h"
+#include "kvferry/slab_store.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

@@ -11,8 +11,8 @@
 #include <mutex>
 
 #include "base/log.h"
-#include "files/file_backend.h"
 #include "files/posix_io.h"
+#include "kvferry/file_backend.h"
 
 namespace kvferry {
 namespace {

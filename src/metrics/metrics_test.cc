@@ -5,12 +5,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "kvferry/inproc_transport.h"
 #include "kvferry/prometheus.h"
 #include "kvferry/tiering.h"
 #include "kvferry/transceiver.h"
+#include "kvferry/transport.h"
 #include "rendezvous/socket.h"
-#include "transport/inproc_transport.h"
-#include "transport/transport.h"
 
 namespace kvferry {
 namespace {

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "kvferry/testdata.h"
 #include "planner/plan_executor_for_test.h"
 #include "planner/planner.h"
+#include "testing/testdata.h"
 
 namespace kvferry::planner_test {
 

@@ -9,11 +9,11 @@
 #include <string>
 
 #include "device/cuda_entry.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/tiering.h"
 #include "kvferry/transceiver.h"
+#include "kvferry/transport.h"
 #include "pool/wrap_test_util.h"
-#include "transport/inproc_transport.h"
-#include "transport/transport.h"
 
 namespace kvferry::testing {
 namespace {

@@ -10,12 +10,12 @@
 #include <future>
 #include <string>
 
+#include "kvferry/inproc_transport.h"
 #include "kvferry/tiering.h"
 #include "kvferry/transceiver.h"
+#include "kvferry/transport.h"
 #include "pool/wrap_test_util.h"
-#include "tiering/memory_slab_store.h"
-#include "transport/inproc_transport.h"
-#include "transport/transport.h"
+#include "testing/memory_slab_store.h"
 
 namespace kvferry::testing {
 namespace {

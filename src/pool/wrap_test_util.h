@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kvferry/pool.h"
-#include "kvferry/testdata.h"
+#include "testing/testdata.h"
 
 namespace kvferry::testing {
 

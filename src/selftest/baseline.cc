@@ -57,16 +57,26 @@ StatusOr<RawBuffer> RawAllocate(Device& dev, const Transport& t, size_t bytes) {
   return r;
 }
 
+// The baseline's exchanges (addresses, keys, done and ack) go through the run's rendezvous.
+Status PutText(Rendezvous& rv, std::string_view key, const std::string& s, Deadline deadline) {
+  return rv.Put(fmt::format("baseline/{}", key), std::as_bytes(std::span(s.data(), s.size())),
+                deadline);
+}
+StatusOr<std::string> GetText(Rendezvous& rv, std::string_view key, Deadline deadline) {
+  KVF_ASSIGN_OR_RETURN(std::vector<std::byte> v, rv.Get(fmt::format("baseline/{}", key), deadline));
+  return AsString(v);
+}
+
 }  // namespace
 
 StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make,
                                         Device& dev) {
-  const fs::path dir(cfg.dir);
   auto deadline = DeadlineIn(cfg.timeout);
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   KVF_ASSIGN_OR_RETURN(auto t, make());
-  KVF_RETURN_IF_ERROR(WriteText(dir / "base-ctx.addr", t->LocalAddress()));
-  KVF_ASSIGN_OR_RETURN(auto gen_info, WaitForFile(dir / "base-gen.info", deadline));
-  auto info = nlohmann::json::parse(AsString(gen_info));
+  KVF_RETURN_IF_ERROR(PutText(*rv, "ctx-addr", t->LocalAddress(), deadline));
+  KVF_ASSIGN_OR_RETURN(std::string gen_info, GetText(*rv, "gen-info", deadline));
+  auto info = nlohmann::json::parse(gen_info);
   KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(info["addr"].get<std::string>(), deadline));
   KVF_ASSIGN_OR_RETURN(RawBuffer src, RawAllocate(dev, *t, kBaseMsg * kBaseWindow));
   const int64_t total = BaselineBytes(cfg);
@@ -138,16 +148,16 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
                            src.where, kBaseMsg >> 20, kBaseWindow);
   }
   out.name += " [" + t->DescribePeer(peer) + "]";  // the transports UCX picked
-  KVF_RETURN_IF_ERROR(WriteText(dir / "base.done", fmt::format("{}", out.gbps)));
+  KVF_RETURN_IF_ERROR(PutText(*rv, "done", fmt::format("{}", out.gbps), deadline));
   // Keep the transport alive until the receiver has seen the end.
-  KVF_ASSIGN_OR_RETURN(auto ack, WaitForFile(dir / "base.ack", deadline));
+  KVF_ASSIGN_OR_RETURN(std::string ack, GetText(*rv, "ack", deadline));
   local.reset();
   return out;
 }
 
 Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, Device& dev) {
-  const fs::path dir(cfg.dir);
   auto deadline = DeadlineIn(cfg.timeout);
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   KVF_ASSIGN_OR_RETURN(auto t, make());
   KVF_ASSIGN_OR_RETURN(RawBuffer dst, RawAllocate(dev, *t, kBaseMsg * kBaseWindow));
   nlohmann::json info;
@@ -161,9 +171,9 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, D
       info["raddr"] = reg->address();
     }
   }
-  KVF_RETURN_IF_ERROR(WriteText(dir / "base-gen.info", info.dump()));
-  KVF_ASSIGN_OR_RETURN(auto ctx_addr, WaitForFile(dir / "base-ctx.addr", deadline));
-  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(AsString(ctx_addr), deadline));
+  KVF_RETURN_IF_ERROR(PutText(*rv, "gen-info", info.dump(), deadline));
+  KVF_ASSIGN_OR_RETURN(std::string ctx_addr, GetText(*rv, "ctx-addr", deadline));
+  KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(ctx_addr, deadline));
   {  // the tagged-send pass (after the put pass, if any)
     const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
     std::deque<std::unique_ptr<TransportOp>> window;
@@ -182,20 +192,25 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, D
       window.pop_front();
     }
   }
-  // Keep progressing (one-sided puts need the target alive) until the sender is done.
-  while (!fs::exists(dir / "base.done")) {
+  // Keep progressing (one-sided puts need the target alive) until the sender is done (asked of
+  // the rendezvous every 10 ms, each look a few ms at most).
+  for (Deadline look = Clock::now();;) {
     t->Progress();
+    if (Clock::now() >= look) {
+      if (GetText(*rv, "done", DeadlineIn(milliseconds(3))).ok()) break;
+      look = DeadlineIn(milliseconds(10));
+    }
     if (Clock::now() > deadline) return Status::DeadlineExceeded("baseline sender did not finish");
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  return WriteText(dir / "base.ack", "1");
+  return PutText(*rv, "ack", "1", deadline);
 }
 
 Status BaselineBystander(const SelftestConfig& cfg, const TransportMaker& make) {
   if (cfg.transport != "mpi") return Status::Ok();
   KVF_ASSIGN_OR_RETURN(auto t, make());
-  KVF_ASSIGN_OR_RETURN(auto ack,
-                       WaitForFile(fs::path(cfg.dir) / "base.ack", DeadlineIn(cfg.timeout)));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
+  KVF_ASSIGN_OR_RETURN(std::string ack, GetText(*rv, "ack", DeadlineIn(cfg.timeout)));
   return Status::Ok();
 }
 

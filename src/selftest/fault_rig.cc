@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "kvferry/testdata.h"
+#include "testing/testdata.h"
 
 namespace kvferry {
 

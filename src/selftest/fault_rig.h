@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/pool.h"
 #include "kvferry/transceiver.h"
 #include "transceiver/faulty_transport.h"
-#include "transport/inproc_transport.h"
 
 namespace kvferry {
 

@@ -18,13 +18,13 @@
 #include <sstream>
 #include <thread>
 
-#include "kvferry/testdata.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/transceiver.h"
 #include "selftest/baseline.h"
 #include "selftest/metrics_board.h"
 #include "selftest/run_watch.h"
+#include "testing/testdata.h"
 #include "transceiver/faulty_transport.h"
-#include "transport/inproc_transport.h"
 
 namespace kvferry {
 namespace {
@@ -80,6 +80,36 @@ StatusOr<std::vector<std::byte>> WaitForFile(const fs::path& path, Deadline dead
   }
 }
 
+std::string RendezvousKeyHex(const RendezvousKey& key) {
+  std::string out;
+  for (uint8_t b : key) out += fmt::format("{:02x}", b);
+  return out;
+}
+
+StatusOr<RendezvousKey> ParseRendezvousKeyHex(std::string_view hex) {
+  RendezvousKey key{};
+  auto nibble = [](char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+  };
+  bool ok = hex.size() == 2 * key.size();
+  for (size_t i = 0; ok && i < key.size(); ++i) {
+    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    ok = hi >= 0 && lo >= 0;
+    key[i] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  if (!ok) {
+    return Status::InvalidArgument(
+        fmt::format("rendezvous key '{}': expected 32 lowercase hex digits", hex));
+  }
+  return key;
+}
+
+StatusOr<std::unique_ptr<Rendezvous>> ConnectRunRendezvous(const SelftestConfig& cfg) {
+  if (cfg.rendezvous.empty()) return Status::InvalidArgument("no rendezvous address");
+  KVF_ASSIGN_OR_RETURN(RendezvousKey key, ParseRendezvousKeyHex(cfg.rendezvous_key));
+  return ConnectRendezvous(cfg.rendezvous, key);
+}
+
 std::string AsString(const std::vector<std::byte>& b) {
   return std::string(reinterpret_cast<const char*>(b.data()), b.size());
 }
@@ -97,6 +127,8 @@ int64_t MaxBlocksPerRequest(const SelftestConfig& cfg) {
   return BlocksFor(cfg, *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
 }
 uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
+// The context instance's name on the rendezvous.
+constexpr std::string_view kContextInstance = "ctx";
 // Test-data seed of the shared prefix blocks (they hold the same values for every request).
 constexpr uint64_t kPrefixSeed = 0x5E1FFFFFFFFFFFFFULL;
 
@@ -241,7 +273,7 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     if (t < 1)
       return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
   }
-  if (cfg.dir.empty()) return Status::InvalidArgument("no rendezvous directory");
+  if (cfg.dir.empty()) return Status::InvalidArgument("no run directory");
   const std::vector<std::string> transports = AvailableTransports();
   if (std::find(transports.begin(), transports.end(), cfg.transport) == transports.end())
     return Status::InvalidArgument(fmt::format("--transport {}: this build has {}", cfg.transport,
@@ -352,8 +384,19 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
-  KVF_ASSIGN_OR_RETURN(auto side,
-                       ContextSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
+  auto deadline = DeadlineIn(cfg.timeout);
+  // Rank 0 makes the instance's secret; the other ranks take it from the rendezvous.
+  TransceiverOptions options = SideOptions(cfg);
+  if (rank == 0) {
+    options.instance_secret = RandomKey();
+    KVF_RETURN_IF_ERROR(PublishInstanceSecret(*rv, kContextInstance, options.instance_id,
+                                              options.instance_secret, deadline));
+  } else {
+    KVF_ASSIGN_OR_RETURN(options.instance_secret,
+                         FetchInstanceSecret(*rv, kContextInstance, options.instance_id, deadline));
+  }
+  KVF_ASSIGN_OR_RETURN(auto side, ContextSide::Create(dev, pool, options, std::move(transport)));
   MetricsBoard board;  // before the server: the server's thread reads it
   std::unique_ptr<MetricsServer> metrics_server;
   if (cfg.metrics_port >= 0) {
@@ -362,13 +405,11 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     const int port = cfg.metrics_port == 0 ? 0 : cfg.metrics_port + rank;
     KVF_ASSIGN_OR_RETURN(metrics_server, board.Serve(static_cast<uint16_t>(port), name));
   }
-  KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.addr", rank), side->address()));
-  auto deadline = DeadlineIn(cfg.timeout);
-  std::vector<std::string> addrs;
-  for (int r = 0; r < cfg.ctx.world_size(); ++r) {
-    KVF_ASSIGN_OR_RETURN(auto a, WaitForFile(dir / fmt::format("ctx-{}.addr", r), deadline));
-    addrs.push_back(AsString(a));
-  }
+  KVF_RETURN_IF_ERROR(PublishRankAddress(*rv, kContextInstance, options.instance_id, rank,
+                                         side->address(), deadline));
+  KVF_ASSIGN_OR_RETURN(std::vector<std::string> addrs,
+                       GatherRankAddresses(*rv, kContextInstance, options.instance_id,
+                                           cfg.ctx.world_size(), deadline));
   KVF_RETURN_IF_ERROR(side->SetInstanceAddresses(addrs));
   const RankSlice me = pool.slice();
   std::vector<int> group = GroupRanks(cfg.shape, cfg.ctx, me.dp_group);
@@ -425,8 +466,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
           events[id].push_back(ev);
         }
       }
-      if (leader)
-        KVF_RETURN_IF_ERROR(WriteFileAtomic(dir / fmt::format("req-{}.handle", i), *handle));
+      if (leader) KVF_RETURN_IF_ERROR(PublishHandle(*rv, id, *handle, DeadlineIn(cfg.timeout)));
       if (cfg.crash_ctx_rank == rank) {
         // Fault injection: die like a crashed process, with the request published and its
         // blocks leased; the other ranks must end their requests without hanging.
@@ -446,6 +486,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       events.erase(s.request_id);
       res.bytes += s.bytes;
       res.latencies.push_back(s.seconds);
+      // Complete here means every generation rank has it: nobody needs the handle any more.
+      if (leader && s.state == TransferState::kComplete) {
+        (void)rv->Erase(HandleKey(s.request_id), DeadlineIn(milliseconds(1000)));
+      }
       if (s.state != TransferState::kComplete) {
         ++res.failed;
         AddError(res, fmt::format("request {}: {} {}", s.request_id, TransferStateName(s.state),
@@ -504,6 +548,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, false, rank, make));
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   MetricsBoard board;  // before the server: the server's thread reads it
   std::unique_ptr<MetricsServer> metrics_server;
   if (cfg.metrics_port >= 0) {
@@ -529,7 +574,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
     while (next < mine.size() && !busy[next % cfg.concurrency] && (next == 0 || prefix_resident) &&
            !watch.Stopped()) {
       int i = mine[next];
-      auto handle = WaitForFile(dir / fmt::format("req-{}.handle", i), DeadlineIn(milliseconds(5)));
+      auto handle = FetchHandle(*rv, RequestId(i), DeadlineIn(milliseconds(5)));
       if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
       int slot = static_cast<int>(next % cfg.concurrency);
       const bool warm_up = static_cast<int>(next) < warmup;

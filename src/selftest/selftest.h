@@ -3,10 +3,12 @@
 // for the in-process transport), a stream of requests, every received element checked against the
 // test-data generator.
 //
-// Ranks find each other through a rendezvous directory: each context rank writes its address
-// (ctx-R.addr), the lowest rank of a request's serving DP group writes its handle (req-I.handle,
-// the router's job in a real deployment), each rank writes its result (ctx-R.json / gen-R.json).
-// Files are written to a temporary name and renamed, so readers never see half a file.
+// Ranks find each other through the TCP rendezvous (kvferry/rendezvous.h) that the parent runs, as
+// a deployment would: context rank 0 publishes the instance secret, every context rank its
+// address, the lowest rank of a request's serving DP group its handle (the router's job in a real
+// deployment); the handle of a request complete everywhere is erased. Results and progress go to
+// the run directory (ctx-R.json / gen-R.json), written to a temporary name and renamed, so readers
+// never see half a file.
 #pragma once
 
 #include <chrono>
@@ -18,8 +20,9 @@
 
 #include "kvferry/kv_model.h"
 #include "kvferry/metrics.h"
+#include "kvferry/rendezvous.h"
 #include "kvferry/status.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 
@@ -47,7 +50,10 @@ struct SelftestConfig {
   // e.g. "ctx:1:CREDIT:3:crash" (a crash ends the rank's process). Empty: none.
   std::string fault;
   std::chrono::milliseconds timeout{60000};
-  std::string dir;  // rendezvous directory
+  std::string dir;  // run directory: results, progress, the stop file
+  // The run's RendezvousServer ("host:port") and its group key (32 hex digits).
+  std::string rendezvous;
+  std::string rendezvous_key;
   // GPU of each rank process (--gpus), cycled over context ranks then generation ranks; empty:
   // the local rank modulo the visible GPUs (device "cuda"), or every rank on "cuda:N".
   std::vector<int> gpus;
@@ -87,6 +93,12 @@ std::string ResultToJson(const RankResult& r);
 StatusOr<RankResult> ResultFromJson(const std::string& text);
 
 using TransportMaker = std::function<StatusOr<std::unique_ptr<Transport>>()>;
+
+// A rendezvous group key as 32 hex digits, and back (kInvalidArgument naming the text).
+std::string RendezvousKeyHex(const RendezvousKey& key);
+StatusOr<RendezvousKey> ParseRendezvousKeyHex(std::string_view hex);
+// A client of the run's rendezvous (cfg.rendezvous, cfg.rendezvous_key).
+StatusOr<std::unique_ptr<Rendezvous>> ConnectRunRendezvous(const SelftestConfig& cfg);
 
 Status ValidateSelftest(const SelftestConfig& cfg);
 // The device a rank process opens ("cpu", "cuda:N").

@@ -8,8 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "files/slab_store.h"
 #include "kvferry/block_manager.h"
+#include "kvferry/slab_store.h"
 #include "tiering/key_index.h"
 #include "tiering/priority_lru.h"
 #include "tiering/slot_lease.h"

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "files/test_util.h"
-#include "tiering/memory_slab_store.h"
+#include "testing/memory_slab_store.h"
 #include "tiering/tiering_test_util.h"
 
 namespace kvferry::tiering {

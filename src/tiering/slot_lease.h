@@ -13,7 +13,7 @@
 
 #include <utility>
 
-#include "files/slab_store.h"
+#include "kvferry/slab_store.h"
 
 namespace kvferry::tiering {
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "kvferry/pool.h"
-#include "kvferry/testdata.h"
+#include "testing/testdata.h"
 
 namespace kvferry::tiering::testing {
 

@@ -9,8 +9,8 @@
 #include <thread>
 
 #include "base/log.h"
-#include "files/slab_store.h"
 #include "kvferry/config.h"
+#include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
 #include "metrics/atomic_histogram.h"
 #include "tiering/copy_plan.h"

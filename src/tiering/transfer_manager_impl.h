@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "files/slab_store.h"
+#include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
 #include "metrics/atomic_histogram.h"
 #include "tiering/copy_plan.h"

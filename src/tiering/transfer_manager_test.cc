@@ -4,7 +4,7 @@
 #include <thread>
 
 #include "kvferry/tiering.h"
-#include "tiering/memory_slab_store.h"
+#include "testing/memory_slab_store.h"
 #include "tiering/tiering_test_util.h"
 
 namespace kvferry::tiering {

@@ -19,11 +19,11 @@
 #include "base/thread_annotations.h"
 #include "kvferry/pool.h"
 #include "kvferry/transceiver.h"
+#include "kvferry/transport.h"
 #include "planner/planner.h"
 #include "transceiver/messages.h"
 #include "transceiver/rma.h"
 #include "transceiver/side_metrics.h"
-#include "transport/transport.h"
 
 namespace kvferry {
 

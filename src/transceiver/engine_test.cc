@@ -10,9 +10,9 @@
 #include <memory>
 #include <thread>
 
+#include "kvferry/inproc_transport.h"
 #include "kvferry/pool.h"
-#include "transport/inproc_transport.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 namespace {

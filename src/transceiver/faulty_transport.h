@@ -36,7 +36,7 @@
 #include <string_view>
 #include <vector>
 
-#include "transport/transport_wrapper.h"
+#include "kvferry/transport_wrapper.h"
 
 namespace kvferry {
 

@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "kvferry/pool.h"
+#include "kvferry/transport.h"
 #include "planner/planner.h"
 #include "transceiver/messages.h"
-#include "transport/transport.h"
 
 namespace kvferry {
 

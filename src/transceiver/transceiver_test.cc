@@ -12,12 +12,12 @@
 #include <optional>
 
 #include "kvferry/config.h"
-#include "kvferry/testdata.h"
+#include "kvferry/inproc_transport.h"
+#include "testing/testdata.h"
 #include "transceiver/engine.h"
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
 #include "transceiver/transceiver_test_cluster.h"
-#include "transport/inproc_transport.h"
 
 namespace kvferry {
 namespace {

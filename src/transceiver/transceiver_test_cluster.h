@@ -12,12 +12,12 @@
 #include <optional>
 
 #include "kvferry/config.h"
-#include "kvferry/testdata.h"
+#include "testing/testdata.h"
 #include "kvferry/transceiver.h"
 #include "transceiver/engine.h"
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
-#include "transport/inproc_transport.h"
+#include "kvferry/inproc_transport.h"
 
 namespace kvferry::txtest {
 

@@ -12,7 +12,7 @@
 #include <span>
 #include <string>
 
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 

@@ -1,4 +1,4 @@
-#include "transport/inproc_transport.h"
+#include "kvferry/inproc_transport.h"
 
 #include <array>
 #include <atomic>

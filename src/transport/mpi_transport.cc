@@ -24,7 +24,7 @@
 
 #include "base/log.h"
 #include "kvferry/config.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 namespace {

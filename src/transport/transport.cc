@@ -1,10 +1,10 @@
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 #include <algorithm>
 
+#include "kvferry/inproc_transport.h"
+#include "kvferry/ucx_info.h"
 #include "kvferry_build_config.h"
-#include "transport/inproc_transport.h"
-#include "transport/ucx_info.h"
 
 namespace kvferry {
 

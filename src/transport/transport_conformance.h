@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry::testing {
 

@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "kvferry/config.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry_build_config.h"
-#include "transport/inproc_transport.h"
 #include "transport/transport_conformance.h"
 #if KVFERRY_HAVE_UCX
 #include "transport/ucx_address.h"

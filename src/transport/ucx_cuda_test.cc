@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/transport.h"
+#include "kvferry/ucx_info.h"
 #include "transport/bandwidth.h"
-#include "transport/transport.h"
-#include "transport/ucx_info.h"
 
 namespace kvferry {
 namespace {

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/transport.h"
 #include "transport/bandwidth.h"
-#include "transport/transport.h"
 
 namespace kvferry {
 namespace {

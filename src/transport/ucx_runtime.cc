@@ -9,7 +9,7 @@
 #include <string>
 
 #include "base/log.h"
-#include "transport/ucx_info.h"
+#include "kvferry/ucx_info.h"
 #include "transport/ucx_util.h"
 
 namespace kvferry {

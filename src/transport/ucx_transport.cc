@@ -34,7 +34,7 @@
 
 #include "base/log.h"
 #include "kvferry/config.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 #include "transport/ucx_address.h"
 #include "transport/ucx_transport_impl.h"
 

@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 #include "transport/ucx_util.h"
 
 namespace kvferry::ucx_detail {

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "kvferry/config.h"
+#include "kvferry/transport.h"
 #include "transport/bandwidth.h"
-#include "transport/transport.h"
 
 namespace kvferry {
 namespace {

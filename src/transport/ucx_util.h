@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "kvferry/status.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry::ucx_detail {
 

@@ -18,14 +18,13 @@
 #include <random>
 #include <set>
 
-#include "files/raw_io_bench.h"
-#include "files/slab_store.h"
 #include "kvferry/config.h"
-#include "kvferry/testdata.h"
+#include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
-#include "tiering/copy_plan.h"
-#include "tiering/host_mirror.h"
-#include "tiering/memory_slab_store.h"
+#include "testing/bench_support.h"
+#include "testing/host_mirror.h"
+#include "testing/raw_io_bench.h"
+#include "testing/testdata.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
 
@@ -84,8 +83,7 @@ StatusOr<std::unique_ptr<SlabStore>> OpenFileTier(const std::string& backend,
                                                   const std::string& dir, int64_t block_bytes,
                                                   int64_t blocks) {
   if (backend == "memory") {
-    return std::unique_ptr<SlabStore>(
-        std::make_unique<tiering::MemorySlabStore>(block_bytes, blocks));
+    return NewMemorySlabStore(block_bytes, blocks);
   }
   SlabStoreOptions so = SlabStoreOptionsFromConfig();
   so.dir = dir;
@@ -131,8 +129,6 @@ struct Setup {
   std::unique_ptr<TransferManager> tm;
   // A, B, C: disjoint primary sets; X, Y: host sets.
   std::vector<int64_t> A, B, C, X, Y;
-  std::vector<std::byte*> pp, hp;
-  tiering::TierView pv, hv;
   std::unique_ptr<Stream> io;
   std::optional<BlockPool> mirror;  // host copy of the primary pool (test data, checks)
 };
@@ -188,12 +184,6 @@ class Bench {
     s->C = ids(2 * n);
     s->X = ids(0);
     s->Y = ids(n);
-    auto view = [](const BlockPool& p, std::vector<std::byte*>& ptrs) {
-      for (int32_t i = 0; i < p.num_regions(); ++i) ptrs.push_back(p.region(i));
-      return tiering::TierView{&p.layout(), ptrs};
-    };
-    s->pv = view(*s->primary, s->pp);
-    s->hv = view(*s->host, s->hp);
     KVF_ASSIGN_OR_RETURN(s->io, dev_.CreateStream());
     return s;
   }
@@ -232,10 +222,7 @@ class Bench {
   Fn Pattern(const Setup& s, const std::vector<BlockMove>& m, bool to_host) const {
     if (dev_.info().platform != "cpu") return nullptr;
     auto d = std::make_shared<std::vector<CopyDesc>>();
-    for (const BlockMove& mv : m) {
-      tiering::AppendRunCopies(to_host ? s.pv : s.hv, mv.src, to_host ? s.hv : s.pv, mv.dst, 1,
-                               mv.tokens == 0 ? s.tpb : mv.tokens, *d);
-    }
+    AppendBlockCopies(to_host ? *s.primary : *s.host, to_host ? *s.host : *s.primary, m, *d);
     return [d] {
       for (const CopyDesc& c : *d) {
         for (size_t r = 0; r < c.rows; ++r) {
@@ -354,7 +341,7 @@ class Bench {
   }
 
   // Each file backend: offload to and onboard from the file tier, beside raw O_DIRECT I/O of
-  // the same bytes on the same directory (src/files/raw_io_bench.h; its own timing: the read's
+  // the same bytes on the same directory (src/testing/raw_io_bench.h; its own timing: the read's
   // untimed pre-write and the scratch file's creation are left out), or beside the same-bytes
   // copy for the in-memory store.
   Status FileCases(Setup& s, std::vector<Row>& rows) {

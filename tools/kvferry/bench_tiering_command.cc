@@ -19,11 +19,11 @@
 #include <random>
 #include <thread>
 
-#include "files/slab_store.h"
 #include "kvferry/block_manager.h"
 #include "kvferry/config.h"
-#include "kvferry/testdata.h"
-#include "tiering/memory_slab_store.h"
+#include "kvferry/slab_store.h"
+#include "testing/bench_support.h"
+#include "testing/testdata.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
 
@@ -143,7 +143,7 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
   std::unique_ptr<SlabStore> store;
   if (mode.file) {
     if (o.file_backend == "memory") {
-      store = std::make_unique<tiering::MemorySlabStore>(bb, o.file_slots);
+      store = NewMemorySlabStore(bb, o.file_slots);
     } else {
       SlabStoreOptions so = SlabStoreOptionsFromConfig();
       so.dir = o.dir;

@@ -66,6 +66,8 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
   j["dir"] = c.dir;
+  j["rendezvous"] = c.rendezvous;
+  j["rendezvous_key"] = c.rendezvous_key;
   j["gpus"] = c.gpus;
   j["checksum"] = c.checksum;
   j["warmup"] = c.warmup;
@@ -95,6 +97,8 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
   c.dir = j["dir"];
+  c.rendezvous = j.value("rendezvous", "");
+  c.rendezvous_key = j.value("rendezvous_key", "");
   c.gpus = j.value("gpus", std::vector<int>{});
   c.checksum = j.value("checksum", true);
   c.warmup = j.value("warmup", 0);
@@ -214,6 +218,13 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
     }
   } cleanup{dir};
   KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
+  // The ranks meet through a rendezvous this process serves (loopback, a fresh group key), as
+  // the instances of a deployment would through theirs.
+  const RendezvousKey key = RandomKey();
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousServer> rendezvous,
+                       RendezvousServer::Start("127.0.0.1", 0, key));
+  cfg.rendezvous = rendezvous->address();
+  cfg.rendezvous_key = RendezvousKeyHex(key);
   if (cfg.transport == "inproc") return RunInProcess(cfg);
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
   std::string exe = fs::canonical("/proc/self/exe").string();

@@ -10,9 +10,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
-#include "files/slab_store.h"
 #include "kvferry/config.h"
-#include "kvferry/tiering_demo.h"
+#include "kvferry/slab_store.h"
+#include "testing/tiering_demo.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
 #include "tools/kvferry/rank_processes.h"

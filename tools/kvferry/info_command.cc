@@ -8,9 +8,9 @@
 #include "kvferry/build_info.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
+#include "kvferry/ucx_info.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
-#include "transport/ucx_info.h"
 
 namespace kvferry::tools {
 namespace {

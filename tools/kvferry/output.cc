@@ -6,7 +6,7 @@
 #include <map>
 
 #include "kvferry/build_info.h"
-#include "transport/ucx_info.h"
+#include "kvferry/ucx_info.h"
 
 namespace kvferry::tools {
 

@@ -1,4 +1,4 @@
-#include "tiering/memory_slab_store.h"
+#include "testing/memory_slab_store.h"
 
 #include <fmt/format.h>
 

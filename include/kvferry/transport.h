@@ -153,7 +153,7 @@ class Transport {
   virtual std::string DescribePeer(PeerId peer);
 };
 
-class InProcFabric;  // inproc_transport.h
+class InProcFabric;  // kvferry/inproc_transport.h
 
 struct TransportOptions {
   std::string name = "inproc";  // "inproc" | "ucx" | "mpi"

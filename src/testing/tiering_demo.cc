@@ -1,12 +1,12 @@
-#include "kvferry/tiering_demo.h"
+#include "testing/tiering_demo.h"
 
 #include <fmt/format.h>
 
 #include <optional>
 
-#include "kvferry/testdata.h"
-#include "tiering/host_mirror.h"
-#include "tiering/memory_slab_store.h"
+#include "testing/host_mirror.h"
+#include "testing/memory_slab_store.h"
+#include "testing/testdata.h"
 
 namespace kvferry {
 

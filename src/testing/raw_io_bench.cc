@@ -1,4 +1,4 @@
-#include "files/raw_io_bench.h"
+#include "testing/raw_io_bench.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

@@ -2,8 +2,8 @@
 // bench's "memory" backend. Slots keep their key, size and an XXH3-64 checksum of the payload;
 // reads verify all three, so a corrupt or foreign slot reads as kDataLoss with a reason.
 //
-// SlabStoreWrapper forwards every call to another store; FaultInjectingSlabStore overrides Write
-// and Read to fail writes (kResourceExhausted, as a full disk) or corrupt reads on demand.
+// FaultInjectingSlabStore (a SlabStoreWrapper, kvferry/slab_store.h) overrides Write and Read to
+// fail writes (kResourceExhausted, as a full disk) or corrupt reads on demand.
 //
 // Thread-safety: all methods are thread-safe.
 #pragma once
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "base/thread_annotations.h"
-#include "files/slab_store.h"
+#include "kvferry/slab_store.h"
 
 namespace kvferry::tiering {
 
@@ -49,25 +49,6 @@ class MemorySlabStore final : public SlabStore {
   mutable Mutex mu_;
   std::vector<Slot> slots_ GUARDED_BY(mu_);
   std::vector<SlotId> free_ GUARDED_BY(mu_);
-};
-
-// Forwards everything to `base` (not owned; must outlive the wrapper).
-class SlabStoreWrapper : public SlabStore {
- public:
-  explicit SlabStoreWrapper(SlabStore* base) : base_(base) {}
-  const FileBackendCaps& backend() const override { return base_->backend(); }
-  int64_t capacity() const override { return base_->capacity(); }
-  int64_t free_slots() const override { return base_->free_slots(); }
-  StatusOr<SlotId> Allocate() override { return base_->Allocate(); }
-  void Release(SlotId slot) override { base_->Release(slot); }
-  std::vector<Status> Write(std::span<const SlotWrite> writes) override {
-    return base_->Write(writes);
-  }
-  std::vector<Status> Read(std::span<const SlotRead> reads) override { return base_->Read(reads); }
-  std::vector<RecoveredSlot> Recovered() const override { return base_->Recovered(); }
-
- protected:
-  SlabStore* base_;
 };
 
 // Fails the next `n` slot writes (or all while fail_all_writes) with kResourceExhausted, and makes

@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "files/file_backend.h"
 #include "kvferry/device.h"
+#include "kvferry/file_backend.h"
 #include "kvferry/status.h"
 
 namespace kvferry {
@@ -126,6 +126,26 @@ class SlabStore {
   // (reused slot)", "slot 9: truncated file ..."); a slot never written is kNotFound. On any error
   // the destination's bytes are unspecified (they may have been partly overwritten).
   virtual std::vector<Status> Read(std::span<const SlotRead> reads) = 0;
+};
+
+// Forwards every call to `base` (not owned; must outlive the wrapper): subclass it to observe a
+// store or inject faults, as LevelDB's EnvWrapper does (tests: FaultInjectingSlabStore).
+class SlabStoreWrapper : public SlabStore {
+ public:
+  explicit SlabStoreWrapper(SlabStore* base) : base_(base) {}
+  const FileBackendCaps& backend() const override { return base_->backend(); }
+  int64_t capacity() const override { return base_->capacity(); }
+  int64_t free_slots() const override { return base_->free_slots(); }
+  StatusOr<SlotId> Allocate() override { return base_->Allocate(); }
+  void Release(SlotId slot) override { base_->Release(slot); }
+  std::vector<Status> Write(std::span<const SlotWrite> writes) override {
+    return base_->Write(writes);
+  }
+  std::vector<Status> Read(std::span<const SlotRead> reads) override { return base_->Read(reads); }
+  std::vector<RecoveredSlot> Recovered() const override { return base_->Recovered(); }
+
+ protected:
+  SlabStore* base_;
 };
 
 }  // namespace kvferry

@@ -17,7 +17,7 @@
 #include <string_view>
 
 #include "kvferry/status.h"
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 

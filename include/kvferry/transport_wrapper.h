@@ -13,7 +13,7 @@
 #include <memory>
 #include <utility>
 
-#include "transport/transport.h"
+#include "kvferry/transport.h"
 
 namespace kvferry {
 

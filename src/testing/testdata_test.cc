@@ -1,4 +1,4 @@
-#include "kvferry/testdata.h"
+#include "testing/testdata.h"
 
 #include <gtest/gtest.h>
 

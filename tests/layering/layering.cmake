@@ -1,0 +1,31 @@
+# The layers hold: a wrong-way include is a compile error (src/CMakeLists.txt, kvferry_layer).
+# Each test compiles one file against the include root a layer's (or the tools') sources get;
+# the negative ones pass only when the compiler says the header is not there.
+set(_dir "${PROJECT_SOURCE_DIR}/tests/layering")
+set(_cc ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only -I${CMAKE_BINARY_DIR}/src/generated)
+set(_missing "(: No such file or directory|' file not found)")
+add_test(NAME layering.planner_includes_below_compiles
+         COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/planner ${_dir}/planner_includes_below.cc)
+add_test(NAME layering.planner_includes_tiering_fails
+         COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/planner ${_dir}/planner_includes_tiering.cc)
+set_tests_properties(layering.planner_includes_tiering_fails PROPERTIES
+                     PASS_REGULAR_EXPRESSION "tiering/copy_plan.h'?${_missing}")
+add_test(NAME layering.base_includes_transceiver_api_fails
+         COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/base ${_dir}/base_includes_transceiver_api.cc)
+set_tests_properties(layering.base_includes_transceiver_api_fails PROPERTIES
+                     PASS_REGULAR_EXPRESSION "kvferry/transceiver.h'?${_missing}")
+if(KVFERRY_BUILD_TOOLS)
+  add_test(NAME layering.tool_includes_src_fails
+           COMMAND ${_cc} -I${PROJECT_SOURCE_DIR}/include -I${PROJECT_BINARY_DIR}/tools/include_root
+                   ${_dir}/tool_includes_src.cc)
+  set_tests_properties(layering.tool_includes_src_fails PROPERTIES
+                       PASS_REGULAR_EXPRESSION "transport/ucx_transport_impl.h'?${_missing}")
+endif()
+# Every public header compiles on its own against include/ alone (no src/ header, no vendor
+# header: the CUDA, UCX and MPI include directories are not given).
+file(GLOB _public RELATIVE "${PROJECT_SOURCE_DIR}/include" "${PROJECT_SOURCE_DIR}/include/kvferry/*.h")
+add_test(NAME layering.public_headers_stand_alone COMMAND sh -c
+         "for h in \"$@\"; do echo \"#include \\\"$h\\\"\" | ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only -Wall -Wextra -Werror -I${PROJECT_SOURCE_DIR}/include -x c++ - || { echo \"FAIL: $h\"; exit 1; }; done; echo PASS"
+         sh ${_public})
+set_tests_properties(layering.public_headers_stand_alone PROPERTIES PASS_REGULAR_EXPRESSION "PASS"
+                     FAIL_REGULAR_EXPRESSION "FAIL")
