@@ -366,7 +366,11 @@ class Harness {
         if (in.U8() & 1) {
           msg = CreditMsg{r.id ^ 1, tid + 1, 1, {}};  // a neighbour's request, a stale transfer
         } else {
-          msg = ChunkMsg{r.id, tid, in.Pick<uint32_t>({0, 1, 5, UINT32_MAX}), (in.U8() & 1) != 0,
+          msg = ChunkMsg{r.id,
+                         tid,
+                         in.Pick<uint32_t>({0, 1, 5, UINT32_MAX}),
+                         in.Pick<uint32_t>({1, 1, 2, 1u << 20}),
+                         (in.U8() & 1) != 0,
                          in.I64() < 0 ? 0u : 1u};
         }
         break;

@@ -140,6 +140,9 @@ struct BlockManagerStats {
   int64_t abandoned = 0;             // operations past io_timeout (leases kept until they end)
   int64_t leased_slots = 0;          // file slots held by in-flight operations
   int64_t recovered = 0;             // file slots found intact at open, offered as prefix hits
+  // Time the calls spent handing batches to the TransferManager (planning and the driver's enqueue
+  // on CUDA): the part of the caller's time that is copy submission, not bookkeeping.
+  int64_t submit_ns = 0;
 };
 
 class BlockManager {

@@ -133,6 +133,16 @@ struct DeviceInfo {
   std::string detail;  // free-form: compute capability, driver version
 };
 
+// Another process's device memory mapped into this one (Device::ImportMemory), so this process's
+// streams can copy into it directly. Move-only owner: unmaps when destroyed (after the streams
+// that copy into it are drained: the caller's job).
+class PeerMapping {
+ public:
+  virtual ~PeerMapping() = default;
+  virtual std::byte* data() const = 0;
+  virtual size_t size() const = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -159,6 +169,21 @@ class Device {
   // The default implementation refuses (a device without native handles).
   virtual StatusOr<std::unique_ptr<Stream>> WrapStream(void* native);
   virtual StatusOr<std::unique_ptr<Event>> WrapEvent(void* native);
+
+  // Sharing memory with another process on the same host, so one process's stream copies straight
+  // into another's pool (no transport, no staging). ExportMemory returns opaque bytes
+  // (docs/wire_format.md, "peer memory handle") naming [base, base + bytes) of `kind` memory;
+  // a device of the same platform in another process maps it with ImportMemory, and streams of
+  // that device may then read and write the mapping like their own memory.
+  //   - CUDA: kDevice memory of this GPU (an allocation of this device or an engine's tensor),
+  //     shared by CUDA IPC; the importer's GPU must reach it (same GPU, or peer access).
+  //   - CPU device: the importing process must be the exporting one (ranks as threads); another
+  //     process is refused (kUnavailable): host memory of another process is not mappable.
+  // Import refuses (kUnavailable) a handle of another host, platform or an unreachable process;
+  // malformed bytes are kInvalidArgument. Thread-safe. The default refuses both (kUnavailable).
+  virtual StatusOr<std::vector<std::byte>> ExportMemory(const void* base, size_t bytes,
+                                                        MemoryKind kind);
+  virtual StatusOr<std::unique_ptr<PeerMapping>> ImportMemory(std::span<const std::byte> handle);
 
  protected:
   // Buffers are made and freed only by their device.

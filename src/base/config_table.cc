@@ -52,6 +52,17 @@ constexpr KnobDecl kKnobs[] = {
      "one-sided path: fragment rows at least this long are put pool to pool; shorter ones are "
      "packed into staging, put, and unpacked",
      1, kMaxInt, ""},
+    {"transfer.peer_memory", KnobType::kString, "auto",
+     "one-sided path on one host: the context rank maps the generation pool and copies every "
+     "piece into it with its own stream, one batched copy per step (no transport puts, no "
+     "staging). auto: GPU pools (CUDA IPC); on: also the CPU device (ranks of one process); "
+     "off: transport puts",
+     0, 0, "auto|on|off"},
+    {"transfer.spin_us", KnobType::kInt, "200",
+     "a progress thread with operations in flight polls without sleeping for this long after "
+     "the last thing happened, then naps 50 us at a time (frees the cores for the ranks that "
+     "copy; costs up to a nap of latency on long waits)",
+     0, 10 * 1000 * 1000, ""},
     {"transfer.checksum", KnobType::kBool, "false",
      "each chunk carries an XXH3-64 of its bytes, verified on the receiver (kDataLoss on a "
      "mismatch); host-visible pools only",

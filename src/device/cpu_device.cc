@@ -13,6 +13,7 @@
 #include <unordered_set>
 
 #include "base/thread_annotations.h"
+#include "device/peer_memory.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
 
@@ -317,6 +318,17 @@ class CpuDevice final : public Device {
     }
     auto* target = static_cast<CpuEvent*>(static_cast<Event*>(native));
     return std::unique_ptr<Event>(new CpuEvent(nullptr, target->state()));
+  }
+
+  // Ranks of one process only (device.h).
+  StatusOr<std::vector<std::byte>> ExportMemory(const void* base, size_t bytes,
+                                                MemoryKind kind) override {
+    if (kind == MemoryKind::kFile)
+      return Status::InvalidArgument("ExportMemory: file memory is not memory");
+    return ExportCpuMemory(base, bytes);
+  }
+  StatusOr<std::unique_ptr<PeerMapping>> ImportMemory(std::span<const std::byte> handle) override {
+    return ImportCpuMemory(handle);
   }
 
  protected:

@@ -52,6 +52,10 @@ struct SelftestConfig {
   // the local rank modulo the visible GPUs (device "cuda"), or every rank on "cuda:N".
   std::vector<int> gpus;
   bool checksum = true;  // per-chunk payload checksums (transfer.checksum)
+  // Leading requests of each generation rank left out of bytes, seconds and latencies (bench
+  // transfer's warm-up: connection setup, first registrations and peer mappings); they are still
+  // transferred and checked.
+  int warmup = 0;
   // Each rank serves its side's metrics on 127.0.0.1: context rank r at metrics_port + r,
   // generation rank r at metrics_port + context ranks + r; 0: free ports (each named on stderr);
   // -1: none.

@@ -205,134 +205,31 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
-  const int64_t tpb = m.tpb;
   Sequence seq;
   seq.tokens.assign(prompt.begin(), prompt.end());
   seq.priority = priority;
   seq.prompt_tokens = static_cast<int64_t>(prompt.size());
-  ExtendKeys(seq, m.root, tpb);
-  const size_t full = seq.keys.size();
-  const size_t nblocks = (prompt.size() + tpb - 1) / tpb;
-
-  // 1. Walk the chain, leasing every hit.
-  struct Hit {
-    Tier tier;
-    int64_t id;
-  };
-  std::vector<Hit> hits;
-  for (size_t i = 0; i < full; ++i) {
-    const Cached* c = m.index.Find(seq.keys[i]);
-    ++m.st.lookups;
-    if (c == nullptr) break;
-    if (c->tier == Tier::kFile && m.SlotOf(Tier::kFile, c->id).busy) break;
-    m.Lease(*c);
-    hits.push_back({c->tier, c->id});
-  }
-  const size_t matched = hits.size();
-  // 2. Partial reuse: the cached child of the last match sharing the most leading tokens (not
-  // one whose own bytes are still arriving, nor a file slot being read).
-  const Cached* cand = nullptr;
-  BlockKey cand_key;
-  int64_t cand_tokens = 0;
-  if (m.opt.partial_reuse && matched < nblocks) {
-    const BlockKey parent = matched == 0 ? m.root : seq.keys[matched - 1];
-    const size_t base = matched * tpb;
-    const size_t want = std::min<size_t>(tpb, prompt.size() - base);
-    m.index.ForEachChild(parent, [&](const Cached& cc) {
-      if (cc.tier != Tier::kHost && m.SlotOf(cc.tier, cc.id).busy) return;
-      if (cc.tier == Tier::kPrimary && m.SlotOf(cc.tier, cc.id).arriving) return;
-      size_t n = 0;
-      while (n < want && cc.tokens[n] == prompt[base + n]) ++n;
-      if (static_cast<int64_t>(n) > cand_tokens) {
-        cand_tokens = static_cast<int64_t>(n);
-        cand = &cc;
-        cand_key = cc.key;
-      }
-    });
-    if (cand != nullptr) m.Lease(*cand);
-  }
-  const Tier cand_tier = cand ? cand->tier : Tier::kPrimary;
-  const int64_t cand_id = cand ? cand->id : -1;
-  // 3. Allocate everything that is not a primary hit.
+  ExtendKeys(seq, m.root, m.tpb);
+  const size_t nblocks = (prompt.size() + m.tpb - 1) / m.tpb;
+  std::vector<Impl::Hit> hits = m.LeasePrefixHits(seq);
+  const Impl::Candidate cand = m.LeasePartialCandidate(seq, hits.size(), nblocks);
   int64_t primary_hits = 0;
-  for (const Hit& h : hits) primary_hits += h.tier == Tier::kPrimary;
+  for (const Impl::Hit& h : hits) primary_hits += h.tier == Tier::kPrimary;
   std::vector<int64_t> fresh;
   Status alloc = m.AllocatePrimary(static_cast<int64_t>(nblocks) - primary_hits, fresh);
   if (!alloc.ok()) {
-    for (size_t i = 0; i < hits.size(); ++i) {
-      m.Unlease(hits[i].tier, hits[i].id, m.index.At(seq.keys[i]).priority);
-    }
-    if (cand) m.Unlease(cand_tier, cand_id, m.index.At(cand_key).priority);
+    m.UnleaseAll(seq, hits, cand);
     return alloc;
   }
   Admission adm;
-  size_t next_fresh = 0;
-  std::vector<BlockMove> from_host, from_file;
-  std::vector<SlotLease> file_leases;
-  for (size_t i = 0; i < nblocks; ++i) {
-    if (i < matched && hits[i].tier == Tier::kPrimary) {
-      seq.blocks.push_back(hits[i].id);
-      ++adm.hits[0];
-      continue;
-    }
-    const int64_t b = fresh[next_fresh++];
-    seq.blocks.push_back(b);
-    if (i >= matched) continue;
-    BlockMove mv(hits[i].id, b, 0, seq.keys[i]);
-    if (hits[i].tier == Tier::kHost) {
-      from_host.push_back(mv);
-      ++adm.hits[1];
-    } else {
-      from_file.push_back(mv);
-      file_leases.push_back(std::move(m.file_leases[mv.src]));
-      ++adm.hits[2];
-    }
-  }
-  // 4. Onboards start now; nothing waits for them (file reads: PollReady / WaitReady).
-  m.st.onboarded += static_cast<int64_t>(from_host.size() + from_file.size());
-  m.Onboard(Tier::kHost, std::move(from_host), {}, false);
-  m.Onboard(Tier::kFile, std::move(from_file), std::move(file_leases), false);
-  for (int t = 0; t < kNumTiers; ++t) m.st.hits[t] += adm.hits[t];
-  seq.matched = matched;
-  // 5. Partial copy of the candidate into the next block.
-  if (cand) {
-    const int32_t cand_prio = m.index.At(cand_key).priority;
-    if (cand_tokens > 0) {
-      BlockMove mv(cand_id, seq.blocks[matched], static_cast<int32_t>(cand_tokens), cand_key);
-      if (cand_tier == Tier::kFile) {
-        tiering::Op op;
-        op.kind = OpKind::kPartial;
-        op.from = Tier::kFile;
-        m.SlotOf(Tier::kFile, cand_id).busy = true;
-        m.SlotOf(Tier::kPrimary, mv.dst).arriving = true;
-        op.items.push_back(tiering::OpItem{cand_key, cand_id, mv.dst, mv.tokens,
-                                           std::move(m.file_leases[cand_id])});
-        m.SubmitFileRead(std::move(op));
-        seq.partial_tokens = cand_tokens;
-        ++m.st.partial_copies;
-      } else {
-        auto batch = m.tm->Move(cand_tier, Tier::kPrimary, std::span<const BlockMove>(&mv, 1));
-        if (batch.ok()) {
-          seq.partial_tokens = cand_tokens;
-          ++m.st.partial_copies;
-        } else {
-          seq.misses.push_back(batch.status().ToString());
-        }
-      }
-    }
-    if (cand_tier != Tier::kFile || cand_tokens == 0) m.Unlease(cand_tier, cand_id, cand_prio);
-  }
-  // 6. Store the prompt's full blocks not cached yet.
-  for (size_t i = 0; i < seq.keys.size(); ++i) {
-    if (m.index.Contains(seq.keys[i])) continue;
-    const BlockKey parent = i == 0 ? m.root : seq.keys[i - 1];
-    std::span<const int32_t> toks(seq.tokens.data() + i * tpb, static_cast<size_t>(tpb));
-    m.Register(seq.keys[i], parent, toks, Tier::kPrimary, seq.blocks[i], seq.priority);
-  }
+  m.PlaceAndOnboard(seq, hits, fresh, nblocks, adm);
+  m.StartPartialCopy(seq, cand);
+  m.StoreFullBlocks(seq, 0);
   adm.blocks = seq.blocks;
   adm.partial_tokens = seq.partial_tokens;
-  adm.reused_tokens = std::min<int64_t>(static_cast<int64_t>(matched) * tpb + seq.partial_tokens,
-                                        static_cast<int64_t>(prompt.size()));
+  adm.reused_tokens =
+      std::min<int64_t>(static_cast<int64_t>(seq.matched) * m.tpb + seq.partial_tokens,
+                        static_cast<int64_t>(prompt.size()));
   adm.misses = seq.misses;
   m.seqs.emplace(id, std::move(seq));
   auto r = PollReady(id);
@@ -342,6 +239,129 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
     adm.misses = r->misses;
   }
   return adm;
+}
+
+// Walks the prompt's key chain while it is cached (not in a file slot being read), leasing
+// every hit so nothing evicts it meanwhile.
+std::vector<BlockManager::Impl::Hit> BlockManager::Impl::LeasePrefixHits(const Sequence& seq) {
+  std::vector<Hit> hits;
+  for (const BlockKey& key : seq.keys) {
+    const Cached* c = index.Find(key);
+    ++st.lookups;
+    if (c == nullptr) break;
+    if (c->tier == Tier::kFile && SlotOf(Tier::kFile, c->id).busy) break;
+    Lease(*c);
+    hits.push_back({c->tier, c->id});
+  }
+  return hits;
+}
+
+// Partial reuse: the cached child of the last match sharing the most leading tokens with the
+// prompt's next block (not one whose own bytes are still arriving, nor a file slot being read),
+// leased; none when partial reuse is off or nothing shares a token.
+BlockManager::Impl::Candidate BlockManager::Impl::LeasePartialCandidate(const Sequence& seq,
+                                                                        size_t matched,
+                                                                        size_t nblocks) {
+  Candidate best;
+  if (!opt.partial_reuse || matched >= nblocks) return best;
+  const BlockKey parent = matched == 0 ? root : seq.keys[matched - 1];
+  const size_t base = matched * tpb;
+  const size_t want = std::min<size_t>(tpb, seq.tokens.size() - base);
+  index.ForEachChild(parent, [&](const Cached& cc) {
+    if (cc.tier != Tier::kHost && SlotOf(cc.tier, cc.id).busy) return;
+    if (cc.tier == Tier::kPrimary && SlotOf(cc.tier, cc.id).arriving) return;
+    size_t n = 0;
+    while (n < want && cc.tokens[n] == seq.tokens[base + n]) ++n;
+    if (static_cast<int64_t>(n) > best.tokens)
+      best = Candidate{cc.key, cc.tier, cc.id, static_cast<int64_t>(n)};
+  });
+  if (best.found()) Lease(index.At(best.key));
+  return best;
+}
+
+// Gives back what LeasePrefixHits and LeasePartialCandidate leased (the allocation failed).
+void BlockManager::Impl::UnleaseAll(const Sequence& seq, std::span<const Hit> hits,
+                                    const Candidate& cand) {
+  for (size_t i = 0; i < hits.size(); ++i) {
+    Unlease(hits[i].tier, hits[i].id, index.At(seq.keys[i]).priority);
+  }
+  if (cand.found()) Unlease(cand.tier, cand.id, index.At(cand.key).priority);
+}
+
+// The sequence's blocks in token order: primary hits shared, every other block from `fresh`;
+// host and file hits start onboarding into theirs now (nothing waits for them).
+void BlockManager::Impl::PlaceAndOnboard(Sequence& seq, std::span<const Hit> hits,
+                                         std::span<const int64_t> fresh, size_t nblocks,
+                                         Admission& adm) {
+  size_t next_fresh = 0;
+  std::vector<BlockMove> from_host, from_file;
+  std::vector<SlotLease> leases;
+  for (size_t i = 0; i < nblocks; ++i) {
+    if (i < hits.size() && hits[i].tier == Tier::kPrimary) {
+      seq.blocks.push_back(hits[i].id);
+      ++adm.hits[0];
+      continue;
+    }
+    const int64_t b = fresh[next_fresh++];
+    seq.blocks.push_back(b);
+    if (i >= hits.size()) continue;
+    BlockMove mv(hits[i].id, b, 0, seq.keys[i]);
+    if (hits[i].tier == Tier::kHost) {
+      from_host.push_back(mv);
+      ++adm.hits[1];
+    } else {
+      from_file.push_back(mv);
+      leases.push_back(std::move(file_leases[mv.src]));
+      ++adm.hits[2];
+    }
+  }
+  st.onboarded += static_cast<int64_t>(from_host.size() + from_file.size());
+  Onboard(Tier::kHost, std::move(from_host), {}, false);
+  Onboard(Tier::kFile, std::move(from_file), std::move(leases), false);
+  for (int t = 0; t < kNumTiers; ++t) st.hits[t] += adm.hits[t];
+  seq.matched = hits.size();
+}
+
+// Copies the candidate's first matching tokens into the block after the matched prefix (a file
+// candidate is read on the I/O thread); the candidate's lease goes back once it is not needed.
+void BlockManager::Impl::StartPartialCopy(Sequence& seq, const Candidate& cand) {
+  if (!cand.found()) return;
+  const int32_t prio = index.At(cand.key).priority;
+  if (cand.tokens > 0) {
+    BlockMove mv(cand.id, seq.blocks[seq.matched], static_cast<int32_t>(cand.tokens), cand.key);
+    if (cand.tier == Tier::kFile) {
+      tiering::Op op;
+      op.kind = OpKind::kPartial;
+      op.from = Tier::kFile;
+      SlotOf(Tier::kFile, cand.id).busy = true;
+      SlotOf(Tier::kPrimary, mv.dst).arriving = true;
+      op.items.push_back(
+          tiering::OpItem{cand.key, cand.id, mv.dst, mv.tokens, std::move(file_leases[cand.id])});
+      SubmitFileRead(std::move(op));
+      seq.partial_tokens = cand.tokens;
+      ++st.partial_copies;
+    } else {
+      auto batch = Submit(
+          [&] { return tm->Move(cand.tier, Tier::kPrimary, std::span<const BlockMove>(&mv, 1)); });
+      if (batch.ok()) {
+        seq.partial_tokens = cand.tokens;
+        ++st.partial_copies;
+      } else {
+        seq.misses.push_back(batch.status().ToString());
+      }
+    }
+  }
+  if (cand.tier != Tier::kFile || cand.tokens == 0) Unlease(cand.tier, cand.id, prio);
+}
+
+// Stores the sequence's full blocks from `first` on that are not cached yet under their keys.
+void BlockManager::Impl::StoreFullBlocks(const Sequence& seq, size_t first) {
+  for (size_t i = first; i < seq.keys.size(); ++i) {
+    if (index.Contains(seq.keys[i])) continue;
+    const BlockKey parent = i == 0 ? root : seq.keys[i - 1];
+    std::span<const int32_t> toks(seq.tokens.data() + i * tpb, static_cast<size_t>(tpb));
+    Register(seq.keys[i], parent, toks, Tier::kPrimary, seq.blocks[i], seq.priority);
+  }
 }
 
 StatusOr<Readiness> BlockManager::PollReady(uint64_t id) {
@@ -459,12 +479,7 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
   const size_t before = s.keys.size();
   ExtendKeys(s, m.root, m.tpb);
-  for (size_t i = before; i < s.keys.size(); ++i) {
-    if (m.index.Contains(s.keys[i])) continue;
-    const BlockKey parent = i == 0 ? m.root : s.keys[i - 1];
-    std::span<const int32_t> toks(s.tokens.data() + i * m.tpb, static_cast<size_t>(m.tpb));
-    m.Register(s.keys[i], parent, toks, Tier::kPrimary, s.blocks[i], s.priority);
-  }
+  m.StoreFullBlocks(s, before);
   return Status::Ok();
 }
 

@@ -121,6 +121,26 @@ struct BlockManager::Impl {
   void Unlease(Tier tier, int64_t id, int32_t priority);
   void Unref(int64_t b, int32_t priority);
 
+  // AddSequence's steps (block_manager.cc), in order.
+  struct Hit {
+    Tier tier;
+    int64_t id;
+  };
+  struct Candidate {  // a partially matching cached block
+    BlockKey key;
+    Tier tier = Tier::kPrimary;
+    int64_t id = -1;
+    int64_t tokens = 0;  // leading tokens it shares with the prompt's next block
+    bool found() const { return id >= 0; }
+  };
+  std::vector<Hit> LeasePrefixHits(const tiering::Sequence& seq);
+  Candidate LeasePartialCandidate(const tiering::Sequence& seq, size_t matched, size_t nblocks);
+  void UnleaseAll(const tiering::Sequence& seq, std::span<const Hit> hits, const Candidate& cand);
+  void PlaceAndOnboard(tiering::Sequence& seq, std::span<const Hit> hits,
+                       std::span<const int64_t> fresh, size_t nblocks, Admission& adm);
+  void StartPartialCopy(tiering::Sequence& seq, const Candidate& cand);
+  void StoreFullBlocks(const tiering::Sequence& seq, size_t first);
+
   // Movement (block_manager_io.cc). None of these waits.
   // Retires what finished and submits deferred reads: what the calls that allocate do first.
   void RetireAndSubmit();
@@ -146,6 +166,14 @@ struct BlockManager::Impl {
   void SubmitFileRead(tiering::Op op);  // now, or deferred behind earlier reads
   void StartFileRead(tiering::Op op);   // now (staging is free)
   void AddOp(tiering::Op op);
+  // Runs `submit` (a TransferManager call) and adds its time to st.submit_ns.
+  template <typename F>
+  auto Submit(F&& submit) {
+    const Clock::time_point t0 = Clock::now();
+    auto batch = submit();
+    st.submit_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    return batch;
+  }
 };
 
 }  // namespace kvferry

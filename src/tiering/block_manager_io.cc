@@ -166,7 +166,7 @@ void BlockManager::Impl::SubmitFileRead(Op op) {
 void BlockManager::Impl::StartFileRead(Op op) {
   std::vector<BlockMove> moves;
   for (const OpItem& it : op.items) moves.emplace_back(it.src, it.dst, it.tokens, it.key);
-  auto batch = tm->Move(Tier::kFile, Tier::kPrimary, moves);
+  auto batch = Submit([&] { return tm->Move(Tier::kFile, Tier::kPrimary, moves); });
   if (!batch.ok()) {
     // A programming error (ids were checked): every item fails, nothing is in flight.
     Log(LogLevel::kError, "tiering: file read not queued: {}", batch.status().ToString());
@@ -229,7 +229,7 @@ void BlockManager::Impl::Demote(int64_t count) {
       op.items.push_back(OpItem{key, h, slot.id(), 0, std::move(slot)});
     }
     if (moves.empty()) return;
-    auto batch = tm->Move(Tier::kHost, Tier::kFile, moves);
+    auto batch = Submit([&] { return tm->Move(Tier::kHost, Tier::kFile, moves); });
     if (!batch.ok()) {
       Log(LogLevel::kError, "tiering: demotion not queued: {}", batch.status().ToString());
       for (const OpItem& it : op.items) {
@@ -292,7 +292,7 @@ std::vector<int64_t> BlockManager::Impl::Spill(std::span<const int64_t> victims)
     }
     if (moves.empty()) continue;
     if (opt.compute != nullptr) (void)tm->WaitForCompute(*opt.compute);
-    auto batch = tm->Move(Tier::kPrimary, Tier::kFile, moves);
+    auto batch = Submit([&] { return tm->Move(Tier::kPrimary, Tier::kFile, moves); });
     if (!batch.ok()) {
       Log(LogLevel::kError, "tiering: spill to the file tier not queued: {}",
           batch.status().ToString());
@@ -352,7 +352,7 @@ void BlockManager::Impl::EvictPrimary(std::span<const int64_t> victims) {
     Status s = tm->WaitForCompute(*opt.compute);
     if (!s.ok()) Log(LogLevel::kError, "tiering: WaitForCompute failed: {}", s.ToString());
   }
-  auto batch = tm->Offload(Tier::kHost, moves);
+  auto batch = Submit([&] { return tm->Offload(Tier::kHost, moves); });
   Op op;
   op.kind = OpKind::kOffload;
   op.from = Tier::kPrimary;
@@ -408,7 +408,7 @@ void BlockManager::Impl::Onboard(Tier from, std::vector<BlockMove> moves,
                                  std::vector<SlotLease> leases, bool prefetch) {
   if (moves.empty()) return;
   if (from == Tier::kHost) {
-    auto batch = tm->Onboard(Tier::kHost, moves);
+    auto batch = Submit([&] { return tm->Onboard(Tier::kHost, moves); });
     Op op;
     op.kind = OpKind::kOnboard;
     op.from = Tier::kHost;

@@ -15,6 +15,7 @@ namespace {
 
 struct SendOp {
   size_t chunk = 0;
+  uint32_t count = 1;                              // chunks [chunk, chunk + count) (peer memory)
   int slot = -1;                                   // staging slot, -1 for a direct chunk
   Event* packed = nullptr;                         // pending pack into the slot
   std::unique_ptr<TransportOp> op;                 // pending send (tagged path)
@@ -35,6 +36,8 @@ struct SendPair {
   bool done = false;        // DONE received
   bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
   bool rma = false;         // one-sided puts into target (else tagged sends)
+  bool peer_mem = false;    // one-sided by copies into the mapped generation pool (peer_pool)
+  std::vector<PeerMapping*> peer_pool;  // peer: one mapping per generation pool region
   bool checksum = false;
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
@@ -68,6 +71,9 @@ struct CtxRequest {
 // FETCHes for requests this rank does not know yet wait (transfer.unknown_request_wait_ms) in a
 // bounded list: a peer sending fetches for made-up ids can't grow it without bound.
 constexpr size_t kMaxPendingFetches = 1024;
+
+// Peer memory: bytes of chunks one CopyBatch (and one CHUNK message) covers at most.
+constexpr int64_t kPeerBatchBytes = int64_t{64} << 20;
 
 struct PendingFetch {
   PeerId from;
@@ -256,12 +262,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   bool InFlight() const override {
-    for (const auto& [id, r] : requests_) {
-      for (const auto& [g, p] : r.pairs) {
-        if (!p.inflight.empty()) return true;
-      }
-    }
-    return false;
+    // A live request's next step (a FETCH, a peer's answer, a copy's end) is due soon: poll for
+    // it (the loop naps again transfer.spin_us after the last progress).
+    return !requests_.empty();
   }
 
   bool OnStop() override {
@@ -405,6 +408,26 @@ class ContextSideImpl final : public ContextSide, public Engine {
       rma_said_ = true;
       Log(LogLevel::kInfo, "context side: tagged data path, not one-sided: {}", rma_why());
     }
+    std::vector<PeerMapping*> peer_pool;
+    if (rma && options_.peer_memory != EngineOptions::PeerMemory::kOff &&
+        !f.rma_target.peer_pool.empty()) {
+      auto mapped = MapPeerPool(f.rma_target.peer_pool);
+      Status st = mapped.status();
+      for (size_t i = 0; st.ok() && i < mapped->size(); ++i) {
+        if ((*mapped)[i]->size() < f.rma_target.pool[i].bytes) {
+          st = Status::InvalidArgument(
+              fmt::format("peer pool region {} maps {} bytes, the target declares {}", i,
+                          (*mapped)[i]->size(), f.rma_target.pool[i].bytes));
+        }
+      }
+      if (st.ok()) {
+        peer_pool = std::move(mapped).value();
+      } else if (!peer_said_) {
+        peer_said_ = true;
+        Log(LogLevel::kInfo, "context side: transport puts, not peer memory copies: {}",
+            st.ToString());
+      }
+    }
     if (!r->planned || !SamePlanInputs(r->plan_key, f)) {
       PlanInput in;
       in.ctx = SelfDesc();
@@ -432,6 +455,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
     p.peer = peer;
     p.transfer_id = f.transfer_id;
     p.rma = rma;
+    p.peer_mem = !peer_pool.empty();
+    p.peer_pool = std::move(peer_pool);
     p.checksum = f.checksum && host_visible_pool();
     if (rma) p.target = std::move(f.rma_target);
     for (const PairPlan& pp : r->plan) {
@@ -439,7 +464,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     }
     r->state = TransferState::kInProgress;
     SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
-    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma});
+    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, p.peer_mem});
     SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
     for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
   }
@@ -448,6 +473,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // credited chunk. A pair takes only the kind of its path (the generation rank credits
   // one-sided before it knows this rank's answer, and again tagged after ACCEPT says tagged).
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c) {
+    if (p.peer_mem) return;  // copies land in the destination blocks: no staging, no credit needed
     if (!p.rma) {
       if (c.slots.empty()) p.credit = std::max<size_t>(p.credit, c.chunks);
       return;
@@ -472,6 +498,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   bool AdvancePair(CtxRequest& r, SendPair& p) {
+    if (p.peer_mem) return AdvancePeerPair(r, p);
     if (p.rma) return AdvanceRmaPair(r, p);
     bool busy = false;
     const auto& chunks = p.plan.chunks;
@@ -552,12 +579,94 @@ class ContextSideImpl final : public ContextSide, public Engine {
 
   // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed).
   void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
-    r.bytes += p.plan.chunks[s.chunk].bytes;
-    NoteChunk(r.id, p.plan.chunks[s.chunk].bytes, s.started);
-    if (p.rma || s.has_checksum) {
-      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.has_checksum,
-                               s.checksum});
+    for (uint32_t i = 0; i < s.count; ++i) {
+      r.bytes += p.plan.chunks[s.chunk + i].bytes;
+      NoteChunk(r.id, p.plan.chunks[s.chunk + i].bytes, s.started);
     }
+    if (p.rma || s.has_checksum) {
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.count,
+                               s.has_checksum, s.checksum});
+    }
+  }
+
+  // Peer memory: every ready chunk's pieces copied by this rank's stream straight into the mapped
+  // generation pool, many chunks per CopyBatch (one gather kernel on a GPU); one CHUNK message
+  // per batch once its event completes. No credit, staging or transport operation.
+  bool AdvancePeerPair(CtxRequest& r, SendPair& p) {
+    bool busy = false;
+    const auto& chunks = p.plan.chunks;
+    while (!r.ending && p.next < chunks.size() && chunks[p.next].last_layer < r.ready_end &&
+           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+      SendOp s;
+      s.chunk = p.next;
+      s.count = 0;
+      descs_.clear();
+      int64_t bytes = 0;
+      // A checksum covers one chunk: one chunk per batch then.
+      while (p.next < chunks.size() && chunks[p.next].last_layer < r.ready_end &&
+             (s.count == 0 || (!p.checksum && bytes < kPeerBatchBytes))) {
+        if (Status st = PeerCopies(chunks[p.next], p, descs_); !st.ok()) {
+          Fail(r,
+               st.WithContext(fmt::format("chunk {} to generation rank {}", p.next, p.gen_rank)));
+          return true;
+        }
+        bytes += chunks[p.next].bytes;
+        ++p.next;
+        ++s.count;
+      }
+      if (p.checksum) {
+        s.has_checksum = true;
+        s.checksum = ChunkChecksum(chunks[s.chunk], true, pool_);
+      }
+      Status st = stream_->CopyBatch(descs_);
+      s.packed = AcquireEvent();
+      if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
+      if (!st.ok()) {
+        if (s.packed) ReleaseEvent(s.packed);
+        Fail(r, st.WithContext(fmt::format("copying into generation rank {}'s pool", p.gen_rank)));
+        return true;
+      }
+      p.inflight.push_back(std::move(s));
+      busy = true;
+    }
+    // One stream: batches complete in order.
+    while (!p.inflight.empty() && p.inflight.front().packed->Query()) {
+      SendOp& s = p.inflight.front();
+      ReleaseEvent(s.packed);
+      if (!r.ending) ChunkSent(r, p, s);
+      p.inflight.pop_front();
+      busy = true;
+    }
+    return busy;
+  }
+
+  // The copies of one chunk from this pool into the mapped generation pool, each checked to lie
+  // inside its mapped region.
+  Status PeerCopies(const Chunk& c, const SendPair& p, std::vector<CopyDesc>& out) const {
+    for (const Piece& pc : c.pieces) {
+      if (pc.dst_region < 0 || static_cast<size_t>(pc.dst_region) >= p.peer_pool.size()) {
+        return Status::Internal(
+            fmt::format("piece for generation region {} of {}", pc.dst_region, p.peer_pool.size()));
+      }
+      const PeerMapping& m = *p.peer_pool[pc.dst_region];
+      const uint64_t last = static_cast<uint64_t>(pc.dst_offset) +
+                            static_cast<uint64_t>((pc.rows - 1) * pc.dst_pitch);
+      if (pc.dst_offset < 0 || last + static_cast<uint64_t>(pc.bytes) > m.size()) {
+        return Status::InvalidArgument(fmt::format(
+            "copy of {} rows of {} bytes at offset {} (pitch {}) is outside generation region {} "
+            "({} bytes mapped)",
+            pc.rows, pc.bytes, pc.dst_offset, pc.dst_pitch, pc.dst_region, m.size()));
+      }
+      CopyDesc d{};
+      d.dst = m.data() + pc.dst_offset;
+      d.src = pool_.region(pc.src_region) + pc.src_offset;
+      d.bytes = static_cast<size_t>(pc.bytes);
+      d.rows = static_cast<size_t>(pc.rows);
+      d.dst_pitch = static_cast<size_t>(pc.dst_pitch);
+      d.src_pitch = static_cast<size_t>(pc.src_pitch);
+      out.push_back(d);
+    }
+    return Status::Ok();
   }
 
   // One-sided: rows put pool to pool, the packed rest put into the credited staging slot, one
@@ -752,6 +861,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   std::set<uint64_t> recent_set_;
   std::vector<CopyDesc> descs_;  // reused
   bool rma_said_ = false;        // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;       // logged once why offered peer memory is not used
 };
 
 }  // namespace

@@ -40,9 +40,14 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
   e.max_inflight = c.Int("transfer.max_inflight_per_pair");
   e.unknown_request_wait = std::chrono::milliseconds(c.Int("transfer.unknown_request_wait_ms"));
   e.abort_grace = std::chrono::milliseconds(c.Int("transfer.abort_grace_ms"));
+  e.spin = std::chrono::microseconds(c.Int("transfer.spin_us"));
   e.rma = o.rma.value_or(c.Bool("transfer.rma"));
   e.rma_row_min_bytes = c.Int("transfer.rma_row_min_bytes");
   e.checksum = o.checksum.value_or(c.Bool("transfer.checksum"));
+  const std::string peer = c.String("transfer.peer_memory");
+  e.peer_memory = peer == "on"    ? EngineOptions::PeerMemory::kOn
+                  : peer == "off" ? EngineOptions::PeerMemory::kOff
+                                  : EngineOptions::PeerMemory::kAuto;
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)
@@ -64,9 +69,11 @@ Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
 
 Engine::~Engine() {
   Stop();
-  // Copies still queued on the stream read or write staging and the pool: the stream drains them
-  // when destroyed, which must happen before staging_ (declared after it) is freed.
+  // Copies still queued on the stream read or write staging, the pool and mapped peer pools: the
+  // stream drains them when destroyed, which must happen before staging_ (declared after it) is
+  // freed and the peer mappings are closed.
   stream_.reset();
+  mapped_.clear();
 }
 
 Status Engine::Start() {
@@ -100,8 +107,39 @@ Status Engine::Start() {
           rma_why_);
     }
   }
+  const bool share = options_.peer_memory == EngineOptions::PeerMemory::kOn ||
+                     (options_.peer_memory == EngineOptions::PeerMemory::kAuto && !cpu &&
+                      pool_.memory() == MemoryKind::kDevice);
+  if (rma_ok() && share) {
+    const size_t region_bytes = static_cast<size_t>(pool_.layout().region_bytes());
+    for (int32_t i = 0; i < pool_.num_regions(); ++i) {
+      auto h = device_.ExportMemory(pool_.region(i), region_bytes, pool_.memory());
+      if (!h.ok()) {
+        Log(LogLevel::kDebug, "transceiver: pool region {} not shared as peer memory: {}", i,
+            h.status().ToString());
+        exported_pool_.clear();
+        break;
+      }
+      exported_pool_.push_back(std::move(h).value());
+    }
+  }
   thread_ = std::thread([this] { Run(); });
   return Status::Ok();
+}
+
+StatusOr<std::vector<PeerMapping*>> Engine::MapPeerPool(
+    const std::vector<std::vector<std::byte>>& handles) {
+  std::vector<PeerMapping*> out;
+  out.reserve(handles.size());
+  for (const auto& h : handles) {
+    auto it = mapped_.find(h);
+    if (it == mapped_.end()) {
+      KVF_ASSIGN_OR_RETURN(std::unique_ptr<PeerMapping> m, device_.ImportMemory(h));
+      it = mapped_.emplace(h, std::move(m)).first;
+    }
+    out.push_back(it->second.get());
+  }
+  return out;
 }
 
 void Engine::Stop() {
@@ -132,6 +170,7 @@ void Engine::Run() {
   // transports find current when they copy GPU memory).
   (void)stream_->Query();
   auto next_tick = Clock::now();
+  auto last_busy = next_tick;
   Deadline stop_deadline{};
   while (true) {
     const int64_t cpu0 = ThreadCpuNs();
@@ -164,10 +203,16 @@ void Engine::Run() {
       if (stop_deadline == Deadline{}) stop_deadline = now + options_.timeout;
       if (OnStop() || now > stop_deadline) break;
     }
-    if (busy) busy_cpu_ns_ += ThreadCpuNs() - cpu0;
-    if (!busy && InFlight()) {
+    if (busy) {
+      busy_cpu_ns_ += ThreadCpuNs() - cpu0;
+      last_busy = now;
+    }
+    if (!busy && InFlight() && now - last_busy < options_.spin) {
       // Transports make progress only when driven (MPI and UCX shared memory copy inside the
       // progress call): with bytes in flight, keep driving, yielding the core between calls.
+      // Past transfer.spin_us without anything happening (a long copy on the device, a peer's
+      // answer) the loop naps like an idle one, so waiting ranks leave the cores to those
+      // copying.
       std::this_thread::yield();
     } else if (!busy) {
       MutexLock lock(cmd_mu_);

@@ -38,11 +38,15 @@ struct EngineOptions {
   int64_t max_inflight;
   std::chrono::milliseconds unknown_request_wait;
   std::chrono::milliseconds abort_grace;
+  std::chrono::microseconds spin;  // polling with operations in flight before napping
   std::array<uint8_t, 16> secret;
   uint64_t instance_id;
   bool rma;  // use one-sided puts where both transports can
   int64_t rma_row_min_bytes;
   bool checksum;  // ask for (generation) per-chunk checksums
+  // Offer / use mapped peer pools on the one-sided path (transfer.peer_memory): for GPU pools
+  // (auto), for every pool a device can share (on), never (off).
+  enum class PeerMemory { kAuto, kOn, kOff } peer_memory;
 };
 EngineOptions ResolveOptions(const TransceiverOptions& options);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
@@ -89,7 +93,8 @@ class Engine {
   // Ends every live request (kCancelled, "shutting down") and returns true once nothing is in
   // flight any more.
   virtual bool OnStop() = 0;
-  // True while transport operations are outstanding (the loop then polls instead of sleeping).
+  // True while requests are live: the loop then polls without sleeping for up to transfer.spin_us
+  // after the last progress (transport operations, device copies and peers' answers are due).
   virtual bool InFlight() const = 0;
 
   void Post(std::function<void()> fn);
@@ -124,6 +129,13 @@ class Engine {
   bool rma_ok() const { return rma_.staging != nullptr; }
   const std::string& rma_why() const { return rma_why_; }
   const LocalRma& local_rma() const { return rma_; }
+  // Peer memory: this rank's pool regions exported for a same-host peer to map (empty when the
+  // device can't share them or transfer.peer_memory is off), and the peer pools this rank mapped,
+  // by handle (kept while the side lives: a generation pool stays put).
+  const std::vector<std::vector<std::byte>>& exported_pool() const { return exported_pool_; }
+  // The mappings of `handles` (one per region), or why they can't be mapped.
+  StatusOr<std::vector<PeerMapping*>> MapPeerPool(
+      const std::vector<std::vector<std::byte>>& handles);
   MemoryKind staging_kind() const { return staging_.kind(); }
   // Checksums need the pool's bytes on the host.
   bool host_visible_pool() const { return pool_wire_kind_ != MemoryKind::kDevice; }
@@ -146,6 +158,8 @@ class Engine {
   bool direct_ok_ = true;
   LocalRma rma_;
   std::string rma_why_;
+  std::vector<std::vector<std::byte>> exported_pool_;
+  std::map<std::vector<std::byte>, std::unique_ptr<PeerMapping>> mapped_;  // progress thread
 
   mutable Mutex cmd_mu_;
   std::condition_variable cmd_cv_;

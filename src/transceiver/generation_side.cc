@@ -43,6 +43,7 @@ struct RecvPair {
   bool completed_ack = false;   // COMPLETE received: every generation rank is done
   bool closed = false;          // rejected or aborted by the context rank
   bool rma = false;             // one-sided: credits name staging slots, CHUNK says in place
+  bool peer_mem = false;        // one-sided by the context rank's copies into our mapped pool
   int64_t row_min = kNoDirect;  // one-sided: rows at least this long arrive in the pool
   bool checksum = false;        // CHUNK messages carry checksums (asked in FETCH)
   std::deque<RecvOp> inflight;
@@ -120,6 +121,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         f.rma_target =
             DescribeTarget(local_rma(), options_.chunk_bytes,
                            static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct));
+        f.rma_target.peer_pool = exported_pool();
       }
       // Every context rank of the serving DP group hears from us, even those with nothing to
       // send us: that is how each knows when all generation ranks are done.
@@ -191,7 +193,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       return {nullptr, nullptr};
     };
     if (auto* a = std::get_if<AcceptMsg>(&msg)) {
-      if (auto [r, p] = find(a->request_id, a->transfer_id); p) OnAccept(*r, *p, a->rma);
+      if (auto [r, p] = find(a->request_id, a->transfer_id); p) OnAccept(*r, *p, *a);
     } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
       if (auto [r, p] = find(k->request_id, k->transfer_id); p) OnChunk(*r, *p, *k);
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
@@ -273,12 +275,9 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
 
   bool InFlight() const override {
-    for (const auto& [id, r] : requests_) {
-      for (const RecvPair& p : r.pairs) {
-        if (!p.inflight.empty()) return true;
-      }
-    }
-    return false;
+    // A live request's next step (a FETCH, a peer's answer, a copy's end) is due soon: poll for
+    // it (the loop naps again transfer.spin_us after the last progress).
+    return !requests_.empty();
   }
 
   bool OnStop() override {
@@ -372,8 +371,20 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
            Clock::now() >= r.ended_at + options_.abort_grace;
   }
 
+  // Peer memory: the context rank copies into our pool directly; every chunk just waits for its
+  // CHUNK message (no slot, no credit).
+  bool PostPeer(GenRequest& r, RecvPair& p) {
+    if (r.ending || p.closed || p.next_post == p.plan.chunks.size()) return false;
+    for (; p.next_post < p.plan.chunks.size(); ++p.next_post) {
+      RecvOp o;
+      o.chunk = p.next_post;
+      p.inflight.push_back(std::move(o));
+    }
+    return true;
+  }
+
   bool AdvancePair(GenRequest& r, RecvPair& p) {
-    bool busy = p.rma ? PostRma(r, p) : PostTagged(r, p);
+    bool busy = p.peer_mem ? PostPeer(r, p) : p.rma ? PostRma(r, p) : PostTagged(r, p);
     if (p.rma && !p.watch && !r.ending && !p.closed && !p.completed_ack) {
       auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
                                  sizeof(p.watch_buf), MemoryKind::kHost);
@@ -469,8 +480,27 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return busy;
   }
 
-  void OnAccept(GenRequest& r, RecvPair& p, bool rma) {
+  void OnAccept(GenRequest& r, RecvPair& p, const AcceptMsg& a) {
+    const bool rma = a.rma;
     p.accepted = true;
+    if (a.peer_memory) {
+      if (!p.rma || exported_pool().empty()) {
+        End(r, TransferState::kError,
+            Status::InvalidArgument(fmt::format("context rank {} answered peer memory to a fetch "
+                                                "that offered none",
+                                                p.ctx_rank)),
+            true);
+        return;
+      }
+      // The context rank writes no staging slot: give back those credited so far.
+      p.peer_mem = true;
+      for (RecvOp& o : p.inflight) {
+        if (o.slot >= 0) ReleaseSlot(o.slot);
+        o.slot = -1;
+      }
+      PostPeer(r, p);  // CHUNK messages may follow in the same drain of control messages
+      return;
+    }
     if (p.rma == rma) return;
     if (rma) {
       End(r, TransferState::kError,
@@ -491,19 +521,21 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
 
   void OnChunk(GenRequest& r, RecvPair& p, const ChunkMsg& k) {
     if (r.ending) return;
-    for (RecvOp& o : p.inflight) {
-      if (o.chunk == k.chunk && !o.notified) {
+    uint32_t marked = 0;
+    if (k.count == 1 || !k.has_checksum) {
+      for (RecvOp& o : p.inflight) {
+        if (o.chunk < k.chunk || o.chunk - k.chunk >= k.count || o.notified) continue;
         o.notified = true;
         o.has_checksum = k.has_checksum;
         o.checksum = k.checksum;
-        return;
+        if (++marked == k.count) return;
       }
     }
     End(r, TransferState::kError,
         Status::InvalidArgument(fmt::format(
-            "request {}: context rank {} reported chunk {} in place, which is not credited or "
-            "was reported before",
-            r.id, p.ctx_rank, k.chunk)),
+            "request {}: context rank {} reported chunks [{}, +{}) in place ({} checksum), of "
+            "which {} are credited and not reported before",
+            r.id, p.ctx_rank, k.chunk, k.count, k.has_checksum ? "with a" : "no", marked)),
         true);
   }
 

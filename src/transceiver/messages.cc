@@ -62,7 +62,8 @@ struct Encoder {
     w.I64(m.direct_min_bytes);
     EncodeBlocks(w, m.blocks);
     w.Str(m.reply_address);
-    w.U8(static_cast<uint8_t>((m.rma ? 1 : 0) | (m.checksum ? 2 : 0)));
+    w.U8(static_cast<uint8_t>((m.rma ? 1 : 0) | (m.checksum ? 2 : 0) |
+                              (m.rma && !m.rma_target.peer_pool.empty() ? 4 : 0)));
     if (m.rma) {
       const RmaTarget& t = m.rma_target;
       w.U32(static_cast<uint32_t>(t.pool.size()));
@@ -71,19 +72,27 @@ struct Encoder {
       w.I64(t.slot_bytes);
       w.U32(t.slots);
       w.I64(t.row_min_bytes);
+      if (!t.peer_pool.empty()) {
+        w.U32(static_cast<uint32_t>(t.peer_pool.size()));
+        for (const auto& h : t.peer_pool) {
+          w.U32(static_cast<uint32_t>(h.size()));
+          for (std::byte b : h) w.U8(std::to_integer<uint8_t>(b));
+        }
+      }
     }
   }
   void operator()(const AcceptMsg& m) {
     Header(w, kAccept);
     w.U64(m.request_id);
     w.U32(m.transfer_id);
-    w.U8(m.rma ? 1 : 0);
+    w.U8(m.peer_memory ? 2 : m.rma ? 1 : 0);
   }
   void operator()(const ChunkMsg& m) {
     Header(w, kChunk);
     w.U64(m.request_id);
     w.U32(m.transfer_id);
     w.U32(m.chunk);
+    w.U32(m.count);
     w.U8(m.has_checksum ? 1 : 0);
     w.U64(m.checksum);
   }
@@ -185,7 +194,8 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
       m.blocks = DecodeBlocks(r);
       m.reply_address = r.Str("reply_address", 1 << 16);
       const uint8_t flags = r.U8("fetch flags");
-      if (r.ok() && (flags & ~3u) != 0) r.Fail(fmt::format("unknown fetch flags {:#x}", flags));
+      if (r.ok() && ((flags & ~7u) != 0 || (flags & 5) == 4))
+        r.Fail(fmt::format("unknown fetch flags {:#x}", flags));
       m.rma = flags & 1;
       m.checksum = flags & 2;
       if (m.rma && r.ok()) {
@@ -198,6 +208,24 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
         m.rma_target.slot_bytes = r.I64("slot_bytes");
         m.rma_target.slots = r.U32("slots");
         m.rma_target.row_min_bytes = r.I64("row_min_bytes");
+        if ((flags & 4) && r.ok()) {
+          const uint32_t k = r.U32("peer pool handles");
+          if (r.ok() && k != m.rma_target.pool.size()) {
+            r.Fail(fmt::format("{} peer pool handles for {} rma regions", k,
+                               m.rma_target.pool.size()));
+          }
+          for (uint32_t i = 0; i < k && r.ok(); ++i) {
+            const uint32_t len = r.U32("peer handle length");
+            if (r.ok() && (len == 0 || len > kMaxKeyBytes || len > r.remaining())) {
+              r.Fail(fmt::format("peer handle length {} is 0 or exceeds {} or the {} bytes left",
+                                 len, kMaxKeyBytes, r.remaining()));
+              break;
+            }
+            std::vector<std::byte> h(len);
+            for (auto& b : h) b = static_cast<std::byte>(r.U8("peer handle"));
+            m.rma_target.peer_pool.push_back(std::move(h));
+          }
+        }
       }
       out = std::move(m);
       break;
@@ -207,8 +235,9 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
       m.request_id = r.U64("request_id");
       m.transfer_id = r.U32("transfer_id");
       const uint8_t mode = r.U8("accept mode");
-      if (r.ok() && mode > 1) r.Fail(fmt::format("unknown accept mode {}", mode));
-      m.rma = mode == 1;
+      if (r.ok() && mode > 2) r.Fail(fmt::format("unknown accept mode {}", mode));
+      m.rma = mode >= 1;
+      m.peer_memory = mode == 2;
       out = m;
       break;
     }
@@ -257,6 +286,10 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
       m.request_id = r.U64("request_id");
       m.transfer_id = r.U32("transfer_id");
       m.chunk = r.U32("chunk");
+      m.count = r.U32("chunk count");
+      if (r.ok() && (m.count == 0 || m.count > kMaxCreditSlots)) {
+        r.Fail(fmt::format("chunk count {} is 0 or exceeds {}", m.count, kMaxCreditSlots));
+      }
       const uint8_t has = r.U8("has_checksum");
       if (r.ok() && has > 1) r.Fail(fmt::format("has_checksum {} is not 0 or 1", has));
       m.has_checksum = has == 1;

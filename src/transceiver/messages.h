@@ -6,7 +6,8 @@
 //   gen -> ctx  CREDIT  receives are posted for chunks [0, n): the sender may send them
 //   ctx -> gen  data    chunk k on data tag (transfer_id << 20 | k), after credit and readiness;
 //                       or, one-sided (RMA), puts into the generation pool and staging then
-//   ctx -> gen  CHUNK   chunk k is in place (flushed), with its payload checksum when asked
+//   ctx -> gen  CHUNK   chunks [k, k + n) are in place (flushed), with the payload checksum when
+//                       asked (one chunk per message then)
 //   gen -> ctx  DONE    every chunk from every context rank is in place on this generation rank
 //   ctx -> gen  COMPLETE every generation rank said DONE: the whole generation instance holds the
 //                        request (the context rank releases its lease; the generation rank reports
@@ -31,7 +32,8 @@ namespace kvferry {
 inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // Version 3: every message ends with the XXH3-64 of its bytes (kMessageSealBytes, little-endian);
 // one whose seal does not match (corrupted on the way) is refused like any undecodable message.
-inline constexpr uint8_t kMessageVersion = 3;
+// Version 4: peer memory (FETCH flag 4 and its handles, ACCEPT mode 2), CHUNK counts.
+inline constexpr uint8_t kMessageVersion = 4;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -52,6 +54,10 @@ struct RmaTarget {
   int64_t slot_bytes = 0;
   uint32_t slots = 0;
   int64_t row_min_bytes = 0;
+  // Device::ExportMemory handles of the pool regions, one per region (empty: not offered). A
+  // context rank of the same host that maps them copies every piece straight into the pool with
+  // its own stream (ACCEPT mode peer memory): no transport, no staging.
+  std::vector<std::vector<std::byte>> peer_pool;
   bool operator==(const RmaTarget&) const = default;
 };
 
@@ -84,6 +90,8 @@ struct AcceptMsg {
   uint64_t request_id = 0;
   uint32_t transfer_id = 0;
   bool rma = false;  // the context rank puts (else it sends tagged data messages)
+  // ... by copying into the mapped pool (rma_target.peer_pool), not by transport puts.
+  bool peer_memory = false;
   bool operator==(const AcceptMsg&) const = default;
 };
 struct RejectMsg {
@@ -106,6 +114,7 @@ struct ChunkMsg {
   uint64_t request_id = 0;
   uint32_t transfer_id = 0;
   uint32_t chunk = 0;
+  uint32_t count = 1;  // chunks [chunk, chunk + count) are in place (no checksum when > 1)
   bool has_checksum = false;
   uint64_t checksum = 0;  // XXH3-64 of the chunk's bytes in plan order
   bool operator==(const ChunkMsg&) const = default;

@@ -79,6 +79,32 @@ TEST(Handle, TokenDependsOnSecretAndContents) {
   EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 5, blocks, 11));
 }
 
+// A FETCH offering peer memory handles (Device::ExportMemory bytes, opaque here).
+FetchMsg PeerFetch() {
+  FetchMsg f;
+  f.request_id = 3;
+  f.shape = KvShape{4, 2, 8, DType::kFp16, 2, 16};
+  f.parallel = ParallelConfig{1, 1, {}, 1, 0};
+  f.rma = true;
+  f.rma_target.pool = {RemoteRegion{0x1000, 4096, {std::byte{1}}}};
+  f.rma_target.staging = RemoteRegion{0x2000, 4096, {std::byte{2}}};
+  f.rma_target.peer_pool = {{std::byte{'k'}, std::byte{'v'}, std::byte{'p'}, std::byte{'m'}}};
+  return f;
+}
+
+TEST(Messages, PeerHandlesMustMatchTheRegionsAndChunkCountsMustBePositive) {
+  FetchMsg f = PeerFetch();
+  f.rma_target.peer_pool.push_back({std::byte{1}});  // two handles for one region
+  auto st = DecodeMessage(EncodeMessage(f)).status();
+  EXPECT_NE(st.message().find("2 peer pool handles for 1 rma regions"), std::string_view::npos)
+      << st.ToString();
+  f = PeerFetch();
+  f.rma_target.peer_pool[0].clear();
+  EXPECT_FALSE(DecodeMessage(EncodeMessage(f)).ok()) << "an empty handle";
+  st = DecodeMessage(EncodeMessage(ChunkMsg{1, 2, 3, 0, false, 0})).status();
+  EXPECT_NE(st.message().find("chunk count 0"), std::string_view::npos) << st.ToString();
+}
+
 TEST(Messages, EveryTypeRoundTrips) {
   FetchMsg f;
   f.request_id = 9;
@@ -104,11 +130,14 @@ TEST(Messages, EveryTypeRoundTrips) {
   rma.rma_target.slot_bytes = 16384;
   rma.rma_target.slots = 4;
   rma.rma_target.row_min_bytes = 8192;
+  FetchMsg peer = rma;
+  peer.rma_target.peer_pool = {{std::byte{7}, std::byte{8}}, {std::byte{9}}};
   for (const ControlMsg& m : std::vector<ControlMsg>{
            f, rma, AcceptMsg{1, 2, false}, AcceptMsg{1, 2, true}, RejectMsg{1, 2, 3, "no"},
            CreditMsg{1, 2, 9, {}}, CreditMsg{1, 2, 9, {3, kNoSlot, 0}}, DoneMsg{1, 2, 99},
-           AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}, ChunkMsg{1, 2, 3, true, 0xfeedbeef},
-           ChunkMsg{1, 2, 3, false, 0}}) {
+           AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}, ChunkMsg{1, 2, 3, 1, true, 0xfeedbeef},
+           ChunkMsg{1, 2, 3, 1, false, 0}, ChunkMsg{1, 2, 3, 40, false, 0}, peer,
+           AcceptMsg{1, 2, true, true}}) {
     auto bytes = EncodeMessage(m);
     auto back = DecodeMessage(bytes);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -133,10 +162,13 @@ TEST(Messages, EveryTypeRoundTrips) {
 // The fuzz body over mutated valid encodings and random bytes, so CI exercises the decoders.
 TEST(WireFuzz, MutatedInputsAreRefusedOrRoundTrip) {
   std::mt19937_64 rng(1234);
-  std::vector<std::vector<std::byte>> seeds = {
-      EncodeHandle(SampleHandle()), EncodeMessage(AcceptMsg{1, 2, false}),
-      EncodeMessage(RejectMsg{3, 4, 5, "why"}), EncodeMessage(CreditMsg{1, 2, 3, {4, 5}}),
-      EncodeMessage(ChunkMsg{1, 2, 3, true, 4})};
+  std::vector<std::vector<std::byte>> seeds = {EncodeHandle(SampleHandle()),
+                                               EncodeMessage(AcceptMsg{1, 2, false}),
+                                               EncodeMessage(RejectMsg{3, 4, 5, "why"}),
+                                               EncodeMessage(CreditMsg{1, 2, 3, {4, 5}}),
+                                               EncodeMessage(ChunkMsg{1, 2, 3, 1, true, 4}),
+                                               EncodeMessage(PeerFetch()),
+                                               EncodeMessage(AcceptMsg{1, 2, true, true})};
   for (int i = 0; i < 50000; ++i) {
     std::vector<std::byte> in = seeds[rng() % seeds.size()];
     int flips = 1 + rng() % 4;

@@ -118,29 +118,64 @@ std::set<std::string> SlabFiles(const std::string& dir) {
 using Fn = std::function<Status()>;
 using SecFn = std::function<StatusOr<double>()>;  // does the work, returns its own seconds
 
+// One workload's pools, manager, block ids and test data. Heap-allocated and never moved: the
+// tier views point into the pools.
+struct Setup {
+  int64_t bb = 0;     // block bytes
+  int64_t n = 0;      // blocks per batch
+  int64_t bytes = 0;  // n * bb
+  int32_t tpb = 0;
+  std::string prefix;
+  std::optional<BlockPool> primary, host;
+  TransferOptions topt;
+  std::unique_ptr<TransferManager> tm;
+  // A, B, C: disjoint primary sets; X, Y: host sets.
+  std::vector<int64_t> A, B, C, X, Y;
+  std::vector<std::byte*> pp, hp;
+  tiering::TierView pv, hv;
+  std::unique_ptr<Stream> io;
+  std::optional<BlockPool> mirror;  // host copy of the primary pool (test data, checks)
+};
+
 class Bench {
  public:
   Bench(Device& dev, const Options& o) : dev_(dev), o_(o) {}
 
+  // Named steps: pools and ids, test data, baseline buffers, the host-tier cases, the file tiers.
   Status Run(const Workload& w, std::vector<Row>& rows) {
+    KVF_ASSIGN_OR_RETURN(std::unique_ptr<Setup> s, SetUp(w));
+    KVF_RETURN_IF_ERROR(FillTestData(*s));
+    KVF_RETURN_IF_ERROR(MakeBaselineBuffers(s->bytes));
+    KVF_RETURN_IF_ERROR(HostCases(*s, rows));
+    if (o_.tier != "file") return Status::Ok();
+    return FileCases(*s, rows);
+  }
+
+ private:
+  StatusOr<std::unique_ptr<Setup>> SetUp(const Workload& w) {
+    auto s = std::make_unique<Setup>();
     PoolSpec spec;
     spec.shape = KvShape{w.layers, 8, 128, DType::kBf16, 2, w.tokens_per_block};
     spec.layout = w.layout;
     spec.memory = MemoryKind::kDevice;
-    const int64_t bb = static_cast<int64_t>(w.layers) * 2 * 8 * 128 * 2 * w.tokens_per_block;
-    const int64_t n = std::max<int64_t>(1, o_.total_bytes / bb);
+    s->bb = static_cast<int64_t>(w.layers) * 2 * 8 * 128 * 2 * w.tokens_per_block;
+    s->n = std::max<int64_t>(1, o_.total_bytes / s->bb);
+    s->bytes = s->n * s->bb;
+    s->tpb = w.tokens_per_block;
+    s->prefix = w.name;
+    const int64_t n = s->n;
     spec.blocks = 3 * n;
-    KVF_ASSIGN_OR_RETURN(BlockPool primary, BlockPool::Create(dev_, spec));
+    KVF_ASSIGN_OR_RETURN(s->primary, BlockPool::Create(dev_, spec));
     spec.memory = MemoryKind::kPinnedHost;
     spec.blocks = 2 * n;
     if (o_.host_layout == "block-major") spec.layout = LayoutKind::kBlockMajor;
-    KVF_ASSIGN_OR_RETURN(BlockPool host, BlockPool::Create(dev_, spec));
-    const bool file = o_.tier == "file";
-    TransferOptions topt = TransferOptions::FromConfig();
-    topt.file_staging_blocks = std::min<int64_t>(n, std::max<int64_t>(1, (256 << 20) / bb));
-    KVF_ASSIGN_OR_RETURN(auto tm, TransferManager::Create(dev_, primary, &host, nullptr, topt));
-    // Block ids: A, B, C are disjoint primary sets, X, Y host sets; shuffled unless
-    // --contiguous, so neighbours do not coalesce (eviction victims are rarely neighbours).
+    KVF_ASSIGN_OR_RETURN(s->host, BlockPool::Create(dev_, spec));
+    s->topt = TransferOptions::FromConfig();
+    s->topt.file_staging_blocks = std::min<int64_t>(n, std::max<int64_t>(1, (256 << 20) / s->bb));
+    KVF_ASSIGN_OR_RETURN(s->tm,
+                         TransferManager::Create(dev_, *s->primary, &*s->host, nullptr, s->topt));
+    // Shuffled unless --contiguous, so neighbours do not coalesce (eviction victims are rarely
+    // neighbours).
     std::mt19937_64 rng(42);
     auto ids = [&](int64_t first) {
       std::vector<int64_t> v(n);
@@ -148,143 +183,160 @@ class Bench {
       if (!o_.contiguous) std::shuffle(v.begin(), v.end(), rng);
       return v;
     };
-    const auto A = ids(0), B = ids(n), C = ids(2 * n), X = ids(0), Y = ids(n);
-    auto moves = [&](const std::vector<int64_t>& s, const std::vector<int64_t>& d, int32_t t) {
-      std::vector<BlockMove> m;
-      for (int64_t i = 0; i < n; ++i) m.emplace_back(s[i], d[i], t, BlockKey{1, uint64_t(i)});
-      return m;
-    };
-    const int32_t tpb = w.tokens_per_block;
+    s->A = ids(0);
+    s->B = ids(n);
+    s->C = ids(2 * n);
+    s->X = ids(0);
+    s->Y = ids(n);
     auto view = [](const BlockPool& p, std::vector<std::byte*>& ptrs) {
       for (int32_t i = 0; i < p.num_regions(); ++i) ptrs.push_back(p.region(i));
       return tiering::TierView{&p.layout(), ptrs};
     };
-    std::vector<std::byte*> pp, hp;
-    const tiering::TierView pv = view(primary, pp), hv = view(host, hp);
-    // A plain memcpy loop over the fragments the manager would copy (CPU device only).
-    auto pattern = [&](const std::vector<BlockMove>& m, bool to_host) -> Fn {
-      if (dev_.info().platform != "cpu") return nullptr;
-      auto d = std::make_shared<std::vector<CopyDesc>>();
-      for (const BlockMove& mv : m) {
-        tiering::AppendRunCopies(to_host ? pv : hv, mv.src, to_host ? hv : pv, mv.dst, 1,
-                                 mv.tokens == 0 ? tpb : mv.tokens, *d);
-      }
-      return [d] {
-        for (const CopyDesc& c : *d) {
-          for (size_t r = 0; r < c.rows; ++r) {
-            std::memcpy(static_cast<std::byte*>(c.dst) + r * c.dst_pitch,
-                        static_cast<const std::byte*>(c.src) + r * c.src_pitch, c.bytes);
-          }
-        }
-        return Status::Ok();
-      };
-    };
-    // Test data goes through a host mirror of the primary pool: on a GPU, host threads can't
-    // touch the primary pool.
-    KVF_ASSIGN_OR_RETURN(auto io, dev_.CreateStream());
-    std::optional<BlockPool> mirror;
-    if (o_.verify) {
-      KVF_ASSIGN_OR_RETURN(mirror, tiering::MakeHostMirror(dev_, primary));
-      for (int64_t i = 0; i < n; ++i) {
-        KVF_RETURN_IF_ERROR(FillBlock(*mirror, 1000 + i, BlockTokens{A[i], 0, tpb}));
-        KVF_RETURN_IF_ERROR(FillBlock(*mirror, 5000 + i, BlockTokens{C[i], 0, tpb}));
-      }
-      KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
-    } else {  // touch every page once
-      for (int32_t r = 0; r < primary.num_regions(); ++r) {
-        KVF_RETURN_IF_ERROR(io->Fill(primary.region(r), 1, primary.layout().region_bytes()));
-      }
-      KVF_RETURN_IF_ERROR(io->Synchronize(DeadlineIn(600s)));
-    }
-    for (int32_t r = 0; r < host.num_regions(); ++r) {  // pinned host: host-accessible
-      if (!o_.verify) std::memset(host.region(r), 2, host.layout().region_bytes());
-    }
-    auto verify = [&](const BlockPool& pool, const std::vector<int64_t>& blocks, uint64_t req,
-                      int64_t tokens) -> std::string {
-      if (!o_.verify) return "no";
-      const BlockPool* check = &pool;
-      if (&pool == &primary) {
-        Status st = tiering::CopyWholePool(*io, primary, *mirror);
-        if (!st.ok()) return "FAILED: " + st.ToString();
-        check = &*mirror;
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        auto r = CheckBlock(*check, req + i, BlockTokens{blocks[i], 0, tokens});
-        if (!r.ok()) return "FAILED: " + r.status().ToString();
-        if (r->has_value()) return "FAILED: " + (*r)->ToString();
-      }
-      return "yes";
-    };
-    const std::string prefix = w.name;
-    const int64_t bytes = n * bb;
-    KVF_RETURN_IF_ERROR(MakeBaselineBuffers(bytes));
+    s->pv = view(*s->primary, s->pp);
+    s->hv = view(*s->host, s->hp);
+    KVF_ASSIGN_OR_RETURN(s->io, dev_.CreateStream());
+    return s;
+  }
 
-    auto run_on = [&](TransferManager& t, Tier from, Tier to, const std::vector<BlockMove>& m,
-                      int64_t* desc) -> Status {
-      const size_t chunk = (from == Tier::kFile || to == Tier::kFile)
-                               ? static_cast<size_t>(t.file_staging_blocks())
-                               : m.size();
-      std::vector<TransferBatch> batches;
-      int64_t d = 0;
-      for (size_t at = 0; at < m.size(); at += chunk) {
-        std::span<const BlockMove> part(m.data() + at, std::min(chunk, m.size() - at));
-        KVF_ASSIGN_OR_RETURN(TransferBatch b, t.Move(from, to, part));
-        if (chunk != m.size()) KVF_RETURN_IF_ERROR(b.Wait(DeadlineIn(600s)));
-        batches.push_back(b);
+  // Test data goes through a host mirror of the primary pool: on a GPU, host threads can't touch
+  // the primary pool. Without --verify every page is touched once.
+  Status FillTestData(Setup& s) {
+    BlockPool& primary = *s.primary;
+    if (o_.verify) {
+      KVF_ASSIGN_OR_RETURN(s.mirror, tiering::MakeHostMirror(dev_, primary));
+      for (int64_t i = 0; i < s.n; ++i) {
+        KVF_RETURN_IF_ERROR(FillBlock(*s.mirror, 1000 + i, BlockTokens{s.A[i], 0, s.tpb}));
+        KVF_RETURN_IF_ERROR(FillBlock(*s.mirror, 5000 + i, BlockTokens{s.C[i], 0, s.tpb}));
       }
-      for (auto& b : batches) {
-        KVF_RETURN_IF_ERROR(b.Wait(DeadlineIn(600s)));
-        d += static_cast<int64_t>(b.descriptors());
+      KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*s.io, *s.mirror, primary));
+    } else {
+      for (int32_t r = 0; r < primary.num_regions(); ++r) {
+        KVF_RETURN_IF_ERROR(s.io->Fill(primary.region(r), 1, primary.layout().region_bytes()));
       }
-      if (desc) *desc = d;
+      KVF_RETURN_IF_ERROR(s.io->Synchronize(DeadlineIn(600s)));
+      for (int32_t r = 0; r < s.host->num_regions(); ++r)  // pinned host: host-accessible
+        std::memset(s.host->region(r), 2, s.host->layout().region_bytes());
+    }
+    return Status::Ok();
+  }
+
+  std::vector<BlockMove> Moves(const Setup& s, const std::vector<int64_t>& src,
+                               const std::vector<int64_t>& dst, int32_t tokens) const {
+    std::vector<BlockMove> m;
+    for (int64_t i = 0; i < s.n; ++i)
+      m.emplace_back(src[i], dst[i], tokens, BlockKey{1, uint64_t(i)});
+    return m;
+  }
+
+  // A plain memcpy loop over the fragments the manager would copy (CPU device only).
+  Fn Pattern(const Setup& s, const std::vector<BlockMove>& m, bool to_host) const {
+    if (dev_.info().platform != "cpu") return nullptr;
+    auto d = std::make_shared<std::vector<CopyDesc>>();
+    for (const BlockMove& mv : m) {
+      tiering::AppendRunCopies(to_host ? s.pv : s.hv, mv.src, to_host ? s.hv : s.pv, mv.dst, 1,
+                               mv.tokens == 0 ? s.tpb : mv.tokens, *d);
+    }
+    return [d] {
+      for (const CopyDesc& c : *d) {
+        for (size_t r = 0; r < c.rows; ++r) {
+          std::memcpy(static_cast<std::byte*>(c.dst) + r * c.dst_pitch,
+                      static_cast<const std::byte*>(c.src) + r * c.src_pitch, c.bytes);
+        }
+      }
       return Status::Ok();
     };
-    auto run_batch = [&](Tier from, Tier to, const std::vector<BlockMove>& m, int64_t* desc) {
-      return run_on(*tm, from, to, m, desc);
-    };
-    auto d2h = [&](int64_t size) -> Fn { return [this, size] { return Copy(0, size); }; };
-    auto h2d = [&](int64_t size) -> Fn { return [this, size] { return Copy(1, size); }; };
-    Fn both_base = [this, bytes] { return CopyBoth(bytes); };
+  }
 
-    // Offload, onboard.
-    auto off = moves(A, X, 0);
-    Row r{prefix + " offload", bytes, 0, "copy dev->pinned", 0, "no", 0, bb, n};
+  // "yes", "no" (not asked) or "FAILED: why": every block of `blocks` holds request `req`'s
+  // first `tokens` tokens.
+  std::string Verify(Setup& s, const BlockPool& pool, const std::vector<int64_t>& blocks,
+                     uint64_t req, int64_t tokens) {
+    if (!o_.verify) return "no";
+    const BlockPool* check = &pool;
+    if (&pool == &*s.primary) {
+      Status st = tiering::CopyWholePool(*s.io, *s.primary, *s.mirror);
+      if (!st.ok()) return "FAILED: " + st.ToString();
+      check = &*s.mirror;
+    }
+    for (int64_t i = 0; i < s.n; ++i) {
+      auto r = CheckBlock(*check, req + i, BlockTokens{blocks[i], 0, tokens});
+      if (!r.ok()) return "FAILED: " + r.status().ToString();
+      if (r->has_value()) return "FAILED: " + (*r)->ToString();
+    }
+    return "yes";
+  }
+
+  // Moves `m` from one tier to another and waits; file batches go in staging-sized parts.
+  static Status RunOn(TransferManager& t, Tier from, Tier to, const std::vector<BlockMove>& m,
+                      int64_t* desc) {
+    const size_t chunk = (from == Tier::kFile || to == Tier::kFile)
+                             ? static_cast<size_t>(t.file_staging_blocks())
+                             : m.size();
+    std::vector<TransferBatch> batches;
+    int64_t d = 0;
+    for (size_t at = 0; at < m.size(); at += chunk) {
+      std::span<const BlockMove> part(m.data() + at, std::min(chunk, m.size() - at));
+      KVF_ASSIGN_OR_RETURN(TransferBatch b, t.Move(from, to, part));
+      if (chunk != m.size()) KVF_RETURN_IF_ERROR(b.Wait(DeadlineIn(600s)));
+      batches.push_back(b);
+    }
+    for (auto& b : batches) {
+      KVF_RETURN_IF_ERROR(b.Wait(DeadlineIn(600s)));
+      d += static_cast<int64_t>(b.descriptors());
+    }
+    if (desc) *desc = d;
+    return Status::Ok();
+  }
+
+  Fn D2h(int64_t size) {
+    return [this, size] { return Copy(0, size); };
+  }
+  Fn H2d(int64_t size) {
+    return [this, size] { return Copy(1, size); };
+  }
+
+  // Offload, onboard, both at once, partial (the first half of each block's tokens).
+  Status HostCases(Setup& s, std::vector<Row>& rows) {
+    TransferManager& tm = *s.tm;
+    const int64_t bytes = s.bytes, bb = s.bb, n = s.n;
+    const int32_t tpb = s.tpb;
+    auto off = Moves(s, s.A, s.X, 0);
+    Row r{s.prefix + " offload", bytes, 0, "copy dev->pinned", 0, "no", 0, bb, n};
     KVF_RETURN_IF_ERROR(Measure(
-        r, [&] { return run_batch(Tier::kPrimary, Tier::kHost, off, &r.descriptors); }, d2h(bytes),
-        pattern(off, true)));
-    r.verified = verify(host, X, 1000, tpb);
+        r, [&] { return RunOn(tm, Tier::kPrimary, Tier::kHost, off, &r.descriptors); }, D2h(bytes),
+        Pattern(s, off, true)));
+    r.verified = Verify(s, *s.host, s.X, 1000, tpb);
     rows.push_back(r);
-    auto on = moves(X, B, 0);
-    r = Row{prefix + " onboard", bytes, 0, "copy pinned->dev", 0, "no", 0, bb, n};
+    auto on = Moves(s, s.X, s.B, 0);
+    r = Row{s.prefix + " onboard", bytes, 0, "copy pinned->dev", 0, "no", 0, bb, n};
     KVF_RETURN_IF_ERROR(Measure(
-        r, [&] { return run_batch(Tier::kHost, Tier::kPrimary, on, &r.descriptors); }, h2d(bytes),
-        pattern(on, false)));
-    r.verified = verify(primary, B, 1000, tpb);
+        r, [&] { return RunOn(tm, Tier::kHost, Tier::kPrimary, on, &r.descriptors); }, H2d(bytes),
+        Pattern(s, on, false)));
+    r.verified = Verify(s, *s.primary, s.B, 1000, tpb);
     rows.push_back(r);
     // Both at once: onboard X -> B while offloading C -> Y.
-    auto off2 = moves(C, Y, 0);
-    r = Row{prefix + " both", 2 * bytes, 0, "both copies at once", 0, "no", 0, bb, 2 * n};
+    auto off2 = Moves(s, s.C, s.Y, 0);
+    r = Row{s.prefix + " both", 2 * bytes, 0, "both copies at once", 0, "no", 0, bb, 2 * n};
     KVF_RETURN_IF_ERROR(Measure(
         r,
         [&]() -> Status {
-          KVF_ASSIGN_OR_RETURN(auto b1, tm->Onboard(Tier::kHost, on));
-          KVF_ASSIGN_OR_RETURN(auto b2, tm->Offload(Tier::kHost, off2));
+          KVF_ASSIGN_OR_RETURN(auto b1, tm.Onboard(Tier::kHost, on));
+          KVF_ASSIGN_OR_RETURN(auto b2, tm.Offload(Tier::kHost, off2));
           KVF_RETURN_IF_ERROR(b1.Wait(DeadlineIn(600s)));
           KVF_RETURN_IF_ERROR(b2.Wait(DeadlineIn(600s)));
           r.descriptors = static_cast<int64_t>(b1.descriptors() + b2.descriptors());
           return Status::Ok();
         },
-        both_base, nullptr));
+        [this, bytes] { return CopyBoth(bytes); }, nullptr));
     if (o_.verify) {
-      r.verified = verify(host, Y, 5000, tpb);
-      if (r.verified == "yes") r.verified = verify(primary, B, 1000, tpb);
+      r.verified = Verify(s, *s.host, s.Y, 5000, tpb);
+      if (r.verified == "yes") r.verified = Verify(s, *s.primary, s.B, 1000, tpb);
     }
     rows.push_back(r);
-    // Partial: the first half of each block's tokens.
     const int32_t half = std::max(1, tpb / 2);
-    auto part = moves(C, X, half);
+    auto part = Moves(s, s.C, s.X, half);
     const int64_t pbytes = bytes / tpb * half;
-    r = Row{prefix + fmt::format(" partial {}/{}", half, tpb),
+    r = Row{s.prefix + fmt::format(" partial {}/{}", half, tpb),
             pbytes,
             0,
             "copy dev->pinned",
@@ -294,11 +346,18 @@ class Bench {
             bb,
             n};
     KVF_RETURN_IF_ERROR(Measure(
-        r, [&] { return run_batch(Tier::kPrimary, Tier::kHost, part, &r.descriptors); },
-        d2h(pbytes), pattern(part, true)));
-    r.verified = verify(host, X, 5000, half);
+        r, [&] { return RunOn(tm, Tier::kPrimary, Tier::kHost, part, &r.descriptors); },
+        D2h(pbytes), Pattern(s, part, true)));
+    r.verified = Verify(s, *s.host, s.X, 5000, half);
     rows.push_back(r);
-    if (!file) return Status::Ok();
+    return Status::Ok();
+  }
+
+  // Each file backend: offload to and onboard from the file tier, beside raw O_DIRECT I/O of
+  // the same bytes on the same directory (src/files/raw_io_bench.h; its own timing: the read's
+  // untimed pre-write and the scratch file's creation are left out), or beside the same-bytes
+  // copy for the in-memory store.
+  Status FileCases(Setup& s, std::vector<Row>& rows) {
     // Whatever ends the run (an error included), the slab files (and lock) it created go; the
     // stores are closed before (they are destroyed first, being declared after this).
     struct RemoveNewSlabFiles {
@@ -313,81 +372,83 @@ class Bench {
         }
       }
     } remove_new_slab_files{o_.dir, SlabFiles(o_.dir)};
-    for (const std::string& want : o_.file_backends) {
-      KVF_ASSIGN_OR_RETURN(std::unique_ptr<SlabStore> store, OpenFileTier(want, o_.dir, bb, n));
-      const FileBackendCaps caps = store->backend();
-      if (caps.name != want && want != "memory") {
-        // cufile / io_uring unavailable: SlabStore fell back to posix. Measured as posix already.
-        if (!fallback_noted_.insert(want).second) continue;
-        fmt::print(stderr, "bench offload: file tier {}: runs as {} ({}); not measured twice\n",
-                   want, caps.name, caps.note);
-        continue;
-      }
-      KVF_ASSIGN_OR_RETURN(auto ftm,
-                           TransferManager::Create(dev_, primary, &host, store.get(), topt));
-      std::vector<BlockMove> fo, fi;
-      for (int64_t i = 0; i < n; ++i) {
-        KVF_ASSIGN_OR_RETURN(SlotId s, store->Allocate());
-        fo.emplace_back(A[i], s, 0, BlockKey{7, uint64_t(i)});
-        fi.emplace_back(s, B[i], 0, BlockKey{7, uint64_t(i)});
-      }
-      const std::string be = want == "memory" ? "memory" : caps.name;
-      // A file backend is measured against raw O_DIRECT I/O of the same bytes on the same
-      // directory (src/files/raw_io_bench.h; its own timing: the read's untimed pre-write and
-      // the scratch file's creation are left out); the memory store against the same-bytes copy.
-      Fn fw_base = d2h(bytes), fr_base = h2d(bytes);
-      SecFn fw_raw, fr_raw;
-      std::string fw_name = "copy dev->pinned", fr_name = "copy pinned->dev";
-      if (be != "memory") {
-        const std::string dir = o_.dir;
-        auto raw = [dir, bytes, bb](bool write) -> SecFn {
-          return [dir, bytes, bb, write]() -> StatusOr<double> {
-            KVF_ASSIGN_OR_RETURN(double g, RawDirectIoGbps(dir, bytes, bb, write));
-            return g > 0 ? bytes / (g * 1e9) : 0.0;
-          };
-        };
-        fw_base = fr_base = nullptr;
-        fw_name = "raw O_DIRECT write";
-        fr_name = "raw O_DIRECT read";
-        StatusOr<double> probe = RawDirectIoGbps(dir, 1 << 20, 1 << 20, true);
-        if (probe.ok()) {
-          fw_raw = raw(true);
-          fr_raw = raw(false);
-        } else if (probe.status().code() == StatusCode::kUnavailable) {
-          fmt::print(stderr, "bench offload: no raw O_DIRECT baseline: {}\n",
-                     probe.status().ToString());
-          fw_name = fr_name = "none (no O_DIRECT)";
-        } else {
-          return probe.status().WithContext("raw O_DIRECT baseline");
-        }
-      }
-      r = Row{prefix + " file[" + be + "] offload", bytes, 0, fw_name, 0, "no", 0, bb, n};
-      r.file_backend = caps.name;
-      r.file_note = caps.note;
-      KVF_RETURN_IF_ERROR(Measure(
-          r, [&] { return run_on(*ftm, Tier::kPrimary, Tier::kFile, fo, &r.descriptors); }, fw_base,
-          nullptr, fw_raw));
-      rows.push_back(r);
-      const size_t offload_row = rows.size() - 1;
-      if (o_.verify) {  // scramble B so the onboard check proves the bytes came from the file
-        for (int64_t b : B) KVF_RETURN_IF_ERROR(FillBlock(*mirror, 99, BlockTokens{b, 0, tpb}));
-        KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*io, *mirror, primary));
-      }
-      r = Row{prefix + " file[" + be + "] onboard", bytes, 0, fr_name, 0, "no", 0, bb, n};
-      r.file_backend = caps.name;
-      r.file_note = caps.note;
-      KVF_RETURN_IF_ERROR(Measure(
-          r, [&] { return run_on(*ftm, Tier::kFile, Tier::kPrimary, fi, &r.descriptors); }, fr_base,
-          nullptr, fr_raw));
-      r.verified = verify(primary, B, 1000, tpb);
-      rows.push_back(r);
-      // The offload is checked by the round trip: what the onboard read back is what it wrote.
-      rows[offload_row].verified = r.verified;
-    }
+    for (const std::string& want : o_.file_backends)
+      KVF_RETURN_IF_ERROR(FileBackendCases(s, want, rows));
     return Status::Ok();
   }
 
- private:
+  Status FileBackendCases(Setup& s, const std::string& want, std::vector<Row>& rows) {
+    const int64_t bytes = s.bytes, bb = s.bb, n = s.n;
+    KVF_ASSIGN_OR_RETURN(std::unique_ptr<SlabStore> store, OpenFileTier(want, o_.dir, bb, n));
+    const FileBackendCaps caps = store->backend();
+    if (caps.name != want && want != "memory") {
+      // cufile / io_uring unavailable: SlabStore fell back to posix. Measured as posix already.
+      if (fallback_noted_.insert(want).second) {
+        fmt::print(stderr, "bench offload: file tier {}: runs as {} ({}); not measured twice\n",
+                   want, caps.name, caps.note);
+      }
+      return Status::Ok();
+    }
+    KVF_ASSIGN_OR_RETURN(auto ftm,
+                         TransferManager::Create(dev_, *s.primary, &*s.host, store.get(), s.topt));
+    std::vector<BlockMove> fo, fi;
+    for (int64_t i = 0; i < n; ++i) {
+      KVF_ASSIGN_OR_RETURN(SlotId slot, store->Allocate());
+      fo.emplace_back(s.A[i], slot, 0, BlockKey{7, uint64_t(i)});
+      fi.emplace_back(slot, s.B[i], 0, BlockKey{7, uint64_t(i)});
+    }
+    const std::string be = want == "memory" ? "memory" : caps.name;
+    Fn fw_base = D2h(bytes), fr_base = H2d(bytes);
+    SecFn fw_raw, fr_raw;
+    std::string fw_name = "copy dev->pinned", fr_name = "copy pinned->dev";
+    if (be != "memory") {
+      const std::string dir = o_.dir;
+      auto raw = [dir, bytes, bb](bool write) -> SecFn {
+        return [dir, bytes, bb, write]() -> StatusOr<double> {
+          KVF_ASSIGN_OR_RETURN(double g, RawDirectIoGbps(dir, bytes, bb, write));
+          return g > 0 ? bytes / (g * 1e9) : 0.0;
+        };
+      };
+      fw_base = fr_base = nullptr;
+      fw_name = "raw O_DIRECT write";
+      fr_name = "raw O_DIRECT read";
+      StatusOr<double> probe = RawDirectIoGbps(dir, 1 << 20, 1 << 20, true);
+      if (probe.ok()) {
+        fw_raw = raw(true);
+        fr_raw = raw(false);
+      } else if (probe.status().code() == StatusCode::kUnavailable) {
+        fmt::print(stderr, "bench offload: no raw O_DIRECT baseline: {}\n",
+                   probe.status().ToString());
+        fw_name = fr_name = "none (no O_DIRECT)";
+      } else {
+        return probe.status().WithContext("raw O_DIRECT baseline");
+      }
+    }
+    Row r{s.prefix + " file[" + be + "] offload", bytes, 0, fw_name, 0, "no", 0, bb, n};
+    r.file_backend = caps.name;
+    r.file_note = caps.note;
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return RunOn(*ftm, Tier::kPrimary, Tier::kFile, fo, &r.descriptors); }, fw_base,
+        nullptr, fw_raw));
+    rows.push_back(r);
+    const size_t offload_row = rows.size() - 1;
+    if (o_.verify) {  // scramble B so the onboard check proves the bytes came from the file
+      for (int64_t b : s.B) KVF_RETURN_IF_ERROR(FillBlock(*s.mirror, 99, BlockTokens{b, 0, s.tpb}));
+      KVF_RETURN_IF_ERROR(tiering::CopyWholePool(*s.io, *s.mirror, *s.primary));
+    }
+    r = Row{s.prefix + " file[" + be + "] onboard", bytes, 0, fr_name, 0, "no", 0, bb, n};
+    r.file_backend = caps.name;
+    r.file_note = caps.note;
+    KVF_RETURN_IF_ERROR(Measure(
+        r, [&] { return RunOn(*ftm, Tier::kFile, Tier::kPrimary, fi, &r.descriptors); }, fr_base,
+        nullptr, fr_raw));
+    r.verified = Verify(s, *s.primary, s.B, 1000, s.tpb);
+    rows.push_back(r);
+    // The offload is checked by the round trip: what the onboard read back is what it wrote.
+    rows[offload_row].verified = r.verified;
+    return Status::Ok();
+  }
+
   // Times the case, its baseline and (if any) its fragment pattern interleaved, iteration by
   // iteration, so that load from other processes hits all three alike; medians after a warm-up.
   // `timed_base`, when set, replaces `base` and reports its own seconds.
@@ -467,8 +528,11 @@ int RunBenchOffload(const Options& o) {
     fmt::print(stderr, "bench offload: {}\n", dev.status().ToString());
     return 2;
   }
-  if (o.host_layout != "block-major" && o.host_layout != "same") {
-    fmt::print(stderr, "bench offload: --host-layout must be block-major or same, not '{}'\n",
+  if (o.host_layout != "block-major" && o.host_layout != "block-major-nhd" &&
+      o.host_layout != "same") {
+    fmt::print(stderr,
+               "bench offload: --host-layout must be same, block-major or block-major-nhd, not "
+               "'{}'\n",
                o.host_layout);
     return 2;
   }
@@ -570,7 +634,7 @@ int RunBenchOffload(const Options& o) {
       "kvferry bench offload: device {} ({}), median of {} after a warm-up, ids {}, host tier "
       "{}\n",
       device, (*dev)->info().name, o.iters, o.contiguous ? "contiguous" : "shuffled",
-      o.host_layout == "same" ? "in the primary layout" : "block-major");
+      o.host_layout == "same" ? "in the primary layout" : o.host_layout);
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); paired = "
       "median of the per-iteration ratios (case and baseline timed back to back); pattern = GB/s "
@@ -604,7 +668,9 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
   cmd->add_option("--host-layout", o->host_layout,
-                  "host tier layout: same (as the primary; default) | block-major (packed blocks)");
+                  "host tier layout: same (as the primary; default) | block-major (packed blocks, "
+                  "[layer][kv][head][token][dim]) | block-major-nhd (packed blocks in a per-layer "
+                  "pool's own in-block order, [layer][kv][token][head][dim])");
   cmd->add_option("--file-backend", o->file_backends,
                   "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
                   "(in-memory stand-in); default posix io_uring cufile (one falling back to "

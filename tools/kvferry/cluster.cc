@@ -68,6 +68,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["dir"] = c.dir;
   j["gpus"] = c.gpus;
   j["checksum"] = c.checksum;
+  j["warmup"] = c.warmup;
   j["metrics_port"] = c.metrics_port;
   return j.dump();
 }
@@ -96,6 +97,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.dir = j["dir"];
   c.gpus = j.value("gpus", std::vector<int>{});
   c.checksum = j.value("checksum", true);
+  c.warmup = j.value("warmup", 0);
   c.metrics_port = j.value("metrics_port", -1);
   return c;
 }

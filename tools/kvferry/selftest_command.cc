@@ -39,6 +39,7 @@ struct Flags {
   bool checksum = true;
   int timeout_ms = 60000;
   std::string model;
+  int warmup = 1;
 };
 
 void AddShapeFlags(CLI::App* cmd, Flags& f) {
@@ -260,6 +261,7 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
   row["copy_gbps"] = s.copy_gbps;
   row["copy_ratio"] = s.copy_gbps > 0 ? s.gbps / s.copy_gbps : 0;
   row["checksum"] = cfg.checksum;
+  row["warmup"] = cfg.warmup;
   row["ratio"] = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
   row["verified_all"] = cfg.verify && s.failed == 0;  // --no-verify checks nothing
   row["slowest"] = SlowestJson(ranks);
@@ -291,6 +293,9 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
         "tp{}pp{} {} over {}\n",
         f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.ctx_layout, f.gen.tp,
         f.gen.pp, f.gen_layout, f.transport);
+    if (f.warmup > 0)
+      fmt::print("  GB/s and latencies leave out the first {} request(s) of each generation rank\n",
+                 f.warmup);
     fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n", "tokens",
                "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s", "ratio", "copy GB/s",
                "ratio", "raw | copy baselines");
@@ -306,6 +311,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       return 2;
     }
     cfg->baseline = true;
+    cfg->warmup = std::max(0, f.warmup);
     auto ranks = RunCluster(*cfg, f.progress && !f.out.machine());
     if (!ranks.ok()) {
       fmt::print(stderr, "kvferry bench transfer ({} tokens): {}\n", tokens,
@@ -350,6 +356,11 @@ void AddBenchTransferCommand(CLI::App& bench) {
   cmd->add_option("--sweep", *sweep, "prompt lengths to measure (tokens)")
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_option("--warmup", f->warmup,
+                  "leading requests of each generation rank left out of GB/s and latencies "
+                  "(connection setup, first registrations and peer mappings); still transferred")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--no-verify", f->no_verify,
                 "skip element checks (they cost CPU time on this machine)");
   cmd->callback([f, sweep] { std::exit(RunBenchTransfer(*f, *sweep)); });

@@ -354,5 +354,29 @@ TEST_F(CudaDeviceTest, RejectsRowsWiderThanPitch) {
   EXPECT_TRUE(s->Synchronize(Soon()).ok());
 }
 
+// Peer memory: an interior region of an allocation exports (a handle naming the allocation and
+// the offset); the exporting process maps its own handle to the region itself; host memory and
+// a region running past its allocation are refused. (Another process maps it by CUDA IPC: the
+// UCX selftest and bench transfer rows of scripts/gpu-check run that.)
+TEST_F(CudaDeviceTest, ExportsDeviceRegionsAndMapsItsOwnHandle) {
+  Buffer a = Alloc(MemoryKind::kDevice, 1 << 20);
+  auto h = dev_->ExportMemory(a.data() + 4096, 8192, MemoryKind::kDevice);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  auto m = dev_->ImportMemory(*h);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->data(), a.data() + 4096);
+  EXPECT_EQ((*m)->size(), 8192u);
+  EXPECT_EQ(dev_->ExportMemory(a.data() + 4096, 1 << 20, MemoryKind::kDevice).status().code(),
+            StatusCode::kInvalidArgument);
+  Buffer host = Alloc(MemoryKind::kPinnedHost, 4096);
+  EXPECT_EQ(dev_->ExportMemory(host.data(), 4096, MemoryKind::kPinnedHost).status().code(),
+            StatusCode::kInvalidArgument);
+  auto cpu = OpenCpuDevice();
+  std::vector<std::byte> mine(64);
+  auto cpu_handle = cpu->ExportMemory(mine.data(), mine.size(), MemoryKind::kHost);
+  ASSERT_TRUE(cpu_handle.ok());
+  EXPECT_EQ(dev_->ImportMemory(*cpu_handle).status().code(), StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace kvferry::testing

@@ -1,0 +1,361 @@
+// TransferManager's private state, shared by transfer_manager.cc (the public calls, Move and its
+// steps) and transfer_manager_io.cc (the file I/O thread). Private to src/tiering. The mutex `mu`
+// guards the ordering state, the staging ring and the job queue; the caller's thread and the I/O
+// thread both take it.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "files/slab_store.h"
+#include "kvferry/tiering.h"
+#include "metrics/atomic_histogram.h"
+#include "tiering/copy_plan.h"
+
+namespace kvferry {
+namespace internal {
+
+// Copies of one direction (from tier x 3 + to tier), for metrics(). Shared with the batches, so a
+// handle that outlives the manager still records into live memory.
+struct TierCopyCounters {
+  std::atomic<int64_t> batches{0}, blocks{0}, bytes{0};
+  AtomicHistogram latency;
+};
+using CopyCounters = std::array<TierCopyCounters, 9>;
+
+// One batch. Recycled by the manager once finished and no handle refers to it; `seq` changes on
+// every reuse, so a stale reference (BlockRef below) to an earlier use reads as finished.
+struct BatchState {
+  std::unique_ptr<Event> event;
+  uint64_t seq = 0;                   // guarded by the manager's mutex
+  int stream = 0;                     // 0 = offload stream, 1 = onboard stream
+  uint64_t dep_mark = 0;              // dedup of dependencies while planning a batch
+  std::atomic<bool> recorded{false};  // `event` captures this batch's copies
+  std::mutex mu;
+  std::condition_variable cv;
+  bool host_done = false;  // guarded by mu: the host-side part (file I/O) is over
+  std::vector<Status> items;
+  size_t descriptors = 0;
+  // Metrics: the batch's direction, when it was submitted, and whether its end was recorded.
+  std::shared_ptr<CopyCounters> counters;
+  int direction = 0;
+  Clock::time_point submitted;
+  std::atomic<bool> observed{true};
+  void ObserveDone() {
+    if (counters && !observed.exchange(true))
+      (*counters)[direction].latency.Add(
+          std::chrono::duration<double>(Clock::now() - submitted).count());
+  }
+};
+
+namespace tm {
+
+constexpr int kOffloadStream = 0;
+constexpr int kOnboardStream = 1;
+
+struct BlockRef {
+  BatchState* b = nullptr;
+  uint64_t seq = 0;
+};
+
+// Per-block ordering state of a pool: the batch that last wrote the block and, per stream, the
+// batches that read it since.
+struct BlockState {
+  BlockRef write;
+  BlockRef read[2];
+  uint64_t dst_mark = 0;  // seq of the last batch that wrote it: catches duplicate destinations
+  uint64_t src_mark = 0;  // seq of the last batch that read it: catches a block read and written
+};
+
+struct FileItem {
+  int64_t pool_block;  // block in the pool side
+  int64_t slot;
+  int64_t staging;
+  int32_t tokens;
+  BlockKey key;
+};
+
+// Work for the file worker, in submission order.
+struct FileJob {
+  std::shared_ptr<BatchState> batch;
+  bool write = false;  // pool -> file; else file -> pool
+  Tier pool_tier = Tier::kPrimary;
+  std::vector<FileItem> items;
+  std::vector<BlockRef> deps;  // onboards: what the staging -> pool copy waits for
+  int64_t staging_count = 0;
+};
+
+// A reused per-thread buffer of token counts (planning).
+std::vector<int32_t>& TokensScratch();
+
+}  // namespace tm
+}  // namespace internal
+
+using internal::BatchState;
+using internal::tm::BlockRef;
+using internal::tm::BlockState;
+using internal::tm::FileItem;
+using internal::tm::FileJob;
+using internal::tm::kOffloadStream;
+using internal::tm::kOnboardStream;
+using internal::tm::TokensScratch;
+
+struct TransferManager::Impl {
+  Device* device = nullptr;
+  BlockPool* pools[2] = {nullptr, nullptr};  // primary, host
+  SlabStore* file = nullptr;
+  TransferOptions options;
+  std::unique_ptr<Stream> streams[2];
+  std::unique_ptr<Event> sync_events[2];
+  std::unique_ptr<Event> compute_event;
+
+  tiering::TierView views[2];
+  std::vector<std::byte*> region_ptrs[2];
+  // File staging: a ring of packed blocks in pinned memory, handed out and freed in FIFO order.
+  Buffer staging;
+  std::optional<PoolLayout> staging_layout;
+  std::byte* staging_region[1] = {nullptr};
+  tiering::TierView staging_view;
+  int64_t staging_blocks = 0;
+  // Device staging of primary <-> host copies, one per copy stream (stream order makes reuse
+  // safe); see DeviceStaging in tiering.h.
+  Buffer dstaging[2];
+  std::optional<PoolLayout> dstaging_layout;
+  std::byte* dstaging_region[2][1] = {{nullptr}, {nullptr}};
+  tiering::TierView dstaging_view[2];
+  int64_t dstaging_blocks = 0;  // 0: copies go direct
+
+  mutable std::mutex mu;
+  std::condition_variable cv;  // staging freed, a batch recorded, the worker went idle
+  std::vector<BlockState> state[2];
+  std::vector<std::shared_ptr<BatchState>> batches;
+  size_t batch_cursor = 0;
+  uint64_t next_seq = 1;
+  int64_t staging_head = 0;  // next to free
+  int64_t staging_used = 0;
+  int64_t unrecorded = 0;  // file onboards whose staging -> pool copy is not queued yet
+  std::deque<FileJob> jobs;
+  bool worker_busy = false;
+  bool stop = false;
+  TransferStats stats;
+  std::shared_ptr<internal::CopyCounters> counters = std::make_shared<internal::CopyCounters>();
+  std::vector<CopyDesc> desc;          // reused planning buffer (caller thread)
+  std::vector<CopyDesc> worker_desc;   // reused planning buffer (worker)
+  std::vector<BatchState*> deps;       // reused
+  std::vector<SlotWrite> slot_writes;  // worker
+  std::vector<SlotRead> slot_reads;    // worker
+  std::thread worker;
+
+  ~Impl() {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (worker.joinable()) worker.join();
+    for (auto& s : streams) {
+      if (s) (void)s->Synchronize(Clock::now() + std::chrono::hours(1));
+    }
+  }
+
+  int64_t Blocks(Tier t) const {
+    switch (t) {
+      case Tier::kPrimary:
+        return pools[0]->blocks();
+      case Tier::kHost:
+        return pools[1] ? pools[1]->blocks() : 0;
+      case Tier::kFile:
+        return file ? file->capacity() : 0;
+    }
+    return 0;
+  }
+
+  std::shared_ptr<BatchState> AcquireBatch() {
+    for (size_t n = 0; n < batches.size(); ++n) {
+      size_t i = (batch_cursor + n) % batches.size();
+      auto& b = batches[i];
+      if (b.use_count() != 1) continue;
+      {
+        std::lock_guard lock(b->mu);
+        if (!b->host_done) continue;
+      }
+      if (!b->event->Query()) continue;
+      b->ObserveDone();
+      batch_cursor = i + 1;
+      return b;
+    }
+    auto ev = device->CreateEvent();
+    if (!ev.ok()) return nullptr;
+    auto b = std::make_shared<BatchState>();
+    b->event = std::move(ev).value();
+    batches.push_back(b);
+    return b;
+  }
+
+  // Adds the batch behind `r` to `deps` if work on `stream` must wait for it. Waits (releasing the
+  // lock) while it is a file onboard whose copy is not queued yet.
+  void AddDep(std::unique_lock<std::mutex>& lock, const BlockRef& r, int stream, uint64_t mark) {
+    if (r.b == nullptr) return;
+    while (r.b->seq == r.seq && !r.b->recorded.load()) cv.wait(lock);
+    if (r.b->seq != r.seq) return;  // recycled: finished long ago
+    if (r.b->stream == stream || r.b->dep_mark == mark) return;
+    if (r.b->event->Query()) return;
+    r.b->dep_mark = mark;
+    deps.push_back(r.b);
+  }
+
+  Status EnqueueWaits(int stream) {
+    for (BatchState* d : deps) KVF_RETURN_IF_ERROR(streams[stream]->Wait(*d->event));
+    return Status::Ok();
+  }
+
+  // Plans moves[i].src -> moves[i].dst between two views, coalescing consecutive ids. `src_id` /
+  // `dst_id` map a move to its block index in each view.
+  template <typename SrcId, typename DstId>
+  size_t Plan(const tiering::TierView& sv, const tiering::TierView& dv, size_t n, SrcId src_id,
+              DstId dst_id, std::span<const int32_t> tokens_of, std::vector<CopyDesc>& out,
+              int64_t* bytes) {
+    const int64_t tpb = sv.layout->dims()[kTokenAxis];
+    const int64_t plane_bytes = sv.layout->block_bytes() / tpb;
+    size_t emitted = 0;
+    size_t i = 0;
+    while (i < n) {
+      int64_t s0 = src_id(i), d0 = dst_id(i);
+      if (s0 < 0) {  // skipped item
+        ++i;
+        continue;
+      }
+      int64_t t = tokens_of[i] <= 0 ? tpb : std::min<int64_t>(tokens_of[i], tpb);
+      size_t j = i + 1;
+      while (j < n && src_id(j) == s0 + static_cast<int64_t>(j - i) &&
+             dst_id(j) == d0 + static_cast<int64_t>(j - i) &&
+             (tokens_of[j] <= 0 ? tpb : std::min<int64_t>(tokens_of[j], tpb)) == t) {
+        ++j;
+      }
+      int64_t count = static_cast<int64_t>(j - i);
+      emitted += tiering::AppendRunCopies(sv, s0, dv, d0, count, t, out);
+      *bytes += count * plane_bytes * t;
+      i = j;
+    }
+    return emitted;
+  }
+
+  // True when a primary <-> host batch goes through device staging: staging is set up and every
+  // move copies whole blocks.
+  bool Staged(Tier from, Tier to, std::span<const BlockMove> moves) const {
+    if (dstaging_blocks == 0 || from == to || from == Tier::kFile || to == Tier::kFile) {
+      return false;
+    }
+    const int64_t tpb = pools[0]->shape().tokens_per_block;
+    for (const BlockMove& mv : moves) {
+      if (mv.tokens != 0 && mv.tokens != tpb) return false;
+    }
+    return true;
+  }
+
+  // Queues a staged batch on `stream`: per chunk of staging, the gather into staging and the
+  // copy out of it (two CopyBatch calls). Returns descriptors queued; adds bytes moved.
+  StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
+                              std::span<const int32_t> toks, int64_t* bytes) {
+    size_t descs = 0;
+    const tiering::TierView& sv = views[static_cast<int>(from)];
+    const tiering::TierView& dv = views[static_cast<int>(to)];
+    const tiering::TierView& st = dstaging_view[stream];
+    for (size_t at = 0; at < moves.size(); at += static_cast<size_t>(dstaging_blocks)) {
+      const size_t n = std::min(moves.size() - at, static_cast<size_t>(dstaging_blocks));
+      auto slot = [](size_t i) { return static_cast<int64_t>(i); };
+      auto chunk_toks = toks.subspan(at, n);
+      for (int leg = 0; leg < 2; ++leg) {
+        desc.clear();
+        int64_t ignored = 0;
+        if (leg == 0) {
+          Plan(
+              sv, st, n, [&](size_t i) { return moves[at + i].src; }, slot, chunk_toks, desc,
+              bytes);
+        } else {
+          Plan(
+              st, dv, n, slot, [&](size_t i) { return moves[at + i].dst; }, chunk_toks, desc,
+              &ignored);
+        }
+        if (!desc.empty()) KVF_RETURN_IF_ERROR(streams[stream]->CopyBatch(desc));
+        descs += desc.size();
+      }
+    }
+    return descs;
+  }
+
+  // Sets up device staging when options and layouts call for it (Create).
+  Status SetUpDeviceStaging(const TransferOptions& o) {
+    if (pools[1] == nullptr || o.device_staging == DeviceStaging::kNever) return Status::Ok();
+    if (o.device_staging == DeviceStaging::kAuto && device->info().platform == "cpu") {
+      return Status::Ok();  // host memory both sides: staging is only an extra copy
+    }
+    if (o.device_staging_blocks <= 0) {
+      return Status::InvalidArgument(fmt::format(
+          "transfer manager: device_staging_blocks={} must be positive", o.device_staging_blocks));
+    }
+    KVF_ASSIGN_OR_RETURN(PoolLayout packed,
+                         tiering::PackedLayoutLike(pools[1]->layout(), o.device_staging_blocks));
+    // It helps only when a primary block is several fragments and a host block is one range.
+    std::byte* fake[1] = {nullptr};
+    tiering::TierView pv = views[0], hv = views[1], sv{&packed, fake};
+    std::vector<CopyDesc> probe;
+    const int64_t tpb = pools[0]->shape().tokens_per_block;
+    const size_t direct = tiering::AppendRunCopies(pv, 0, hv, 0, 1, tpb, probe);
+    const size_t link = tiering::AppendRunCopies(sv, 0, hv, 0, 1, tpb, probe);
+    if (direct <= 1 || link != 1) return Status::Ok();
+    dstaging_layout = std::move(packed);
+    for (int i = 0; i < 2; ++i) {
+      KVF_ASSIGN_OR_RETURN(dstaging[i],
+                           device->Allocate(MemoryKind::kDevice,
+                                            static_cast<size_t>(dstaging_layout->total_bytes())));
+      dstaging_region[i][0] = dstaging[i].data();
+      dstaging_view[i] = tiering::TierView{&*dstaging_layout, dstaging_region[i]};
+    }
+    dstaging_blocks = o.device_staging_blocks;
+    return Status::Ok();
+  }
+
+  // Move's steps, in order; the caller holds `lock` on mu throughout.
+  Status CheckMoves(Tier from, Tier to, std::span<const BlockMove> moves, uint64_t seq);
+  std::shared_ptr<BatchState> StartBatch(Tier from, Tier to, size_t n, uint64_t seq);
+  int64_t ReserveStaging(std::unique_lock<std::mutex>& lock, int64_t n);
+  std::vector<BlockRef> OrderAfterEarlierBatches(std::unique_lock<std::mutex>& lock, Tier from,
+                                                 Tier to, std::span<const BlockMove> moves,
+                                                 BatchState& b);
+  TransferBatch QueueFileRead(std::shared_ptr<BatchState> b, Tier to,
+                              std::span<const BlockMove> moves, int64_t staging_first,
+                              std::vector<BlockRef> deps);
+  Status EnqueueCopies(BatchState& b, Tier from, Tier to, std::span<const BlockMove> moves,
+                       int64_t staging_first);
+  void QueueFileWrite(std::shared_ptr<BatchState> b, Tier from, std::span<const BlockMove> moves,
+                      int64_t staging_first);
+  int64_t StagingSlot(int64_t first, size_t i) const {
+    return (first + static_cast<int64_t>(i)) % std::max<int64_t>(staging_blocks, 1);
+  }
+
+  void WorkerLoop();
+  void RunWrite(FileJob& job);
+  void RunRead(FileJob& job);
+  void FinishHost(BatchState& b) {
+    {
+      std::lock_guard lock(b.mu);
+      b.host_done = true;
+    }
+    b.cv.notify_all();
+  }
+  void FreeStaging(int64_t n) {
+    std::lock_guard lock(mu);
+    staging_head = (staging_head + n) % std::max<int64_t>(staging_blocks, 1);
+    staging_used -= n;
+  }
+};
+
+}  // namespace kvferry

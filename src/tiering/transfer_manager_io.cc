@@ -1,0 +1,126 @@
+// TransferManager, the file I/O thread: it runs the queued file writes (after their copy into
+// staging) and reads (then queues the staging -> pool copy behind what it must wait for).
+#include <fmt/format.h>
+
+#include "tiering/transfer_manager_impl.h"
+
+namespace kvferry {
+
+void TransferManager::Impl::WorkerLoop() {
+  std::unique_lock lock(mu);
+  while (true) {
+    cv.wait(lock, [&] { return stop || !jobs.empty(); });
+    if (jobs.empty()) return;
+    FileJob job = std::move(jobs.front());
+    jobs.pop_front();
+    worker_busy = true;
+    lock.unlock();
+    if (job.write) {
+      RunWrite(job);
+    } else {
+      RunRead(job);
+    }
+    FreeStaging(job.staging_count);
+    FinishHost(*job.batch);
+    lock.lock();
+    worker_busy = false;
+    cv.notify_all();
+  }
+}
+
+void TransferManager::Impl::RunWrite(FileJob& job) {
+  BatchState& b = *job.batch;
+  Status copied = b.event->Synchronize(Clock::now() + std::chrono::hours(1));
+  const int64_t block_bytes = staging_layout->block_bytes();
+  slot_writes.clear();
+  for (const FileItem& it : job.items) {
+    slot_writes.push_back(SlotWrite{it.slot, SlotKey{it.key.hi, it.key.lo},
+                                    staging.data() + it.staging * block_bytes, block_bytes,
+                                    MemoryKind::kPinnedHost});
+  }
+  std::vector<Status> results;
+  if (copied.ok()) {
+    results = file->Write(slot_writes);
+  }
+  int64_t errors = 0;
+  for (size_t i = 0; i < job.items.size(); ++i) {
+    Status st = !copied.ok()         ? copied.WithContext("copy to file staging")
+                : i < results.size() ? results[i]
+                                     : Status::Internal("SlabStore::Write: missing result");
+    if (!st.ok()) {
+      st = st.WithContext(fmt::format("offload of {} block {} to file slot {}",
+                                      TierName(job.pool_tier), job.items[i].pool_block,
+                                      job.items[i].slot));
+      ++errors;
+    }
+    b.items[i] = std::move(st);
+  }
+  std::lock_guard lock(mu);
+  stats.file_writes += static_cast<int64_t>(job.items.size());
+  stats.file_write_errors += errors;
+}
+
+void TransferManager::Impl::RunRead(FileJob& job) {
+  BatchState& b = *job.batch;
+  const int64_t block_bytes = staging_layout->block_bytes();
+  slot_reads.clear();
+  for (const FileItem& it : job.items) {
+    slot_reads.push_back(SlotRead{it.slot, SlotKey{it.key.hi, it.key.lo},
+                                  staging.data() + it.staging * block_bytes, block_bytes,
+                                  MemoryKind::kPinnedHost});
+  }
+  std::vector<Status> results = file->Read(slot_reads);
+  int64_t errors = 0;
+  for (size_t i = 0; i < job.items.size(); ++i) {
+    Status st =
+        i < results.size() ? results[i] : Status::Internal("SlabStore::Read: missing result");
+    if (!st.ok()) {
+      st = st.WithContext(fmt::format("onboard of file slot {} to {} block {}", job.items[i].slot,
+                                      TierName(job.pool_tier), job.items[i].pool_block));
+      ++errors;
+    }
+    b.items[i] = std::move(st);
+  }
+  const int pool = static_cast<int>(job.pool_tier);
+  {
+    std::unique_lock lock(mu);
+    stats.file_reads += static_cast<int64_t>(job.items.size());
+    stats.file_read_errors += errors;
+    ++next_seq;  // a fresh dedup mark
+    deps.clear();
+    for (const BlockRef& r : job.deps) AddDep(lock, r, kOnboardStream, next_seq);
+    Status st = EnqueueWaits(kOnboardStream);
+    worker_desc.clear();
+    auto& toks = TokensScratch();
+    toks.clear();
+    for (const FileItem& it : job.items) toks.push_back(it.tokens);
+    int64_t bytes = 0;
+    Plan(
+        staging_view, views[pool], job.items.size(),
+        [&](size_t i) { return b.items[i].ok() ? job.items[i].staging : int64_t{-1}; },
+        [&](size_t i) { return job.items[i].pool_block; }, toks, worker_desc, &bytes);
+    if (st.ok() && !worker_desc.empty()) st = streams[kOnboardStream]->CopyBatch(worker_desc);
+    if (st.ok()) st = streams[kOnboardStream]->Record(*b.event);
+    b.descriptors = worker_desc.size();
+    stats.descriptors += static_cast<int64_t>(worker_desc.size());
+    stats.bytes += bytes;
+    (*counters)[b.direction].bytes += bytes;
+    b.recorded.store(true);
+    --unrecorded;
+    cv.notify_all();
+    if (!st.ok()) {
+      for (Status& s : b.items) {
+        if (s.ok()) s = st.WithContext("copy from file staging");
+      }
+    }
+  }
+  // Staging is freed after this returns: the copy out of it must be over first.
+  Status done = b.event->Synchronize(Clock::now() + std::chrono::hours(1));
+  if (!done.ok()) {
+    for (Status& s : b.items) {
+      if (s.ok()) s = done;
+    }
+  }
+}
+
+}  // namespace kvferry

@@ -1,0 +1,148 @@
+// The peer-memory data path (a context rank copies straight into the mapped generation pool) and
+// the in-flight bound, over the in-process cluster: the CPU device shares memory between ranks
+// of one process (transfer.peer_memory=on), which runs the same protocol a GPU runs over CUDA IPC.
+#include "device/peer_memory.h"
+
+#include <gtest/gtest.h>
+
+#include "transceiver/transceiver_test_cluster.h"
+
+namespace kvferry {
+namespace {
+
+using namespace txtest;  // NOLINT: the shared harness
+
+class PeerMemoryOn {
+ public:
+  explicit PeerMemoryOn(const char* value = "on") {
+    EXPECT_TRUE(Config::Global().Set("transfer.peer_memory", value).ok());
+  }
+  ~PeerMemoryOn() { EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok()); }
+};
+
+TEST(PeerMemory, HandlesRoundTripAndRefuseAnotherProcessOrHost) {
+  auto dev = OpenCpuDevice();
+  std::vector<std::byte> buf(4096);
+  auto h = dev->ExportMemory(buf.data(), buf.size(), MemoryKind::kHost);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  auto m = dev->ImportMemory(*h);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->data(), buf.data());
+  EXPECT_EQ((*m)->size(), buf.size());
+
+  PeerHandle other = DecodePeerHandle(*h).value();
+  other.pid += 1;
+  auto st = dev->ImportMemory(EncodePeerHandle(other)).status();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("process"), std::string_view::npos) << st.ToString();
+
+  other = DecodePeerHandle(*h).value();
+  other.host[0] ^= 1;
+  st = dev->ImportMemory(EncodePeerHandle(other)).status();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("another host"), std::string_view::npos) << st.ToString();
+
+  for (size_t n = 0; n < h->size(); ++n) {
+    EXPECT_FALSE(dev->ImportMemory(std::span(*h).first(n)).ok()) << "truncated to " << n;
+  }
+  EXPECT_FALSE(dev->ExportMemory(nullptr, 10, MemoryKind::kHost).ok());
+}
+
+// Counts the data operations a context rank's transport is asked for.
+class CountingTransport final : public TestTransport {
+ public:
+  CountingTransport(std::unique_ptr<Transport> base, std::shared_ptr<int> ops)
+      : TestTransport(std::move(base)), ops_(std::move(ops)) {}
+  StatusOr<std::unique_ptr<TransportOp>> Send(PeerId p, uint64_t tag, const void* buf, size_t n,
+                                              MemoryKind k) override {
+    ++*ops_;
+    return base_->Send(p, tag, buf, n, k);
+  }
+  StatusOr<std::unique_ptr<TransportOp>> Put(PeerId p, const void* local, size_t n, MemoryKind k,
+                                             uint64_t addr,
+                                             std::span<const std::byte> rkey) override {
+    ++*ops_;
+    return base_->Put(p, local, n, k, addr, rkey);
+  }
+
+ private:
+  std::shared_ptr<int> ops_;
+};
+
+TEST(PeerMemory, HeterogeneousSplitsMoveWithOneCopyPerBatchAndNoStaging) {
+  PeerMemoryOn on;
+  TransceiverOptions o;
+  o.chunk_bytes = 4096;  // many chunks per pair: batched into one copy and one CHUNK
+  o.staging_chunks = 1;
+  o.checksum = false;
+  auto ops = std::make_shared<int>(0);
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}, LayoutKind::kPerLayer}, o,
+             [&](auto t) { return std::make_unique<CountingTransport>(std::move(t), ops); });
+  std::vector<int64_t> cb{3, 4, 9, 1}, gb{0, 5, 6, 2};
+  auto h = cl.Publish(31, cb, 15);
+  ASSERT_TRUE(cl.Fetch(h, gb).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 6);
+  cl.Verify(31, gb, 15, 0, 0, /*sentinels=*/true);
+  for (auto& g : cl.gen_) EXPECT_EQ(g->stats().staging_slots_in_use, 0);
+  EXPECT_EQ(*ops, 0) << "data moved through the transport, not by copies into the peer pool";
+}
+
+// A generation rank may offer handles that don't map (another process, or a region smaller than
+// its target declares): the context rank then puts through the transport instead, and nothing
+// outside the destination blocks changes.
+TEST(PeerMemory, UnmappableOrShortHandlesFallBackToTransportPuts) {
+  PeerMemoryOn on;
+  const std::function<void(FetchMsg&)> lies[] = {
+      [](FetchMsg& f) {
+        PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
+        h.pid += 1;
+        f.rma_target.peer_pool[0] = EncodePeerHandle(h);
+      },
+      [](FetchMsg& f) {
+        PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
+        h.bytes = 64;
+        f.rma_target.peer_pool[0] = EncodePeerHandle(h);
+      },
+  };
+  for (const auto& lie : lies) {
+    Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, SmallChunks(true), {},
+               [&](auto t) { return std::make_unique<FetchTamperer>(std::move(t), lie); });
+    auto h = cl.Publish(32, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+    ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+    cl.Verify(32, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
+  }
+}
+
+// 256 requests live at once on every rank (layer-wise, nothing moves until the layers are
+// ready), then all delivered: per-request state, not per-rank slots, bounds what is in flight.
+void ManyInFlight(const char* peer_memory, int requests) {
+  PeerMemoryOn on(peer_memory);
+  TransceiverOptions o;
+  o.chunk_bytes = 4096;
+  o.staging_chunks = 2;
+  o.timeout = milliseconds(60000);
+  const int64_t blocks = 2 * requests;
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, blocks},
+             {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer, blocks}, o);
+  for (int i = 0; i < requests; ++i) {
+    auto h = cl.Publish(5000 + i, {2 * i, 2 * i + 1}, 7, 0, /*layer_wise=*/true);
+    ASSERT_TRUE(cl.Fetch(h, {blocks - 1 - 2 * i, blocks - 2 - 2 * i}).ok());
+  }
+  EXPECT_EQ(cl.ctx_[0]->stats().live_requests, requests);
+  EXPECT_EQ(cl.gen_[0]->stats().live_requests, requests);
+  for (int i = 0; i < requests; ++i) ASSERT_TRUE(cl.ctx_[0]->MarkLayersReady(5000 + i, 6).ok());
+  ExpectAllComplete(cl.Drain(0, 0, requests, milliseconds(60000)), 2 * requests);
+  for (int i = 0; i < requests; ++i)
+    cl.Verify(5000 + i, {blocks - 1 - 2 * i, blocks - 2 - 2 * i}, 7);
+  EXPECT_EQ(cl.ctx_[0]->stats().live_requests, 0);
+  EXPECT_EQ(cl.gen_[0]->stats().staging_slots_in_use, 0);
+}
+
+TEST(PeerMemory, TwoHundredFiftySixRequestsInFlightPerRank) { ManyInFlight("on", 256); }
+TEST(Transceiver, TwoHundredFiftySixRequestsInFlightPerRankOverTransportPuts) {
+  ManyInFlight("off", 256);
+}
+
+}  // namespace
+}  // namespace kvferry
