@@ -21,8 +21,8 @@ namespace kvferry {
 int HandleFuzzOne(const uint8_t* data, size_t size);
 
 // Control messages. Mode bits 0..3: 1..8 = prepend a valid header of that message type and append
-// the seal (version 3), else the bytes as they are (which must then carry a valid seal). Bit 4: a
-// FETCH gets the local context's shape and prompt (re-sealed) so it reaches the context rank's
+// the seal (since version 3), else the bytes as they are (which must then carry a valid seal). Bit
+// 4: a FETCH gets the local context's shape and prompt (re-sealed) so it reaches the context rank's
 // planning; bits 5..7 pick the local split/layout.
 int MessageFuzzOne(const uint8_t* data, size_t size);
 

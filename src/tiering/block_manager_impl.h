@@ -83,7 +83,7 @@ inline int LaneOf(const Op& op) {
 
 // Thread-safety: touched only by the one scheduler thread that drives the BlockManager (no mutex,
 // nothing to annotate); what it shares with the TransferManager's file worker stays behind the
-// TransferManager's mutex (transfer_manager.cc, GUARDED_BY), and finished work is learned from
+// TransferManager's mutex (transfer_manager_impl.h), and finished work is learned from
 // TransferBatch handles, which are thread-safe.
 struct BlockManager::Impl {
   Impl(TransferManager& t, const BlockManagerOptions& o);

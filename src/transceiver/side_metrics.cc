@@ -91,8 +91,9 @@ void SideMetrics::Fill(TransceiverMetrics& m) const {
 std::vector<RequestTimeline> SideMetrics::Timelines() const {
   MutexLock lock(mu_);
   std::vector<RequestTimeline> out(recent_.begin(), recent_.end());
+  const uint64_t slowest_id = slowest_.request_id;
   if (has_slowest_ && std::none_of(out.begin(), out.end(), [&](const RequestTimeline& t) {
-        return t.request_id == slowest_.request_id;
+        return t.request_id == slowest_id;
       })) {
     out.push_back(slowest_);
   }
