@@ -12,12 +12,12 @@
 #include <optional>
 
 #include "kvferry/config.h"
-#include "testing/testdata.h"
+#include "kvferry/inproc_transport.h"
 #include "kvferry/transceiver.h"
+#include "testing/testdata.h"
 #include "transceiver/engine.h"
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
-#include "kvferry/inproc_transport.h"
 
 namespace kvferry::txtest {
 
