@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/thread_annotations.h"
 #include "kvferry/config.h"
 #include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
@@ -45,7 +46,7 @@ TransferOptions TransferOptions::FromConfig() {
 bool TransferBatch::Query() const {
   if (!s_) return true;
   {
-    std::lock_guard lock(s_->mu);
+    MutexLock lock(s_->mu);
     if (!s_->host_done) return false;
   }
   if (!s_->event->Query()) return false;
@@ -56,8 +57,8 @@ bool TransferBatch::Query() const {
 Status TransferBatch::Wait(Deadline deadline) const {
   if (!s_) return Status::Ok();
   {
-    std::unique_lock lock(s_->mu);
-    if (!s_->cv.wait_until(lock, deadline, [&] { return s_->host_done; })) {
+    MutexLock lock(s_->mu);
+    if (!lock.WaitUntil(s_->cv, deadline, [&]() REQUIRES(s_->mu) { return s_->host_done; })) {
       return Status::DeadlineExceeded("transfer batch: file I/O still pending at the deadline");
     }
   }
@@ -120,6 +121,7 @@ StatusOr<std::unique_ptr<TransferManager>> TransferManager::Create(Device& devic
     if (p == nullptr) continue;
     for (int32_t r = 0; r < p->num_regions(); ++r) impl->region_ptrs[i].push_back(p->region(r));
     impl->views[i] = tiering::TierView{&p->layout(), impl->region_ptrs[i]};
+    MutexLock lock(impl->mu);
     impl->state[i].resize(static_cast<size_t>(p->blocks()));
   }
   KVF_ASSIGN_OR_RETURN(impl->compute_event, device.CreateEvent());
@@ -159,7 +161,7 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
         fmt::format("move {} -> {}: only primary -> primary copies stay in a tier", TierName(from),
                     TierName(to)));
   }
-  std::unique_lock lock(m.mu);
+  MutexLock lock(m.mu);
   const uint64_t seq = ++m.next_seq;
   KVF_RETURN_IF_ERROR(m.CheckMoves(from, to, moves, seq));
   std::shared_ptr<BatchState> b = m.StartBatch(from, to, moves.size(), seq);
@@ -240,7 +242,7 @@ std::shared_ptr<BatchState> TransferManager::Impl::StartBatch(Tier from, Tier to
   b->submitted = Clock::now();
   b->observed = false;
   {
-    std::lock_guard bl(b->mu);
+    MutexLock bl(b->mu);
     b->host_done = from != Tier::kFile && to != Tier::kFile;
   }
   ++stats.batches;
@@ -251,8 +253,8 @@ std::shared_ptr<BatchState> TransferManager::Impl::StartBatch(Tier from, Tier to
 }
 
 // The first of `n` consecutive staging blocks, waiting (lock released) until they are free.
-int64_t TransferManager::Impl::ReserveStaging(std::unique_lock<std::mutex>& lock, int64_t n) {
-  cv.wait(lock, [&] { return staging_used + n <= staging_blocks; });
+int64_t TransferManager::Impl::ReserveStaging(MutexLock& lock, int64_t n) {
+  lock.Wait(cv, [&]() REQUIRES(mu) { return staging_used + n <= staging_blocks; });
   const int64_t first = (staging_head + staging_used) % staging_blocks;
   staging_used += n;
   return first;
@@ -262,8 +264,7 @@ int64_t TransferManager::Impl::ReserveStaging(std::unique_lock<std::mutex>& lock
 // by the I/O thread) and records it as the last writer / a reader of its blocks. For a file read,
 // whose copy the I/O thread queues later, returns the references that copy must wait for instead.
 std::vector<BlockRef> TransferManager::Impl::OrderAfterEarlierBatches(
-    std::unique_lock<std::mutex>& lock, Tier from, Tier to, std::span<const BlockMove> moves,
-    BatchState& b) {
+    MutexLock& lock, Tier from, Tier to, std::span<const BlockMove> moves, BatchState& b) {
   const int stream = b.stream;
   const uint64_t mark = b.seq;
   deps.clear();
@@ -375,8 +376,8 @@ void TransferManager::Impl::QueueFileWrite(std::shared_ptr<BatchState> b, Tier f
 
 Status TransferManager::SyncWithCompute(Stream& compute) {
   Impl& m = *impl_;
-  std::unique_lock lock(m.mu);
-  m.cv.wait(lock, [&] { return m.unrecorded == 0; });
+  MutexLock lock(m.mu);
+  lock.Wait(m.cv, [&]() REQUIRES(m.mu) { return m.unrecorded == 0; });
   for (int i = 0; i < 2; ++i) {
     KVF_RETURN_IF_ERROR(m.streams[i]->Record(*m.sync_events[i]));
     KVF_RETURN_IF_ERROR(compute.Wait(*m.sync_events[i]));
@@ -386,7 +387,7 @@ Status TransferManager::SyncWithCompute(Stream& compute) {
 
 Status TransferManager::WaitForCompute(Stream& compute) {
   Impl& m = *impl_;
-  std::lock_guard lock(m.mu);
+  MutexLock lock(m.mu);
   KVF_RETURN_IF_ERROR(compute.Record(*m.compute_event));
   for (auto& s : m.streams) KVF_RETURN_IF_ERROR(s->Wait(*m.compute_event));
   return Status::Ok();
@@ -395,8 +396,9 @@ Status TransferManager::WaitForCompute(Stream& compute) {
 Status TransferManager::Drain(Deadline deadline) {
   Impl& m = *impl_;
   {
-    std::unique_lock lock(m.mu);
-    if (!m.cv.wait_until(lock, deadline, [&] { return m.jobs.empty() && !m.worker_busy; })) {
+    MutexLock lock(m.mu);
+    if (!lock.WaitUntil(m.cv, deadline,
+                        [&]() REQUIRES(m.mu) { return m.jobs.empty() && !m.worker_busy; })) {
       return Status::DeadlineExceeded("transfer manager: file batches still pending");
     }
     for (auto& s : m.streams) KVF_RETURN_IF_ERROR(s->Synchronize(deadline));
@@ -424,7 +426,7 @@ int64_t TransferManager::tier_blocks(Tier tier) const { return impl_->Blocks(tie
 int64_t TransferManager::file_staging_blocks() const { return impl_->staging_blocks; }
 bool TransferManager::device_staged() const { return impl_->dstaging_blocks > 0; }
 int64_t TransferManager::file_staging_free() const {
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->staging_blocks - impl_->staging_used;
 }
 TieringMetrics TransferManager::metrics() const {
@@ -451,7 +453,7 @@ TieringMetrics TransferManager::metrics() const {
 }
 
 TransferStats TransferManager::stats() const {
-  std::lock_guard lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   TransferStats s = impl_->stats;
   s.file_jobs_queued = static_cast<int64_t>(impl_->jobs.size()) + (impl_->worker_busy ? 1 : 0);
   return s;

@@ -1,7 +1,7 @@
 // TransferManager's private state, shared by transfer_manager.cc (the public calls, Move and its
 // steps) and transfer_manager_io.cc (the file I/O thread). Private to src/tiering. The mutex `mu`
 // guards the ordering state, the staging ring and the job queue; the caller's thread and the I/O
-// thread both take it.
+// thread both take it. Checked by clang -Wthread-safety (GUARDED_BY / REQUIRES).
 #pragma once
 
 #include <array>
@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/thread_annotations.h"
 #include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
 #include "metrics/atomic_histogram.h"
@@ -38,9 +39,9 @@ struct BatchState {
   int stream = 0;                     // 0 = offload stream, 1 = onboard stream
   uint64_t dep_mark = 0;              // dedup of dependencies while planning a batch
   std::atomic<bool> recorded{false};  // `event` captures this batch's copies
-  std::mutex mu;
+  Mutex mu;
   std::condition_variable cv;
-  bool host_done = false;  // guarded by mu: the host-side part (file I/O) is over
+  bool host_done GUARDED_BY(mu) = false;  // the host-side part (file I/O) is over
   std::vector<Status> items;
   size_t descriptors = 0;
   // Metrics: the batch's direction, when it was submitted, and whether its end was recorded.
@@ -132,30 +133,34 @@ struct TransferManager::Impl {
   tiering::TierView dstaging_view[2];
   int64_t dstaging_blocks = 0;  // 0: copies go direct
 
-  mutable std::mutex mu;
+  // Guards what the caller's thread (Move and the other public calls) and the file worker share.
+  mutable Mutex mu;
   std::condition_variable cv;  // staging freed, a batch recorded, the worker went idle
-  std::vector<BlockState> state[2];
-  std::vector<std::shared_ptr<BatchState>> batches;
-  size_t batch_cursor = 0;
-  uint64_t next_seq = 1;
-  int64_t staging_head = 0;  // next to free
-  int64_t staging_used = 0;
-  int64_t unrecorded = 0;  // file onboards whose staging -> pool copy is not queued yet
-  std::deque<FileJob> jobs;
-  bool worker_busy = false;
-  bool stop = false;
-  TransferStats stats;
+  std::vector<BlockState> state[2] GUARDED_BY(mu);
+  std::vector<std::shared_ptr<BatchState>> batches GUARDED_BY(mu);
+  size_t batch_cursor GUARDED_BY(mu) = 0;
+  uint64_t next_seq GUARDED_BY(mu) = 1;
+  int64_t staging_head GUARDED_BY(mu) = 0;  // next to free
+  int64_t staging_used GUARDED_BY(mu) = 0;
+  int64_t unrecorded GUARDED_BY(mu) = 0;  // file onboards whose staging -> pool copy isn't queued
+  std::deque<FileJob> jobs GUARDED_BY(mu);
+  bool worker_busy GUARDED_BY(mu) = false;
+  bool stop GUARDED_BY(mu) = false;
+  TransferStats stats GUARDED_BY(mu);
+  // Set once at construction; the counters themselves are atomics.
   std::shared_ptr<internal::CopyCounters> counters = std::make_shared<internal::CopyCounters>();
-  std::vector<CopyDesc> desc;          // reused planning buffer (caller thread)
-  std::vector<CopyDesc> worker_desc;   // reused planning buffer (worker)
-  std::vector<BatchState*> deps;       // reused
-  std::vector<SlotWrite> slot_writes;  // worker
-  std::vector<SlotRead> slot_reads;    // worker
+  std::vector<CopyDesc> desc GUARDED_BY(mu);         // reused planning buffer (caller thread)
+  std::vector<CopyDesc> worker_desc GUARDED_BY(mu);  // reused planning buffer (worker, under mu)
+  std::vector<BatchState*> deps GUARDED_BY(mu);      // reused
+  // The worker's own scratch, used outside mu (during file I/O): only the worker thread touches
+  // it, so it has no lock to name.
+  std::vector<SlotWrite> slot_writes;
+  std::vector<SlotRead> slot_reads;
   std::thread worker;
 
   ~Impl() {
     {
-      std::lock_guard lock(mu);
+      MutexLock lock(mu);
       stop = true;
     }
     cv.notify_all();
@@ -177,13 +182,13 @@ struct TransferManager::Impl {
     return 0;
   }
 
-  std::shared_ptr<BatchState> AcquireBatch() {
+  std::shared_ptr<BatchState> AcquireBatch() REQUIRES(mu) {
     for (size_t n = 0; n < batches.size(); ++n) {
       size_t i = (batch_cursor + n) % batches.size();
       auto& b = batches[i];
       if (b.use_count() != 1) continue;
       {
-        std::lock_guard lock(b->mu);
+        MutexLock lock(b->mu);
         if (!b->host_done) continue;
       }
       if (!b->event->Query()) continue;
@@ -201,9 +206,9 @@ struct TransferManager::Impl {
 
   // Adds the batch behind `r` to `deps` if work on `stream` must wait for it. Waits (releasing the
   // lock) while it is a file onboard whose copy is not queued yet.
-  void AddDep(std::unique_lock<std::mutex>& lock, const BlockRef& r, int stream, uint64_t mark) {
+  void AddDep(MutexLock& lock, const BlockRef& r, int stream, uint64_t mark) REQUIRES(mu) {
     if (r.b == nullptr) return;
-    while (r.b->seq == r.seq && !r.b->recorded.load()) cv.wait(lock);
+    lock.Wait(cv, [&]() REQUIRES(mu) { return r.b->seq != r.seq || r.b->recorded.load(); });
     if (r.b->seq != r.seq) return;  // recycled: finished long ago
     if (r.b->stream == stream || r.b->dep_mark == mark) return;
     if (r.b->event->Query()) return;
@@ -211,7 +216,7 @@ struct TransferManager::Impl {
     deps.push_back(r.b);
   }
 
-  Status EnqueueWaits(int stream) {
+  Status EnqueueWaits(int stream) REQUIRES(mu) {
     for (BatchState* d : deps) KVF_RETURN_IF_ERROR(streams[stream]->Wait(*d->event));
     return Status::Ok();
   }
@@ -263,7 +268,7 @@ struct TransferManager::Impl {
   // Queues a staged batch on `stream`: per chunk of staging, the gather into staging and the
   // copy out of it (two CopyBatch calls). Returns descriptors queued; adds bytes moved.
   StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
-                              std::span<const int32_t> toks, int64_t* bytes) {
+                              std::span<const int32_t> toks, int64_t* bytes) REQUIRES(mu) {
     size_t descs = 0;
     const tiering::TierView& sv = views[static_cast<int>(from)];
     const tiering::TierView& dv = views[static_cast<int>(to)];
@@ -324,19 +329,20 @@ struct TransferManager::Impl {
   }
 
   // Move's steps, in order; the caller holds `lock` on mu throughout.
-  Status CheckMoves(Tier from, Tier to, std::span<const BlockMove> moves, uint64_t seq);
-  std::shared_ptr<BatchState> StartBatch(Tier from, Tier to, size_t n, uint64_t seq);
-  int64_t ReserveStaging(std::unique_lock<std::mutex>& lock, int64_t n);
-  std::vector<BlockRef> OrderAfterEarlierBatches(std::unique_lock<std::mutex>& lock, Tier from,
-                                                 Tier to, std::span<const BlockMove> moves,
-                                                 BatchState& b);
+  Status CheckMoves(Tier from, Tier to, std::span<const BlockMove> moves, uint64_t seq)
+      REQUIRES(mu);
+  std::shared_ptr<BatchState> StartBatch(Tier from, Tier to, size_t n, uint64_t seq) REQUIRES(mu);
+  int64_t ReserveStaging(MutexLock& lock, int64_t n) REQUIRES(mu);
+  std::vector<BlockRef> OrderAfterEarlierBatches(MutexLock& lock, Tier from, Tier to,
+                                                 std::span<const BlockMove> moves, BatchState& b)
+      REQUIRES(mu);
   TransferBatch QueueFileRead(std::shared_ptr<BatchState> b, Tier to,
                               std::span<const BlockMove> moves, int64_t staging_first,
-                              std::vector<BlockRef> deps);
+                              std::vector<BlockRef> deps) REQUIRES(mu);
   Status EnqueueCopies(BatchState& b, Tier from, Tier to, std::span<const BlockMove> moves,
-                       int64_t staging_first);
+                       int64_t staging_first) REQUIRES(mu);
   void QueueFileWrite(std::shared_ptr<BatchState> b, Tier from, std::span<const BlockMove> moves,
-                      int64_t staging_first);
+                      int64_t staging_first) REQUIRES(mu);
   int64_t StagingSlot(int64_t first, size_t i) const {
     return (first + static_cast<int64_t>(i)) % std::max<int64_t>(staging_blocks, 1);
   }
@@ -346,13 +352,13 @@ struct TransferManager::Impl {
   void RunRead(FileJob& job);
   void FinishHost(BatchState& b) {
     {
-      std::lock_guard lock(b.mu);
+      MutexLock lock(b.mu);
       b.host_done = true;
     }
     b.cv.notify_all();
   }
   void FreeStaging(int64_t n) {
-    std::lock_guard lock(mu);
+    MutexLock lock(mu);
     staging_head = (staging_head + n) % std::max<int64_t>(staging_blocks, 1);
     staging_used -= n;
   }

@@ -7,14 +7,14 @@
 namespace kvferry {
 
 void TransferManager::Impl::WorkerLoop() {
-  std::unique_lock lock(mu);
+  MutexLock lock(mu);
   while (true) {
-    cv.wait(lock, [&] { return stop || !jobs.empty(); });
+    lock.Wait(cv, [&]() REQUIRES(mu) { return stop || !jobs.empty(); });
     if (jobs.empty()) return;
     FileJob job = std::move(jobs.front());
     jobs.pop_front();
     worker_busy = true;
-    lock.unlock();
+    lock.Unlock();
     if (job.write) {
       RunWrite(job);
     } else {
@@ -22,7 +22,7 @@ void TransferManager::Impl::WorkerLoop() {
     }
     FreeStaging(job.staging_count);
     FinishHost(*job.batch);
-    lock.lock();
+    lock.Lock();
     worker_busy = false;
     cv.notify_all();
   }
@@ -55,7 +55,7 @@ void TransferManager::Impl::RunWrite(FileJob& job) {
     }
     b.items[i] = std::move(st);
   }
-  std::lock_guard lock(mu);
+  MutexLock lock(mu);
   stats.file_writes += static_cast<int64_t>(job.items.size());
   stats.file_write_errors += errors;
 }
@@ -83,7 +83,7 @@ void TransferManager::Impl::RunRead(FileJob& job) {
   }
   const int pool = static_cast<int>(job.pool_tier);
   {
-    std::unique_lock lock(mu);
+    MutexLock lock(mu);
     stats.file_reads += static_cast<int64_t>(job.items.size());
     stats.file_read_errors += errors;
     ++next_seq;  // a fresh dedup mark
