@@ -62,6 +62,18 @@ Local PickLocal(const KvShape& shape, uint8_t bits) {
   return l;
 }
 
+// A rank's own plan budget (Engine::plan_budget): its pool plus its staging, 8 chunks here. Both
+// sides pass it to the planner, so a peer's handle or FETCH can't make them plan more.
+int64_t PlanBudget(const Local& local) {
+  auto slice = SliceOf(local.desc.shape, local.desc.parallel, 0);
+  Check(slice.ok());
+  auto layout = PoolLayout::Make(local.desc.layout,
+                                 RankPoolDims(local.desc.shape, *slice, local.desc.pool_blocks),
+                                 local.desc.shape.ElementBytes());
+  Check(layout.ok());
+  return layout->total_bytes() + local.chunk_bytes * 8;
+}
+
 // Every piece of a plan lies inside the pools of both ranks it names (a hostile handle or FETCH
 // must not make a rank read or write outside its own pool).
 void CheckPiecesInside(const std::vector<PairPlan>& pairs, const InstanceDesc& ctx,
@@ -128,6 +140,7 @@ int HandleFuzzOne(const uint8_t* data, size_t size) {
   pin.chunk_bytes = std::min(local.chunk_bytes, h->chunk_bytes);
   pin.direct_min_bytes = h->ctx_direct ? local.direct_min_bytes : kNoDirect;
   pin.layer_wise = h->layer_wise;
+  pin.max_plan_bytes = PlanBudget(local);
   for (int32_t g = 0; g < local.desc.parallel.world_size(); ++g) {
     auto plan = PlanForGenRank(pin, g);
     if (!plan.ok()) {
@@ -185,14 +198,7 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   pin.gen_reused_blocks = f->reused_blocks;
   pin.chunk_bytes = f->chunk_bytes;
   pin.direct_min_bytes = f->direct_min_bytes;
-  // The context rank's own budget (Engine::plan_budget): its pool plus its staging, 8 chunks here.
-  auto cs = SliceOf(local.desc.shape, local.desc.parallel, 0);
-  Check(cs.ok());
-  auto cl = PoolLayout::Make(local.desc.layout,
-                             RankPoolDims(local.desc.shape, *cs, local.desc.pool_blocks),
-                             local.desc.shape.ElementBytes());
-  Check(cl.ok());
-  pin.max_plan_bytes = cl->total_bytes() + local.chunk_bytes * 8;
+  pin.max_plan_bytes = PlanBudget(local);
   for (int32_t c = 0; c < local.desc.parallel.world_size(); ++c) {
     auto plan = PlanForCtxRank(pin, c);
     if (!plan.ok()) {
