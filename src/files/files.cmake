@@ -26,8 +26,11 @@ if(BUILD_TESTING)
 endif()
 
 # SlabStore vs raw O_DIRECT throughput, measured in the same run (not a test).
-add_executable(slab_store_bench files/slab_store_bench.cc)
-target_link_libraries(slab_store_bench PRIVATE kvferry_internal)
+# Its raw O_DIRECT baseline lives in the testing target, built with the tests or the tools only.
+if(BUILD_TESTING OR KVFERRY_BUILD_TOOLS)
+  add_executable(slab_store_bench files/slab_store_bench.cc)
+  target_link_libraries(slab_store_bench PRIVATE kvferry_internal)
+endif()
 
 # libFuzzer target: clang with -fsanitize=fuzzer only (-DKVFERRY_FUZZ=ON). The decoder is compiled
 # into the target so that it is instrumented.
