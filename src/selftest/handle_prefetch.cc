@@ -1,0 +1,61 @@
+#include "selftest/handle_prefetch.h"
+
+#include <algorithm>
+
+namespace kvferry {
+
+HandlePrefetch::HandlePrefetch(std::unique_ptr<Rendezvous> rv, std::vector<uint64_t> ids,
+                               size_t depth)
+    : rv_(std::move(rv)), ids_(std::move(ids)), depth_(std::max<size_t>(depth, 1)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+HandlePrefetch::~HandlePrefetch() {
+  {
+    MutexLock lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::optional<std::vector<std::byte>> HandlePrefetch::Take(size_t i,
+                                                           std::chrono::microseconds wait) {
+  std::optional<std::vector<std::byte>> out;
+  {
+    MutexLock lock(mu_);
+    lock.WaitFor(cv_, wait, [&]() REQUIRES(mu_) { return ready_.count(i) > 0; });
+    auto it = ready_.find(i);
+    if (it == ready_.end()) return out;
+    out = std::move(it->second);
+    ready_.erase(it);
+    taken_ = i + 1;
+  }
+  cv_.notify_all();  // room for one more ahead
+  return out;
+}
+
+void HandlePrefetch::Run() {
+  for (size_t i = 0; i < ids_.size();) {
+    {
+      MutexLock lock(mu_);
+      lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || i < taken_ + depth_; });
+      if (stop_) return;
+    }
+    // Short waits: the loop sees stop_ within a few milliseconds.
+    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(4)));
+    if (!handle.ok()) {
+      MutexLock lock(mu_);
+      if (stop_) return;
+      continue;  // not published yet (or the rendezvous is slow): ask again
+    }
+    {
+      MutexLock lock(mu_);
+      ready_.emplace(i, std::move(handle).value());
+    }
+    cv_.notify_all();
+    ++i;
+  }
+}
+
+}  // namespace kvferry
