@@ -36,26 +36,22 @@ std::optional<std::vector<std::byte>> HandlePrefetch::Take(size_t i,
 }
 
 void HandlePrefetch::Run() {
-  // Between misses the thread pauses 1 to 8 ms (doubling; reset by a hit): a handle published
-  // late is seen within a pause, and a rank waiting for its context side costs a few rendezvous
-  // calls per 10 ms, not a stream of them (two shared cores run every rank).
-  constexpr auto kMinPause = std::chrono::milliseconds(1), kMaxPause = std::chrono::milliseconds(8);
-  auto pause = kMinPause;
   for (size_t i = 0; i < ids_.size();) {
     {
       MutexLock lock(mu_);
       lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || i < taken_ + depth_; });
       if (stop_) return;
     }
-    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(2)));
+    // The rendezvous asks again after 1, 2, 4 and 8 ms while the key is absent, so a handle
+    // published late is seen within 8 ms, and a waiting rank costs a few calls per 15 ms. The
+    // deadline also bounds one call: on two loaded cores a round trip can take milliseconds,
+    // and a tighter one would fail calls for handles that are there.
+    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(20)));
     if (!handle.ok()) {  // not published yet (or the rendezvous is slow): ask again
       MutexLock lock(mu_);
-      lock.WaitFor(cv_, pause, [&]() REQUIRES(mu_) { return stop_; });
       if (stop_) return;
-      pause = std::min(pause * 2, kMaxPause);
       continue;
     }
-    pause = kMinPause;
     {
       MutexLock lock(mu_);
       ready_.emplace(i, std::move(handle).value());
