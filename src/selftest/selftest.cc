@@ -187,6 +187,18 @@ TransceiverOptions SideOptions(const SelftestConfig& cfg) {
   return o;
 }
 
+// Waits until generation rank 0 has started a request (its progress file, RunWatch, says
+// "done total started" with started >= 1), or until `deadline`.
+void AwaitGenerationStart(const SelftestConfig& cfg, Clock::time_point deadline) {
+  const fs::path progress = fs::path(cfg.dir) / "progress-gen-0";
+  while (Clock::now() < deadline) {
+    std::ifstream f(progress);
+    int64_t done = 0, total = 0, started = 0;
+    if (f >> done >> total >> started && started >= 1) return;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+}
+
 }  // namespace
 
 std::string RankDevice(const SelftestConfig& cfg, bool context, int rank) {
@@ -411,7 +423,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       if (leader) KVF_RETURN_IF_ERROR(PublishHandle(*rv, id, *handle, DeadlineIn(cfg.timeout)));
       if (cfg.crash_ctx_rank == rank) {
         // Fault injection: die like a crashed process, with the request published and its
-        // blocks leased; the other ranks must end their requests without hanging.
+        // blocks leased; the other ranks must end their requests without hanging. Only once a
+        // generation rank has started fetching it (or after a deadline): a fixed wait let a
+        // loaded machine stop the run before any fetch, and then no request met the crash.
+        AwaitGenerationStart(cfg, DeadlineIn(cfg.timeout));
         std::this_thread::sleep_for(milliseconds(50));
         std::_Exit(3);
       }
