@@ -456,6 +456,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     p.transfer_id = f.transfer_id;
     p.rma = rma;
     p.peer_mem = !peer_pool.empty();
+    if (p.peer_mem) NotePeerMemoryUsed();
     p.peer_pool = std::move(peer_pool);
     p.checksum = f.checksum && host_visible_pool();
     if (rma) p.target = std::move(f.rma_target);
