@@ -149,6 +149,10 @@ constexpr KnobDecl kKnobs[] = {
      "background tiering: victims move down until this percent of blocks is free (0: only on "
      "demand)",
      0, 100, ""},
+    {"tiering.max_events", KnobType::kInt, "65536",
+     "router events the block manager keeps until DrainEvents; past it the oldest are dropped "
+     "and counted (events_dropped)",
+     1, 1 << 30, ""},
     {"files.recover", KnobType::kString, "verify",
      "slab files found at open: verify = keep every slot whose header and payload checksum "
      "verify (reads every slot), headers = check headers only, none = forget them",

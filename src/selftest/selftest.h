@@ -34,6 +34,10 @@ struct SelftestConfig {
   int requests = 8;
   std::vector<int64_t> prompt_tokens{100};  // request i uses prompt_tokens[i % size]
   int concurrency = 4;                      // requests in flight per rank
+  // Requests the context instance holds beyond `concurrency`, marked ready and published before
+  // the generation side asks for them (a serving context instance has prefilled requests waiting;
+  // bench transfer: `concurrency`, so a handle is there when a generation slot frees).
+  int ctx_ahead = 0;
   std::string transport = "ucx";
   std::string device = "cpu";
   bool layer_wise = false;

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "base/log.h"
+#include "transceiver/context_side_peer.h"
 #include "transceiver/engine.h"
 #include "transceiver/rma.h"
 
@@ -38,6 +39,7 @@ struct SendPair {
   bool rma = false;         // one-sided puts into target (else tagged sends)
   bool peer_mem = false;    // one-sided by copies into the mapped generation pool (peer_pool)
   std::vector<PeerMapping*> peer_pool;  // peer: one mapping per generation pool region
+  LandedChunks landed;                  // peer: in place, not yet reported by CHUNK
   bool checksum = false;
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
@@ -71,9 +73,6 @@ struct CtxRequest {
 // FETCHes for requests this rank does not know yet wait (transfer.unknown_request_wait_ms) in a
 // bounded list: a peer sending fetches for made-up ids can't grow it without bound.
 constexpr size_t kMaxPendingFetches = 1024;
-
-// Peer memory: bytes of chunks one CopyBatch (and one CHUNK message) covers at most.
-constexpr int64_t kPeerBatchBytes = int64_t{64} << 20;
 
 struct PendingFetch {
   PeerId from;
@@ -412,14 +411,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     if (rma && options_.peer_memory != EngineOptions::PeerMemory::kOff &&
         !f.rma_target.peer_pool.empty()) {
       auto mapped = MapPeerPool(f.rma_target.peer_pool);
-      Status st = mapped.status();
-      for (size_t i = 0; st.ok() && i < mapped->size(); ++i) {
-        if ((*mapped)[i]->size() < f.rma_target.pool[i].bytes) {
-          st = Status::InvalidArgument(
-              fmt::format("peer pool region {} maps {} bytes, the target declares {}", i,
-                          (*mapped)[i]->size(), f.rma_target.pool[i].bytes));
-        }
-      }
+      Status st = mapped.ok() ? CheckPeerPool(*mapped, f.rma_target) : mapped.status();
       if (st.ok()) {
         peer_pool = std::move(mapped).value();
       } else if (!peer_said_) {
@@ -579,45 +571,35 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed).
-  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
+  // `report`: say so by CHUNK now (the peer path reports coalesced ranges itself).
+  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s, bool report = true) {
     for (uint32_t i = 0; i < s.count; ++i) {
       r.bytes += p.plan.chunks[s.chunk + i].bytes;
       NoteChunk(r.id, p.plan.chunks[s.chunk + i].bytes, s.started);
     }
-    if (p.rma || s.has_checksum) {
+    if (report && (p.rma || s.has_checksum)) {
       SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.count,
                                s.has_checksum, s.checksum});
     }
   }
 
-  // Peer memory: every ready chunk's pieces copied by this rank's stream straight into the mapped
-  // generation pool, many chunks per CopyBatch (one gather kernel on a GPU); one CHUNK message
-  // per batch once its event completes. No credit, staging or transport operation.
+  // Peer memory (context_side_peer.h): ready chunks copied by this rank's stream straight into
+  // the mapped generation pool, many per CopyBatch; landed batches reported by one CHUNK once
+  // nothing is being copied for the pair. No credit, staging or transport operation.
   bool AdvancePeerPair(CtxRequest& r, SendPair& p) {
     bool busy = false;
-    const auto& chunks = p.plan.chunks;
-    while (!r.ending && p.next < chunks.size() && chunks[p.next].last_layer < r.ready_end &&
-           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+    while (!r.ending && static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
+      auto count =
+          CollectPeerBatch(p.plan, p.next, r.ready_end, p.checksum, p.peer_pool, pool_, descs_);
+      if (!count.ok()) return Fail(r, count.status()), true;
+      if (*count == 0) break;
       SendOp s;
       s.chunk = p.next;
-      s.count = 0;
-      descs_.clear();
-      int64_t bytes = 0;
-      // A checksum covers one chunk: one chunk per batch then.
-      while (p.next < chunks.size() && chunks[p.next].last_layer < r.ready_end &&
-             (s.count == 0 || (!p.checksum && bytes < kPeerBatchBytes))) {
-        if (Status st = PeerCopies(chunks[p.next], p, descs_); !st.ok()) {
-          Fail(r,
-               st.WithContext(fmt::format("chunk {} to generation rank {}", p.next, p.gen_rank)));
-          return true;
-        }
-        bytes += chunks[p.next].bytes;
-        ++p.next;
-        ++s.count;
-      }
+      s.count = *count;
+      p.next += *count;
       if (p.checksum) {
         s.has_checksum = true;
-        s.checksum = ChunkChecksum(chunks[s.chunk], true, pool_);
+        s.checksum = ChunkChecksum(p.plan.chunks[s.chunk], true, pool_);
       }
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
@@ -630,44 +612,23 @@ class ContextSideImpl final : public ContextSide, public Engine {
       p.inflight.push_back(std::move(s));
       busy = true;
     }
-    // One stream: batches complete in order.
+    // One stream: batches complete in order. A checksummed chunk is reported on its own.
     while (!p.inflight.empty() && p.inflight.front().packed->Query()) {
       SendOp& s = p.inflight.front();
       ReleaseEvent(s.packed);
-      if (!r.ending) ChunkSent(r, p, s);
+      if (!r.ending) {
+        ChunkSent(r, p, s, s.has_checksum);
+        if (!s.has_checksum) p.landed.Add(s.chunk, s.count);
+      }
       p.inflight.pop_front();
       busy = true;
     }
-    return busy;
-  }
-
-  // The copies of one chunk from this pool into the mapped generation pool, each checked to lie
-  // inside its mapped region.
-  Status PeerCopies(const Chunk& c, const SendPair& p, std::vector<CopyDesc>& out) const {
-    for (const Piece& pc : c.pieces) {
-      if (pc.dst_region < 0 || static_cast<size_t>(pc.dst_region) >= p.peer_pool.size()) {
-        return Status::Internal(
-            fmt::format("piece for generation region {} of {}", pc.dst_region, p.peer_pool.size()));
-      }
-      const PeerMapping& m = *p.peer_pool[pc.dst_region];
-      const uint64_t last = static_cast<uint64_t>(pc.dst_offset) +
-                            static_cast<uint64_t>((pc.rows - 1) * pc.dst_pitch);
-      if (pc.dst_offset < 0 || last + static_cast<uint64_t>(pc.bytes) > m.size()) {
-        return Status::InvalidArgument(fmt::format(
-            "copy of {} rows of {} bytes at offset {} (pitch {}) is outside generation region {} "
-            "({} bytes mapped)",
-            pc.rows, pc.bytes, pc.dst_offset, pc.dst_pitch, pc.dst_region, m.size()));
-      }
-      CopyDesc d{};
-      d.dst = m.data() + pc.dst_offset;
-      d.src = pool_.region(pc.src_region) + pc.src_offset;
-      d.bytes = static_cast<size_t>(pc.bytes);
-      d.rows = static_cast<size_t>(pc.rows);
-      d.dst_pitch = static_cast<size_t>(pc.dst_pitch);
-      d.src_pitch = static_cast<size_t>(pc.src_pitch);
-      out.push_back(d);
+    if (p.inflight.empty() && p.landed.count > 0 && !r.ending) {
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.landed.first),
+                               p.landed.count, false, 0});
+      p.landed = {};
     }
-    return Status::Ok();
+    return busy;
   }
 
   // One-sided: rows put pool to pool, the packed rest put into the credited staging slot, one
