@@ -55,8 +55,10 @@ constexpr KnobDecl kKnobs[] = {
     {"transfer.peer_memory", KnobType::kString, "auto",
      "one-sided path on one host: the context rank maps the generation pool and copies every "
      "piece into it with its own stream, one batched copy per step (no transport puts, no "
-     "staging). auto: GPU pools (CUDA IPC); on: also the CPU device (ranks of one process); "
-     "off: transport puts",
+     "staging). auto and on: GPU pools (CUDA IPC) and CPU-device pools (shared host memory "
+     "between processes of one host, or ranks of one process; a wrapped region of another "
+     "process falls back to puts); on also offers pinned host pools of a GPU (refused by CUDA "
+     "today); off: transport puts",
      0, 0, "auto|on|off"},
     {"transfer.spin_us", KnobType::kInt, "200",
      "a progress thread with operations in flight polls without sleeping for this long after "

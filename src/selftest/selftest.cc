@@ -466,6 +466,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.data_path = side->metrics().data_path;
   res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
@@ -622,6 +623,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.data_path = side->metrics().data_path;
   res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
@@ -678,6 +680,7 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_gbps"] = r.copy_gbps;
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
+  j["data_path"] = r.data_path;
   if (r.slowest) {
     const RequestTimeline& t = *r.slowest;
     j["slowest"] = {{"request_id", t.request_id},
@@ -713,6 +716,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_gbps = j.value("copy_gbps", 0.0);
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
+  r.data_path = j.value("data_path", std::string());
   if (j.contains("slowest")) {
     const auto& s = j["slowest"];
     RequestTimeline t;
@@ -764,6 +768,8 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     }
     s.bytes += r.bytes;
     s.prefix_hits += r.prefix_hits;
+    if (!r.data_path.empty() && s.data_path.find(r.data_path) == std::string::npos)
+      s.data_path += (s.data_path.empty() ? "" : "+") + r.data_path;
     s.seconds = std::max(s.seconds, r.seconds);
     verified_pairs += r.verified;
     failed_pairs += r.failed;

@@ -89,6 +89,7 @@ struct RankResult {
   double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
   std::string copy_name;
   std::vector<std::string> errors;  // the first few
+  std::string data_path;            // the transceiver's (metrics): peer-memory, one-sided, tagged
   // This rank's slowest request (the longest from start to terminal), when one ended.
   std::optional<RequestTimeline> slowest;
 };
@@ -136,6 +137,8 @@ struct SelftestSummary {
   double copy_gbps = 0;
   std::string copy_name;
   std::vector<std::string> errors;
+  // The generation ranks' data paths (peer-memory, one-sided, tagged), distinct ones joined by +.
+  std::string data_path;
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
 

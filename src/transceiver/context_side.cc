@@ -417,6 +417,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
     p.peer = peer;
     p.transfer_id = f.transfer_id;
     p.rma = rma;
+    if (!peer_pool.empty()) NotePeerMemoryUsed();
     p.checksum = f.checksum && host_visible_pool();
     if (!peer_pool.empty())
       p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum);

@@ -144,6 +144,7 @@ nlohmann::json SummaryJson(const SelftestSummary& s) {
           {"p99_ms", s.p99_ms},
           {"cpu_us_per_request", s.cpu_us_per_request},
           {"control_cpu_us_per_request", s.control_cpu_us_per_request},
+          {"data_path", s.data_path},
           {"errors", s.errors}};
 }
 
@@ -220,8 +221,8 @@ int RunSelftest(const Flags& f) {
     fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
                cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
                f.gen_layout, f.requests, cfg->transport, cfg->device);
-    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}\n", s.requests, s.verified,
-               s.failed, s.prefix_hits);
+    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}  data path {}\n", s.requests,
+               s.verified, s.failed, s.prefix_hits, s.data_path);
     fmt::print(
         "  {:.1f} MB in {:.3f} s = {:.2f} GB/s (wall time with test-data fills and checks; bench "
         "transfer measures transfers alone)\n  latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
@@ -273,10 +274,10 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
 void PrintBenchRow(const nlohmann::json& row, const SelftestSummary& s, bool verify) {
   fmt::print(
       "{:>8} {:>6} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
-      "{:>7.2f}  {} | {}{}{}\n",
+      "{:>7.2f}  {}: {} | {}{}{}\n",
       row["tokens"].get<int64_t>(), row["concurrency"].get<int>(), s.bytes / 1e6, s.gbps, s.p50_ms,
       s.p99_ms, s.control_cpu_us_per_request, s.baseline_gbps, row["ratio"].get<double>(),
-      s.copy_gbps, row["copy_ratio"].get<double>(), s.baseline_name, s.copy_name,
+      s.copy_gbps, row["copy_ratio"].get<double>(), s.data_path, s.baseline_name, s.copy_name,
       s.failed ? "  FAILED" : "", verify || s.failed ? "" : "  (not verified: --no-verify)");
   for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
 }
@@ -325,7 +326,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
                  f.warmup);
     fmt::print("{:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n",
                "tokens", "in flt", "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s",
-               "ratio", "copy GB/s", "ratio", "raw | copy baselines");
+               "ratio", "copy GB/s", "ratio", "data path: raw | copy baselines");
   }
   int rc = 0;
   std::string first_error;
