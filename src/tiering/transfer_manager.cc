@@ -185,21 +185,21 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
 }
 
 // The submit thread's part of a Move, in Move order: ordering after earlier batches (which may
-// wait for a file onboard's copy to be queued), then the copies, queued without the lock, or the
-// file read handed to the I/O thread.
-void TransferManager::Impl::Submit(MutexLock& lock, SubmitJob& job) {
+// wait for a file onboard's copy to be queued), then the copies, queued without the lock
+// (SubmitLoop), or the file read handed to the I/O thread.
+bool TransferManager::Impl::SubmitOrdered(MutexLock& lock, SubmitJob& job) {
   BatchState& b = *job.batch;
   std::vector<BlockRef> read_deps = OrderAfterEarlierBatches(lock, job.from, job.to, job.moves, b);
   if (job.from == Tier::kFile) {
     QueueFileRead(job.batch, job.to, job.moves, job.staging_first, std::move(read_deps));
-    return;
+    return false;
   }
   submit_waits.assign(deps.begin(), deps.end());
-  lock.Unlock();
-  int64_t bytes = 0;
-  Status st =
-      EnqueueCopies(b, job.from, job.to, job.moves, job.staging_first, submit_waits, &bytes);
-  lock.Lock();
+  return true;
+}
+
+void TransferManager::Impl::SubmitQueued(SubmitJob& job, int64_t bytes) {
+  BatchState& b = *job.batch;
   b.recorded.store(true);
   stats.descriptors += static_cast<int64_t>(b.descriptors);
   stats.bytes += bytes;
@@ -211,7 +211,6 @@ void TransferManager::Impl::Submit(MutexLock& lock, SubmitJob& job) {
   } else {
     FinishHost(b);
   }
-  (void)st;  // in the batch's items
 }
 
 void TransferManager::Impl::SubmitLoop() {
@@ -222,7 +221,15 @@ void TransferManager::Impl::SubmitLoop() {
     SubmitJob job = std::move(submits.front());
     submits.pop_front();
     submitter_busy = true;
-    Submit(lock, job);
+    if (SubmitOrdered(lock, job)) {
+      lock.Unlock();
+      int64_t bytes = 0;
+      // A copy's failure is in the batch's items.
+      (void)EnqueueCopies(*job.batch, job.from, job.to, job.moves, job.staging_first, submit_waits,
+                          &bytes);
+      lock.Lock();
+      SubmitQueued(job, bytes);
+    }
     job.moves.clear();
     spare_moves.push_back(std::move(job.moves));
     submitter_busy = false;
