@@ -366,15 +366,10 @@ struct TransferManager::Impl {
       REQUIRES(mu);
   std::shared_ptr<BatchState> StartBatch(Tier from, Tier to, size_t n, uint64_t seq) REQUIRES(mu);
   int64_t ReserveStaging(MutexLock& lock, int64_t n) REQUIRES(mu);
-  // The submit thread: runs the rest of each Move (below) in order. SubmitLoop, which owns the
-  // lock, releases it around EnqueueCopies (the thread-safety analysis follows a lock released
-  // and retaken only in the scope that holds it).
+  // The submit thread: runs the rest of each Move (below) in order.
   void SubmitLoop();
-  // Orders the job after earlier batches; hands a file read to the I/O thread (false) or leaves
-  // the copies to queue in submit_waits' order (true).
-  bool SubmitOrdered(MutexLock& lock, SubmitJob& job) REQUIRES(mu);
-  // After the copies were queued: the batch's counters, then its file write or its end.
-  void SubmitQueued(SubmitJob& job, int64_t bytes) REQUIRES(mu);
+  bool StartSubmit(MutexLock& lock, SubmitJob& job) REQUIRES(mu);
+  void FinishSubmit(SubmitJob& job, int64_t bytes) REQUIRES(mu);
   std::vector<BlockRef> OrderAfterEarlierBatches(MutexLock& lock, Tier from, Tier to,
                                                  std::span<const BlockMove> moves, BatchState& b)
       REQUIRES(mu);
