@@ -88,9 +88,12 @@ struct BlockManagerOptions {
   // streams then wait for the work queued on it so far, so a block compute has just written is
   // never copied half-written. Without it, call WaitForCompute before calls that may evict.
   Stream* compute = nullptr;
+  // Router events kept for DrainEvents, at most: past it the oldest event is dropped and counted
+  // (BlockManagerStats::events_dropped), so a manager nobody drains stays bounded.
+  int64_t max_events = 65536;
   // Defaults from the config knobs (tiering.offload_min_priority, tiering.partial_reuse,
-  // tiering.io_timeout_ms, tiering.free_low_pct, tiering.free_high_pct); the identity is left
-  // empty.
+  // tiering.io_timeout_ms, tiering.free_low_pct, tiering.free_high_pct, tiering.max_events); the
+  // identity is left empty.
   static BlockManagerOptions FromConfig();
 };
 
@@ -142,6 +145,9 @@ struct BlockManagerStats {
   int64_t abandoned = 0;             // operations past io_timeout (leases kept until they end)
   int64_t leased_slots = 0;          // file slots held by in-flight operations
   int64_t recovered = 0;             // file slots found intact at open, offered as prefix hits
+  // Events dropped, oldest first, because max_events were waiting for DrainEvents: a router that
+  // sees this grow has missed changes and should rebuild its view.
+  int64_t events_dropped = 0;
   // Time the calls spent handing batches to the TransferManager (planning and the driver's enqueue
   // on CUDA): the part of the caller's time that is copy submission, not bookkeeping.
   int64_t submit_ns = 0;
@@ -179,7 +185,8 @@ class BlockManager {
   // The sequence's primary blocks, or kNotFound.
   StatusOr<std::vector<int64_t>> Blocks(uint64_t id) const;
 
-  // Events since the last drain, in order.
+  // Events since the last drain, in order: the newest max_events of them (events_dropped counts
+  // the rest).
   std::vector<KvEvent> DrainEvents();
   BlockManagerStats stats() const;
   // Where a key's block is now (kNotFound if not cached): tier and block/slot id.

@@ -178,8 +178,10 @@ class Device {
   // that device may then read and write the mapping like their own memory.
   //   - CUDA: kDevice memory of this GPU (an allocation of this device or an engine's tensor),
   //     shared by CUDA IPC; the importer's GPU must reach it (same GPU, or peer access).
-  //   - CPU device: the importing process must be the exporting one (ranks as threads); another
-  //     process is refused (kUnavailable): host memory of another process is not mappable.
+  //   - CPU device: memory this device allocated (shared memory: a memfd) maps into any process
+  //     of this host that may read the exporter's descriptors (same user, or root); any region
+  //     maps into the exporting process itself (ranks as threads). Another process's region that
+  //     this device did not allocate (a wrapped engine buffer) is refused (kUnavailable).
   // Import refuses (kUnavailable) a handle of another host, platform or an unreachable process;
   // malformed bytes are kInvalidArgument. Thread-safe. The default refuses both (kUnavailable).
   virtual StatusOr<std::vector<std::byte>> ExportMemory(const void* base, size_t bytes,

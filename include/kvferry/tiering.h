@@ -22,6 +22,12 @@
 // write leaves the source block where it was, untouched, and the batch reports the item's error;
 // a corrupt slot fails its item with kDataLoss and the reason, and its destination is not written.
 //
+// Submission: Move() checks the batch and hands it to the manager's submit thread, which orders it
+// after earlier batches, plans it and queues its copies (or its file I/O) in Move order; the
+// caller never plans, submits a copy or waits for a disk. SyncWithCompute and Drain wait for that
+// queue first; code that orders its own work against offload_stream() / onboard_stream() must do
+// the same (WaitSubmitted, or SyncWithCompute).
+//
 // Completion: Move() returns once the batch is queued. TransferBatch::Query()/Wait() say when
 // every copy of the batch has finished (for the file tier: including the file I/O); from then the
 // sources may be reused and the destinations read. Item errors are per item.
@@ -126,7 +132,8 @@ struct TransferStats {
   int64_t bytes = 0;  // bytes copied by streams (partial copies count what they copy)
   int64_t file_writes = 0, file_write_errors = 0;
   int64_t file_reads = 0, file_read_errors = 0;
-  int64_t file_jobs_queued = 0;  // file batches waiting for or running on the I/O thread
+  int64_t file_jobs_queued = 0;  // file batches not yet through the I/O thread (either queue)
+  int64_t submits_queued = 0;    // batches Move returned that the submit thread has not queued
 };
 
 class TransferManager {
@@ -161,6 +168,10 @@ class TransferManager {
   Status WaitForCompute(Stream& compute);
   // Waits for every queued batch.
   Status Drain(Deadline deadline);
+  // Waits until the submit thread has queued every batch Move returned (copies on their streams,
+  // file jobs on the I/O thread); copies and file I/O may still run. For code that synchronizes
+  // the copy streams itself.
+  Status WaitSubmitted(Deadline deadline);
 
   // The copy streams, for callers that order their own work against the copies (and tests).
   Stream& offload_stream() const;

@@ -55,8 +55,10 @@ constexpr KnobDecl kKnobs[] = {
     {"transfer.peer_memory", KnobType::kString, "auto",
      "one-sided path on one host: the context rank maps the generation pool and copies every "
      "piece into it with its own stream, one batched copy per step (no transport puts, no "
-     "staging). auto: GPU pools (CUDA IPC); on: also the CPU device (ranks of one process); "
-     "off: transport puts",
+     "staging). auto and on: GPU pools (CUDA IPC) and CPU-device pools (shared host memory "
+     "between processes of one host, or ranks of one process; a wrapped region of another "
+     "process falls back to puts); on also offers pinned host pools of a GPU (refused by CUDA "
+     "today); off: transport puts",
      0, 0, "auto|on|off"},
     {"transfer.spin_us", KnobType::kInt, "200",
      "a progress thread with operations in flight polls without sleeping for this long after "
@@ -147,6 +149,15 @@ constexpr KnobDecl kKnobs[] = {
      "background tiering: victims move down until this percent of blocks is free (0: only on "
      "demand)",
      0, 100, ""},
+    {"cuda.copy_engine_2d_directions", KnobType::kString, "none",
+     "2-D fragments at or above cuda.copy_kernel_threshold with rows narrower than "
+     "cuda.copy_engine_min_row_bytes go to the copy engine, not the gather kernel, in these "
+     "directions (one direction on the copy engine, the other as a kernel)",
+     0, 0, "none|h2d|d2h|both"},
+    {"tiering.max_events", KnobType::kInt, "65536",
+     "router events the block manager keeps until DrainEvents; past it the oldest are dropped "
+     "and counted (events_dropped)",
+     1, 1 << 30, ""},
     {"files.recover", KnobType::kString, "verify",
      "slab files found at open: verify = keep every slot whose header and payload checksum "
      "verify (reads every slot), headers = check headers only, none = forget them",

@@ -13,6 +13,7 @@
 #include <unordered_set>
 
 #include "base/thread_annotations.h"
+#include "device/host_shm.h"
 #include "device/peer_memory.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
@@ -276,6 +277,13 @@ class CpuDevice final : public Device {
     if (kind == MemoryKind::kFile)
       return Status::InvalidArgument("Allocate: file memory is not allocatable");
     if (bytes == 0) return Status::InvalidArgument("Allocate: zero bytes");
+    // Shared memory first, so a peer process on this host can map the buffer (host_shm.h);
+    // private memory where a memfd can't be had (descriptors exhausted, no memfd).
+    auto shm = AllocateShm(bytes, alignment_, /*populate=*/kind != MemoryKind::kHost);
+    if (shm.ok()) {
+      shared_.Add(*shm);
+      return MakeBuffer(shm->data, bytes, kind);
+    }
     size_t rounded = (bytes + alignment_ - 1) / alignment_ * alignment_;
     void* p = std::aligned_alloc(alignment_, rounded);
     if (p == nullptr) {
@@ -320,24 +328,31 @@ class CpuDevice final : public Device {
     return std::unique_ptr<Event>(new CpuEvent(nullptr, target->state()));
   }
 
-  // Ranks of one process only (device.h).
+  // Any region to ranks of this process; regions of this device's shared allocations also to
+  // other processes of this host (device.h).
   StatusOr<std::vector<std::byte>> ExportMemory(const void* base, size_t bytes,
                                                 MemoryKind kind) override {
     if (kind == MemoryKind::kFile)
       return Status::InvalidArgument("ExportMemory: file memory is not memory");
-    return ExportCpuMemory(base, bytes);
+    std::vector<std::byte> payload;
+    if (auto shared = shared_.Find(base, bytes)) payload = EncodeShmPayload(*shared);
+    return ExportCpuMemory(base, bytes, payload);
   }
   StatusOr<std::unique_ptr<PeerMapping>> ImportMemory(std::span<const std::byte> handle) override {
     return ImportCpuMemory(handle);
   }
 
  protected:
-  void Free(std::byte* data, size_t, MemoryKind) noexcept override { std::free(data); }
+  void Free(std::byte* data, size_t, MemoryKind) noexcept override {
+    if (auto shared = shared_.Take(data)) return FreeShm(*shared);
+    std::free(data);
+  }
 
  private:
   const DeviceInfo info_;
   const size_t alignment_;
   const std::shared_ptr<HandleRegistry> registry_ = std::make_shared<HandleRegistry>();
+  ShmTable shared_;  // this device's shared allocations (all of them where memfds are had)
 };
 
 }  // namespace

@@ -8,13 +8,14 @@
 #include <string>
 
 #include "base/wire.h"
+#include "device/host_shm.h"
 #include "kvferry/device.h"
 
 namespace kvferry {
 namespace {
 
 constexpr char kMagic[4] = {'k', 'v', 'p', 'm'};
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;
 constexpr size_t kHeader = 44;
 
 // Non-owning view of memory of this very process (the exporter importing its own handle).
@@ -120,8 +121,10 @@ StatusOr<std::unique_ptr<PeerMapping>> Device::ImportMemory(std::span<const std:
       fmt::format("device {} can't map other processes' memory", info().name));
 }
 
-// The CPU device's sharing: only within one process (ranks as threads).
-StatusOr<std::vector<std::byte>> ExportCpuMemory(const void* base, size_t bytes) {
+// The CPU device's sharing: any region within this process by address; across processes of this
+// host only regions of shared allocations (payload given: host_shm.h).
+StatusOr<std::vector<std::byte>> ExportCpuMemory(const void* base, size_t bytes,
+                                                 std::span<const std::byte> payload) {
   if (base == nullptr || bytes == 0) {
     return Status::InvalidArgument(
         fmt::format("ExportMemory: {} bytes at {} is not a region", bytes, base));
@@ -132,19 +135,24 @@ StatusOr<std::vector<std::byte>> ExportCpuMemory(const void* base, size_t bytes)
   h.host = ThisHostId();
   h.address = reinterpret_cast<uintptr_t>(base);
   h.bytes = bytes;
+  h.payload.assign(payload.begin(), payload.end());
   return EncodePeerHandle(h);
 }
 
 StatusOr<std::unique_ptr<PeerMapping>> ImportCpuMemory(std::span<const std::byte> bytes) {
   KVF_ASSIGN_OR_RETURN(PeerHandle h, DecodeLocalPeerHandle(bytes, PeerPlatform::kCpu));
-  if (h.pid != ThisPid()) {
-    return Status::Unavailable(fmt::format(
-        "cpu device: memory of process {} can't be mapped into process {} (host memory is shared "
-        "only between ranks of one process)",
-        h.pid, ThisPid()));
+  if (h.pid == ThisPid()) {
+    return std::unique_ptr<PeerMapping>(std::make_unique<OwnMapping>(
+        reinterpret_cast<std::byte*>(h.address), static_cast<size_t>(h.bytes)));
   }
-  return std::unique_ptr<PeerMapping>(std::make_unique<OwnMapping>(
-      reinterpret_cast<std::byte*>(h.address), static_cast<size_t>(h.bytes)));
+  if (h.payload.empty()) {
+    return Status::Unavailable(fmt::format(
+        "cpu device: {} bytes at {:#x} of process {} are not shared memory (only host memory "
+        "kvferry allocated, not a wrapped engine region, maps into another process such as {})",
+        h.bytes, h.address, h.pid, ThisPid()));
+  }
+  KVF_ASSIGN_OR_RETURN(ShmPayload p, DecodeShmPayload(h.payload));
+  return MapPeerShm(h.pid, h.bytes, p);
 }
 
 std::unique_ptr<PeerMapping> OwnPeerMapping(std::byte* data, size_t bytes) {

@@ -242,6 +242,9 @@ bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
   return true;
 }
 
+static_assert(kPlanChunkCharge >= static_cast<int64_t>(sizeof(Chunk) + sizeof(Piece)),
+              "a chunk's charge covers its memory at least");
+
 // Turns the ordered pieces of one pair into chunks.
 class Chunker {
  public:
@@ -258,6 +261,8 @@ class Chunker {
   bool too_many() const { return too_many_; }
   // True when the plan needs more than max_plan_bytes of memory (the plan is then refused).
   bool too_big() const { return too_big_; }
+  // True when the plan is refused already (the rest of the pieces need not be enumerated).
+  bool failed() const { return too_many_ || too_big_; }
 
   void Add(const Piece& p) {
     if (too_many_ || too_big_) return;
@@ -334,7 +339,7 @@ class Chunker {
   bool Room() {
     if (static_cast<int64_t>(out_.chunks.size()) >= kMaxChunksPerPair) {
       too_many_ = true;
-    } else if (!Charge(sizeof(Chunk) + sizeof(Piece))) {
+    } else if (!Charge(kPlanChunkCharge)) {
       too_big_ = true;
     } else {
       return true;
@@ -556,7 +561,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
       return TooManyChunks(c, g, in);
     }
     // Each chunk holds a piece at least.
-    constexpr int64_t kChunkCost = sizeof(Chunk) + sizeof(Piece);
+    constexpr int64_t kChunkCost = kPlanChunkCharge;
     const int64_t left = in.max_plan_bytes - plan_bytes;
     if (in.max_plan_bytes > 0 && in.direct_min_bytes > pair_bytes && min_chunks > left / kChunkCost)
       return TooBig(c, g, in, plan_bytes + min_chunks * kChunkCost);
@@ -596,11 +601,11 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
     const int64_t l = side.layer_regions ? side.layer0 + li : 0;
     return static_cast<int32_t>(side.kv_regions ? l * side.kv_factor + ki : l);
   };
-  for (int64_t li = 0; li < layer_iters; ++li) {
+  for (int64_t li = 0; li < layer_iters && !chunker.failed(); ++li) {
     p.layer = layer_outer ? static_cast<int32_t>(l0 + li) : l1 - 1;
     src_l = src.layer_regions ? 0 : li * src.stride[kL];
     dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
-    for (int64_t ki = 0; ki < kv_iters; ++ki) {
+    for (int64_t ki = 0; ki < kv_iters && !chunker.failed(); ++ki) {
       p.src_region = region(src, li, ki);
       p.dst_region = region(dst, li, ki);
       src_k = src.kv_regions ? 0 : ki * src.stride[kK];
@@ -618,6 +623,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
         continue;
       }
       for (const BlockRun& run : cx.runs) {
+        if (chunker.failed()) break;
         const Template& t = run.partial ? part : full;
         if (t.n == 0) {
           emit(t, run.first, run.count, 0, 0);

@@ -42,6 +42,15 @@ namespace kvferry {
 // (tiny chunk_bytes for a large request) is refused with kInvalidArgument.
 inline constexpr int64_t kMaxChunksPerPair = int64_t{1} << 20;
 
+// What one chunk costs the plan's budget (max_plan_bytes): its memory (the Chunk, its first Piece
+// and their heap blocks, about 120 bytes) and its work (an allocation while planning, a message
+// and a credit round trip while sending). Charging more than the memory bounds the plan's time
+// by the rank's own budget too: a peer's tiny chunk_bytes (a handle's, a FETCH's) makes at most
+// max_plan_bytes / 512 chunks, not as many as fit in memory (found by handle_fuzz: seven-byte
+// chunks cost a generation rank a second of planning under ASan). 512 bytes: no chunk of a real
+// deployment's plan carries less (direct rows and staging chunks are far larger).
+inline constexpr int64_t kPlanChunkCharge = 512;
+
 // One side of a transfer: an instance's model, split and pool layout.
 struct InstanceDesc {
   KvShape shape;
@@ -63,7 +72,8 @@ struct PlanInput {
   // (layer-wise transfer overlapping prefill). Otherwise a piece may span layers when the
   // layouts allow it (fewer, larger pieces; a chunk then waits for its last_layer).
   bool layer_wise = false;
-  // The most memory the plan's chunks and pieces may take, all pairs together (0: no bound).
+  // The most memory the plan's chunks and pieces may take, all pairs together (0: no bound); each
+  // chunk is charged kPlanChunkCharge, each further piece its size.
   // chunk_bytes and direct_min_bytes come from the peer (a FETCH, a handle): each side passes its
   // own pool and staging bytes here, so a peer can't make it allocate more than that (nor plan for
   // longer). A plan that would need more is refused, naming chunk_bytes and this bound.

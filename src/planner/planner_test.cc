@@ -356,7 +356,7 @@ TEST(PlannerErrors, PlanMemoryIsBoundedByMaxPlanBytes) {
   ASSERT_TRUE(unbounded.ok()) << unbounded.status().ToString();
   int64_t chunks = 0;
   for (const PairPlan& p : unbounded->pairs) chunks += static_cast<int64_t>(p.chunks.size());
-  const int64_t need = chunks * static_cast<int64_t>(sizeof(Chunk) + sizeof(Piece));
+  const int64_t need = chunks * kPlanChunkCharge;
   in.max_plan_bytes = need;  // exactly enough
   EXPECT_TRUE(PlanTransfer(in).ok());
   in.max_plan_bytes = need - 1;  // the last chunk of the second pair passes it
@@ -373,6 +373,27 @@ TEST(PlannerErrors, PlanMemoryIsBoundedByMaxPlanBytes) {
   in.chunk_bytes = 16;
   in.max_plan_bytes = 1 << 20;
   ExpectError(in, {"chunk_bytes=16 ", "max_plan_bytes=1048576"});
+}
+
+// The plan's time is bounded by max_plan_bytes too: every chunk is charged kPlanChunkCharge, more
+// than its memory, so tiny chunks (a peer's chunk_bytes) are refused after max_plan_bytes / 512
+// chunks, not after as many as fit in memory (handle_fuzz: a second of planning per handle).
+TEST(PlannerErrors, PlanChunkCountIsBoundedByMaxPlanBytes) {
+  KvShape shape{1, 4, 128, DType::kFp32, 2, 1};  // 512-byte rows
+  PlanInput in;
+  in.ctx = {shape, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 200};
+  in.gen = in.ctx;
+  in.prompt_tokens = 110;
+  for (int64_t i = 0; i < 110; ++i) {
+    in.ctx_blocks.push_back(i);
+    in.gen_blocks.push_back(199 - i);
+  }
+  in.direct_min_bytes = 1 << 20;  // below the pair's bytes (no refusal up front), above any row
+  in.chunk_bytes = 8;             // 56,320 chunks of 8 bytes: 5.9 MB of chunks and pieces
+  in.max_plan_bytes = 10 << 20;
+  ExpectError(in, {"chunk_bytes=8 ", "max_plan_bytes=10485760"});
+  in.chunk_bytes = 4096;  // the same request in 110 chunks
+  EXPECT_TRUE(PlanTransfer(in).ok());
 }
 
 // Pieces alternating between direct and packed (a FETCH's direct_min_bytes between the two piece

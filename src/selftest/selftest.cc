@@ -21,6 +21,7 @@
 #include "kvferry/inproc_transport.h"
 #include "kvferry/transceiver.h"
 #include "selftest/baseline.h"
+#include "selftest/handle_prefetch.h"
 #include "selftest/metrics_board.h"
 #include "selftest/run_watch.h"
 #include "testing/testdata.h"
@@ -58,15 +59,21 @@ constexpr std::string_view kContextInstance = "ctx";
 // Test-data seed of the shared prefix blocks (they hold the same values for every request).
 constexpr uint64_t kPrefixSeed = 0x5E1FFFFFFFFFFFFFULL;
 
-// Block b of a request in slot `slot`: the resident prefix area, or the slot's own blocks.
-int64_t BlockId(const SelftestConfig& cfg, int64_t bpr, int slot, int64_t b) {
-  return b < cfg.shared_prefix_blocks ? bpr * cfg.concurrency + b : slot * bpr + b;
+// Request slots of a side's pool: the generation side keeps `concurrency` requests in flight;
+// the context side holds `ctx_ahead` more, marked ready and published before they are fetched.
+int SlotsOf(const SelftestConfig& cfg, bool context) {
+  return cfg.concurrency + (context ? cfg.ctx_ahead : 0);
+}
+// Block b of a request in slot `slot` of `slots`: the resident prefix area, or the slot's own
+// blocks.
+int64_t BlockId(const SelftestConfig& cfg, int64_t bpr, int slots, int slot, int64_t b) {
+  return b < cfg.shared_prefix_blocks ? bpr * slots + b : slot * bpr + b;
 }
 uint64_t SeedOf(const SelftestConfig& cfg, int64_t b, uint64_t id) {
   return b < cfg.shared_prefix_blocks ? kPrefixSeed : id;
 }
-int64_t PoolBlocks(const SelftestConfig& cfg) {
-  return MaxBlocksPerRequest(cfg) * cfg.concurrency + cfg.shared_prefix_blocks;
+int64_t PoolBlocks(const SelftestConfig& cfg, bool context) {
+  return MaxBlocksPerRequest(cfg) * SlotsOf(cfg, context) + cfg.shared_prefix_blocks;
 }
 
 std::array<uint8_t, 16> SecretFor(const SelftestConfig& cfg) {
@@ -96,27 +103,33 @@ class PoolAccess {
       }
       KVF_RETURN_IF_ERROR(s->Synchronize(DeadlineIn(milliseconds(60000))));
     }
-    if (dev.info().platform != "cpu") {
-      PoolSpec s = pool.spec();
-      s.memory = MemoryKind::kPinnedHost;
-      KVF_ASSIGN_OR_RETURN(BlockPool mirror, BlockPool::Create(dev, s));
-      a.mirror_ = std::make_unique<BlockPool>(std::move(mirror));
-      KVF_ASSIGN_OR_RETURN(a.stream_, dev.CreateStream());
-    }
     return a;
   }
   Status Fill(uint64_t req, const BlockTokens& where) {
+    KVF_RETURN_IF_ERROR(OpenMirror());
     if (!mirror_) return FillBlock(*pool_, req, where);
     KVF_RETURN_IF_ERROR(FillBlock(*mirror_, req, where));
     return Move(where.block, true);
   }
   StatusOr<std::optional<Mismatch>> Check(uint64_t req, const BlockTokens& where) {
+    KVF_RETURN_IF_ERROR(OpenMirror());
     if (!mirror_) return CheckBlock(*pool_, req, where);
     KVF_RETURN_IF_ERROR(Move(where.block, false));
     return CheckBlock(*mirror_, req, where);
   }
 
  private:
+  // A GPU pool's pinned host mirror, made at the first fill or check: a benchmark that checks
+  // nothing (--no-verify) never pins a copy of its pools.
+  Status OpenMirror() {
+    if (mirror_ || dev_->info().platform == "cpu") return Status::Ok();
+    PoolSpec s = pool_->spec();
+    s.memory = MemoryKind::kPinnedHost;
+    KVF_ASSIGN_OR_RETURN(BlockPool mirror, BlockPool::Create(*dev_, s));
+    mirror_ = std::make_unique<BlockPool>(std::move(mirror));
+    KVF_ASSIGN_OR_RETURN(stream_, dev_->CreateStream());
+    return Status::Ok();
+  }
   Status Move(int64_t block, bool to_pool) {
     std::vector<int64_t> ids{block};
     KVF_ASSIGN_OR_RETURN(auto ext, pool_->BlockExtents(ids));
@@ -174,6 +187,18 @@ TransceiverOptions SideOptions(const SelftestConfig& cfg) {
   return o;
 }
 
+// Waits until generation rank 0 has started a request (its progress file, RunWatch, says
+// "done total started" with started >= 1), or until `deadline`.
+void AwaitGenerationStart(const SelftestConfig& cfg, Clock::time_point deadline) {
+  const fs::path progress = fs::path(cfg.dir) / "progress-gen-0";
+  while (Clock::now() < deadline) {
+    std::ifstream f(progress);
+    int64_t done = 0, total = 0, started = 0;
+    if (f >> done >> total >> started && started >= 1) return;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+}
+
 }  // namespace
 
 std::string RankDevice(const SelftestConfig& cfg, bool context, int rank) {
@@ -194,6 +219,8 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   KVF_RETURN_IF_ERROR(cfg.gen.Validate(cfg.shape).WithContext("generation split"));
   if (cfg.requests < 1) return Status::InvalidArgument("--requests must be at least 1");
   if (cfg.concurrency < 1) return Status::InvalidArgument("--concurrency must be at least 1");
+  if (cfg.ctx_ahead < 0)
+    return Status::InvalidArgument(fmt::format("ctx_ahead {} must not be negative", cfg.ctx_ahead));
   if (cfg.prompt_tokens.empty()) return Status::InvalidArgument("--prompt-tokens is empty");
   for (int64_t t : cfg.prompt_tokens) {
     if (t < 1)
@@ -271,7 +298,7 @@ StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, bool context, int
   const LayoutKind layout = context ? cfg.ctx_layout : cfg.gen_layout;
   RankMemory m;
   KVF_ASSIGN_OR_RETURN(m.dev, OpenDevice(RankDevice(cfg, context, rank)));
-  PoolSpec spec{cfg.shape, split, rank, layout, MemoryKind::kDevice, PoolBlocks(cfg)};
+  PoolSpec spec{cfg.shape, split, rank, layout, MemoryKind::kDevice, PoolBlocks(cfg, context)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*m.dev, spec));
   m.pool = std::make_unique<BlockPool>(std::move(pool));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*m.dev, *m.pool));
@@ -311,7 +338,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const int64_t bpr = MaxBlocksPerRequest(cfg);
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
-  auto deadline = DeadlineIn(cfg.timeout);
+  // Set-up waits for the other ranks of the instance, which start when the machine lets them:
+  // bounded like any stretch without progress (StallLimit), not by one request's deadline (under
+  // TSan at load 30, rank 0 gave up on rank 1's address after the 2 s request deadline).
+  auto deadline = DeadlineIn(StallLimit(cfg));
   // Rank 0 makes the instance's secret; the other ranks take it from the rendezvous.
   TransceiverOptions options = SideOptions(cfg);
   if (rank == 0) {
@@ -342,8 +372,9 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const bool leader = group.front() == rank;
   const std::vector<int> mine = RequestsOfGroup(cfg, cfg.ctx, me.dp_group);
   // Block ids must be the same on every rank of an instance (one scheduler decides them in a
-  // real engine): the k-th request of a DP group always uses slot k % concurrency.
-  std::vector<bool> busy(cfg.concurrency, false);
+  // real engine): the k-th request of a DP group always uses slot k % slots.
+  const int slots = SlotsOf(cfg, true);
+  std::vector<bool> busy(slots, false);
   std::map<uint64_t, int> slot_of;
   std::map<uint64_t, std::vector<std::shared_ptr<Event>>> events;
   std::unique_ptr<Stream> compute;
@@ -351,9 +382,9 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     KVF_ASSIGN_OR_RETURN(compute, dev.CreateStream());
   }
   for (int64_t b = 0; b < cfg.shared_prefix_blocks; ++b) {
-    KVF_RETURN_IF_ERROR(access.Fill(
-        kPrefixSeed,
-        {BlockId(cfg, bpr, 0, b), b * cfg.shape.tokens_per_block, cfg.shape.tokens_per_block}));
+    KVF_RETURN_IF_ERROR(
+        access.Fill(kPrefixSeed, {BlockId(cfg, bpr, slots, 0, b), b * cfg.shape.tokens_per_block,
+                                  cfg.shape.tokens_per_block}));
   }
   size_t next = 0;
   int done = 0;
@@ -361,15 +392,15 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   RunWatch watch(cfg, dir / fmt::format("progress-ctx-{}", rank), static_cast<int>(mine.size()));
   std::vector<uint64_t> live;
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !busy[next % cfg.concurrency] && !watch.Stopped()) {
-      int slot = static_cast<int>(next % cfg.concurrency);
+    while (next < mine.size() && !busy[next % slots] && !watch.Stopped()) {
+      int slot = static_cast<int>(next % slots);
       int i = mine[next++];
       busy[slot] = true;
       uint64_t id = RequestId(i);
       int64_t tokens = TokensOf(cfg, i);
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, tokens); ++b) {
-        blocks.push_back(BlockId(cfg, bpr, slot, b));
+        blocks.push_back(BlockId(cfg, bpr, slots, slot, b));
         // Resident prefix blocks were filled once; without verification (benchmarks) the bytes
         // don't matter and filling would be what is measured.
         if (b < cfg.shared_prefix_blocks || !cfg.verify) continue;
@@ -395,7 +426,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       if (leader) KVF_RETURN_IF_ERROR(PublishHandle(*rv, id, *handle, DeadlineIn(cfg.timeout)));
       if (cfg.crash_ctx_rank == rank) {
         // Fault injection: die like a crashed process, with the request published and its
-        // blocks leased; the other ranks must end their requests without hanging.
+        // blocks leased; the other ranks must end their requests without hanging. Only once a
+        // generation rank has started fetching it (or after a deadline): a fixed wait let a
+        // loaded machine stop the run before any fetch, and then no request met the crash.
+        AwaitGenerationStart(cfg, DeadlineIn(cfg.timeout));
         std::this_thread::sleep_for(milliseconds(50));
         std::_Exit(3);
       }
@@ -435,6 +469,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.data_path = side->metrics().data_path;
   res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
@@ -485,8 +520,12 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   }
   const RankSlice me = pool.slice();
   const std::vector<int> mine = RequestsOfGroup(cfg, cfg.gen, me.dp_group);
-  std::vector<bool> busy(cfg.concurrency, false);    // slot k % concurrency, as on the context side
+  const int slots = SlotsOf(cfg, false);
+  std::vector<bool> busy(slots, false);              // slot k % slots, as on the context side
   std::map<uint64_t, std::pair<int, int>> inflight;  // id -> (request index, slot)
+  std::vector<uint64_t> ids;
+  for (int i : mine) ids.push_back(RequestId(i));
+  HandlePrefetch handles(std::move(rv), std::move(ids), static_cast<size_t>(slots));
   size_t next = 0;
   int done = 0;
   RunWatch watch(cfg, dir / fmt::format("progress-gen-{}", rank), static_cast<int>(mine.size()));
@@ -497,12 +536,19 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   // With a shared prefix, the first request brings it; the others wait for it, then reuse it.
   bool prefix_resident = cfg.shared_prefix_blocks == 0;
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !busy[next % cfg.concurrency] && (next == 0 || prefix_resident) &&
+    bool handle_due = false;  // a free slot waits only for its request's handle
+    while (next < mine.size() && !busy[next % slots] && (next == 0 || prefix_resident) &&
            !watch.Stopped()) {
       int i = mine[next];
-      auto handle = FetchHandle(*rv, RequestId(i), DeadlineIn(milliseconds(5)));
-      if (!handle.ok()) break;  // not published yet: keep polling completions meanwhile
-      int slot = static_cast<int>(next % cfg.concurrency);
+      // Nothing in flight: no completion can come, so wait for the handle here; otherwise take it
+      // only if it is there, and go on taking completions.
+      auto handle = handles.Take(
+          next, inflight.empty() ? std::chrono::microseconds(20000) : std::chrono::microseconds(0));
+      if (!handle) {
+        handle_due = true;
+        break;
+      }
+      int slot = static_cast<int>(next % slots);
       const bool warm_up = static_cast<int>(next) < warmup;
       ++next;
       if (warm_up) warming.insert(RequestId(i));
@@ -511,7 +557,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       busy[slot] = true;
       std::vector<int64_t> blocks;
       for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b)
-        blocks.push_back(BlockId(cfg, bpr, slot, b));
+        blocks.push_back(BlockId(cfg, bpr, slots, slot, b));
       const int64_t reused = prefix_resident ? cfg.shared_prefix_blocks : 0;
       Status st = side->Fetch(*handle, blocks, reused);
       ++res.requests;
@@ -526,7 +572,10 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       }
       inflight[RequestId(i)] = {i, slot};
     }
-    for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
+    // Completions wake the loop at once; a handle due is looked for again every 250 us.
+    const auto wait = handle_due && !inflight.empty() ? std::chrono::microseconds(250)
+                                                      : std::chrono::microseconds(20000);
+    for (const TransferStatus& s : side->Poll(1, Clock::now() + wait)) {
       ++done;
       watch.Ended();
       auto [i, slot] = inflight[s.request_id];
@@ -544,9 +593,9 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         for (int64_t b = 0; ok && b < BlocksFor(cfg, tokens); ++b) {
           int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block,
                                             tokens - b * cfg.shape.tokens_per_block);
-          auto m =
-              access.Check(SeedOf(cfg, b, s.request_id),
-                           {BlockId(cfg, bpr, slot, b), b * cfg.shape.tokens_per_block, valid});
+          auto m = access.Check(
+              SeedOf(cfg, b, s.request_id),
+              {BlockId(cfg, bpr, slots, slot, b), b * cfg.shape.tokens_per_block, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
             AddError(res, fmt::format("request {} block {}: {}", s.request_id, b,
@@ -577,6 +626,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.data_path = side->metrics().data_path;
   res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
@@ -633,6 +683,7 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_gbps"] = r.copy_gbps;
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
+  j["data_path"] = r.data_path;
   if (r.slowest) {
     const RequestTimeline& t = *r.slowest;
     j["slowest"] = {{"request_id", t.request_id},
@@ -668,6 +719,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_gbps = j.value("copy_gbps", 0.0);
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
+  r.data_path = j.value("data_path", std::string());
   if (j.contains("slowest")) {
     const auto& s = j["slowest"];
     RequestTimeline t;
@@ -719,6 +771,8 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     }
     s.bytes += r.bytes;
     s.prefix_hits += r.prefix_hits;
+    if (!r.data_path.empty() && s.data_path.find(r.data_path) == std::string::npos)
+      s.data_path += (s.data_path.empty() ? "" : "+") + r.data_path;
     s.seconds = std::max(s.seconds, r.seconds);
     verified_pairs += r.verified;
     failed_pairs += r.failed;

@@ -34,6 +34,10 @@ struct SelftestConfig {
   int requests = 8;
   std::vector<int64_t> prompt_tokens{100};  // request i uses prompt_tokens[i % size]
   int concurrency = 4;                      // requests in flight per rank
+  // Requests the context instance holds beyond `concurrency`, marked ready and published before
+  // the generation side asks for them (a serving context instance has prefilled requests waiting;
+  // bench transfer: `concurrency`, so a handle is there when a generation slot frees).
+  int ctx_ahead = 0;
   std::string transport = "ucx";
   std::string device = "cpu";
   bool layer_wise = false;
@@ -85,6 +89,7 @@ struct RankResult {
   double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
   std::string copy_name;
   std::vector<std::string> errors;  // the first few
+  std::string data_path;            // the transceiver's (metrics): peer-memory, one-sided, tagged
   // This rank's slowest request (the longest from start to terminal), when one ended.
   std::optional<RequestTimeline> slowest;
 };
@@ -132,6 +137,8 @@ struct SelftestSummary {
   double copy_gbps = 0;
   std::string copy_name;
   std::vector<std::string> errors;
+  // The generation ranks' data paths (peer-memory, one-sided, tagged), distinct ones joined by +.
+  std::string data_path;
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
 

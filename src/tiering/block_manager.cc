@@ -38,6 +38,7 @@ BlockManagerOptions BlockManagerOptions::FromConfig() {
   o.io_timeout = std::chrono::milliseconds(c.Int("tiering.io_timeout_ms"));
   o.free_low_pct = static_cast<int32_t>(c.Int("tiering.free_low_pct"));
   o.free_high_pct = static_cast<int32_t>(c.Int("tiering.free_high_pct"));
+  o.max_events = c.Int("tiering.max_events");
   return o;
 }
 
@@ -82,14 +83,14 @@ void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,
   s.has_key = true;
   s.key = key;
   ++st.cached[static_cast<int>(tier)];
-  events.push_back(KvEvent{KvEventKind::kStored, key, tier, tier, ""});
+  events.Push(KvEvent{KvEventKind::kStored, key, tier, tier, ""});
 }
 
 void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
   Cached& c = index.At(key);
   SlotOf(c.tier, c.id).has_key = false;
   --st.cached[static_cast<int>(c.tier)];
-  events.push_back(KvEvent{KvEventKind::kMoved, key, c.tier, to, ""});
+  events.Push(KvEvent{KvEventKind::kMoved, key, c.tier, to, ""});
   c.tier = to;
   c.id = id;
   tiering::Slot& s = SlotOf(to, id);
@@ -108,7 +109,7 @@ void BlockManager::Impl::Drop(const BlockKey& key, std::string reason) {
   index.Erase(key);
   --st.cached[static_cast<int>(tier)];
   ++st.dropped[static_cast<int>(tier)];
-  events.push_back(KvEvent{KvEventKind::kRemoved, key, tier, tier, std::move(reason)});
+  events.Push(KvEvent{KvEventKind::kRemoved, key, tier, tier, std::move(reason)});
 }
 
 bool BlockManager::Impl::IndexedAt(const BlockKey& key, Tier tier, int64_t id) const {
@@ -190,6 +191,10 @@ StatusOr<std::unique_ptr<BlockManager>> BlockManager::Create(TransferManager& tr
         fmt::format("block manager: watermarks free_low_pct={} free_high_pct={}: need 0 <= low <= "
                     "high <= 100",
                     options.free_low_pct, options.free_high_pct));
+  }
+  if (options.max_events < 1) {
+    return Status::InvalidArgument(
+        fmt::format("block manager: max_events={} must be at least 1", options.max_events));
   }
   return std::unique_ptr<BlockManager>(
       new BlockManager(transfers, std::make_unique<Impl>(transfers, options)));
@@ -501,14 +506,7 @@ StatusOr<std::vector<int64_t>> BlockManager::Blocks(uint64_t id) const {
   return it->second.blocks;
 }
 
-std::vector<KvEvent> BlockManager::DrainEvents() {
-  // Moved out element by element: the manager keeps its buffer's capacity, so recording events
-  // does not reallocate inside the calls that allocate blocks.
-  std::vector<KvEvent> out(std::make_move_iterator(impl_->events.begin()),
-                           std::make_move_iterator(impl_->events.end()));
-  impl_->events.clear();
-  return out;
-}
+std::vector<KvEvent> BlockManager::DrainEvents() { return impl_->events.Drain(); }
 
 BlockManagerStats BlockManager::stats() const {
   const Impl& m = *impl_;

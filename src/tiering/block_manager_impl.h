@@ -79,6 +79,41 @@ inline int LaneOf(const Op& op) {
   return op.kind == OpKind::kOffload ? 0 : 1;
 }
 
+// The router events waiting for DrainEvents: a ring of at most `cap`, allocated as it first fills
+// (then never again); when full, the oldest is overwritten and counted in `*dropped`.
+class EventRing {
+ public:
+  EventRing(int64_t cap, int64_t* dropped) : cap_(static_cast<size_t>(cap)), dropped_(dropped) {}
+  void Push(KvEvent e) {
+    if (ring_.size() < cap_) {
+      ring_.push_back(std::move(e));
+    } else {
+      ring_[(head_ + count_) % cap_] = std::move(e);
+    }
+    if (count_ < cap_) {
+      ++count_;
+    } else {
+      head_ = (head_ + 1) % cap_;
+      ++*dropped_;
+    }
+  }
+  std::vector<KvEvent> Drain() {
+    std::vector<KvEvent> out;
+    out.reserve(count_);
+    for (size_t i = 0; i < count_; ++i) out.push_back(std::move(ring_[(head_ + i) % cap_]));
+    head_ = (head_ + count_) % cap_;
+    count_ = 0;
+    return out;
+  }
+  size_t size() const { return count_; }
+
+ private:
+  const size_t cap_;
+  int64_t* const dropped_;
+  std::vector<KvEvent> ring_;
+  size_t head_ = 0, count_ = 0;
+};
+
 }  // namespace tiering
 
 // Thread-safety: touched only by the one scheduler thread that drives the BlockManager (no mutex,
@@ -105,8 +140,8 @@ struct BlockManager::Impl {
   std::deque<tiering::Op> ops[tiering::kLanes];
   std::deque<tiering::Op> deferred;  // file reads waiting for staging (batch not made yet)
   int64_t demoting = 0;              // host blocks in demotions in flight
-  std::vector<KvEvent> events;
   BlockManagerStats st;
+  tiering::EventRing events{opt.max_events, &st.events_dropped};
 
   tiering::Slot& SlotOf(Tier t, int64_t id) { return slots[static_cast<int>(t)][id]; }
   tiering::PriorityLru& Lru(Tier t) { return lru[static_cast<int>(t)]; }

@@ -3,13 +3,50 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "kvferry/pool.h"
+#include "testing/memory_slab_store.h"
 #include "testing/testdata.h"
 
 namespace kvferry::tiering::testing {
+
+// A store whose reads and writes hang while it is closed (a stuck disk).
+class GatedSlabStore final : public SlabStoreWrapper {
+ public:
+  using SlabStoreWrapper::SlabStoreWrapper;
+  void Close() {
+    std::lock_guard l(mu_);
+    open_ = false;
+  }
+  void Open() {
+    {
+      std::lock_guard l(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  std::vector<Status> Write(std::span<const SlotWrite> w) override {
+    Pass();
+    return SlabStoreWrapper::Write(w);
+  }
+  std::vector<Status> Read(std::span<const SlotRead> r) override {
+    Pass();
+    return SlabStoreWrapper::Read(r);
+  }
+
+ private:
+  void Pass() {
+    std::unique_lock l(mu_);
+    cv_.wait(l, [&] { return open_; });
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+};
 
 inline KvShape SmallShape(DType dtype = DType::kBf16) {
   return KvShape{/*layers=*/3,          /*kv_heads=*/2, /*head_dim=*/8, dtype,

@@ -143,6 +143,8 @@ StatusOr<std::unique_ptr<TransferManager>> TransferManager::Create(Device& devic
     Impl* raw = impl.get();
     impl->worker = std::thread([raw] { raw->WorkerLoop(); });
   }
+  Impl* raw = impl.get();
+  impl->submitter = std::thread([raw] { raw->SubmitLoop(); });
   return std::unique_ptr<TransferManager>(new TransferManager(std::move(impl)));
 }
 
@@ -167,16 +169,65 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
   std::shared_ptr<BatchState> b = m.StartBatch(from, to, moves.size(), seq);
   if (!b) return Status::ResourceExhausted("transfer manager: could not create an event");
   const bool file_io = from == Tier::kFile || to == Tier::kFile;
-  const int64_t n = static_cast<int64_t>(moves.size());
-  const int64_t staging_first = file_io ? m.ReserveStaging(lock, n) : 0;
-  std::vector<BlockRef> read_deps = m.OrderAfterEarlierBatches(lock, from, to, moves, *b);
-  if (from == Tier::kFile) {
-    return m.QueueFileRead(std::move(b), to, moves, staging_first, std::move(read_deps));
+  SubmitJob job;
+  job.batch = b;
+  job.from = from;
+  job.to = to;
+  job.staging_first = file_io ? m.ReserveStaging(lock, static_cast<int64_t>(moves.size())) : 0;
+  if (!m.spare_moves.empty()) {
+    job.moves = std::move(m.spare_moves.back());
+    m.spare_moves.pop_back();
   }
-  Status st = m.EnqueueCopies(*b, from, to, moves, staging_first);
-  if (to == Tier::kFile) m.QueueFileWrite(b, from, moves, staging_first);
-  if (!st.ok()) return st;
+  job.moves.assign(moves.begin(), moves.end());
+  m.submits.push_back(std::move(job));
+  m.cv.notify_all();
   return TransferBatch(std::move(b));
+}
+
+// The submit thread's part of a Move, in Move order: ordering after earlier batches (which may
+// wait for a file onboard's copy to be queued), then the copies, queued without the lock, or the
+// file read handed to the I/O thread.
+void TransferManager::Impl::Submit(MutexLock& lock, SubmitJob& job) {
+  BatchState& b = *job.batch;
+  std::vector<BlockRef> read_deps = OrderAfterEarlierBatches(lock, job.from, job.to, job.moves, b);
+  if (job.from == Tier::kFile) {
+    QueueFileRead(job.batch, job.to, job.moves, job.staging_first, std::move(read_deps));
+    return;
+  }
+  submit_waits.assign(deps.begin(), deps.end());
+  lock.Unlock();
+  int64_t bytes = 0;
+  Status st =
+      EnqueueCopies(b, job.from, job.to, job.moves, job.staging_first, submit_waits, &bytes);
+  lock.Lock();
+  b.recorded.store(true);
+  stats.descriptors += static_cast<int64_t>(b.descriptors);
+  stats.bytes += bytes;
+  (*counters)[b.direction].bytes += bytes;
+  // A write whose copy failed still goes to the I/O thread, which skips it and frees its staging
+  // in ring order.
+  if (job.to == Tier::kFile) {
+    QueueFileWrite(job.batch, job.from, job.moves, job.staging_first);
+  } else {
+    FinishHost(b);
+  }
+  (void)st;  // in the batch's items
+}
+
+void TransferManager::Impl::SubmitLoop() {
+  MutexLock lock(mu);
+  while (true) {
+    lock.Wait(cv, [&]() REQUIRES(mu) { return stop_submit || !submits.empty(); });
+    if (submits.empty()) return;
+    SubmitJob job = std::move(submits.front());
+    submits.pop_front();
+    submitter_busy = true;
+    Submit(lock, job);
+    job.moves.clear();
+    spare_moves.push_back(std::move(job.moves));
+    submitter_busy = false;
+    cv.notify_all();
+  }
 }
 
 // Every item in range, no destination written twice, no block both read and written within one
@@ -243,7 +294,7 @@ std::shared_ptr<BatchState> TransferManager::Impl::StartBatch(Tier from, Tier to
   b->observed = false;
   {
     MutexLock bl(b->mu);
-    b->host_done = from != Tier::kFile && to != Tier::kFile;
+    b->host_done = false;  // until the submit thread (or, for file batches, the I/O thread) is done
   }
   ++stats.batches;
   stats.blocks += static_cast<int64_t>(n);
@@ -271,12 +322,12 @@ std::vector<BlockRef> TransferManager::Impl::OrderAfterEarlierBatches(
   std::vector<BlockRef> read_deps;
   for (const BlockMove& mv : moves) {
     if (from != Tier::kFile)
-      AddDep(lock, state[static_cast<int>(from)][mv.src].write, stream, mark);
+      AddDep(lock, state[static_cast<int>(from)][mv.src].write, stream, mark, deps);
     if (to == Tier::kFile) continue;
     BlockState& d = state[static_cast<int>(to)][mv.dst];
     for (const BlockRef* r : {&d.write, &d.read[0], &d.read[1]}) {
       if (from != Tier::kFile) {
-        AddDep(lock, *r, stream, mark);
+        AddDep(lock, *r, stream, mark, deps);
       } else if (r->b != nullptr) {
         read_deps.push_back(*r);
       }
@@ -317,40 +368,40 @@ TransferBatch TransferManager::Impl::QueueFileRead(std::shared_ptr<BatchState> b
 // The waits, the copies (planned here: direct, through device staging, or into file staging) and
 // the batch's event, on its stream. A failure fails every item.
 Status TransferManager::Impl::EnqueueCopies(BatchState& b, Tier from, Tier to,
-                                            std::span<const BlockMove> moves,
-                                            int64_t staging_first) {
+                                            std::span<const BlockMove> moves, int64_t staging_first,
+                                            std::span<BatchState* const> waits, int64_t* bytes) {
   auto& toks = TokensScratch();
   toks.clear();
   for (const BlockMove& mv : moves) toks.push_back(mv.tokens);
-  Status st = EnqueueWaits(b.stream);
+  std::vector<CopyDesc>& desc = submit_desc;
   desc.clear();
-  int64_t bytes = 0;
   const tiering::TierView& sv = views[static_cast<int>(from)];
   auto src_of = [&](size_t i) { return moves[i].src; };
   const bool staged = to != Tier::kFile && Staged(from, to, moves);
   if (to == Tier::kFile) {  // staging holds whole blocks: the file always stores the whole block
     Plan(
         sv, staging_view, moves.size(), src_of,
-        [&](size_t i) { return StagingSlot(staging_first, i); }, toks, desc, &bytes);
+        [&](size_t i) { return StagingSlot(staging_first, i); }, toks, desc, bytes);
   } else if (!staged) {
     Plan(
         sv, views[static_cast<int>(to)], moves.size(), src_of,
-        [&](size_t i) { return moves[i].dst; }, toks, desc, &bytes);
+        [&](size_t i) { return moves[i].dst; }, toks, desc, bytes);
   }
   size_t ndesc = desc.size();
-  if (st.ok() && staged) {
-    auto copied = CopyStaged(b.stream, from, to, moves, toks, &bytes);
-    st = copied.status();
-    ndesc = copied.ok() ? *copied : 0;
-  } else if (st.ok() && !desc.empty()) {
-    st = streams[b.stream]->CopyBatch(desc);
+  Status st;
+  {
+    std::lock_guard<std::mutex> streamed(stream_mu[b.stream]);
+    st = EnqueueWaits(b.stream, waits);
+    if (st.ok() && staged) {
+      auto copied = CopyStaged(b.stream, from, to, moves, toks, desc, bytes);
+      st = copied.status();
+      ndesc = copied.ok() ? *copied : 0;
+    } else if (st.ok() && !desc.empty()) {
+      st = streams[b.stream]->CopyBatch(desc);
+    }
+    if (st.ok()) st = streams[b.stream]->Record(*b.event);
   }
-  if (st.ok()) st = streams[b.stream]->Record(*b.event);
-  b.recorded.store(true);
   b.descriptors = ndesc;
-  stats.descriptors += static_cast<int64_t>(ndesc);
-  stats.bytes += bytes;
-  (*counters)[b.direction].bytes += bytes;
   if (!st.ok()) {
     for (Status& item : b.items) item = st;
   }
@@ -377,7 +428,9 @@ void TransferManager::Impl::QueueFileWrite(std::shared_ptr<BatchState> b, Tier f
 Status TransferManager::SyncWithCompute(Stream& compute) {
   Impl& m = *impl_;
   MutexLock lock(m.mu);
-  lock.Wait(m.cv, [&]() REQUIRES(m.mu) { return m.unrecorded == 0; });
+  lock.Wait(m.cv, [&]() REQUIRES(m.mu) {
+    return m.submits.empty() && !m.submitter_busy && m.unrecorded == 0;
+  });
   for (int i = 0; i < 2; ++i) {
     KVF_RETURN_IF_ERROR(m.streams[i]->Record(*m.sync_events[i]));
     KVF_RETURN_IF_ERROR(compute.Wait(*m.sync_events[i]));
@@ -397,11 +450,25 @@ Status TransferManager::Drain(Deadline deadline) {
   Impl& m = *impl_;
   {
     MutexLock lock(m.mu);
-    if (!lock.WaitUntil(m.cv, deadline,
-                        [&]() REQUIRES(m.mu) { return m.jobs.empty() && !m.worker_busy; })) {
-      return Status::DeadlineExceeded("transfer manager: file batches still pending");
+    if (!lock.WaitUntil(m.cv, deadline, [&]() REQUIRES(m.mu) {
+          return m.submits.empty() && !m.submitter_busy && m.jobs.empty() && !m.worker_busy;
+        })) {
+      return Status::DeadlineExceeded(
+          "transfer manager: batches still being queued or in file I/O");
     }
     for (auto& s : m.streams) KVF_RETURN_IF_ERROR(s->Synchronize(deadline));
+  }
+  return Status::Ok();
+}
+
+Status TransferManager::WaitSubmitted(Deadline deadline) {
+  Impl& m = *impl_;
+  MutexLock lock(m.mu);
+  if (!lock.WaitUntil(m.cv, deadline,
+                      [&]() REQUIRES(m.mu) { return m.submits.empty() && !m.submitter_busy; })) {
+    return Status::DeadlineExceeded(
+        fmt::format("transfer manager: {} batches still waiting for the submit thread",
+                    m.submits.size() + (m.submitter_busy ? 1 : 0)));
   }
   return Status::Ok();
 }
@@ -456,6 +523,10 @@ TransferStats TransferManager::stats() const {
   MutexLock lock(impl_->mu);
   TransferStats s = impl_->stats;
   s.file_jobs_queued = static_cast<int64_t>(impl_->jobs.size()) + (impl_->worker_busy ? 1 : 0);
+  for (const SubmitJob& j : impl_->submits) {
+    s.file_jobs_queued += j.from == Tier::kFile || j.to == Tier::kFile;
+  }
+  s.submits_queued = static_cast<int64_t>(impl_->submits.size()) + (impl_->submitter_busy ? 1 : 0);
   return s;
 }
 

@@ -1,7 +1,8 @@
 // TransferManager's private state, shared by transfer_manager.cc (the public calls, Move and its
-// steps) and transfer_manager_io.cc (the file I/O thread). Private to src/tiering. The mutex `mu`
-// guards the ordering state, the staging ring and the job queue; the caller's thread and the I/O
-// thread both take it. Checked by clang -Wthread-safety (GUARDED_BY / REQUIRES).
+// steps) and transfer_manager_io.cc (the submit thread and the file I/O thread). Private to
+// src/tiering. The mutex `mu` guards the ordering state, the staging ring and the queues; the
+// caller's thread, the submit thread and the I/O thread take it. Checked by clang -Wthread-safety
+// (GUARDED_BY / REQUIRES).
 #pragma once
 
 #include <array>
@@ -93,6 +94,15 @@ struct FileJob {
   int64_t staging_count = 0;
 };
 
+// A checked batch for the submit thread: it orders the batch after earlier ones, plans and
+// queues its copies (or hands it to the I/O thread), in Move order.
+struct SubmitJob {
+  std::shared_ptr<BatchState> batch;
+  Tier from = Tier::kPrimary, to = Tier::kPrimary;
+  std::vector<BlockMove> moves;
+  int64_t staging_first = 0;
+};
+
 // A reused per-thread buffer of token counts (planning).
 std::vector<int32_t>& TokensScratch();
 
@@ -106,6 +116,7 @@ using internal::tm::FileItem;
 using internal::tm::FileJob;
 using internal::tm::kOffloadStream;
 using internal::tm::kOnboardStream;
+using internal::tm::SubmitJob;
 using internal::tm::TokensScratch;
 
 struct TransferManager::Impl {
@@ -145,20 +156,39 @@ struct TransferManager::Impl {
   int64_t unrecorded GUARDED_BY(mu) = 0;  // file onboards whose staging -> pool copy isn't queued
   std::deque<FileJob> jobs GUARDED_BY(mu);
   bool worker_busy GUARDED_BY(mu) = false;
-  bool stop GUARDED_BY(mu) = false;
+  bool stop GUARDED_BY(mu) = false;  // the I/O thread: finish the queue, then end
+  // Batches checked by Move, waiting for the submit thread (in Move order); `spare_moves` keeps
+  // the move vectors of finished jobs so that Move does not allocate.
+  std::deque<SubmitJob> submits GUARDED_BY(mu);
+  std::vector<std::vector<BlockMove>> spare_moves GUARDED_BY(mu);
+  bool submitter_busy GUARDED_BY(mu) = false;
+  bool stop_submit GUARDED_BY(mu) = false;  // the submit thread: finish the queue, then end
   TransferStats stats GUARDED_BY(mu);
   // Set once at construction; the counters themselves are atomics.
   std::shared_ptr<internal::CopyCounters> counters = std::make_shared<internal::CopyCounters>();
-  std::vector<CopyDesc> desc GUARDED_BY(mu);         // reused planning buffer (caller thread)
-  std::vector<CopyDesc> worker_desc GUARDED_BY(mu);  // reused planning buffer (worker, under mu)
-  std::vector<BatchState*> deps GUARDED_BY(mu);      // reused
+  std::vector<CopyDesc> worker_desc GUARDED_BY(mu);     // reused planning buffer (worker, under mu)
+  std::vector<BatchState*> deps GUARDED_BY(mu);         // reused (submit thread)
+  std::vector<BatchState*> worker_deps GUARDED_BY(mu);  // reused (I/O thread)
   // The worker's own scratch, used outside mu (during file I/O): only the worker thread touches
   // it, so it has no lock to name.
   std::vector<SlotWrite> slot_writes;
   std::vector<SlotRead> slot_reads;
+  // The submit thread's own scratch, used outside mu while it plans and queues copies.
+  std::vector<CopyDesc> submit_desc;
+  std::vector<BatchState*> submit_waits;
+  // Held around each stream's copy submissions (CopyBatch reuses per-stream scratch): the submit
+  // thread takes it without mu, the I/O thread under mu (order: mu, then stream_mu).
+  std::mutex stream_mu[2];
   std::thread worker;
+  std::thread submitter;
 
   ~Impl() {
+    {
+      MutexLock lock(mu);
+      stop_submit = true;
+    }
+    cv.notify_all();
+    if (submitter.joinable()) submitter.join();  // before the worker: it may queue file jobs
     {
       MutexLock lock(mu);
       stop = true;
@@ -206,18 +236,20 @@ struct TransferManager::Impl {
 
   // Adds the batch behind `r` to `deps` if work on `stream` must wait for it. Waits (releasing the
   // lock) while it is a file onboard whose copy is not queued yet.
-  void AddDep(MutexLock& lock, const BlockRef& r, int stream, uint64_t mark) REQUIRES(mu) {
+  // `out` is the calling thread's own list: the wait lets the other thread (submit or I/O) run.
+  void AddDep(MutexLock& lock, const BlockRef& r, int stream, uint64_t mark,
+              std::vector<BatchState*>& out) REQUIRES(mu) {
     if (r.b == nullptr) return;
     lock.Wait(cv, [&]() REQUIRES(mu) { return r.b->seq != r.seq || r.b->recorded.load(); });
     if (r.b->seq != r.seq) return;  // recycled: finished long ago
     if (r.b->stream == stream || r.b->dep_mark == mark) return;
     if (r.b->event->Query()) return;
     r.b->dep_mark = mark;
-    deps.push_back(r.b);
+    out.push_back(r.b);
   }
 
-  Status EnqueueWaits(int stream) REQUIRES(mu) {
-    for (BatchState* d : deps) KVF_RETURN_IF_ERROR(streams[stream]->Wait(*d->event));
+  Status EnqueueWaits(int stream, std::span<BatchState* const> waits) {
+    for (BatchState* d : waits) KVF_RETURN_IF_ERROR(streams[stream]->Wait(*d->event));
     return Status::Ok();
   }
 
@@ -268,7 +300,8 @@ struct TransferManager::Impl {
   // Queues a staged batch on `stream`: per chunk of staging, the gather into staging and the
   // copy out of it (two CopyBatch calls). Returns descriptors queued; adds bytes moved.
   StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
-                              std::span<const int32_t> toks, int64_t* bytes) REQUIRES(mu) {
+                              std::span<const int32_t> toks, std::vector<CopyDesc>& desc,
+                              int64_t* bytes) {
     size_t descs = 0;
     const tiering::TierView& sv = views[static_cast<int>(from)];
     const tiering::TierView& dv = views[static_cast<int>(to)];
@@ -333,14 +366,19 @@ struct TransferManager::Impl {
       REQUIRES(mu);
   std::shared_ptr<BatchState> StartBatch(Tier from, Tier to, size_t n, uint64_t seq) REQUIRES(mu);
   int64_t ReserveStaging(MutexLock& lock, int64_t n) REQUIRES(mu);
+  // The submit thread: runs the rest of each Move (below) in order.
+  void SubmitLoop();
+  void Submit(MutexLock& lock, SubmitJob& job) REQUIRES(mu);
   std::vector<BlockRef> OrderAfterEarlierBatches(MutexLock& lock, Tier from, Tier to,
                                                  std::span<const BlockMove> moves, BatchState& b)
       REQUIRES(mu);
   TransferBatch QueueFileRead(std::shared_ptr<BatchState> b, Tier to,
                               std::span<const BlockMove> moves, int64_t staging_first,
                               std::vector<BlockRef> deps) REQUIRES(mu);
+  // Runs without mu (the submit thread's scratch): waits for `waits`, plans and queues the copies
+  // and records the batch's event; adds the bytes copied to `bytes`.
   Status EnqueueCopies(BatchState& b, Tier from, Tier to, std::span<const BlockMove> moves,
-                       int64_t staging_first) REQUIRES(mu);
+                       int64_t staging_first, std::span<BatchState* const> waits, int64_t* bytes);
   void QueueFileWrite(std::shared_ptr<BatchState> b, Tier from, std::span<const BlockMove> moves,
                       int64_t staging_first) REQUIRES(mu);
   int64_t StagingSlot(int64_t first, size_t i) const {
@@ -349,6 +387,7 @@ struct TransferManager::Impl {
 
   void WorkerLoop();
   void RunWrite(FileJob& job);
+  int64_t RunFileIo(FileJob& job, const Status& before);
   void RunRead(FileJob& job);
   void FinishHost(BatchState& b) {
     {

@@ -28,33 +28,55 @@ void TransferManager::Impl::WorkerLoop() {
   }
 }
 
-void TransferManager::Impl::RunWrite(FileJob& job) {
+// The one file-I/O step of both directions: a SlabStore batch over the job's staging blocks
+// (skipped when `before` failed: each item then fails with it), each item's status named by its
+// block and slot. Returns the items that failed.
+int64_t TransferManager::Impl::RunFileIo(FileJob& job, const Status& before) {
   BatchState& b = *job.batch;
-  Status copied = b.event->Synchronize(Clock::now() + std::chrono::hours(1));
   const int64_t block_bytes = staging_layout->block_bytes();
-  slot_writes.clear();
-  for (const FileItem& it : job.items) {
-    slot_writes.push_back(SlotWrite{it.slot, SlotKey{it.key.hi, it.key.lo},
-                                    staging.data() + it.staging * block_bytes, block_bytes,
-                                    MemoryKind::kPinnedHost});
-  }
+  auto fill = [&](auto& out) {
+    out.clear();
+    for (const FileItem& it : job.items) {
+      out.push_back({it.slot, SlotKey{it.key.hi, it.key.lo},
+                     staging.data() + it.staging * block_bytes, block_bytes,
+                     MemoryKind::kPinnedHost});
+    }
+  };
   std::vector<Status> results;
-  if (copied.ok()) {
+  if (before.ok() && job.write) {
+    fill(slot_writes);
     results = file->Write(slot_writes);
+  } else if (before.ok()) {
+    fill(slot_reads);
+    results = file->Read(slot_reads);
   }
   int64_t errors = 0;
   for (size_t i = 0; i < job.items.size(); ++i) {
-    Status st = !copied.ok()         ? copied.WithContext("copy to file staging")
+    const FileItem& it = job.items[i];
+    Status st = !before.ok()         ? before
                 : i < results.size() ? results[i]
-                                     : Status::Internal("SlabStore::Write: missing result");
+                                     : Status::Internal(fmt::format("SlabStore::{}: missing result",
+                                                                    job.write ? "Write" : "Read"));
     if (!st.ok()) {
-      st = st.WithContext(fmt::format("offload of {} block {} to file slot {}",
-                                      TierName(job.pool_tier), job.items[i].pool_block,
-                                      job.items[i].slot));
+      st = st.WithContext(job.write ? fmt::format("offload of {} block {} to file slot {}",
+                                                  TierName(job.pool_tier), it.pool_block, it.slot)
+                                    : fmt::format("onboard of file slot {} to {} block {}", it.slot,
+                                                  TierName(job.pool_tier), it.pool_block));
       ++errors;
     }
     b.items[i] = std::move(st);
   }
+  return errors;
+}
+
+void TransferManager::Impl::RunWrite(FileJob& job) {
+  BatchState& b = *job.batch;
+  // Items already failed: the copy into staging was not queued (the submit thread said why).
+  Status copied = !b.items.empty() && !b.items[0].ok()
+                      ? b.items[0]
+                      : b.event->Synchronize(Clock::now() + std::chrono::hours(1));
+  if (!copied.ok()) copied = copied.WithContext("copy to file staging");
+  const int64_t errors = RunFileIo(job, copied);
   MutexLock lock(mu);
   stats.file_writes += static_cast<int64_t>(job.items.size());
   stats.file_write_errors += errors;
@@ -62,34 +84,18 @@ void TransferManager::Impl::RunWrite(FileJob& job) {
 
 void TransferManager::Impl::RunRead(FileJob& job) {
   BatchState& b = *job.batch;
-  const int64_t block_bytes = staging_layout->block_bytes();
-  slot_reads.clear();
-  for (const FileItem& it : job.items) {
-    slot_reads.push_back(SlotRead{it.slot, SlotKey{it.key.hi, it.key.lo},
-                                  staging.data() + it.staging * block_bytes, block_bytes,
-                                  MemoryKind::kPinnedHost});
-  }
-  std::vector<Status> results = file->Read(slot_reads);
-  int64_t errors = 0;
-  for (size_t i = 0; i < job.items.size(); ++i) {
-    Status st =
-        i < results.size() ? results[i] : Status::Internal("SlabStore::Read: missing result");
-    if (!st.ok()) {
-      st = st.WithContext(fmt::format("onboard of file slot {} to {} block {}", job.items[i].slot,
-                                      TierName(job.pool_tier), job.items[i].pool_block));
-      ++errors;
-    }
-    b.items[i] = std::move(st);
-  }
+  const int64_t errors = RunFileIo(job, Status::Ok());
   const int pool = static_cast<int>(job.pool_tier);
   {
     MutexLock lock(mu);
     stats.file_reads += static_cast<int64_t>(job.items.size());
     stats.file_read_errors += errors;
     ++next_seq;  // a fresh dedup mark
-    deps.clear();
-    for (const BlockRef& r : job.deps) AddDep(lock, r, kOnboardStream, next_seq);
-    Status st = EnqueueWaits(kOnboardStream);
+    worker_deps.clear();
+    const uint64_t mark = next_seq;
+    for (const BlockRef& r : job.deps) AddDep(lock, r, kOnboardStream, mark, worker_deps);
+    std::lock_guard<std::mutex> streamed(stream_mu[kOnboardStream]);
+    Status st = EnqueueWaits(kOnboardStream, worker_deps);
     worker_desc.clear();
     auto& toks = TokensScratch();
     toks.clear();

@@ -13,6 +13,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::ExpectBlockHolds;
 using testing::FillAll;
+using testing::GatedSlabStore;
 using testing::MakePool;
 
 Deadline Soon() { return DeadlineIn(10s); }
@@ -307,6 +308,46 @@ TEST(TransferManager, CorruptSlotOnboardsAsDataLossAndLeavesDestination) {
   // A wrong key is a miss too.
   std::vector<BlockMove> wrong = {FileMove(0, 6, 77)};
   EXPECT_EQ(f.tm->Onboard(Tier::kFile, wrong).value().Wait(Soon()).code(), StatusCode::kDataLoss);
+}
+
+// The caller never waits for a disk: an offload of a block a stuck file read is still writing is
+// ordered after that read by the submit thread, while Move returns at once (it used to wait on
+// the caller's thread until the read had ended).
+TEST(TransferManager, MoveReturnsWhileItsDependencyWaitsForTheDisk) {
+  auto dev = OpenCpuDevice();
+  BlockPool primary = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 8);
+  BlockPool host = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kPinnedHost, 8);
+  MemorySlabStore mem(primary.layout().block_bytes(), 4);
+  GatedSlabStore gated(&mem);
+  auto tm = std::move(TransferManager::Create(*dev, primary, &host, &gated)).value();
+  FillAll(primary, 100);
+  ASSERT_TRUE(mem.Allocate().ok());
+  std::vector<BlockMove> out = {FileMove(3, 0, 1)};
+  ASSERT_TRUE(tm->Offload(Tier::kFile, out).value().Wait(Soon()).ok());
+  gated.Close();
+  std::vector<BlockMove> in = {FileMove(0, 7, 1)};
+  auto c = tm->Onboard(Tier::kFile, in);  // the read hangs
+  ASSERT_TRUE(c.ok());
+  // A safety net: if Move waited for the read, the test would hang without it.
+  std::thread opener([&] {
+    std::this_thread::sleep_for(3s);
+    gated.Open();
+  });
+  const auto t0 = Clock::now();
+  std::vector<BlockMove> down = {{7, 2}};  // reads primary 7: must see the onboarded bytes
+  auto d = tm->Offload(Tier::kHost, down);
+  const auto took = Clock::now() - t0;
+  ASSERT_TRUE(d.ok());
+  EXPECT_LT(took, 1s);
+  EXPECT_FALSE(d->Query());
+  EXPECT_GE(tm->stats().submits_queued, 1);
+  gated.Open();
+  opener.join();
+  ASSERT_TRUE(d->Wait(Soon()).ok());
+  ASSERT_TRUE(c->Wait(Soon()).ok());
+  ExpectBlockHolds(host, 2, 103);
+  ASSERT_TRUE(tm->WaitSubmitted(Soon()).ok());
+  EXPECT_EQ(tm->stats().submits_queued, 0);
 }
 
 TEST(TransferManager, FileBatchLargerThanStagingIsRejected) {

@@ -107,9 +107,12 @@ Status Engine::Start() {
           rma_why_);
     }
   }
+  // auto: GPU pools (CUDA IPC) and CPU-device pools (shared host memory, or ranks of one
+  // process); a region the device can't share (a wrapped engine region of pinned host memory on
+  // a GPU) is refused by ExportMemory, and a peer that can't map one falls back to puts.
   const bool share = options_.peer_memory == EngineOptions::PeerMemory::kOn ||
-                     (options_.peer_memory == EngineOptions::PeerMemory::kAuto && !cpu &&
-                      pool_.memory() == MemoryKind::kDevice);
+                     (options_.peer_memory == EngineOptions::PeerMemory::kAuto &&
+                      (cpu || pool_.memory() == MemoryKind::kDevice));
   if (rma_ok() && share) {
     const size_t region_bytes = static_cast<size_t>(pool_.layout().region_bytes());
     for (int32_t i = 0; i < pool_.num_regions(); ++i) {
@@ -134,8 +137,15 @@ StatusOr<std::vector<PeerMapping*>> Engine::MapPeerPool(
   for (const auto& h : handles) {
     auto it = mapped_.find(h);
     if (it == mapped_.end()) {
-      KVF_ASSIGN_OR_RETURN(std::unique_ptr<PeerMapping> m, device_.ImportMemory(h));
-      it = mapped_.emplace(h, std::move(m)).first;
+      // A handle that did not map once is not tried again on every fetch.
+      if (auto bad = unmappable_.find(h); bad != unmappable_.end()) return bad->second;
+      auto m = device_.ImportMemory(h);
+      if (!m.ok()) {
+        if (unmappable_.size() >= 1024) unmappable_.clear();
+        unmappable_.emplace(h, m.status());
+        return m.status();
+      }
+      it = mapped_.emplace(h, std::move(m).value()).first;
     }
     out.push_back(it->second.get());
   }
@@ -271,7 +281,7 @@ TransceiverMetrics Engine::Metrics(std::string side) const {
   TransceiverMetrics m;
   m.side = std::move(side);
   m.transport = std::string(transport_->caps().name);
-  m.data_path = rma_ok() ? "one-sided" : "tagged";
+  m.data_path = peer_used_.load() ? "peer-memory" : rma_ok() ? "one-sided" : "tagged";
   metrics_.Fill(m);
   m.live_requests = live_.load();
   m.staging_slots_in_use = slots_in_use_.load();

@@ -136,6 +136,8 @@ class Engine {
   // The mappings of `handles` (one per region), or why they can't be mapped.
   StatusOr<std::vector<PeerMapping*>> MapPeerPool(
       const std::vector<std::vector<std::byte>>& handles);
+  // A pair of this side moved its data by peer memory copies (Metrics' data_path says so).
+  void NotePeerMemoryUsed() { peer_used_.store(true, std::memory_order_relaxed); }
   MemoryKind staging_kind() const { return staging_.kind(); }
   // Checksums need the pool's bytes on the host.
   bool host_visible_pool() const { return pool_wire_kind_ != MemoryKind::kDevice; }
@@ -158,8 +160,10 @@ class Engine {
   bool direct_ok_ = true;
   LocalRma rma_;
   std::string rma_why_;
+  std::atomic<bool> peer_used_{false};
   std::vector<std::vector<std::byte>> exported_pool_;
   std::map<std::vector<std::byte>, std::unique_ptr<PeerMapping>> mapped_;  // progress thread
+  std::map<std::vector<std::byte>, Status> unmappable_;  // progress thread: why each did not map
 
   mutable Mutex cmd_mu_;
   std::condition_variable cmd_cv_;

@@ -10,7 +10,8 @@
 //     fault crashed a rank, on the same ranks) completes and verifies element by element;
 //   - a faulted transfer that completes holds the right bytes (per-chunk checksums on: a corrupted
 //     or missing chunk fails the request with DATA_LOSS instead).
-// DATA cells run on both data paths: one-sided (puts, then a CHUNK message) and tagged.
+// DATA cells run on both data paths: one-sided (puts, then a CHUNK message) and tagged
+// (transfer.peer_memory off: peer memory copies move no data operation to fault).
 // Each cell prints a "MATRIX|" line with what the faulted full transfer ended in on each rank
 // (docs/reliability.md lists them).
 #include <fmt/format.h>
@@ -174,6 +175,9 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
   ASSERT_TRUE(Config::Global()
                   .Set("transfer.abort_grace_ms", std::to_string(times.abort_grace.count()))
                   .ok());
+  // The one-sided cells are about transport puts: peer memory (auto maps the in-process peer
+  // pool of the CPU device) would move no data operation for DATA faults to hit.
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_memory", "off").ok());
   TransceiverOptions o;
   o.timeout = kTimeout;
   o.chunk_bytes = 1024;  // several chunks per pair, some staged, some direct

@@ -494,6 +494,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       }
       // The context rank writes no staging slot: give back those credited so far.
       p.peer_mem = true;
+      NotePeerMemoryUsed();
       for (RecvOp& o : p.inflight) {
         if (o.slot >= 0) ReleaseSlot(o.slot);
         o.slot = -1;

@@ -87,6 +87,42 @@ TEST(PeerMemory, HeterogeneousSplitsMoveWithOneCopyPerBatchAndNoStaging) {
   EXPECT_EQ(*ops, 0) << "data moved through the transport, not by copies into the peer pool";
 }
 
+// Counts the CHUNK messages a context rank sends.
+class ChunkCounter final : public TestTransport {
+ public:
+  ChunkCounter(std::unique_ptr<Transport> base, std::shared_ptr<int> chunks)
+      : TestTransport(std::move(base)), chunks_(std::move(chunks)) {}
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    auto m = DecodeMessage(b);
+    if (m.ok() && std::holds_alternative<ChunkMsg>(*m)) ++*chunks_;
+    return base_->SendControl(p, b);
+  }
+
+ private:
+  std::shared_ptr<int> chunks_;
+};
+
+// 96 MiB per pair is two copy batches (kPeerBatchBytes), both in flight at once: the generation
+// rank hears of them by one CHUNK (it was one per batch: each message costs syscalls on both
+// sides), and every byte lands.
+TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
+  PeerMemoryOn on;
+  const KvShape big{2, 8, 128, DType::kBf16, 2, 1024};  // 8 MiB blocks
+  TransceiverOptions o;
+  o.checksum = false;
+  auto chunks = std::make_shared<int>(0);
+  Cluster cl({big, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 12},
+             {big, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 12}, o,
+             [&](auto t) { return std::make_unique<ChunkCounter>(std::move(t), chunks); });
+  std::vector<int64_t> cb{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  std::vector<int64_t> gb{11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0};
+  auto h = cl.Publish(33, cb, 12 * 1024);
+  ASSERT_TRUE(cl.Fetch(h, gb).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1, milliseconds(60000)), 2);
+  cl.Verify(33, gb, 12 * 1024);
+  EXPECT_EQ(*chunks, 1);
+}
+
 // A generation rank may offer handles that don't map (another process, or a region smaller than
 // its target declares): the context rank then puts through the transport instead, and nothing
 // outside the destination blocks changes.

@@ -300,6 +300,18 @@ class NoRma final : public TestTransport {
   }
 };
 
+// transfer.peer_memory for one scope: tests of the transport put path turn it off (auto maps the
+// peer pool of every CPU-device rank, in one process too, and moves no byte through the transport).
+class PeerMemoryKnob {
+ public:
+  explicit PeerMemoryKnob(const char* value) {
+    EXPECT_TRUE(Config::Global().Set("transfer.peer_memory", value).ok());
+  }
+  ~PeerMemoryKnob() { EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok()); }
+  PeerMemoryKnob(const PeerMemoryKnob&) = delete;
+  PeerMemoryKnob& operator=(const PeerMemoryKnob&) = delete;
+};
+
 inline TransceiverOptions SmallChunks(bool rma) {
   TransceiverOptions o;
   o.chunk_bytes = 4096;

@@ -11,7 +11,11 @@
 #include "kvferry_build_config.h"
 #include "transport/transport_conformance.h"
 #if KVFERRY_HAVE_UCX
+#include <filesystem>
+
+#include "kvferry/ucx_info.h"
 #include "transport/ucx_address.h"
+#include "transport/ucx_util.h"
 #endif
 
 namespace kvferry::testing {
@@ -287,6 +291,24 @@ TEST(UcxAddress, RoundTripsAndRejectsEveryMutation) {
     EXPECT_EQ(DecodeUcxAddress(text.substr(0, n)).status().code(), StatusCode::kInvalidArgument);
   }
   EXPECT_FALSE(DecodeUcxAddress(text + "00").ok());
+}
+
+// kvferry leaves UCX's MODULE_DIR alone: UCX's module loader keeps a pointer to that string, so
+// pointing it elsewhere at run time (as kvferry did for the relocated wheel) left the loader
+// reading freed memory (ASan: uct_query_components, under every --json command). The modules
+// beside the wheel's libucs load all the same: UCX finds them itself (cma is one).
+TEST(UcxRuntime, ModulesLoadWithoutChangingUcxModuleDir) {
+  const std::string before = ucx_detail::ConfiguredModuleDir();
+  auto info = QueryUcxRuntime();
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  TransportOptions o;
+  o.name = "ucx";
+  ASSERT_TRUE(CreateTransport(o).ok());
+  EXPECT_EQ(ucx_detail::ConfiguredModuleDir(), before);
+  EXPECT_TRUE(std::filesystem::is_directory(info->module_dir)) << info->module_dir;
+  bool module_transport = false;
+  for (const UcxTransportResource& r : info->transports) module_transport |= r.transport == "cma";
+  EXPECT_TRUE(module_transport) << "no transport from a UCX module (cma) was found";
 }
 #endif
 

@@ -5,7 +5,6 @@
 #include <ucs/config/global_opts.h>
 #include <uct/api/uct.h>
 
-#include <mutex>
 #include <string>
 
 #include "base/log.h"
@@ -35,30 +34,28 @@ std::string LoadedFrom() {
   return path;
 }
 
-std::string CurrentModuleDir() {
+}  // namespace
+
+std::string ConfiguredModuleDir() {
   char buf[4096] = {};
   if (ucs_global_opts_get_value("MODULE_DIR", buf, sizeof(buf)) != UCS_OK) return "";
   return buf;
 }
 
-}  // namespace
-
-void PrepareUcx() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    // A relocated UCX (the PyPI wheel) keeps its build-time module directory in its defaults;
-    // point UCX at the "ucx" directory beside the loaded library, unless the configured one
-    // exists (UCX_MODULE_DIR set by the user, or a system install).
-    const std::string current = CurrentModuleDir();
-    if (IsDir(current)) return;
-    const std::string lib = LoadedFrom();
-    const size_t slash = lib.rfind('/');
-    if (slash == std::string::npos) return;
-    const std::string dir = lib.substr(0, slash) + "/ucx";
-    if (!IsDir(dir)) return;
-    const ucs_status_t st = ucs_global_opts_set_value("MODULE_DIR", dir.c_str());
-    Log(LogLevel::kDebug, "ucx: module dir {} (was {}): {}", dir, current, ucs_status_string(st));
-  });
+// UCX loads its modules from two directories: "ucx" beside libucs (found through dladdr, so a
+// relocated UCX such as the PyPI wheel finds its own) and MODULE_DIR (UCX_MODULE_DIR or the
+// build-time default). The one that exists is the one to report. MODULE_DIR must not be changed
+// at run time: UCX's module loader keeps a pointer to the string from libucs's load on, and
+// ucs_global_opts_set_value frees it (kvferry pointed it at the wheel's directory before its
+// first ucp_init; ASan found the loader's opendir reading the freed path in uct_query_components).
+std::string ModuleDir() {
+  const std::string lib = LoadedFrom();
+  const size_t slash = lib.rfind('/');
+  if (slash != std::string::npos) {
+    const std::string beside = lib.substr(0, slash) + "/ucx";
+    if (IsDir(beside)) return beside;
+  }
+  return ConfiguredModuleDir();
 }
 
 }  // namespace ucx_detail
@@ -102,11 +99,10 @@ void AddMdTransports(uct_component_h comp, const char* md_name,
 }  // namespace
 
 StatusOr<UcxRuntimeInfo> QueryUcxRuntime() {
-  ucx_detail::PrepareUcx();
   UcxRuntimeInfo info;
   info.version = ucp_get_version_string();
   info.library_path = ucx_detail::LoadedFrom();
-  info.module_dir = ucx_detail::CurrentModuleDir();
+  info.module_dir = ucx_detail::ModuleDir();
 
   uct_component_h* comps = nullptr;
   unsigned ncomps = 0;

@@ -79,7 +79,6 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   t->ctrl_peer_errors_ = t->mode_ != ErrorMode::kNone;
   t->data_peer_errors_ = t->mode_ == ErrorMode::kPeer;
 
-  PrepareUcx();
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read").WithContext("ucx transport");

@@ -17,9 +17,11 @@
 
 namespace kvferry::ucx_detail {
 
-// Once per process, before the first ucp_init: points UCX at the module directory beside the
-// loaded library when its configured one does not exist (a relocated wheel). ucx_runtime.cc.
-void PrepareUcx();
+// The directory UCX loads its modules from ("ucx" beside libucs when it exists, else UCX's
+// configured MODULE_DIR), and the configured MODULE_DIR itself, which kvferry never changes.
+// ucx_runtime.cc.
+std::string ModuleDir();
+std::string ConfiguredModuleDir();
 
 inline Status FromUcs(ucs_status_t st, std::string_view what) {
   std::string msg = std::string(what) + ": " + ucs_status_string(st);

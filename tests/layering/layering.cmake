@@ -29,3 +29,16 @@ add_test(NAME layering.public_headers_stand_alone COMMAND sh -c
          sh ${_public})
 set_tests_properties(layering.public_headers_stand_alone PROPERTIES PASS_REGULAR_EXPRESSION "PASS"
                      FAIL_REGULAR_EXPRESSION "FAIL")
+# Clang's thread-safety analysis sees the annotations (src/base/thread_annotations.h): an
+# unguarded read of a GUARDED_BY member is an error under -Werror=thread-safety, a guarded one is
+# not. CI's clang builds (build-fuzz, the tsan preset) rely on it; this runs with any compiler
+# where clang++ is installed.
+find_program(KVFERRY_CLANGXX clang++)
+if(KVFERRY_CLANGXX)
+  set(_ts ${KVFERRY_CLANGXX} -std=c++20 -fsyntax-only -Wthread-safety -Werror=thread-safety
+          -I${PROJECT_SOURCE_DIR}/src ${_dir}/thread_safety_unguarded.cc)
+  add_test(NAME thread_safety.guarded_access_compiles COMMAND ${_ts})
+  add_test(NAME thread_safety.unguarded_access_fails COMMAND ${_ts} -DKVF_UNGUARDED)
+  set_tests_properties(thread_safety.unguarded_access_fails PROPERTIES
+                       PASS_REGULAR_EXPRESSION "reading variable 'n_' requires holding mutex 'mu_'")
+endif()

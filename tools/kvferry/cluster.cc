@@ -71,6 +71,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["gpus"] = c.gpus;
   j["checksum"] = c.checksum;
   j["warmup"] = c.warmup;
+  j["ctx_ahead"] = c.ctx_ahead;
   j["metrics_port"] = c.metrics_port;
   return j.dump();
 }
@@ -102,6 +103,7 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.gpus = j.value("gpus", std::vector<int>{});
   c.checksum = j.value("checksum", true);
   c.warmup = j.value("warmup", 0);
+  c.ctx_ahead = j.value("ctx_ahead", 0);
   c.metrics_port = j.value("metrics_port", -1);
   return c;
 }

@@ -2,6 +2,7 @@
 // separate processes (one per rank), requests streamed between them, every element verified.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -143,6 +144,7 @@ nlohmann::json SummaryJson(const SelftestSummary& s) {
           {"p99_ms", s.p99_ms},
           {"cpu_us_per_request", s.cpu_us_per_request},
           {"control_cpu_us_per_request", s.control_cpu_us_per_request},
+          {"data_path", s.data_path},
           {"errors", s.errors}};
 }
 
@@ -219,8 +221,8 @@ int RunSelftest(const Flags& f) {
     fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
                cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
                f.gen_layout, f.requests, cfg->transport, cfg->device);
-    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}\n", s.requests, s.verified,
-               s.failed, s.prefix_hits);
+    fmt::print("  requests {}  verified {}  failed {}  prefix hits {}  data path {}\n", s.requests,
+               s.verified, s.failed, s.prefix_hits, s.data_path);
     fmt::print(
         "  {:.1f} MB in {:.3f} s = {:.2f} GB/s (wall time with test-data fills and checks; bench "
         "transfer measures transfers alone)\n  latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
@@ -262,6 +264,7 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
   row["copy_ratio"] = s.copy_gbps > 0 ? s.gbps / s.copy_gbps : 0;
   row["checksum"] = cfg.checksum;
   row["warmup"] = cfg.warmup;
+  row["concurrency"] = cfg.concurrency;
   row["ratio"] = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
   row["verified_all"] = cfg.verify && s.failed == 0;  // --no-verify checks nothing
   row["slowest"] = SlowestJson(ranks);
@@ -270,20 +273,45 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
 
 void PrintBenchRow(const nlohmann::json& row, const SelftestSummary& s, bool verify) {
   fmt::print(
-      "{:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
-      "{:>7.2f}  {} | {}{}{}\n",
-      row["tokens"].get<int64_t>(), s.bytes / 1e6, s.gbps, s.p50_ms, s.p99_ms,
-      s.control_cpu_us_per_request, s.baseline_gbps, row["ratio"].get<double>(), s.copy_gbps,
-      row["copy_ratio"].get<double>(), s.baseline_name, s.copy_name, s.failed ? "  FAILED" : "",
-      verify || s.failed ? "" : "  (not verified: --no-verify)");
+      "{:>8} {:>6} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
+      "{:>7.2f}  {}: {} | {}{}{}\n",
+      row["tokens"].get<int64_t>(), row["concurrency"].get<int>(), s.bytes / 1e6, s.gbps, s.p50_ms,
+      s.p99_ms, s.control_cpu_us_per_request, s.baseline_gbps, row["ratio"].get<double>(),
+      s.copy_gbps, row["copy_ratio"].get<double>(), s.data_path, s.baseline_name, s.copy_name,
+      s.failed ? "  FAILED" : "", verify || s.failed ? "" : "  (not verified: --no-verify)");
   for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
+}
+
+// --concurrency 0 (bench transfer's default): requests in flight per rank from the request's
+// size, so that the generation pools hold about kInflightBytes (GPU; the context pools twice
+// that) or a quarter of it on the CPU: many small requests, at least two large ones.
+constexpr int64_t kInflightBytes = int64_t{8} << 30;
+int AutoConcurrency(const Flags& f, int64_t tokens) {
+  auto dt = ParseDType(f.dtype);
+  const int64_t elem = dt.ok() ? DTypeSize(*dt) : 2;
+  const int64_t request =
+      std::max<int64_t>(1, tokens * f.layers * (f.mla ? 1 : 2 * f.kv_heads) * f.head_dim * elem);
+  const bool gpu =
+      (f.device.empty() ? Config::Global().String("device.default") : f.device).rfind("cuda", 0) ==
+      0;
+  const int64_t budget = gpu ? kInflightBytes : kInflightBytes / 4;
+  return static_cast<int>(std::clamp<int64_t>(budget / request, 2, 16));
 }
 
 int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
   ApplyModel(f);
   Document doc("bench transfer");
-  if (auto cfg = ToConfig(f); cfg.ok()) {
+  {
+    // Checked before anything is printed or started (--concurrency 0 is resolved per row).
+    Flags checked = f;
+    checked.concurrency = std::max(1, f.concurrency);
+    auto cfg = ToConfig(checked);
+    if (!cfg.ok()) {
+      fmt::print(stderr, "kvferry bench transfer: {}\n", cfg.status().ToString());
+      return 2;
+    }
     doc.config() = ConfigJson(f, *cfg);
+    doc.config()["concurrency"] = f.concurrency;  // 0: from each row's request size
     doc.config()["sweep"] = sweep;
     doc.config()["model"] = f.model;
   }
@@ -296,21 +324,26 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     if (f.warmup > 0)
       fmt::print("  GB/s and latencies leave out the first {} request(s) of each generation rank\n",
                  f.warmup);
-    fmt::print("{:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n", "tokens",
-               "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s", "ratio", "copy GB/s",
-               "ratio", "raw | copy baselines");
+    fmt::print("{:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n",
+               "tokens", "in flt", "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s",
+               "ratio", "copy GB/s", "ratio", "data path: raw | copy baselines");
   }
   int rc = 0;
   std::string first_error;
   for (int64_t tokens : sweep) {
     Flags one = f;
     one.prompt_tokens = {tokens};
+    if (one.concurrency == 0) one.concurrency = AutoConcurrency(one, tokens);
     auto cfg = ToConfig(one);
     if (!cfg.ok()) {
       fmt::print(stderr, "kvferry bench transfer: {}\n", cfg.status().ToString());
       return 2;
     }
     cfg->baseline = true;
+    // The context instance keeps as many requests again published ahead: a generation slot
+    // that frees finds its next handle waiting (a serving context instance has prefilled
+    // requests queued), so the measurement is the transfers', not the handle exchange's.
+    cfg->ctx_ahead = cfg->concurrency;
     cfg->warmup = std::max(0, f.warmup);
     auto ranks = RunCluster(*cfg, f.progress && !f.out.machine());
     if (!ranks.ok()) {
@@ -348,10 +381,16 @@ void AddSelftestCommand(CLI::App& app) {
 void AddBenchTransferCommand(CLI::App& bench) {
   auto f = std::make_shared<Flags>();
   f->checksum = false;  // measured alone; --checksum true measures its cost
+  f->concurrency = 0;   // from the request size (AutoConcurrency)
   auto sweep = std::make_shared<std::vector<int64_t>>(std::vector<int64_t>{128, 1024, 4096});
   auto* cmd = bench.add_subcommand(
       "transfer", "context -> generation GB/s and latency beside raw transport bandwidth");
   AddShapeFlags(cmd, *f);
+  cmd->get_option("--concurrency")
+      ->description(
+          "requests in flight per generation rank (the context side publishes as many again "
+          "ahead); 0: from the request size, 2 to 16 (8 GiB of requests in flight on a GPU, 2 GiB "
+          "on the CPU)");
   cmd->add_option("--model", f->model, "llama3-8b|llama3-70b: sets layers, kv heads, head dim");
   cmd->add_option("--sweep", *sweep, "prompt lengths to measure (tokens)")
       ->delimiter(',')

@@ -7,6 +7,12 @@
 // fragments still move mostly in wide words. Single-row descriptors use the whole block per
 // row; multi-row ones use one warp per row (aligned rows under 512 bytes: the block walks them
 // flat). Aligned copies keep four 16-byte loads in flight per thread.
+//
+// Few descriptors with many rows (a head-sliced transfer: one descriptor per block, 64 rows of
+// 16 KiB each) would leave most SMs idle with one thread block per descriptor. The launch then
+// adds a second grid dimension: the gridDim.y blocks of one descriptor split its rows (or, for a
+// single row, its vectors) between them, so the grid reaches the block cap whatever the number of
+// descriptors. Every byte is still written by exactly one thread.
 #include <algorithm>
 
 #include "device/cuda/cuda_kernels.h"
@@ -17,6 +23,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
 constexpr uint32_t kMaxBlocks = 65535;
+constexpr uint32_t kMaxParts = 64;  // gridDim.y: blocks sharing one descriptor
 
 template <typename T>
 __device__ void CopyRowAs(char* d, const char* s, uint64_t n, unsigned lane, unsigned lanes) {
@@ -64,6 +71,12 @@ __device__ void CopyRow(char* d, const char* s, uint64_t n, unsigned lane, unsig
 
 __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs, uint32_t count) {
   __shared__ GatherDesc desc;
+  // This block's share of each descriptor: part `part` of `parts` (gridDim.y).
+  const unsigned part = blockIdx.y, parts = gridDim.y;
+  const unsigned tid = part * blockDim.x + threadIdx.x, threads = parts * blockDim.x;
+  const unsigned warps_per_block = blockDim.x / kWarp;
+  const unsigned warp = part * warps_per_block + threadIdx.x / kWarp;
+  const unsigned warps = parts * warps_per_block;
   for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
     if (threadIdx.x < sizeof(GatherDesc) / sizeof(uint64_t)) {
       reinterpret_cast<uint64_t*>(&desc)[threadIdx.x] =
@@ -79,9 +92,8 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
       const uint64_t per_row = bytes / 16;
       if (rows == 1) {
         CopyVectors<4>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), per_row,
-                       threadIdx.x, blockDim.x);
+                       tid, threads);
       } else if (per_row >= kWarp) {  // rows of 512 bytes or more: one warp per row
-        const unsigned warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
         for (uint64_t r = warp; r < rows; r += warps) {
           CopyVectors<4>(reinterpret_cast<uint4*>(dst + r * dp),
                          reinterpret_cast<const uint4*>(src + r * sp), per_row, threadIdx.x % kWarp,
@@ -89,16 +101,15 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
         }
       } else {
         const uint64_t total = per_row * rows;
-        for (uint64_t u = threadIdx.x; u < total; u += blockDim.x) {
+        for (uint64_t u = tid; u < total; u += threads) {
           const uint64_t r = u / per_row, v = u - r * per_row;
           reinterpret_cast<uint4*>(dst + r * dp)[v] =
               reinterpret_cast<const uint4*>(src + r * sp)[v];
         }
       }
     } else if (rows == 1) {
-      CopyRow(dst, src, bytes, threadIdx.x, blockDim.x);
+      CopyRow(dst, src, bytes, tid, threads);
     } else {
-      const unsigned warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
       for (uint64_t r = warp; r < rows; r += warps) {
         CopyRow(dst + r * dp, src + r * sp, bytes, threadIdx.x % kWarp, kWarp);
       }
@@ -114,7 +125,9 @@ cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, uint32_t max_b
   if (count == 0) return cudaSuccess;
   const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
   const uint32_t blocks = std::min(count, cap);
-  GatherKernel<<<blocks, kThreads, 0, stream>>>(descs, count);
+  // Fewer descriptors than the cap: the spare blocks share the descriptors' rows (file comment).
+  const uint32_t parts = max_blocks == 0 ? 1 : std::min<uint32_t>(cap / blocks, kMaxParts);
+  GatherKernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, count);
   return cudaGetLastError();
 }
 

@@ -27,7 +27,9 @@ static_assert(sizeof(GatherDesc) == 48, "GatherDesc is read as six 64-bit words 
 // device (memory of the stream's device or mapped pinned host memory). Destinations of different
 // descriptors must not overlap. At most `max_blocks` thread blocks (0: as many as descriptors, up
 // to 65535) walk the descriptors in a grid-stride loop: a capped grid leaves room on the SMs for a
-// launch of another stream to run beside it. Returns the launch error, if any (not errors of the
+// launch of another stream to run beside it. With a cap and fewer descriptors than it, the
+// blocks left over share the descriptors' rows, so a few large head-sliced descriptors still
+// fill the grid up to the cap. Returns the launch error, if any (not errors of the
 // kernel's execution, which surface at the stream's next synchronization).
 cudaError_t LaunchGather(const GatherDesc* descs, uint32_t count, uint32_t max_blocks,
                          cudaStream_t stream);

@@ -1,0 +1,64 @@
+#include "selftest/handle_prefetch.h"
+
+#include <algorithm>
+
+namespace kvferry {
+
+HandlePrefetch::HandlePrefetch(std::unique_ptr<Rendezvous> rv, std::vector<uint64_t> ids,
+                               size_t depth)
+    : rv_(std::move(rv)), ids_(std::move(ids)), depth_(std::max<size_t>(depth, 1)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+HandlePrefetch::~HandlePrefetch() {
+  {
+    MutexLock lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::optional<std::vector<std::byte>> HandlePrefetch::Take(size_t i,
+                                                           std::chrono::microseconds wait) {
+  std::optional<std::vector<std::byte>> out;
+  {
+    MutexLock lock(mu_);
+    lock.WaitFor(cv_, wait, [&]() REQUIRES(mu_) { return ready_.count(i) > 0; });
+    auto it = ready_.find(i);
+    if (it == ready_.end()) return out;
+    out = std::move(it->second);
+    ready_.erase(it);
+    taken_ = i + 1;
+  }
+  cv_.notify_all();  // room for one more ahead
+  return out;
+}
+
+void HandlePrefetch::Run() {
+  for (size_t i = 0; i < ids_.size();) {
+    {
+      MutexLock lock(mu_);
+      lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || i < taken_ + depth_; });
+      if (stop_) return;
+    }
+    // The rendezvous asks again after 1, 2, 4 and 8 ms while the key is absent, so a handle
+    // published late is seen within 8 ms, and a waiting rank costs a few calls per 15 ms. The
+    // deadline also bounds one call: on two loaded cores a round trip can take milliseconds,
+    // and a tighter one would fail calls for handles that are there.
+    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(20)));
+    if (!handle.ok()) {  // not published yet (or the rendezvous is slow): ask again
+      MutexLock lock(mu_);
+      if (stop_) return;
+      continue;
+    }
+    {
+      MutexLock lock(mu_);
+      ready_.emplace(i, std::move(handle).value());
+    }
+    cv_.notify_all();
+    ++i;
+  }
+}
+
+}  // namespace kvferry
