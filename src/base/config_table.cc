@@ -149,6 +149,11 @@ constexpr KnobDecl kKnobs[] = {
      "background tiering: victims move down until this percent of blocks is free (0: only on "
      "demand)",
      0, 100, ""},
+    {"cuda.copy_engine_2d_directions", KnobType::kString, "none",
+     "2-D fragments at or above cuda.copy_kernel_threshold with rows narrower than "
+     "cuda.copy_engine_min_row_bytes go to the copy engine, not the gather kernel, in these "
+     "directions (one direction on the copy engine, the other as a kernel)",
+     0, 0, "none|h2d|d2h|both"},
     {"tiering.max_events", KnobType::kInt, "65536",
      "router events the block manager keeps until DrainEvents; past it the oldest are dropped "
      "and counted (events_dropped)",

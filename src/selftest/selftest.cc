@@ -338,7 +338,10 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const int64_t bpr = MaxBlocksPerRequest(cfg);
   KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
-  auto deadline = DeadlineIn(cfg.timeout);
+  // Set-up waits for the other ranks of the instance, which start when the machine lets them:
+  // bounded like any stretch without progress (StallLimit), not by one request's deadline (under
+  // TSan at load 30, rank 0 gave up on rank 1's address after the 2 s request deadline).
+  auto deadline = DeadlineIn(StallLimit(cfg));
   // Rank 0 makes the instance's secret; the other ranks take it from the rendezvous.
   TransceiverOptions options = SideOptions(cfg);
   if (rank == 0) {

@@ -185,33 +185,34 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
 }
 
 // The submit thread's part of a Move, in Move order: ordering after earlier batches (which may
-// wait for a file onboard's copy to be queued), then the copies, queued without the lock, or the
-// file read handed to the I/O thread.
-void TransferManager::Impl::Submit(MutexLock& lock, SubmitJob& job) {
-  BatchState& b = *job.batch;
-  std::vector<BlockRef> read_deps = OrderAfterEarlierBatches(lock, job.from, job.to, job.moves, b);
+// wait for a file onboard's copy to be queued), then either the file read handed to the I/O
+// thread (returns false) or, for the copies, the batches to wait for in `submit_waits` (returns
+// true: the caller queues the copies without the lock, then calls FinishSubmit).
+bool TransferManager::Impl::StartSubmit(MutexLock& lock, SubmitJob& job) {
+  std::vector<BlockRef> read_deps =
+      OrderAfterEarlierBatches(lock, job.from, job.to, job.moves, *job.batch);
   if (job.from == Tier::kFile) {
     QueueFileRead(job.batch, job.to, job.moves, job.staging_first, std::move(read_deps));
-    return;
+    return false;
   }
   submit_waits.assign(deps.begin(), deps.end());
-  lock.Unlock();
-  int64_t bytes = 0;
-  Status st =
-      EnqueueCopies(b, job.from, job.to, job.moves, job.staging_first, submit_waits, &bytes);
-  lock.Lock();
+  return true;
+}
+
+// After the copies are queued: the batch is recorded; a write goes to the I/O thread (also one
+// whose copy failed: it skips the write and frees its staging in ring order), anything else is
+// done on the host side.
+void TransferManager::Impl::FinishSubmit(SubmitJob& job, int64_t bytes) {
+  BatchState& b = *job.batch;
   b.recorded.store(true);
   stats.descriptors += static_cast<int64_t>(b.descriptors);
   stats.bytes += bytes;
   (*counters)[b.direction].bytes += bytes;
-  // A write whose copy failed still goes to the I/O thread, which skips it and frees its staging
-  // in ring order.
   if (job.to == Tier::kFile) {
     QueueFileWrite(job.batch, job.from, job.moves, job.staging_first);
   } else {
     FinishHost(b);
   }
-  (void)st;  // in the batch's items
 }
 
 void TransferManager::Impl::SubmitLoop() {
@@ -222,7 +223,15 @@ void TransferManager::Impl::SubmitLoop() {
     SubmitJob job = std::move(submits.front());
     submits.pop_front();
     submitter_busy = true;
-    Submit(lock, job);
+    if (StartSubmit(lock, job)) {
+      lock.Unlock();
+      int64_t bytes = 0;
+      // A failure is in the batch's items.
+      (void)EnqueueCopies(*job.batch, job.from, job.to, job.moves, job.staging_first, submit_waits,
+                          &bytes);
+      lock.Lock();
+      FinishSubmit(job, bytes);
+    }
     job.moves.clear();
     spare_moves.push_back(std::move(job.moves));
     submitter_busy = false;

@@ -368,7 +368,8 @@ struct TransferManager::Impl {
   int64_t ReserveStaging(MutexLock& lock, int64_t n) REQUIRES(mu);
   // The submit thread: runs the rest of each Move (below) in order.
   void SubmitLoop();
-  void Submit(MutexLock& lock, SubmitJob& job) REQUIRES(mu);
+  bool StartSubmit(MutexLock& lock, SubmitJob& job) REQUIRES(mu);
+  void FinishSubmit(SubmitJob& job, int64_t bytes) REQUIRES(mu);
   std::vector<BlockRef> OrderAfterEarlierBatches(MutexLock& lock, Tier from, Tier to,
                                                  std::span<const BlockMove> moves, BatchState& b)
       REQUIRES(mu);

@@ -9,6 +9,7 @@
 #include "base/log.h"
 #include "transceiver/context_side_peer.h"
 #include "transceiver/engine.h"
+#include "transceiver/pending_fetches.h"
 #include "transceiver/rma.h"
 
 namespace kvferry {
@@ -37,14 +38,15 @@ struct SendPair {
   bool done = false;        // DONE received
   bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
   bool rma = false;         // one-sided puts into target (else tagged sends)
-  bool peer_mem = false;    // one-sided by copies into the mapped generation pool (peer_pool)
-  std::vector<PeerMapping*> peer_pool;  // peer: one mapping per generation pool region
-  LandedChunks landed;                  // peer: in place, not yet reported by CHUNK
+  // One-sided by copies into the mapped generation pool (context_side_peer.h); null otherwise.
+  std::unique_ptr<PeerSender> mapped;
   bool checksum = false;
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
   std::deque<SendOp> inflight;
-  bool drained() const { return next == plan.chunks.size() && inflight.empty(); }
+  bool drained() const {
+    return next == plan.chunks.size() && inflight.empty() && (!mapped || mapped->copying() == 0);
+  }
 };
 
 struct CtxRequest {
@@ -70,17 +72,6 @@ struct CtxRequest {
   Clock::time_point ended_at;
 };
 
-// FETCHes for requests this rank does not know yet wait (transfer.unknown_request_wait_ms) in a
-// bounded list: a peer sending fetches for made-up ids can't grow it without bound.
-constexpr size_t kMaxPendingFetches = 1024;
-
-struct PendingFetch {
-  PeerId from;
-  FetchMsg fetch;
-  std::vector<CreditMsg> credits;  // arrived before the request was known
-  Deadline give_up;
-};
-
 bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
   return a.shape == b.shape && a.parallel.tp == b.parallel.tp && a.parallel.pp == b.parallel.pp &&
          a.parallel.stage_layers == b.parallel.stage_layers &&
@@ -90,7 +81,7 @@ bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
          a.chunk_bytes == b.chunk_bytes && a.direct_min_bytes == b.direct_min_bytes;
 }
 
-class ContextSideImpl final : public ContextSide, public Engine {
+class ContextSideImpl final : public ContextSide, public Engine, private EventLender {
  public:
   using Engine::Engine;
   ~ContextSideImpl() override { Stop(); }
@@ -173,12 +164,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       if (SendPair* p = FindPair(c->request_id, from, c->transfer_id)) {
         ApplyCredit(requests_.at(c->request_id), *p, *c);
       } else {
-        for (PendingFetch& pf : pending_) {
-          if (pf.from == from && pf.fetch.request_id == c->request_id &&
-              pf.fetch.transfer_id == c->transfer_id && pf.credits.size() < 4096) {
-            pf.credits.push_back(std::move(*c));
-          }
-        }
+        pending_.AddCredit(from, *c);
       }
       return;
     }
@@ -187,10 +173,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
       return;
     }
     if (auto* a = std::get_if<AbortMsg>(&msg)) {
-      std::erase_if(pending_, [&](const PendingFetch& pf) {
-        return pf.from == from && pf.fetch.request_id == a->request_id &&
-               pf.fetch.transfer_id == a->transfer_id;
-      });
+      pending_.Drop(from, a->request_id, a->transfer_id);
       if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
         CtxRequest& r = requests_.at(a->request_id);
         p->done = true;  // it will not send DONE
@@ -237,17 +220,12 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   void OnTick(Clock::time_point now) override {
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (now >= it->give_up) {
-        Reject(it->from, it->fetch,
-               Status::NotFound(fmt::format(
-                   "request {} is unknown to context rank {} (never marked ready, or its handle is "
-                   "forged)",
-                   it->fetch.request_id, pool_.slice().rank)));
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
+    for (const PendingFetch& pf : pending_.Expired(now)) {
+      Reject(pf.from, pf.fetch,
+             Status::NotFound(fmt::format(
+                 "request {} is unknown to context rank {} (never marked ready, or its handle is "
+                 "forged)",
+                 pf.fetch.request_id, pool_.slice().rank)));
     }
     for (auto& [id, r] : requests_) {
       if (!r.ending && now >= r.deadline) {
@@ -326,16 +304,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
       requests_.emplace(id, std::move(r));
       SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});
       // Fetches that arrived before this rank knew the request.
-      std::vector<PendingFetch> early;
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        if (it->fetch.request_id == id) {
-          early.push_back(std::move(*it));
-          it = pending_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      for (PendingFetch& pf : early) OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits));
+      for (PendingFetch& pf : pending_.Take(id))
+        OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits));
       return EncodeHandle(h);
     });
   }
@@ -350,15 +320,15 @@ class ContextSideImpl final : public ContextSide, public Engine {
             Status::InvalidArgument(fmt::format(
                 "request {} was already delivered and released (replayed handle)", f.request_id)));
       }
-      if (pending_.size() >= kMaxPendingFetches) {
+      if (pending_.full()) {
         return Reject(peer, f,
                       Status::Unavailable(fmt::format(
                           "request {} is unknown to context rank {} and {} fetches for unknown "
                           "requests are already waiting (the limit)",
-                          f.request_id, pool_.slice().rank, kMaxPendingFetches)));
+                          f.request_id, pool_.slice().rank, PendingFetches::kMaxFetches)));
       }
-      pending_.push_back(PendingFetch{peer, std::move(f), std::move(credits),
-                                      Clock::now() + options_.unknown_request_wait});
+      pending_.Add(PendingFetch{peer, std::move(f), std::move(credits),
+                                Clock::now() + options_.unknown_request_wait});
       return;
     }
     if (r->ending)
@@ -447,17 +417,17 @@ class ContextSideImpl final : public ContextSide, public Engine {
     p.peer = peer;
     p.transfer_id = f.transfer_id;
     p.rma = rma;
-    p.peer_mem = !peer_pool.empty();
-    if (p.peer_mem) NotePeerMemoryUsed();
-    p.peer_pool = std::move(peer_pool);
+    if (!peer_pool.empty()) NotePeerMemoryUsed();
     p.checksum = f.checksum && host_visible_pool();
+    if (!peer_pool.empty())
+      p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum);
     if (rma) p.target = std::move(f.rma_target);
     for (const PairPlan& pp : r->plan) {
       if (pp.gen_rank == f.gen_rank) p.plan = pp;
     }
     r->state = TransferState::kInProgress;
     SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
-    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, p.peer_mem});
+    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, p.mapped != nullptr});
     SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
     for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
   }
@@ -466,7 +436,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // credited chunk. A pair takes only the kind of its path (the generation rank credits
   // one-sided before it knows this rank's answer, and again tagged after ACCEPT says tagged).
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c) {
-    if (p.peer_mem) return;  // copies land in the destination blocks: no staging, no credit needed
+    if (p.mapped) return;  // copies land in the destination blocks: no staging, no credit needed
     if (!p.rma) {
       if (c.slots.empty()) p.credit = std::max<size_t>(p.credit, c.chunks);
       return;
@@ -491,7 +461,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   bool AdvancePair(CtxRequest& r, SendPair& p) {
-    if (p.peer_mem) return AdvancePeerPair(r, p);
+    if (p.mapped) return AdvancePeerPair(r, p);
     if (p.rma) return AdvanceRmaPair(r, p);
     bool busy = false;
     const auto& chunks = p.plan.chunks;
@@ -571,65 +541,49 @@ class ContextSideImpl final : public ContextSide, public Engine {
   }
 
   // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed).
-  // `report`: say so by CHUNK now (the peer path reports coalesced ranges itself).
-  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s, bool report = true) {
+  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
     for (uint32_t i = 0; i < s.count; ++i) {
       r.bytes += p.plan.chunks[s.chunk + i].bytes;
       NoteChunk(r.id, p.plan.chunks[s.chunk + i].bytes, s.started);
     }
-    if (report && (p.rma || s.has_checksum)) {
+    if (p.rma || s.has_checksum) {
       SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.count,
                                s.has_checksum, s.checksum});
     }
   }
 
-  // Peer memory (context_side_peer.h): ready chunks copied by this rank's stream straight into
-  // the mapped generation pool, many per CopyBatch; landed batches reported by one CHUNK once
-  // nothing is being copied for the pair. No credit, staging or transport operation.
+  // Peer memory (context_side_peer.h): the pair's PeerSender copies ready chunks straight into
+  // the mapped generation pool; landed chunks count here, and go out by CHUNK (checksummed ones
+  // each on their own, the rest as one range once nothing is copying).
   bool AdvancePeerPair(CtxRequest& r, SendPair& p) {
     bool busy = false;
-    while (!r.ending && static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
-      auto count =
-          CollectPeerBatch(p.plan, p.next, r.ready_end, p.checksum, p.peer_pool, pool_, descs_);
-      if (!count.ok()) return Fail(r, count.status()), true;
-      if (*count == 0) break;
-      SendOp s;
-      s.chunk = p.next;
-      s.count = *count;
-      p.next += *count;
-      if (p.checksum) {
-        s.has_checksum = true;
-        s.checksum = ChunkChecksum(p.plan.chunks[s.chunk], true, pool_);
-      }
-      Status st = stream_->CopyBatch(descs_);
-      s.packed = AcquireEvent();
-      if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
-      if (!st.ok()) {
-        if (s.packed) ReleaseEvent(s.packed);
-        Fail(r, st.WithContext(fmt::format("copying into generation rank {}'s pool", p.gen_rank)));
-        return true;
-      }
-      p.inflight.push_back(std::move(s));
-      busy = true;
+    if (!r.ending) {
+      auto launched = p.mapped->Launch(p.plan, p.next, r.ready_end, pool_, *stream_,
+                                       options_.max_inflight, descs_, *this);
+      if (!launched.ok()) return Fail(r, launched.status()), true;
+      busy = *launched;
     }
-    // One stream: batches complete in order. A checksummed chunk is reported on its own.
-    while (!p.inflight.empty() && p.inflight.front().packed->Query()) {
-      SendOp& s = p.inflight.front();
-      ReleaseEvent(s.packed);
-      if (!r.ending) {
-        ChunkSent(r, p, s, s.has_checksum);
-        if (!s.has_checksum) p.landed.Add(s.chunk, s.count);
-      }
-      p.inflight.pop_front();
+    p.mapped->Reap(*this, landed_);
+    for (const PeerSender::Landed& l : landed_) {
       busy = true;
+      if (r.ending) continue;
+      for (uint32_t i = 0; i < l.count; ++i) {
+        r.bytes += p.plan.chunks[l.chunk + i].bytes;
+        NoteChunk(r.id, p.plan.chunks[l.chunk + i].bytes, l.started);
+      }
+      if (l.has_checksum) {
+        SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(l.chunk), l.count, true,
+                                 l.checksum});
+      }
     }
-    if (p.inflight.empty() && p.landed.count > 0 && !r.ending) {
-      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.landed.first),
-                               p.landed.count, false, 0});
-      p.landed = {};
+    if (auto report = p.mapped->TakeReport(); report && !r.ending) {
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(report->first),
+                               report->count, false, 0});
     }
     return busy;
   }
+  Event* Lend() override { return AcquireEvent(); }
+  void Return(Event* event) override { ReleaseEvent(event); }
 
   // One-sided: rows put pool to pool, the packed rest put into the credited staging slot, one
   // flush, then CHUNK.
@@ -738,7 +692,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   bool Finished(CtxRequest& r) {
     if (r.ending) {
       size_t stuck = 0;
-      for (const auto& [g, p] : r.pairs) stuck += p.inflight.size();
+      for (const auto& [g, p] : r.pairs)
+        stuck += p.inflight.size() + (p.mapped ? p.mapped->copying() : 0);
       if (stuck == 0) return true;
       // UCX and MPI can't take back a send a dead peer never matches. Sends only read the
       // blocks, so after a grace period the request ends anyway; the abandoned operations are
@@ -753,6 +708,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
           if (op.packed) ReleaseEvent(op.packed);
         }
         p.inflight.clear();
+        if (p.mapped) p.mapped->Abandon(*this);
       }
       return true;
     }
@@ -818,12 +774,13 @@ class ContextSideImpl final : public ContextSide, public Engine {
   std::string address_;
   std::vector<std::string> addresses_;       // progress thread
   std::map<uint64_t, CtxRequest> requests_;  // progress thread
-  std::vector<PendingFetch> pending_;        // progress thread
+  PendingFetches pending_;                   // progress thread
   std::deque<uint64_t> recent_;              // recently finished ids, for replay detection
   std::set<uint64_t> recent_set_;
-  std::vector<CopyDesc> descs_;  // reused
-  bool rma_said_ = false;        // logged once why a one-sided fetch is served tagged
-  bool peer_said_ = false;       // logged once why offered peer memory is not used
+  std::vector<CopyDesc> descs_;             // reused
+  std::vector<PeerSender::Landed> landed_;  // reused
+  bool rma_said_ = false;                   // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;                  // logged once why offered peer memory is not used
 };
 
 }  // namespace

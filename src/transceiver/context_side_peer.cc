@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "transceiver/rma.h"
+
 namespace kvferry {
 
 Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target) {
@@ -53,8 +55,9 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
   out.clear();
   uint32_t count = 0;
   int64_t bytes = 0;
-  for (size_t i = next; i < plan.chunks.size() && plan.chunks[i].last_layer < ready_end &&
-                        (count == 0 || (!one_chunk && bytes < kPeerBatchBytes));
+  for (size_t i = next;
+       i < plan.chunks.size() && plan.chunks[i].last_layer < ready_end &&
+       (count == 0 || (!one_chunk && bytes < kPeerBatchBytes && count < kPeerBatchChunks));
        ++i) {
     KVF_RETURN_IF_ERROR(
         PeerCopies(plan.chunks[i], peer_pool, pool, out)
@@ -63,6 +66,64 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
     ++count;
   }
   return count;
+}
+
+StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
+                                  const BlockPool& pool, Stream& stream, int64_t max_inflight,
+                                  std::vector<CopyDesc>& scratch, EventLender& events) {
+  bool launched = false;
+  while (static_cast<int64_t>(copying_.size()) < max_inflight) {
+    KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
+                                                          peer_pool_, pool, scratch));
+    if (count == 0) break;
+    Batch b;
+    b.what.chunk = next;
+    b.what.count = count;
+    b.what.started = Clock::now();
+    if (checksum_) {
+      b.what.has_checksum = true;
+      b.what.checksum = ChunkChecksum(plan.chunks[next], true, pool);
+    }
+    next += count;
+    Status st = stream.CopyBatch(scratch);
+    b.done = events.Lend();
+    if (st.ok()) st = b.done ? stream.Record(*b.done) : Status::Internal("no device event");
+    if (!st.ok()) {
+      if (b.done) events.Return(b.done);
+      return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
+    }
+    copying_.push_back(b);
+    launched = true;
+  }
+  return launched;
+}
+
+void PeerSender::Reap(EventLender& events, std::vector<Landed>& out) {
+  out.clear();
+  while (!copying_.empty() && copying_.front().done->Query()) {
+    const Batch& b = copying_.front();
+    events.Return(b.done);
+    if (!b.what.has_checksum) unreported_.Add(b.what.chunk, b.what.count);
+    out.push_back(b.what);
+    copying_.pop_front();
+  }
+}
+
+std::optional<LandedChunks> PeerSender::TakeReport() {
+  // A CHUNK names at most 2^20 chunks (docs/wire_format.md): a range past half that goes out
+  // even while batches are copying (a batch adds at most kPeerBatchChunks).
+  constexpr uint32_t kReportNow = 1u << 19;
+  if (unreported_.count == 0 || (!copying_.empty() && unreported_.count < kReportNow))
+    return std::nullopt;
+  LandedChunks r = unreported_;
+  unreported_ = {};
+  return r;
+}
+
+void PeerSender::Abandon(EventLender& events) {
+  for (const Batch& b : copying_) events.Return(b.done);
+  copying_.clear();
+  unreported_ = {};
 }
 
 }  // namespace kvferry

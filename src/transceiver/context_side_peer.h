@@ -8,11 +8,13 @@
 // is being copied for the pair, so a request whose batches are all in flight at once costs one
 // CHUNK, not one per batch (each control message is a syscall round on both sides).
 //
-// Pure helpers: no state beyond their arguments; called from the progress thread.
+// PeerSender keeps a pair's state; the other helpers are pure. All run on the progress thread.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -24,8 +26,9 @@
 
 namespace kvferry {
 
-// Bytes of chunks one CopyBatch covers at most.
+// Bytes and chunks one CopyBatch covers at most.
 inline constexpr int64_t kPeerBatchBytes = int64_t{64} << 20;
+inline constexpr uint32_t kPeerBatchChunks = 1u << 16;
 
 // Every mapping of a FETCH's offered pool holds at least the bytes its target region declares;
 // the error names the region and both sizes.
@@ -37,9 +40,9 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
                   std::vector<CopyDesc>& out);
 
 // The next batch of `plan`: consecutive chunks from `next` whose layers are ready (last layer
-// below `ready_end`), up to kPeerBatchBytes, or exactly one when `one_chunk` (a checksum covers
-// one chunk). Their copies replace the contents of `out`. Returns how many chunks (0: the next
-// one is not ready, or there is none), or the error naming the chunk.
+// below `ready_end`), up to kPeerBatchBytes and kPeerBatchChunks, or exactly one when `one_chunk`
+// (a checksum covers one chunk). Their copies replace the contents of `out`. Returns how many
+// chunks (0: the next one is not ready, or there is none), or the error naming the chunk.
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
                                     const BlockPool& pool, std::vector<CopyDesc>& out);
@@ -53,6 +56,60 @@ struct LandedChunks {
     if (count == 0) first = chunk;
     count += n;
   }
+};
+
+// Pooled device events lent to a PeerSender (the context side's Engine pool).
+class EventLender {
+ public:
+  virtual Event* Lend() = 0;  // null when the pool is exhausted
+  virtual void Return(Event* event) = 0;
+
+ protected:
+  ~EventLender() = default;
+};
+
+// One (request, generation rank) pair's peer-memory sends: the batches copying on the context
+// rank's stream (in order: one stream), and the landed chunks not yet reported. Used by the
+// progress thread only. Every lent event goes back through Reap or Abandon.
+class PeerSender {
+ public:
+  // A batch that landed: chunks [chunk, chunk + count), with the checksum of its one chunk when
+  // the pair asked for checksums (then it is reported on its own, not coalesced).
+  struct Landed {
+    size_t chunk = 0;
+    uint32_t count = 0;
+    bool has_checksum = false;
+    uint64_t checksum = 0;
+    Clock::time_point started;
+  };
+
+  PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum)
+      : peer_pool_(std::move(peer_pool)), checksum_(checksum) {}
+
+  // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
+  // `max_inflight` batches copying on `stream`; `scratch` holds the descriptors. True when it
+  // launched a batch; an error names the chunk or the failed copy.
+  StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
+                        const BlockPool& pool, Stream& stream, int64_t max_inflight,
+                        std::vector<CopyDesc>& scratch, EventLender& events);
+  // Appends the batches that completed since the last call, in order, to `out` (cleared first);
+  // their events go back to `events`. Batches without a checksum join the coalesced report.
+  void Reap(EventLender& events, std::vector<Landed>& out);
+  // The range to report by one CHUNK now: something landed unreported and nothing is copying.
+  std::optional<LandedChunks> TakeReport();
+  size_t copying() const { return copying_.size(); }
+  // Gives every event back without waiting (a request abandoned after its grace period).
+  void Abandon(EventLender& events);
+
+ private:
+  struct Batch {
+    Landed what;
+    Event* done = nullptr;
+  };
+  const std::vector<PeerMapping*> peer_pool_;
+  const bool checksum_;
+  std::deque<Batch> copying_;
+  LandedChunks unreported_;
 };
 
 }  // namespace kvferry

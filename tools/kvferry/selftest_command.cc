@@ -301,8 +301,17 @@ int AutoConcurrency(const Flags& f, int64_t tokens) {
 int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
   ApplyModel(f);
   Document doc("bench transfer");
-  if (auto cfg = ToConfig(f); cfg.ok()) {
+  {
+    // Checked before anything is printed or started (--concurrency 0 is resolved per row).
+    Flags checked = f;
+    checked.concurrency = std::max(1, f.concurrency);
+    auto cfg = ToConfig(checked);
+    if (!cfg.ok()) {
+      fmt::print(stderr, "kvferry bench transfer: {}\n", cfg.status().ToString());
+      return 2;
+    }
     doc.config() = ConfigJson(f, *cfg);
+    doc.config()["concurrency"] = f.concurrency;  // 0: from each row's request size
     doc.config()["sweep"] = sweep;
     doc.config()["model"] = f.model;
   }

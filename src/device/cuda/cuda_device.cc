@@ -5,7 +5,9 @@
 // stream is created):
 //  - total bytes (rows * bytes) >= cuda.copy_kernel_threshold -> copy engine, unless it is 2-D
 //    with rows narrower than cuda.copy_engine_min_row_bytes (a partial-token copy: the engine
-//    crawls over narrow rows) and a kernel can reach both ends -> gather kernel;
+//    crawls over narrow rows), its direction is not listed in cuda.copy_engine_2d_directions (one
+//    direction on the copy engine, the other as a kernel) and a kernel can reach both ends ->
+//    gather kernel;
 //  - smaller, and both ends addressable by a kernel on this GPU (its device memory, or mapped
 //    pinned host memory through UVA) -> the gather kernel, all of them in ONE launch, unless its
 //    direction (host->device, device->host) is listed in cuda.copy_engine_directions: then the
@@ -416,12 +418,13 @@ void CUDART_CB RunHostCallback(void* p) {
 
 // How a stream routes the descriptors of a CopyBatch (the cuda.* knobs, read at stream creation).
 struct CopyRouting {
-  uint64_t kernel_threshold = 1 << 20;  // cuda.copy_kernel_threshold
-  uint64_t min_ce_row = 64 << 10;       // cuda.copy_engine_min_row_bytes
-  uint64_t list_row = 16 << 10;         // cuda.copy_engine_list_row_bytes
-  bool ce_h2d = false, ce_d2h = false;  // cuda.copy_engine_directions
-  bool batched = true;                  // cuda.batch_copies
-  uint32_t gather_blocks = 0;           // cuda.gather_max_blocks, resolved (0 = uncapped)
+  uint64_t kernel_threshold = 1 << 20;      // cuda.copy_kernel_threshold
+  uint64_t min_ce_row = 64 << 10;           // cuda.copy_engine_min_row_bytes
+  uint64_t list_row = 16 << 10;             // cuda.copy_engine_list_row_bytes
+  bool ce_h2d = false, ce_d2h = false;      // cuda.copy_engine_directions
+  bool ce2d_h2d = false, ce2d_d2h = false;  // cuda.copy_engine_2d_directions
+  bool batched = true;                      // cuda.batch_copies
+  uint32_t gather_blocks = 0;               // cuda.gather_max_blocks, resolved (0 = uncapped)
 };
 
 class CudaStream final : public Stream {
@@ -582,9 +585,12 @@ class CudaStream final : public Stream {
                 const Classifier& cls) const {
     if (!cls.Reachable(dst) || !cls.Reachable(src)) return false;
     const uint64_t total = static_cast<uint64_t>(c.bytes) * rows;
-    if (total >= routing_.kernel_threshold) return rows > 1 && c.bytes < routing_.min_ce_row;
     const bool h2d = src.cls == PtrClass::kMappedHost && dst.cls == PtrClass::kDevice;
     const bool d2h = src.cls == PtrClass::kDevice && dst.cls == PtrClass::kMappedHost;
+    if (total >= routing_.kernel_threshold) {
+      return rows > 1 && c.bytes < routing_.min_ce_row &&
+             !((h2d && routing_.ce2d_h2d) || (d2h && routing_.ce2d_d2h));
+    }
     return !((h2d && routing_.ce_h2d) || (d2h && routing_.ce_d2h));
   }
 
@@ -886,6 +892,9 @@ class CudaDevice final : public Device {
     const std::string dirs = c.String("cuda.copy_engine_directions");
     r.ce_h2d = dirs == "h2d" || dirs == "both";
     r.ce_d2h = dirs == "d2h" || dirs == "both";
+    const std::string dirs2d = c.String("cuda.copy_engine_2d_directions");
+    r.ce2d_h2d = dirs2d == "h2d" || dirs2d == "both";
+    r.ce2d_d2h = dirs2d == "d2h" || dirs2d == "both";
     r.batched = c.Bool("cuda.batch_copies");
     const int64_t blocks = c.Int("cuda.gather_max_blocks");
     r.gather_blocks = static_cast<uint32_t>(blocks > 0 ? blocks : 2 * sm_count_);
