@@ -14,18 +14,10 @@
 #include <random>
 
 #include "base/thread_annotations.h"
+#include "base/wire.h"
 
 namespace kvferry {
 namespace {
-
-void PutLe(std::vector<std::byte>& out, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out.push_back(static_cast<std::byte>(v >> (8 * i)));
-}
-uint64_t GetLe(const std::byte* p, int n) {
-  uint64_t v = 0;
-  for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<uint8_t>(p[i]);
-  return v;
-}
 
 std::string MemfdName(uint64_t token) { return fmt::format("kvferry:{:016x}", token); }
 
@@ -70,13 +62,12 @@ std::atomic<int> g_method{0};  // 0 none yet, 1 /proc/<pid>/fd, 2 pidfd_getfd
 }  // namespace
 
 std::vector<std::byte> EncodeShmPayload(const ShmPayload& p) {
-  std::vector<std::byte> out;
-  out.reserve(kShmPayloadBytes);
-  PutLe(out, p.fd, 4);
-  PutLe(out, p.offset, 8);
-  PutLe(out, p.file_bytes, 8);
-  PutLe(out, p.token, 8);
-  return out;
+  WireWriter w;
+  w.U32(p.fd);
+  w.U64(p.offset);
+  w.U64(p.file_bytes);
+  w.U64(p.token);
+  return w.Take();
 }
 
 StatusOr<ShmPayload> DecodeShmPayload(std::span<const std::byte> b) {
@@ -84,11 +75,13 @@ StatusOr<ShmPayload> DecodeShmPayload(std::span<const std::byte> b) {
     return Status::InvalidArgument(fmt::format(
         "cpu peer memory handle: payload of {} bytes, {} expected", b.size(), kShmPayloadBytes));
   }
+  WireReader r(b);  // the size was checked above
   ShmPayload p;
-  p.fd = static_cast<uint32_t>(GetLe(b.data(), 4));
-  p.offset = GetLe(b.data() + 4, 8);
-  p.file_bytes = GetLe(b.data() + 12, 8);
-  p.token = GetLe(b.data() + 20, 8);
+  p.fd = r.U32("fd");
+  p.offset = r.U64("offset");
+  p.file_bytes = r.U64("file_bytes");
+  p.token = r.U64("token");
+  if (!r.ok()) return r.status();
   return p;
 }
 
