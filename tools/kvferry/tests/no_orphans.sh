@@ -17,6 +17,9 @@ timeout_ms=2000
 # and then at loads of 15-25 and passed alone (the start wait, 10 s, and the wind-down limit,
 # deadline + 5 s, are wall-clock bounds on work that a loaded scheduler stretches).
 scale=$(awk -v cores="$(nproc)" '{s = $1 / cores; if (s < 1) s = 1; if (s > 4) s = 4; print s}' /proc/loadavg)
+# Arithmetic on fractional seconds by awk (bc is not on every machine: the GPU image lacks it).
+calc() { awk "BEGIN { printf \"%.3f\", ($1) }"; }
+holds() { [ "$(awk "BEGIN { print (($1) ? 1 : 0) }")" = 1 ]; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -49,8 +52,8 @@ esac
 env --default-signal=INT TMPDIR="$tmp" "$kvferry" "${args[@]}" >"$tmp.out" 2>&1 &
 parent=$!
 # Wait for the processes (ranks and the clean-up process) to run and work to flow.
-start_by=$(echo "$(date +%s.%N) + 10 * $scale" | bc)
-while [ "$(echo "$(date +%s.%N) < $start_by" | bc)" = 1 ]; do
+start_by=$(calc "$(date +%s.%N) + 10 * $scale")
+while holds "$(date +%s.%N) < $start_by"; do
   [ "$(run_pids | wc -l)" -ge $processes ] && break
   sleep 0.05
 done
@@ -73,16 +76,16 @@ else
   victim_pid=$(echo "$ranks" | head -1)  # context rank 0: ranks start in order
   kill -s "$sig" "$victim_pid"
 fi
-limit=$(echo "($timeout_ms / 1000 + 5) * $scale" | bc)
+limit=$(calc "($timeout_ms / 1000 + 5) * $scale")
 # A stopped rank is not dead: the generation rank gives up after a request deadline (+ the
 # context side's abort grace, 1 s, + 1 s) without progress; then the other context rank gets one
 # more deadline + 3 s to end its requests (run_watch.h); + 8 s for a loaded machine.
-[ "$sig" = STOP ] && limit=$(echo "(2 * $timeout_ms / 1000 + 1 + 1 + 3 + 8) * $scale" | bc)
+[ "$sig" = STOP ] && limit=$(calc "(2 * $timeout_ms / 1000 + 1 + 1 + 3 + 8) * $scale")
 while :; do
   left=$(run_pids)
   files=$(find "$tmp" -mindepth 1 2>/dev/null)
   [ -z "$left" ] && [ -z "$files" ] && break
-  if [ "$(echo "$(date +%s.%N) - $start > $limit" | bc)" = 1 ]; then
+  if holds "$(date +%s.%N) - $start > $limit"; then
     echo "FAIL: after ${limit} s, processes left: $(echo $left); files left: $(echo "$files" | head -3)"
     ps -o pid,ppid,pgid,stat,cmd -p "$(echo $left | tr ' ' ,)" 2>/dev/null
     kill -9 $left 2>/dev/null
@@ -94,7 +97,7 @@ while :; do
 done
 wait "$parent"
 rc=$?
-took=$(echo "$(date +%s.%N) - $start" | bc)
+took=$(calc "$(date +%s.%N) - $start")
 echo "nothing left after ${took} s (limit ${limit} s, load scale $scale); parent exit code $rc"
 tail -n 5 "$tmp.out"
 if [ "$victim" = rank ]; then
