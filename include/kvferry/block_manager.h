@@ -50,9 +50,11 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/export.h"
 #include "kvferry/kv_model.h"
 #include "kvferry/tiering.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 // Everything that makes the bytes of a block differ besides its tokens.
@@ -195,7 +197,7 @@ class BlockManager {
   Status WaitForCompute(Stream& compute) { return transfers_.WaitForCompute(compute); }
   TransferManager& transfers() { return transfers_; }
 
-  struct Impl;
+  struct KVFERRY_HIDDEN Impl;
 
  private:
   BlockManager(TransferManager& transfers, std::unique_ptr<Impl> impl);
@@ -204,3 +206,4 @@ class BlockManager {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

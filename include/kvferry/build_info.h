@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 struct Feature {
@@ -18,3 +19,4 @@ std::string_view Version();
 std::vector<Feature> BuildFeatures();
 
 }  // namespace kvferry
+#pragma GCC visibility pop

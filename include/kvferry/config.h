@@ -12,8 +12,10 @@
 #include <string_view>
 #include <vector>
 
+#include "kvferry/export.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 enum class KnobType { kBool, kInt, kString };
@@ -54,7 +56,7 @@ class Config {
   // (the default stays in force; the kvferry command refuses to run with any).
   std::vector<std::string> EnvironmentErrors() const;
 
-  struct Impl;
+  struct KVFERRY_HIDDEN Impl;
   ~Config();
 
  private:
@@ -63,3 +65,4 @@ class Config {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

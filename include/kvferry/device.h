@@ -34,6 +34,7 @@
 
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 using Clock = std::chrono::steady_clock;
@@ -204,3 +205,4 @@ std::unique_ptr<Device> OpenCpuDevice();
 std::vector<std::string> ListDevices();
 
 }  // namespace kvferry
+#pragma GCC visibility pop

@@ -37,6 +37,7 @@
 #include "kvferry/device.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 // What a FileBackend can do, as data.
@@ -137,3 +138,4 @@ StatusOr<std::unique_ptr<FileBackend>> OpenFileBackend(std::string_view name,
 std::vector<std::string> FileBackendNames();
 
 }  // namespace kvferry
+#pragma GCC visibility pop

@@ -19,6 +19,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 class InProcFabric {
@@ -34,3 +35,4 @@ class InProcFabric {
 StatusOr<std::unique_ptr<Transport>> CreateInProcTransport(const TransportOptions& options);
 
 }  // namespace kvferry
+#pragma GCC visibility pop

@@ -16,6 +16,7 @@
 
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 enum class DType : uint8_t { kFp32, kFp16, kBf16, kFp8E4M3, kFp8E5M2, kInt8 };
@@ -260,3 +261,4 @@ class PoolLayout {
 PoolDims RankPoolDims(const KvShape& shape, const RankSlice& slice, int64_t blocks);
 
 }  // namespace kvferry
+#pragma GCC visibility pop

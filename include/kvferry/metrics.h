@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 // A latency histogram over fixed buckets: bucket i holds values <= 1 us * 2^i (i < kBuckets), the
@@ -104,3 +105,4 @@ struct TieringMetrics {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

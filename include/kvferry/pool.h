@@ -17,6 +17,7 @@
 #include "kvferry/device.h"
 #include "kvferry/kv_model.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 struct PoolSpec {
@@ -111,3 +112,4 @@ class BlockPool {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

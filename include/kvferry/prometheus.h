@@ -18,6 +18,7 @@
 #include "kvferry/metrics.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 struct MetricsSource {
@@ -42,3 +43,4 @@ class MetricsServer {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

@@ -32,6 +32,7 @@
 #include "kvferry/device.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 using RendezvousKey = std::array<uint8_t, 16>;
@@ -120,3 +121,4 @@ StatusOr<std::vector<std::byte>> FetchHandle(Rendezvous& rv, uint64_t request_id
                                              Deadline deadline);
 
 }  // namespace kvferry
+#pragma GCC visibility pop

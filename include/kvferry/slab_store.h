@@ -26,6 +26,7 @@
 #include "kvferry/file_backend.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 using SlotId = int64_t;
@@ -149,3 +150,4 @@ class SlabStoreWrapper : public SlabStore {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

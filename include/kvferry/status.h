@@ -13,6 +13,7 @@
 #include <string_view>
 #include <utility>
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 enum class StatusCode : int {
@@ -113,6 +114,7 @@ class [[nodiscard]] StatusOr {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop
 
 // Early return on error. Plain statements, no hidden control flow beyond the return.
 #define KVF_CONCAT_INNER(a, b) a##b

@@ -45,11 +45,13 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "kvferry/export.h"
 #include "kvferry/metrics.h"
 #include "kvferry/pool.h"
 #include "kvferry/slab_store.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 enum class Tier : uint8_t { kPrimary = 0, kHost = 1, kFile = 2 };
@@ -75,7 +77,7 @@ struct BlockMove {
 };
 
 namespace internal {
-struct BatchState;
+struct KVFERRY_HIDDEN BatchState;
 }
 
 // A handle to one queued batch. Cheap to copy; valid after the manager is gone only for items()
@@ -189,7 +191,7 @@ class TransferManager {
   // Bytes, batches and copy latency per direction, file I/O and its queue (kvferry/metrics.h).
   TieringMetrics metrics() const;
 
-  struct Impl;
+  struct KVFERRY_HIDDEN Impl;
 
  private:
   explicit TransferManager(std::unique_ptr<Impl> impl);
@@ -197,3 +199,4 @@ class TransferManager {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

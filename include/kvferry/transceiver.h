@@ -35,6 +35,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 enum class TransferState : uint8_t {
@@ -163,3 +164,4 @@ class GenerationSide {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

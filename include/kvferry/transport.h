@@ -52,6 +52,7 @@
 #include "kvferry/device.h"
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 using PeerId = int32_t;
@@ -176,3 +177,4 @@ std::vector<std::string> AvailableTransports();
 Status WaitOp(Transport& transport, TransportOp& op, Deadline deadline);
 
 }  // namespace kvferry
+#pragma GCC visibility pop

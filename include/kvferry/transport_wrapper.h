@@ -15,6 +15,7 @@
 
 #include "kvferry/transport.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 class TransportWrapper : public Transport {
@@ -65,3 +66,4 @@ class TransportWrapper : public Transport {
 };
 
 }  // namespace kvferry
+#pragma GCC visibility pop

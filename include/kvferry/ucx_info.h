@@ -8,6 +8,7 @@
 
 #include "kvferry/status.h"
 
+#pragma GCC visibility push(default)  // the public API (kvferry/export.h)
 namespace kvferry {
 
 struct UcxTransportResource {
@@ -32,3 +33,4 @@ StatusOr<UcxRuntimeInfo> QueryUcxRuntime();
 std::string DescribeUcxRuntime(const UcxRuntimeInfo& info);
 
 }  // namespace kvferry
+#pragma GCC visibility pop

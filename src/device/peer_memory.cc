@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "base/wire.h"
 #include "device/host_shm.h"
 #include "kvferry/device.h"
 
@@ -16,15 +17,6 @@ namespace {
 constexpr char kMagic[4] = {'k', 'v', 'p', 'm'};
 constexpr uint8_t kVersion = 2;
 constexpr size_t kHeader = 44;
-
-void PutLe(std::vector<std::byte>& out, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out.push_back(static_cast<std::byte>(v >> (8 * i)));
-}
-uint64_t GetLe(const std::byte* p, int n) {
-  uint64_t v = 0;
-  for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<uint8_t>(p[i]);
-  return v;
-}
 
 // Non-owning view of memory of this very process (the exporter importing its own handle).
 class OwnMapping final : public PeerMapping {
@@ -60,18 +52,18 @@ const std::array<uint8_t, 16>& ThisHostId() {
 uint32_t ThisPid() { return static_cast<uint32_t>(getpid()); }
 
 std::vector<std::byte> EncodePeerHandle(const PeerHandle& h) {
-  std::vector<std::byte> out;
-  out.reserve(kHeader + h.payload.size());
-  for (char c : kMagic) out.push_back(static_cast<std::byte>(c));
-  out.push_back(static_cast<std::byte>(kVersion));
-  out.push_back(static_cast<std::byte>(h.platform));
-  PutLe(out, 0, 2);
-  PutLe(out, h.pid, 4);
-  for (uint8_t b : h.host) out.push_back(static_cast<std::byte>(b));
-  PutLe(out, h.address, 8);
-  PutLe(out, h.bytes, 8);
-  out.insert(out.end(), h.payload.begin(), h.payload.end());
-  return out;
+  WireWriter w;
+  w.buffer().reserve(kHeader + h.payload.size());
+  for (char c : kMagic) w.U8(static_cast<uint8_t>(c));
+  w.U8(kVersion);
+  w.U8(static_cast<uint8_t>(h.platform));
+  w.U16(0);
+  w.U32(h.pid);
+  for (uint8_t b : h.host) w.U8(b);
+  w.U64(h.address);
+  w.U64(h.bytes);
+  w.buffer().insert(w.buffer().end(), h.payload.begin(), h.payload.end());
+  return w.Take();
 }
 
 StatusOr<PeerHandle> DecodePeerHandle(std::span<const std::byte> b) {
@@ -91,10 +83,11 @@ StatusOr<PeerHandle> DecodePeerHandle(std::span<const std::byte> b) {
   }
   PeerHandle h;
   h.platform = static_cast<PeerPlatform>(platform);
-  h.pid = static_cast<uint32_t>(GetLe(b.data() + 8, 4));
-  for (size_t i = 0; i < 16; ++i) h.host[i] = static_cast<uint8_t>(b[12 + i]);
-  h.address = GetLe(b.data() + 28, 8);
-  h.bytes = GetLe(b.data() + 36, 8);
+  WireReader r(b.subspan(8, kHeader - 8));  // the size was checked above
+  h.pid = r.U32("pid");
+  for (uint8_t& x : h.host) x = r.U8("host");
+  h.address = r.U64("address");
+  h.bytes = r.U64("bytes");
   h.payload.assign(b.begin() + kHeader, b.end());
   if (h.bytes == 0 || h.bytes > UINT64_MAX - h.address) {
     return Status::InvalidArgument(fmt::format(

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "base/checked.h"
+#include "model/coalesce.h"
 
 namespace kvferry {
 
@@ -554,11 +555,22 @@ Status PoolLayout::CheckBox(const BlockBox& box) const {
 
 namespace {
 
+// Appends the extent, merged with the one before it when they touch.
 void Push(std::vector<Extent>& out, int32_t region, int64_t offset, int64_t bytes) {
   if (!out.empty()) {
     Extent& last = out.back();
-    if (last.region == region && last.offset + last.bytes == offset) {
-      last.bytes += bytes;
+    StridedRun run{.src_region = last.region,
+                   .src_offset = last.offset,
+                   .dst_region = last.region,
+                   .dst_offset = last.offset,
+                   .bytes = last.bytes};
+    const StridedRun next{.src_region = region,
+                          .src_offset = offset,
+                          .dst_region = region,
+                          .dst_offset = offset,
+                          .bytes = bytes};
+    if (MergeRuns(run, next, RunMerge::kLinear)) {
+      last.bytes = run.bytes;
       return;
     }
   }
@@ -582,14 +594,20 @@ void PoolLayout::AppendExtents(const BlockBox& box, std::vector<Extent>& out) co
       std::swap(loop_axes[j], loop_axes[j - 1]);
     }
   }
-  // Merge contiguous inner axes into the run.
-  int64_t run = dims_[kDimAxis] * element_bytes_;
-  int merged = 0;
-  while (merged < n && strides_[loop_axes[merged]] * element_bytes_ == run) {
-    run *= ranges[loop_axes[merged]].size();
-    ++merged;
+  // Contiguous inner axes fold into the run; the rest are looped, innermost first.
+  CopyAxis axes[4];
+  for (int i = 0; i < n; ++i) {
+    const int64_t stride = strides_[loop_axes[i]] * element_bytes_;
+    axes[i] = CopyAxis{ranges[loop_axes[i]].size(), stride, stride};
   }
-  const int outer = n - merged;  // loop_axes[merged..n) remain, innermost first
+  const ContiguousRun folded =
+      FoldContiguous(std::span(axes, n), (AxisSet{1} << n) - 1, dims_[kDimAxis] * element_bytes_);
+  const int64_t run = folded.bytes;
+  int outer_axes[4];
+  int outer = 0;
+  for (int i = 0; i < n; ++i) {
+    if (!InSet(folded.axes, i)) outer_axes[outer++] = loop_axes[i];
+  }
   // Region axes (layer, kv) are the outermost loops, so extents come region by region.
   const Range layer_loop =
       region_per_layer() ? box.layers : Range{box.layers.begin, box.layers.begin + 1};
@@ -601,12 +619,11 @@ void PoolLayout::AppendExtents(const BlockBox& box, std::vector<Extent>& out) co
       int64_t idx[4] = {0, 0, 0, 0};
       while (true) {
         int64_t off = base;
-        for (int i = 0; i < outer; ++i)
-          off += idx[i] * strides_[loop_axes[merged + i]] * element_bytes_;
+        for (int i = 0; i < outer; ++i) off += idx[i] * strides_[outer_axes[i]] * element_bytes_;
         Push(out, region, off, run);
         int i = 0;
         for (; i < outer; ++i) {
-          if (++idx[i] < ranges[loop_axes[merged + i]].size()) break;
+          if (++idx[i] < ranges[outer_axes[i]].size()) break;
           idx[i] = 0;
         }
         if (i == outer) break;

@@ -25,6 +25,7 @@
 #include <optional>
 
 #include "base/checked.h"
+#include "model/coalesce.h"
 
 namespace kvferry {
 namespace {
@@ -179,53 +180,38 @@ struct Template {
 
 Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src, const Side& dst,
                        int64_t row_bytes, bool forbid_layer) {
-  auto usable = [&](int a) {
-    return !(a == kL && (src.layer_regions || dst.layer_regions || forbid_layer));
-  };
+  // Layers in separate regions (or kept apart) are never folded into runs or rows.
+  CopyAxis copy_axes[kBoxAxes];
+  AxisSet foldable = 0;
   std::array<bool, kBoxAxes> used{};
-  for (int a = 0; a < kBoxAxes; ++a) used[a] = ext[a] <= 1;
+  for (int a = 0; a < kBoxAxes; ++a) {
+    copy_axes[a] = CopyAxis{ext[a], src.stride[a], dst.stride[a]};
+    used[a] = ext[a] <= 1;
+    if (!used[a] && !(a == kL && (src.layer_regions || dst.layer_regions || forbid_layer))) {
+      foldable |= AxisSet{1} << a;
+    }
+  }
   Template t;
   // Contiguous on both sides: grow the run.
-  t.bytes = row_bytes;
-  for (bool grew = true; grew;) {
-    grew = false;
-    for (int a = 0; a < kBoxAxes; ++a) {
-      if (!used[a] && usable(a) && src.stride[a] == t.bytes && dst.stride[a] == t.bytes) {
-        t.bytes *= ext[a];
-        used[a] = true;
-        grew = true;
-      }
-    }
-  }
+  const ContiguousRun folded = FoldContiguous(copy_axes, foldable, row_bytes);
+  t.bytes = folded.bytes;
+  foldable &= ~folded.axes;
   // The row axis: the chain of axes (each stepping over the ones before on both sides) with the
   // most rows. Ties go to the first axis in (layer, kv, head, token) order.
-  std::array<bool, kBoxAxes> best_set{};
-  int64_t best_rows = 1;
+  RowChain best;
   for (int a0 = 0; a0 < kBoxAxes; ++a0) {
-    if (used[a0] || !usable(a0)) continue;
-    std::array<bool, kBoxAxes> set{};
-    set[a0] = true;
-    int64_t rows = ext[a0];
-    for (bool grew = true; grew;) {
-      grew = false;
-      for (int b = 0; b < kBoxAxes; ++b) {
-        if (!used[b] && !set[b] && usable(b) && src.stride[b] == src.stride[a0] * rows &&
-            dst.stride[b] == dst.stride[a0] * rows) {
-          rows *= ext[b];
-          set[b] = true;
-          grew = true;
-        }
-      }
-    }
-    if (rows > best_rows) {
-      best_rows = rows;
-      best_set = set;
-      t.src_pitch = src.stride[a0];
-      t.dst_pitch = dst.stride[a0];
-    }
+    if (!InSet(foldable, a0)) continue;
+    const RowChain chain = ChainRows(copy_axes, foldable, a0);
+    if (chain.rows > best.rows) best = chain;
   }
-  t.rows = best_rows;
-  for (int a = 0; a < kBoxAxes; ++a) used[a] = used[a] || best_set[a];
+  t.rows = best.rows;
+  if (best.axes != 0) {
+    t.src_pitch = best.src_pitch;
+    t.dst_pitch = best.dst_pitch;
+  }
+  for (int a = 0; a < kBoxAxes; ++a) {
+    used[a] = used[a] || InSet(folded.axes | best.axes, a);
+  }
   // Enumerated axes: layers outermost, then by decreasing source stride.
   t.layer_outer = !used[kL];
   std::array<int, 3> axes{};
@@ -250,35 +236,8 @@ Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src
 // Merges `next` into `p` when the result is still one 2-D piece covering exactly both.
 // With `one_layer`, pieces of different layers stay apart.
 bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
-  if (p.src_region != next.src_region || p.dst_region != next.dst_region) return false;
   if (one_layer && p.layer != next.layer) return false;
-  // Side by side: each row grows.
-  if (p.rows == next.rows && next.src_offset == p.src_offset + p.bytes &&
-      next.dst_offset == p.dst_offset + p.bytes &&
-      (p.rows == 1 || (p.src_pitch == next.src_pitch && p.dst_pitch == next.dst_pitch))) {
-    p.bytes += next.bytes;
-    p.layer = std::max(p.layer, next.layer);
-    return true;
-  }
-  // One after the other: more rows at the same pitches.
-  if (p.bytes != next.bytes) return false;
-  if (p.rows == 1) {
-    const int64_t sp = next.src_offset - p.src_offset;
-    const int64_t dp = next.dst_offset - p.dst_offset;
-    if (sp <= 0 || dp <= 0) return false;
-    if (next.rows > 1 && (next.src_pitch != sp || next.dst_pitch != dp)) return false;
-    p.src_pitch = sp;
-    p.dst_pitch = dp;
-  } else {
-    if (next.src_offset != p.src_offset + p.rows * p.src_pitch ||
-        next.dst_offset != p.dst_offset + p.rows * p.dst_pitch) {
-      return false;
-    }
-    if (next.rows > 1 && (next.src_pitch != p.src_pitch || next.dst_pitch != p.dst_pitch)) {
-      return false;
-    }
-  }
-  p.rows += next.rows;
+  if (!MergeRuns(p, next, RunMerge::kStrided)) return false;
   p.layer = std::max(p.layer, next.layer);
   return true;
 }

@@ -33,6 +33,7 @@
 
 #include "kvferry/kv_model.h"
 #include "kvferry/status.h"
+#include "model/coalesce.h"
 
 namespace kvferry {
 
@@ -79,17 +80,10 @@ struct PlanInput {
   int64_t max_plan_bytes = 0;
 };
 
-// A 2-D copy: `rows` rows of `bytes`, at src_offset + r * src_pitch in the context rank's pool
-// region src_region, to dst_offset + r * dst_pitch in the generation rank's region dst_region.
-struct Piece {
-  int32_t src_region = 0;
-  int64_t src_offset = 0;
-  int64_t src_pitch = 0;
-  int32_t dst_region = 0;
-  int64_t dst_offset = 0;
-  int64_t dst_pitch = 0;
-  int64_t bytes = 0;  // per row
-  int64_t rows = 1;
+// A 2-D copy (model/coalesce.h): `rows` rows of `bytes`, at src_offset + r * src_pitch in the
+// context rank's pool region src_region, to dst_offset + r * dst_pitch in the generation rank's
+// region dst_region.
+struct Piece : StridedRun {
   // Highest global layer among the piece's bytes (a piece may span several layers when the
   // layouts allow it); layer-wise transfer sends a chunk once its layers are ready.
   int32_t layer = 0;

@@ -57,6 +57,36 @@ StatusOr<RawBuffer> RawAllocate(Device& dev, const Transport& t, size_t bytes) {
   return r;
 }
 
+// Operations in flight, oldest first, at most kBaseWindow once Add is used: both baseline sides
+// keep the same window, the sender's puts or sends, the receiver's receives.
+class OpWindow {
+ public:
+  OpWindow(Transport& t, Deadline deadline) : t_(t), deadline_(deadline) {}
+  // Queues `op` without waiting (the warm-up puts).
+  void Hold(std::unique_ptr<TransportOp> op) { ops_.push_back(std::move(op)); }
+  // Queues `op`, then waits for the oldest when kBaseWindow are in flight.
+  Status Add(std::unique_ptr<TransportOp> op) {
+    ops_.push_back(std::move(op));
+    if (ops_.size() < static_cast<size_t>(kBaseWindow)) return Status::Ok();
+    KVF_RETURN_IF_ERROR(WaitOp(t_, *ops_.front(), deadline_));
+    ops_.pop_front();
+    return Status::Ok();
+  }
+  // Waits for every queued operation, oldest first.
+  Status Drain() {
+    while (!ops_.empty()) {
+      KVF_RETURN_IF_ERROR(WaitOp(t_, *ops_.front(), deadline_));
+      ops_.pop_front();
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Transport& t_;
+  const Deadline deadline_;
+  std::deque<std::unique_ptr<TransportOp>> ops_;
+};
+
 // The baseline's exchanges (addresses, keys, done and ack) go through the run's rendezvous.
 Status PutText(Rendezvous& rv, std::string_view key, const std::string& s, Deadline deadline) {
   return rv.Put(fmt::format("baseline/{}", key), std::as_bytes(std::span(s.data(), s.size())),
@@ -97,17 +127,16 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
   // warmed first (each slot once, flushed): the first put to a region maps it (cuda_ipc opens the
   // peer's memory handle), a one-time cost the pools pay at their first request too.
   auto pass = [&](bool put) -> StatusOr<double> {
-    std::deque<std::unique_ptr<TransportOp>> window;
+    OpWindow window(*t, deadline);
     for (int i = 0; put && i < kBaseWindow; ++i) {
       KVF_ASSIGN_OR_RETURN(auto op, t->Put(peer, src.buf.data() + i * kBaseMsg, kBaseMsg, src.wire,
                                            raddr + i * kBaseMsg, rkey));
-      window.push_back(std::move(op));
+      window.Hold(std::move(op));
     }
     if (put) {
       KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
       KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
-      for (auto& op : window) KVF_RETURN_IF_ERROR(WaitOp(*t, *op, deadline));
-      window.clear();
+      KVF_RETURN_IF_ERROR(window.Drain());
     }
     auto start = Clock::now();
     for (int64_t i = 0; i < msgs; ++i) {
@@ -117,16 +146,9 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
           put ? t->Put(peer, at, kBaseMsg, src.wire, raddr + slot * kBaseMsg, rkey)
               : t->Send(peer, static_cast<uint64_t>(i), at, kBaseMsg, src.wire);
       if (!op.ok()) return op.status();
-      window.push_back(std::move(op).value());
-      if (window.size() == kBaseWindow) {
-        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-        window.pop_front();
-      }
+      KVF_RETURN_IF_ERROR(window.Add(std::move(op).value()));
     }
-    while (!window.empty()) {
-      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-      window.pop_front();
-    }
+    KVF_RETURN_IF_ERROR(window.Drain());
     if (put) {
       KVF_ASSIGN_OR_RETURN(auto flush, t->Flush(peer));
       KVF_RETURN_IF_ERROR(WaitOp(*t, *flush, deadline));
@@ -176,21 +198,14 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, D
   KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(ctx_addr, deadline));
   {  // the tagged-send pass (after the put pass, if any)
     const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
-    std::deque<std::unique_ptr<TransportOp>> window;
+    OpWindow window(*t, deadline);
     for (int64_t i = 0; i < msgs; ++i) {
       size_t slot = static_cast<size_t>(i % kBaseWindow);
       KVF_ASSIGN_OR_RETURN(auto op, t->Recv(peer, static_cast<uint64_t>(i),
                                             dst.buf.data() + slot * kBaseMsg, kBaseMsg, dst.wire));
-      window.push_back(std::move(op));
-      if (window.size() == kBaseWindow) {
-        KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-        window.pop_front();
-      }
+      KVF_RETURN_IF_ERROR(window.Add(std::move(op)));
     }
-    while (!window.empty()) {
-      KVF_RETURN_IF_ERROR(WaitOp(*t, *window.front(), deadline));
-      window.pop_front();
-    }
+    KVF_RETURN_IF_ERROR(window.Drain());
   }
   // Keep progressing (one-sided puts need the target alive) until the sender is done (asked of
   // the rendezvous every 10 ms, each look a few ms at most).

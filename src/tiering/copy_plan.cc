@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "model/coalesce.h"
+
 namespace kvferry::tiering {
 
 bool SameBlockShape(const PoolLayout& a, const PoolLayout& b) {
@@ -62,23 +64,34 @@ size_t AppendRunCopies(const TierView& src, int64_t src_block, const TierView& d
   for (int a = 1; a < na; ++a) {  // insertion sort (na <= 5)
     for (int b = a; b > 0 && before(axes[b], axes[b - 1]); --b) std::swap(axes[b], axes[b - 1]);
   }
-  int i = 0;
-  auto strided = [&](int k) { return k < na && !axes[k].src_region && !axes[k].dst_region; };
-  // 1. The contiguous run: axes whose stride equals the run so far on both sides.
-  int64_t run = dims[kDimAxis] * eb;
-  while (strided(i) && axes[i].s == run && axes[i].d == run) run *= axes[i++].n;
-  // 2. Rows of a 2-D descriptor: the next axis, extended by outer axes of uniform pitch.
+  // 1. The contiguous run and 2. the rows of a 2-D descriptor (the next strided axis, extended
+  // by outer axes of uniform pitch); region axes are never folded.
+  CopyAxis copy_axes[5];
+  AxisSet strided = 0;
+  for (int k = 0; k < na; ++k) {
+    copy_axes[k] = CopyAxis{axes[k].n, axes[k].s, axes[k].d};
+    if (!axes[k].src_region && !axes[k].dst_region) strided |= AxisSet{1} << k;
+  }
+  const std::span<const CopyAxis> span(copy_axes, na);
+  const ContiguousRun folded = FoldContiguous(span, strided, dims[kDimAxis] * eb);
+  const int64_t run = folded.bytes;
+  AxisSet used = folded.axes;
   int64_t rows = 1, sp = 0, dp = 0;
-  if (strided(i)) {
-    rows = axes[i].n;
-    sp = axes[i].s;
-    dp = axes[i].d;
-    ++i;
-    while (strided(i) && axes[i].s == rows * sp && axes[i].d == rows * dp) rows *= axes[i++].n;
+  for (int k = 0; k < na; ++k) {
+    if (!InSet(strided, k) || InSet(used, k)) continue;
+    const RowChain chain = ChainRows(span, strided & ~used, k);
+    rows = chain.rows;
+    sp = chain.src_pitch;
+    dp = chain.dst_pitch;
+    used |= chain.axes;
+    break;
   }
   // 3. Everything else is an outer loop, one descriptor per point.
-  const Axis* outer = axes + i;
-  const int no = na - i;
+  Axis outer[5];
+  int no = 0;
+  for (int k = 0; k < na; ++k) {
+    if (!InSet(used, k)) outer[no++] = axes[k];
+  }
   const int64_t sbase = sl.ByteOffset(src_block, 0, 0, 0, 0, 0);
   const int64_t dbase = dl.ByteOffset(dst_block, 0, 0, 0, 0, 0);
   int64_t idx[5] = {0, 0, 0, 0, 0};

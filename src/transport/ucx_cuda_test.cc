@@ -4,9 +4,6 @@
 // (the library's baseline for bench transfer) beside one device-to-device copy of the same bytes
 // in this process, same run, and the UCX transports the endpoint uses.
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -18,48 +15,15 @@
 #include "kvferry/transport.h"
 #include "kvferry/ucx_info.h"
 #include "transport/bandwidth.h"
+#include "transport/ucx_child_for_test.h"
 
 namespace kvferry {
 namespace {
 
 using std::chrono::milliseconds;
 
-class Child {
- public:
-  Child(const std::string& mode, const std::string& address) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      execl(KVFERRY_UCX_PEER_HELPER, KVFERRY_UCX_PEER_HELPER, mode.c_str(), address.c_str(),
-            nullptr);
-      _exit(127);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  int Wait(Deadline deadline) {
-    while (pid_ > 0 && Clock::now() < deadline) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(milliseconds(5));
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-};
-
-std::vector<std::byte> Bytes(std::string_view s) {
-  const auto* p = reinterpret_cast<const std::byte*>(s.data());
-  return {p, p + s.size()};
-}
+using testing::Bytes;
+using testing::Child;
 
 std::string Text(const ControlMessage& m) {
   return {reinterpret_cast<const char*>(m.bytes.data()), m.bytes.size()};

@@ -3,7 +3,6 @@
 // learns its PeerId from that first control message (connect-back).
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -16,52 +15,15 @@
 #include "kvferry/config.h"
 #include "kvferry/transport.h"
 #include "transport/bandwidth.h"
+#include "transport/ucx_child_for_test.h"
 
 namespace kvferry {
 namespace {
 
 using std::chrono::milliseconds;
 
-class Child {
- public:
-  Child(const std::string& mode, const std::string& address, const std::string& extra = "0") {
-    pid_ = fork();
-    if (pid_ == 0) {
-      execl(KVFERRY_UCX_PEER_HELPER, KVFERRY_UCX_PEER_HELPER, mode.c_str(), address.c_str(),
-            extra.c_str(), nullptr);
-      _exit(127);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  pid_t pid() const { return pid_; }
-  // Exit status, or -1 if it did not exit by the deadline (then it is killed).
-  int Wait(Deadline deadline) {
-    while (pid_ > 0) {
-      int status = 0;
-      const pid_t r = waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      if (Clock::now() > deadline) break;
-      std::this_thread::sleep_for(milliseconds(5));
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-};
-
-std::vector<std::byte> Bytes(std::string_view s) {
-  const auto* p = reinterpret_cast<const std::byte*>(s.data());
-  return {p, p + s.size()};
-}
+using testing::Bytes;
+using testing::Child;
 
 class UcxTwoProcess : public ::testing::Test {
  protected:

@@ -229,7 +229,14 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   cfg.rendezvous_key = RendezvousKeyHex(key);
   if (cfg.transport == "inproc") return RunInProcess(cfg);
   const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
-  std::string exe = fs::canonical("/proc/self/exe").string();
+  std::error_code ec;
+  const std::string exe = fs::canonical("/proc/self/exe", ec).string();
+  if (ec) {
+    return Status::Unavailable(fmt::format(
+        "cannot start rank processes: /proc/self/exe: {} (was the kvferry binary replaced while "
+        "it ran?)",
+        ec.message()));
+  }
   // The config travels in a file: mpirun mangles long JSON arguments.
   std::string conf = (dir / "config.json").string();
   {

@@ -49,10 +49,11 @@
 #include <vector>
 
 #include "device/cuda/copy_engine_batch.h"
+#include "device/cuda/cuda_ipc.h"
 #include "device/cuda/cuda_kernels.h"
 #include "device/cuda/cuda_util.h"
+#include "device/cuda/memory_registry.h"
 #include "device/cuda_entry.h"
-#include "device/peer_memory.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
 
@@ -153,73 +154,6 @@ Status PollUntil(Query query, Deadline deadline, std::string_view what) {
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(nap, deadline - now));
     nap = std::min(nap * 2, microseconds(1000));
-  }
-}
-
-// ---- what a pointer is -----------------------------------------------------------------------
-
-enum class PtrClass : uint8_t {
-  kDevice,      // device memory of one GPU (ordinal says which)
-  kMappedHost,  // pinned host memory mapped at the same address on every GPU (UVA)
-  kHost,        // pageable host memory, or pinned memory a kernel can't use at its address
-  kOther,       // managed memory and other kinds: left to the copy engine
-};
-
-struct PtrInfo {
-  PtrClass cls;
-  int ordinal;  // for kDevice
-};
-
-// Every allocation made by a CudaDevice of this process, by address range.
-class MemoryRegistry {
- public:
-  static MemoryRegistry& Get() {
-    static MemoryRegistry* r = new MemoryRegistry();  // never destroyed: Buffers may outlive main
-    return *r;
-  }
-  void Add(const void* p, size_t n, PtrInfo info) {
-    std::unique_lock lock(mu_);
-    ranges_[Addr(p)] = Range{Addr(p) + n, info};
-  }
-  void Remove(const void* p) {
-    std::unique_lock lock(mu_);
-    ranges_.erase(Addr(p));
-  }
-
-  struct Range {
-    uintptr_t end;
-    PtrInfo info;
-  };
-  std::shared_mutex& mu() { return mu_; }
-  // Caller holds mu() (shared). Null when p is in no registered range.
-  const std::pair<const uintptr_t, Range>* FindLocked(uintptr_t p) const {
-    auto it = ranges_.upper_bound(p);
-    if (it == ranges_.begin()) return nullptr;
-    --it;
-    return p < it->second.end ? &*it : nullptr;
-  }
-  static uintptr_t Addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
-
- private:
-  std::shared_mutex mu_;
-  std::map<uintptr_t, Range> ranges_;
-};
-
-PtrInfo QueryPointer(const void* p) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    cudaGetLastError();
-    return {PtrClass::kHost, -1};
-  }
-  switch (a.type) {
-    case cudaMemoryTypeDevice:
-      return {PtrClass::kDevice, a.device};
-    case cudaMemoryTypeHost:
-      return {a.devicePointer == p ? PtrClass::kMappedHost : PtrClass::kHost, -1};
-    case cudaMemoryTypeManaged:
-      return {PtrClass::kOther, a.device};
-    default:
-      return {PtrClass::kHost, -1};
   }
 }
 
@@ -607,109 +541,6 @@ class CudaStream final : public Stream {
 
 constexpr size_t kHostAlignment = 4096;  // pageable host buffers: page-aligned, as for O_DIRECT
 
-// ---- peer memory (CUDA IPC) -------------------------------------------------------------------
-
-// The allocation holding `p` (any interior pointer), from the driver: engines' tensors are
-// interior pointers of their allocators' segments, and a CUDA IPC handle names a whole
-// allocation.
-Status AllocationOf(const void* p, uintptr_t& base, size_t& size) {
-  using Fn = int (*)(unsigned long long*, size_t*, unsigned long long);
-  static Fn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<Fn>(nullptr);
-    }
-    return reinterpret_cast<Fn>(f);
-  }();
-  if (fn == nullptr) return Status::Unavailable("cuMemGetAddressRange is not available");
-  unsigned long long b = 0;
-  size_t n = 0;
-  const int rc = fn(&b, &n, reinterpret_cast<uintptr_t>(p));
-  if (rc != 0) {
-    return Status::InvalidArgument(
-        fmt::format("{} is not device memory CUDA knows (cuMemGetAddressRange: {})", p, rc));
-  }
-  base = b;
-  size = n;
-  return Status::Ok();
-}
-
-// One opening of a peer allocation per process, shared by every importer (CUDA maps a handle
-// once per context).
-class IpcOpenings {
- public:
-  static IpcOpenings& Get() {
-    static IpcOpenings* o = new IpcOpenings();
-    return *o;
-  }
-  StatusOr<std::byte*> Open(int ordinal, const cudaIpcMemHandle_t& h) {
-    std::lock_guard lock(mu_);
-    std::string key(reinterpret_cast<const char*>(&h), sizeof(h));
-    auto it = open_.find(key);
-    if (it != open_.end()) {
-      ++it->second.refs;
-      return it->second.base;
-    }
-    void* p = nullptr;
-    KVF_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(ordinal), "cudaSetDevice({})", ordinal));
-    KVF_RETURN_IF_ERROR(CudaCheck(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
-                                  "cuda:{} cudaIpcOpenMemHandle", ordinal));
-    open_.emplace(key, Entry{static_cast<std::byte*>(p), 1});
-    return static_cast<std::byte*>(p);
-  }
-  void Close(int ordinal, const cudaIpcMemHandle_t& h) {
-    std::lock_guard lock(mu_);
-    auto it = open_.find(std::string(reinterpret_cast<const char*>(&h), sizeof(h)));
-    if (it == open_.end() || --it->second.refs > 0) return;
-    cudaSetDevice(ordinal);
-    cudaIpcCloseMemHandle(it->second.base);
-    cudaGetLastError();
-    open_.erase(it);
-  }
-
- private:
-  struct Entry {
-    std::byte* base;
-    int refs;
-  };
-  std::mutex mu_;
-  std::map<std::string, Entry> open_;
-};
-
-class IpcMapping final : public PeerMapping {
- public:
-  IpcMapping(int ordinal, cudaIpcMemHandle_t h, std::byte* region, size_t bytes)
-      : ordinal_(ordinal), h_(h), region_(region), bytes_(bytes) {
-    MemoryRegistry::Get().Add(region_, bytes_, QueryPointer(region_));
-  }
-  ~IpcMapping() override {
-    MemoryRegistry::Get().Remove(region_);
-    IpcOpenings::Get().Close(ordinal_, h_);
-  }
-  std::byte* data() const override { return region_; }
-  size_t size() const override { return bytes_; }
-
- private:
-  const int ordinal_;
-  const cudaIpcMemHandle_t h_;
-  std::byte* const region_;
-  const size_t bytes_;
-};
-
-void PutLe(std::vector<std::byte>& out, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) out.push_back(static_cast<std::byte>(v >> (8 * i)));
-}
-uint64_t GetLe(const std::byte* p, int n) {
-  uint64_t v = 0;
-  for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<uint8_t>(p[i]);
-  return v;
-}
-constexpr size_t kIpcPayload = 4 + 8 + sizeof(cudaIpcMemHandle_t);
-
 class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, DeviceInfo info, int sm_count)
@@ -803,57 +634,14 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Event>(new CudaEvent(ordinal_, e));
   }
 
-  // CUDA IPC (device.h): payload u32 ordinal, u64 offset in the allocation, the IPC handle.
+  // CUDA IPC (device.h, cuda_ipc.h).
   StatusOr<std::vector<std::byte>> ExportMemory(const void* base, size_t bytes,
                                                 MemoryKind kind) override {
-    if (kind != MemoryKind::kDevice || base == nullptr || bytes == 0) {
-      return Status::InvalidArgument(fmt::format(
-          "cuda:{} ExportMemory: {} bytes of {} memory at {}: only device memory is shared",
-          ordinal_, bytes, MemoryKindName(kind), base));
-    }
-    KVF_RETURN_IF_ERROR(Use());
-    uintptr_t alloc = 0;
-    size_t alloc_size = 0;
-    KVF_RETURN_IF_ERROR(AllocationOf(base, alloc, alloc_size));
-    const uintptr_t b = reinterpret_cast<uintptr_t>(base);
-    if (b - alloc > alloc_size || bytes > alloc_size - (b - alloc)) {
-      return Status::InvalidArgument(
-          fmt::format("cuda:{} ExportMemory: {} bytes at {} run past their allocation ({:#x} + {})",
-                      ordinal_, bytes, base, alloc, alloc_size));
-    }
-    cudaIpcMemHandle_t h{};
-    KVF_RETURN_IF_ERROR(CudaCheck(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(alloc)),
-                                  "cuda:{} cudaIpcGetMemHandle({:#x})", ordinal_, alloc));
-    PeerHandle ph;
-    ph.platform = PeerPlatform::kCuda;
-    ph.pid = ThisPid();
-    ph.host = ThisHostId();
-    ph.address = b;
-    ph.bytes = bytes;
-    PutLe(ph.payload, static_cast<uint32_t>(ordinal_), 4);
-    PutLe(ph.payload, b - alloc, 8);
-    const auto* hb = reinterpret_cast<const std::byte*>(&h);
-    ph.payload.insert(ph.payload.end(), hb, hb + sizeof(h));
-    return EncodePeerHandle(ph);
+    return ExportIpcMemory(ordinal_, base, bytes, kind);
   }
 
   StatusOr<std::unique_ptr<PeerMapping>> ImportMemory(std::span<const std::byte> handle) override {
-    KVF_ASSIGN_OR_RETURN(PeerHandle ph, DecodeLocalPeerHandle(handle, PeerPlatform::kCuda));
-    if (ph.payload.size() != kIpcPayload) {
-      return Status::InvalidArgument(
-          fmt::format("cuda peer memory handle: payload of {} bytes, {} expected",
-                      ph.payload.size(), kIpcPayload));
-    }
-    if (ph.pid == ThisPid()) {
-      return OwnPeerMapping(reinterpret_cast<std::byte*>(ph.address),
-                            static_cast<size_t>(ph.bytes));
-    }
-    const uint64_t offset = GetLe(ph.payload.data() + 4, 8);
-    cudaIpcMemHandle_t h{};
-    std::memcpy(&h, ph.payload.data() + 12, sizeof(h));
-    KVF_ASSIGN_OR_RETURN(std::byte * opened, IpcOpenings::Get().Open(ordinal_, h));
-    return std::unique_ptr<PeerMapping>(
-        std::make_unique<IpcMapping>(ordinal_, h, opened + offset, static_cast<size_t>(ph.bytes)));
+    return ImportIpcMemory(ordinal_, handle);
   }
 
   StatusOr<std::unique_ptr<Event>> CreateEvent() override {
