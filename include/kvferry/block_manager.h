@@ -138,6 +138,7 @@ struct BlockManagerStats {
   // Background tiering and I/O.
   int64_t prefetched = 0;            // blocks onboarded by Prefetch
   int64_t background_evictions = 0;  // primary victims moved by the watermark, not by allocation
+  int64_t inline_evictions = 0;      // primary victims moved by an allocating call (on its thread)
   int64_t ops_in_flight = 0;         // copy and file batches not finished yet
   int64_t file_ops_in_flight = 0;    // of those, file reads and writes
   int64_t deferred_reads = 0;        // file reads waiting for staging (queued in the manager)

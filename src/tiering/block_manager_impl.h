@@ -3,6 +3,7 @@
 // Private to src/tiering. Not thread-safe (the manager's scheduler thread only).
 #pragma once
 
+#include <array>
 #include <deque>
 #include <string>
 #include <unordered_map>
@@ -187,6 +188,12 @@ struct BlockManager::Impl {
   void SubmitDeferred();
   void RunWatermarks();
   int64_t Mark(int64_t blocks, int32_t pct) const { return (blocks * pct + 99) / 100; }
+  // The largest allocation (blocks) since the last watermark run, and those of the last 32 runs:
+  // the primary watermark keeps at least their maximum free (at most half the pool), so the next
+  // allocation of that size, e.g. a prompt with many host hits, evicts nothing on its thread.
+  int64_t need_now = 0;
+  std::array<int64_t, 32> recent_need{};
+  size_t recent_at = 0;
   Status AllocatePrimary(int64_t n, std::vector<int64_t>& out);
   void EvictPrimary(std::span<const int64_t> victims);
   int64_t FreeHostBlock();  // a free host block, dropping the host LRU victim if needed; -1

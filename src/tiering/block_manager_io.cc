@@ -188,9 +188,14 @@ void BlockManager::Impl::RunWatermarks() {
   if (opt.free_high_pct <= 0) return;
   const int64_t np = tm->tier_blocks(Tier::kPrimary);
   const int64_t have = static_cast<int64_t>(free_primary.size());
-  if (have < Mark(np, opt.free_low_pct) && Lru(Tier::kPrimary).size() > 0) {
+  // Ahead of the next allocation: at least as many free blocks as the largest recent one needed,
+  // so an AddSequence with many host hits finds them free instead of evicting on its thread.
+  recent_need[recent_at++ % recent_need.size()] = need_now;
+  need_now = 0;
+  const int64_t ahead = std::min(*std::max_element(recent_need.begin(), recent_need.end()), np / 2);
+  if (have < std::max(Mark(np, opt.free_low_pct), ahead) && Lru(Tier::kPrimary).size() > 0) {
     std::vector<int64_t> victims;
-    const int64_t want = Mark(np, opt.free_high_pct) - have;
+    const int64_t want = std::max(Mark(np, opt.free_high_pct), ahead) - have;
     while (static_cast<int64_t>(victims.size()) < want) {
       const int64_t v = Lru(Tier::kPrimary).PopVictim();
       if (v < 0) break;
@@ -381,6 +386,7 @@ Status BlockManager::Impl::AllocatePrimary(int64_t n, std::vector<int64_t>& out)
         "referenced or being onboarded)",
         n, avail, tm->tier_blocks(Tier::kPrimary) - avail));
   }
+  need_now = std::max(need_now, n);
   std::vector<int64_t> victims;
   for (int64_t i = 0; i < n; ++i) {
     int64_t b;
@@ -393,6 +399,7 @@ Status BlockManager::Impl::AllocatePrimary(int64_t n, std::vector<int64_t>& out)
     }
     out.push_back(b);
   }
+  st.inline_evictions += static_cast<int64_t>(victims.size());
   EvictPrimary(victims);
   for (int64_t b : out) {
     tiering::Slot& s = SlotOf(Tier::kPrimary, b);

@@ -457,25 +457,45 @@ TEST(BlockManager, WatermarksKeepFreeBlocksAheadOfAllocation) {
   ExpectAllBack(e, 1, 6, 8, 100);
 }
 
+// Allocations larger than the high watermark (a prompt with many host hits): the watermark keeps
+// as many blocks free as the largest recent allocation needed, so the next one evicts nothing on
+// the caller's thread (before, 4 free of 16 were above the 10% low mark and the third evicted 2).
+TEST(BlockManager, WatermarksKeepTheLargestRecentAllocationFree) {
+  Env e(16, 8, 32, Watermarks(10, 20));
+  const int32_t tpb = static_cast<int32_t>(e.tpb());
+  for (int32_t c = 1; c <= 6; ++c) {
+    e.Run(static_cast<uint64_t>(c), c, 6 * tpb);
+    e.Settle();
+    EXPECT_GE(e.bm->stats().free_primary, 6) << "conversation " << c;
+  }
+  auto st = e.bm->stats();
+  EXPECT_EQ(st.inline_evictions, 0);
+  EXPECT_GT(st.background_evictions, 0);
+  EXPECT_EQ(st.dropped[0] + st.dropped[1] + st.dropped[2], 0);
+  ExpectAllBack(e, 1, 6, 6 * tpb, 100);
+}
+
 // The calls that allocate (their wall time is the engine's stall) leave the watermarks to Poll and
 // RemoveSequence: before, every AddSequence first moved victims down to the high watermark.
 TEST(BlockManager, WatermarksRunInPollNotInTheCallsThatAllocate) {
   Env e(8, 4, 32, Watermarks(25, 50));
   const int32_t tpb = static_cast<int32_t>(e.tpb());
-  e.Run(1, 1, 6 * tpb);  // 6 cached blocks in the LRU, 2 free (= the low watermark)
+  e.Run(1, 1, 6 * tpb);  // 6 cached blocks; RemoveSequence evicts 2 so that 4 are free (50%)
   e.Settle();
-  ASSERT_EQ(e.bm->stats().free_primary, 2);
-  ASSERT_TRUE(e.bm->AddSequence(2, Conv(2, tpb)).ok());  // 1 free: below the low watermark
-  ASSERT_TRUE(e.bm->AddSequence(3, Conv(3, tpb)).ok());  // takes the last free block
+  ASSERT_EQ(e.bm->stats().free_primary, 4);
+  const int64_t before = e.bm->stats().background_evictions;
+  for (int32_t c = 2; c <= 5; ++c) {  // below the low watermark, then none free
+    ASSERT_TRUE(e.bm->AddSequence(static_cast<uint64_t>(c), Conv(c, tpb)).ok());
+  }
   auto st = e.bm->stats();
-  EXPECT_EQ(st.background_evictions, 0);
+  EXPECT_EQ(st.background_evictions, before);
+  EXPECT_EQ(st.inline_evictions, 0);
   EXPECT_EQ(st.free_primary, 0);
   e.bm->Poll();
   st = e.bm->stats();
-  EXPECT_EQ(st.background_evictions, 4);  // up to 50% of 8 free
+  EXPECT_EQ(st.background_evictions, before + 4);  // up to 50% of 8 free
   EXPECT_EQ(st.free_primary, 4);
-  ASSERT_TRUE(e.bm->RemoveSequence(2).ok());
-  ASSERT_TRUE(e.bm->RemoveSequence(3).ok());
+  for (uint64_t id = 2; id <= 5; ++id) ASSERT_TRUE(e.bm->RemoveSequence(id).ok());
   e.Settle();
 }
 

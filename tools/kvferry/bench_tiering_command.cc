@@ -301,6 +301,7 @@ nlohmann::json ToJson(const Result& r, int64_t bb, const std::string& device) {
           {"ready_wait_us_p50", Pct(r.ready_us, 0.50)},
           {"ready_wait_us_p99", Pct(r.ready_us, 0.99)},
           {"background_evictions", r.st.background_evictions},
+          {"inline_evictions", r.st.inline_evictions},
           {"abandoned", r.st.abandoned},
           {"verified_blocks", r.verified_blocks},
           {"file_backend", r.file_backend},
