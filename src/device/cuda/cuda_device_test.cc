@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "device/cuda/copy_test_support.h"
 #include "device/cuda_entry.h"
 #include "device/device_conformance.h"
 #include "kvferry/config.h"
@@ -27,31 +28,17 @@ std::unique_ptr<Device> DeviceUnderTest() {
 
 namespace {
 
+using copy_test::CpuReference;
+using copy_test::ExpectSame;
+using copy_test::Extent;
+using copy_test::FillPattern;
+using copy_test::KnobOverride;
+using copy_test::Plan;
+using copy_test::Rebase;
+using copy_test::Soon;
 using std::chrono::milliseconds;
 
 constexpr const char* kThresholdKnob = "cuda.copy_kernel_threshold";
-
-Deadline Soon() { return DeadlineIn(milliseconds(30000)); }
-
-// Descriptors with offsets in place of addresses; Rebase() turns them into real copies.
-struct Plan {
-  std::vector<CopyDesc> descs;
-  size_t src_size = 0;
-  size_t dst_size = 0;
-};
-
-std::vector<CopyDesc> Rebase(const Plan& p, std::byte* dst, const std::byte* src) {
-  std::vector<CopyDesc> out = p.descs;
-  for (CopyDesc& c : out) {
-    c.dst = dst + reinterpret_cast<uintptr_t>(c.dst);
-    c.src = src + reinterpret_cast<uintptr_t>(c.src);
-  }
-  return out;
-}
-
-size_t Extent(size_t rows, size_t bytes, size_t pitch) {
-  return rows <= 1 ? bytes : (rows - 1) * pitch + bytes;
-}
 
 // Random 2-D descriptors of 16 B .. 1 MiB in total, at unaligned offsets and pitches, writing
 // disjoint destination ranges (so the result does not depend on the order of the copies).
@@ -81,39 +68,6 @@ Plan RandomPlan(uint32_t seed, int count) {
   return p;
 }
 
-void FillPattern(std::byte* p, size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(rng());
-}
-
-// The CPU device's result of the plan: what every other device must produce.
-std::vector<std::byte> CpuReference(const Plan& p, uint32_t seed) {
-  auto cpu = OpenCpuDevice();
-  auto src = cpu->Allocate(MemoryKind::kHost, p.src_size);
-  auto dst = cpu->Allocate(MemoryKind::kHost, p.dst_size);
-  EXPECT_TRUE(src.ok() && dst.ok());
-  FillPattern(src->data(), p.src_size, seed);
-  std::memset(dst->data(), 0xEE, p.dst_size);
-  auto s = cpu->CreateStream();
-  EXPECT_TRUE(s.ok());
-  EXPECT_TRUE((*s)->CopyBatch(Rebase(p, dst->data(), src->data())).ok());
-  EXPECT_TRUE((*s)->Synchronize(Soon()).ok());
-  return std::vector<std::byte>(dst->data(), dst->data() + p.dst_size);
-}
-
-// Sets knobs for the streams created while it lives; resets them when it goes.
-class KnobOverride {
- public:
-  KnobOverride(std::string name, const std::string& value) : name_(std::move(name)) {
-    Status st = Config::Global().Set(name_, value);
-    EXPECT_TRUE(st.ok()) << st.ToString();
-  }
-  ~KnobOverride() { EXPECT_TRUE(Config::Global().Reset(name_).ok()); }
-
- private:
-  std::string name_;
-};
-
 // Sets the kernel threshold for the streams created while it lives. Threshold 0 sends every
 // descriptor to the copy engine, narrow-row 2-D ones included.
 class ThresholdOverride {
@@ -130,54 +84,14 @@ class ThresholdOverride {
 constexpr int64_t kAllKernel = int64_t{1} << 40;  // every reachable descriptor to the kernel
 constexpr int64_t kAllCopyEngine = 0;             // every descriptor to the copy engine
 
-class CudaDeviceTest : public ::testing::Test {
+class CudaDeviceTest : public copy_test::GpuCopyTest {
  protected:
-  void SetUp() override {
-    if (internal::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA GPU present";
-    auto d = OpenDevice("cuda:0");
-    ASSERT_TRUE(d.ok()) << d.status().ToString();
-    dev_ = std::move(d).value();
-  }
-  Buffer Alloc(MemoryKind k, size_t n) {
-    auto b = dev_->Allocate(k, n);
-    EXPECT_TRUE(b.ok()) << b.status().ToString();
-    return b.ok() ? std::move(b).value() : Buffer();
-  }
-  std::unique_ptr<Stream> NewStream() {
-    auto s = dev_->CreateStream();
-    EXPECT_TRUE(s.ok()) << s.status().ToString();
-    return s.ok() ? std::move(s).value() : nullptr;
-  }
-
   // Runs `p` on the GPU with source and destination of the given kinds; returns the destination.
   std::vector<std::byte> RunOnGpu(const Plan& p, uint32_t seed, MemoryKind src_kind,
                                   MemoryKind dst_kind, int64_t threshold) {
     ThresholdOverride t(threshold);
-    auto s = NewStream();
-    Buffer host_src = Alloc(MemoryKind::kPinnedHost, p.src_size);
-    Buffer host_dst = Alloc(MemoryKind::kPinnedHost, p.dst_size);
-    Buffer src = Alloc(src_kind, p.src_size), dst = Alloc(dst_kind, p.dst_size);
-    FillPattern(host_src.data(), p.src_size, seed);
-    EXPECT_TRUE(s->Copy(src.data(), host_src.data(), p.src_size).ok());
-    EXPECT_TRUE(s->Fill(dst.data(), 0xEE, p.dst_size).ok());
-    Status st = s->CopyBatch(Rebase(p, dst.data(), src.data()));
-    EXPECT_TRUE(st.ok()) << st.ToString();
-    EXPECT_TRUE(s->Copy(host_dst.data(), dst.data(), p.dst_size).ok());
-    st = s->Synchronize(Soon());
-    EXPECT_TRUE(st.ok()) << st.ToString();
-    return std::vector<std::byte>(host_dst.data(), host_dst.data() + p.dst_size);
+    return RunPlan(p, seed, src_kind, dst_kind);
   }
-
-  static void ExpectSame(const std::vector<std::byte>& want, const std::vector<std::byte>& got,
-                         const std::string& what) {
-    ASSERT_EQ(want.size(), got.size()) << what;
-    if (std::memcmp(want.data(), got.data(), want.size()) == 0) return;
-    size_t i = 0;
-    while (want[i] == got[i]) ++i;
-    ADD_FAILURE() << what << ": first difference at byte " << i << " of " << want.size();
-  }
-
-  std::unique_ptr<Device> dev_;
 };
 
 TEST(CudaEntry, AbsentDeviceIsUnavailable) {

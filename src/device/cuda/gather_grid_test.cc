@@ -12,26 +12,22 @@
 #include <string>
 #include <vector>
 
-#include "device/cuda_entry.h"
+#include "device/cuda/copy_test_support.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
 
 namespace kvferry {
 namespace {
 
-using std::chrono::milliseconds;
-
-Deadline Soon() { return DeadlineIn(milliseconds(30000)); }
-
-// Copies with offsets in place of addresses.
-struct Plan {
-  std::vector<CopyDesc> descs;
-  size_t src_size = 0, dst_size = 0;
-};
+using copy_test::CpuReference;
+using copy_test::ExpectSame;
+using copy_test::KnobOverride;
+using copy_test::Plan;
+using copy_test::Rebase;
+using copy_test::Soon;
 
 size_t Extent(const CopyDesc& c, bool dst) {
-  const size_t pitch = dst ? c.dst_pitch : c.src_pitch;
-  return c.rows <= 1 ? c.bytes : (c.rows - 1) * pitch + c.bytes;
+  return copy_test::Extent(c.rows, c.bytes, dst ? c.dst_pitch : c.src_pitch);
 }
 
 // `count` descriptors of `rows` rows of `bytes` each; the source interleaves them (a context
@@ -54,91 +50,15 @@ Plan HeadSliced(int count, size_t rows, size_t bytes, size_t skew) {
   return p;
 }
 
-std::vector<CopyDesc> Rebase(const Plan& p, std::byte* dst, const std::byte* src) {
-  std::vector<CopyDesc> out = p.descs;
-  for (CopyDesc& c : out) {
-    c.dst = dst + reinterpret_cast<uintptr_t>(c.dst);
-    c.src = src + reinterpret_cast<uintptr_t>(c.src);
-  }
-  return out;
-}
-
-void FillPattern(std::byte* p, size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(rng());
-}
-
-class KnobOverride {
- public:
-  KnobOverride(std::string name, const std::string& value) : name_(std::move(name)) {
-    Status st = Config::Global().Set(name_, value);
-    EXPECT_TRUE(st.ok()) << st.ToString();
-  }
-  ~KnobOverride() { EXPECT_TRUE(Config::Global().Reset(name_).ok()); }
-
- private:
-  std::string name_;
-};
-
-class GatherGridTest : public ::testing::Test {
+class GatherGridTest : public copy_test::GpuCopyTest {
  protected:
-  void SetUp() override {
-    if (internal::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA GPU present";
-    auto d = OpenDevice("cuda:0");
-    ASSERT_TRUE(d.ok()) << d.status().ToString();
-    dev_ = std::move(d).value();
-  }
-  Buffer Alloc(MemoryKind k, size_t n) {
-    auto b = dev_->Allocate(k, n);
-    EXPECT_TRUE(b.ok()) << b.status().ToString();
-    return b.ok() ? std::move(b).value() : Buffer();
-  }
-
-  static std::vector<std::byte> CpuReference(const Plan& p, uint32_t seed) {
-    auto cpu = OpenCpuDevice();
-    auto src = cpu->Allocate(MemoryKind::kHost, p.src_size);
-    auto dst = cpu->Allocate(MemoryKind::kHost, p.dst_size);
-    EXPECT_TRUE(src.ok() && dst.ok());
-    FillPattern(src->data(), p.src_size, seed);
-    std::memset(dst->data(), 0xEE, p.dst_size);
-    auto s = cpu->CreateStream();
-    EXPECT_TRUE((*s)->CopyBatch(Rebase(p, dst->data(), src->data())).ok());
-    EXPECT_TRUE((*s)->Synchronize(Soon()).ok());
-    return std::vector<std::byte>(dst->data(), dst->data() + p.dst_size);
-  }
-
   // Runs `p` device to device on the kernel (threshold past any batch) and returns the result.
   std::vector<std::byte> RunOnGpu(const Plan& p, uint32_t seed) {
     KnobOverride kernel("cuda.copy_kernel_threshold", "1099511627776");
     KnobOverride narrow("cuda.copy_engine_min_row_bytes", "1099511627776");
-    auto s = dev_->CreateStream();
-    EXPECT_TRUE(s.ok());
-    Buffer host_src = Alloc(MemoryKind::kPinnedHost, p.src_size);
-    Buffer host_dst = Alloc(MemoryKind::kPinnedHost, p.dst_size);
-    Buffer src = Alloc(MemoryKind::kDevice, p.src_size);
-    Buffer dst = Alloc(MemoryKind::kDevice, p.dst_size);
-    FillPattern(host_src.data(), p.src_size, seed);
-    EXPECT_TRUE((*s)->Copy(src.data(), host_src.data(), p.src_size).ok());
-    EXPECT_TRUE((*s)->Fill(dst.data(), 0xEE, p.dst_size).ok());
-    Status st = (*s)->CopyBatch(Rebase(p, dst.data(), src.data()));
-    EXPECT_TRUE(st.ok()) << st.ToString();
-    EXPECT_TRUE((*s)->Copy(host_dst.data(), dst.data(), p.dst_size).ok());
-    st = (*s)->Synchronize(Soon());
-    EXPECT_TRUE(st.ok()) << st.ToString();
-    return std::vector<std::byte>(host_dst.data(), host_dst.data() + p.dst_size);
+    return RunPlan(p, seed, MemoryKind::kDevice, MemoryKind::kDevice);
   }
-
-  std::unique_ptr<Device> dev_;
 };
-
-void ExpectSame(const std::vector<std::byte>& want, const std::vector<std::byte>& got,
-                const std::string& what) {
-  ASSERT_EQ(want.size(), got.size()) << what;
-  if (std::memcmp(want.data(), got.data(), want.size()) == 0) return;
-  size_t i = 0;
-  while (want[i] == got[i]) ++i;
-  ADD_FAILURE() << what << ": first difference at byte " << i << " of " << want.size();
-}
 
 TEST_F(GatherGridTest, FewDescriptorsSplitOverTheGridMatchTheCpuDevice) {
   struct Case {
