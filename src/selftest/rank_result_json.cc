@@ -1,0 +1,80 @@
+// A rank's result as the JSON document a rank process writes for the parent (selftest.h).
+#include <nlohmann/json.hpp>
+
+#include "selftest/selftest.h"
+
+namespace kvferry {
+
+std::string ResultToJson(const RankResult& r) {
+  nlohmann::json j;
+  j["context"] = r.context;
+  j["rank"] = r.rank;
+  j["requests"] = r.requests;
+  j["verified"] = r.verified;
+  j["failed"] = r.failed;
+  j["prefix_hits"] = r.prefix_hits;
+  j["bytes"] = r.bytes;
+  j["seconds"] = r.seconds;
+  j["cpu_seconds"] = r.cpu_seconds;
+  j["control_cpu_seconds"] = r.control_cpu_seconds;
+  j["latencies"] = r.latencies;
+  j["baseline_gbps"] = r.baseline_gbps;
+  j["baseline_name"] = r.baseline_name;
+  j["copy_gbps"] = r.copy_gbps;
+  j["copy_name"] = r.copy_name;
+  j["errors"] = r.errors;
+  j["data_path"] = r.data_path;
+  if (r.slowest) {
+    const RequestTimeline& t = *r.slowest;
+    j["slowest"] = {{"request_id", t.request_id},
+                    {"state", t.state},
+                    {"code", t.code},
+                    {"bytes", t.bytes},
+                    {"chunks", t.chunks},
+                    {"fetch_s", t.fetch},
+                    {"first_byte_s", t.first_byte},
+                    {"last_byte_s", t.last_byte},
+                    {"end_s", t.end}};
+  }
+  return j.dump();
+}
+
+StatusOr<RankResult> ResultFromJson(const std::string& text) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded()) return Status::DataLoss("rank result is not JSON");
+  RankResult r;
+  r.context = j.value("context", false);
+  r.rank = j.value("rank", 0);
+  r.requests = j.value("requests", 0);
+  r.verified = j.value("verified", 0);
+  r.failed = j.value("failed", 0);
+  r.prefix_hits = j.value("prefix_hits", 0);
+  r.bytes = j.value("bytes", int64_t{0});
+  r.seconds = j.value("seconds", 0.0);
+  r.cpu_seconds = j.value("cpu_seconds", 0.0);
+  r.control_cpu_seconds = j.value("control_cpu_seconds", 0.0);
+  r.latencies = j.value("latencies", std::vector<double>{});
+  r.baseline_gbps = j.value("baseline_gbps", 0.0);
+  r.baseline_name = j.value("baseline_name", std::string());
+  r.copy_gbps = j.value("copy_gbps", 0.0);
+  r.copy_name = j.value("copy_name", std::string());
+  r.errors = j.value("errors", std::vector<std::string>{});
+  r.data_path = j.value("data_path", std::string());
+  if (j.contains("slowest")) {
+    const auto& s = j["slowest"];
+    RequestTimeline t;
+    t.request_id = s.value("request_id", uint64_t{0});
+    t.state = s.value("state", std::string());
+    t.code = s.value("code", std::string());
+    t.bytes = s.value("bytes", int64_t{0});
+    t.chunks = s.value("chunks", int64_t{0});
+    t.fetch = s.value("fetch_s", -1.0);
+    t.first_byte = s.value("first_byte_s", -1.0);
+    t.last_byte = s.value("last_byte_s", -1.0);
+    t.end = s.value("end_s", -1.0);
+    r.slowest = t;
+  }
+  return r;
+}
+
+}  // namespace kvferry
