@@ -48,7 +48,9 @@ def test_block_manager_reuses_prefixes_and_offloads(cpu):
         assert len(a["blocks"]) == 3 and a["reused_tokens"] == 0
         bm.remove_sequence(1)
         b = bm.add_sequence(2, prompt + [99])
-        assert b["hits"][0] == 3 and b["reused_tokens"] == 12
+        # All three blocks are found again; the watermark may already have moved one of them to
+        # the host tier (it keeps the largest recent allocation free, up to half the pool).
+        assert sum(b["hits"]) == 3 and b["hits"][0] >= 2 and b["reused_tokens"] == 12
         bm.remove_sequence(2)
         # Another prompt that needs every primary block evicts the cached ones to the host tier.
         bm.add_sequence(3, list(range(100, 116)))
