@@ -103,23 +103,29 @@ class TransferBatch {
   std::shared_ptr<internal::BatchState> s_;
 };
 
-// Two-stage copies through device staging (primary <-> host, whole blocks). When the primary
-// layout scatters a block into many small fragments (per-layer pools) but a host block is one
-// contiguous range, a direct copy moves small fragments over the link (gather kernels through the
-// SMs on CUDA; offload and onboard at once then share the SMs and reach ~70% of the link). Staged,
-// a device-local gather packs each block into device staging, and the link copy is one contiguous
-// copy per block on the copy engine (one per direction), and the reverse for onboards. Per copy
-// stream: staging_blocks blocks of device memory; larger batches go through it in chunks.
+// Two-stage copies through device staging (primary <-> host). When the primary layout scatters a
+// block into many small fragments (per-layer pools), a direct copy moves those fragments over the
+// link, and offload and onboard at once then reach ~70% of the link on the H200 whatever carries
+// them (docs/tiering.md). Staged, a device-local leg packs each block into device staging (or
+// unpacks it, for onboards) at device-memory speed, and the link leg crosses PCIe from one packed
+// block: one contiguous copy-engine copy per block when a host block is one range (a host tier in
+// the primary's in-block order: kBlockMajorNhd for kPerLayer, kBlockMajor for kPerLayerHnd), else
+// the host side's fragments from a contiguous device block. Batches of whole blocks only: one with
+// partial (first-tokens) moves goes direct. Per copy stream: staging_blocks blocks of device
+// memory in two halves, the device-local leg of one half overlapping the link leg of the other (a
+// second stream); larger batches go through it half by half.
 enum class DeviceStaging : uint8_t {
-  kAuto,    // on for devices whose memory is not host memory (not the CPU device), when it helps
-  kAlways,  // whenever it helps (a block fragmented on the primary side, contiguous on the host)
+  kAuto,    // on GPUs (not the CPU device) when a primary block is fragmented, a host block is one
+            // range, and the device-local leg moves runs of 4 KiB or more (the host tier keeps the
+            // primary's in-block order; a transposing one stays direct): the default
+  kAlways,  // whenever a primary block is fragmented, on any device and for any host layout
   kNever,
 };
 
 struct TransferOptions {
   int64_t file_staging_blocks = 32;  // pinned staging of the file tier, in blocks
-  DeviceStaging device_staging = DeviceStaging::kNever;  // knob default: measured slower (doc)
-  int64_t device_staging_blocks = 32;                    // per copy stream
+  DeviceStaging device_staging = DeviceStaging::kAuto;
+  int64_t device_staging_blocks = 32;  // per copy stream
   // Defaults from the config knobs (tiering.file_staging_blocks, tiering.device_staging,
   // tiering.device_staging_blocks).
   static TransferOptions FromConfig();
@@ -172,6 +178,28 @@ class TransferManager {
   // file jobs on the I/O thread); copies and file I/O may still run. For code that synchronizes
   // the copy streams itself.
   Status WaitSubmitted(Deadline deadline);
+
+  // Submission plug. While plugged, Move queues its batch and the submit thread takes none
+  // (copies do not start) until the last Unplug, which wakes it once; calls that wait for
+  // submissions (SyncWithCompute, Drain, WaitSubmitted, and a Move that must wait for file
+  // staging) run the queue meanwhile. A caller that makes several batches in one step
+  // (BlockManager::AddSequence: an onboard, an eviction's offload, a partial copy) then pays one
+  // wake-up, and never waits for the mutex while the submit thread orders its previous batch.
+  // Plugs nest (a count) and are manager-wide: other threads' batches made meanwhile wait for the
+  // unplug too. Do not Wait on a batch made under your own plug before unplugging (it would wait
+  // for its deadline). Thread-safe. SubmitPlug is the scoped form.
+  void Plug();
+  void Unplug();
+  class SubmitPlug {
+   public:
+    explicit SubmitPlug(TransferManager& tm) : tm_(tm) { tm_.Plug(); }
+    ~SubmitPlug() { tm_.Unplug(); }
+    SubmitPlug(const SubmitPlug&) = delete;
+    SubmitPlug& operator=(const SubmitPlug&) = delete;
+
+   private:
+    TransferManager& tm_;
+  };
 
   // The copy streams, for callers that order their own work against the copies (and tests).
   Stream& offload_stream() const;

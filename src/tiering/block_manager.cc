@@ -209,7 +209,8 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   if (priority < kMinPriority || priority > kMaxPriority) {
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
-  m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
+  TransferManager::SubmitPlug plug(*m.tm);  // one wake of the submit thread per call
+  m.RetireAndSubmit();                      // the watermarks run in Poll and RemoveSequence
   Sequence seq;
   seq.tokens.assign(prompt.begin(), prompt.end());
   seq.priority = priority;
@@ -416,6 +417,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
   if (priority < kMinPriority || priority > kMaxPriority) {
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
+  TransferManager::SubmitPlug plug(*m.tm);
   m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
   Sequence probe;
   probe.tokens.assign(prompt.begin(), prompt.end());
@@ -467,12 +469,16 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
   return started;
 }
 
-void BlockManager::Poll() { impl_->Maintain(); }
+void BlockManager::Poll() {
+  TransferManager::SubmitPlug plug(*impl_->tm);
+  impl_->Maintain();
+}
 
 Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) {
   Impl& m = *impl_;
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
+  TransferManager::SubmitPlug plug(*m.tm);
   m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
   Sequence& s = it->second;
   const size_t need = (s.tokens.size() + tokens.size() + m.tpb - 1) / m.tpb;
@@ -492,6 +498,7 @@ Status BlockManager::RemoveSequence(uint64_t id) {
   Impl& m = *impl_;
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
+  TransferManager::SubmitPlug plug(*m.tm);
   for (int64_t b : it->second.blocks) m.Unref(b, it->second.priority);
   m.seqs.erase(it);
   m.Maintain();

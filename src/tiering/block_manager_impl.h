@@ -80,12 +80,16 @@ inline int LaneOf(const Op& op) {
   return op.kind == OpKind::kOffload ? 0 : 1;
 }
 
-// The router events waiting for DrainEvents: a ring of at most `cap`, allocated as it first fills
-// (then never again); when full, the oldest is overwritten and counted in `*dropped`.
+// The router events waiting for DrainEvents: a ring of at most `cap`, its storage reserved at the
+// first event (address space only: pages are touched as it fills) and never moved after; when
+// full, the oldest is overwritten and counted in `*dropped`. (It used to grow by doubling: a call
+// that crossed a power of two moved every event so far, up to 64k of them, on the engine's
+// thread.)
 class EventRing {
  public:
   EventRing(int64_t cap, int64_t* dropped) : cap_(static_cast<size_t>(cap)), dropped_(dropped) {}
   void Push(KvEvent e) {
+    if (ring_.capacity() < cap_) ring_.reserve(cap_);
     if (ring_.size() < cap_) {
       ring_.push_back(std::move(e));
     } else {

@@ -123,6 +123,7 @@ StatusOr<std::unique_ptr<TransferManager>> TransferManager::Create(Device& devic
     impl->views[i] = tiering::TierView{&p->layout(), impl->region_ptrs[i]};
     MutexLock lock(impl->mu);
     impl->state[i].resize(static_cast<size_t>(p->blocks()));
+    impl->marks[i].resize(static_cast<size_t>(p->blocks()));
   }
   KVF_ASSIGN_OR_RETURN(impl->compute_event, device.CreateEvent());
   KVF_RETURN_IF_ERROR(impl->SetUpDeviceStaging(options));
@@ -163,25 +164,47 @@ StatusOr<TransferBatch> TransferManager::Move(Tier from, Tier to,
         fmt::format("move {} -> {}: only primary -> primary copies stay in a tier", TierName(from),
                     TierName(to)));
   }
-  MutexLock lock(m.mu);
-  const uint64_t seq = ++m.next_seq;
-  KVF_RETURN_IF_ERROR(m.CheckMoves(from, to, moves, seq));
-  std::shared_ptr<BatchState> b = m.StartBatch(from, to, moves.size(), seq);
-  if (!b) return Status::ResourceExhausted("transfer manager: could not create an event");
-  const bool file_io = from == Tier::kFile || to == Tier::kFile;
-  SubmitJob job;
-  job.batch = b;
-  job.from = from;
-  job.to = to;
-  job.staging_first = file_io ? m.ReserveStaging(lock, static_cast<int64_t>(moves.size())) : 0;
-  if (!m.spare_moves.empty()) {
-    job.moves = std::move(m.spare_moves.back());
-    m.spare_moves.pop_back();
+  bool wake = false;
+  std::shared_ptr<BatchState> b;
+  {
+    MutexLock lock(m.mu);
+    const uint64_t seq = ++m.next_seq;
+    KVF_RETURN_IF_ERROR(m.CheckMoves(from, to, moves, seq));
+    b = m.StartBatch(from, to, moves.size(), seq);
+    if (!b) return Status::ResourceExhausted("transfer manager: could not create an event");
+    const bool file_io = from == Tier::kFile || to == Tier::kFile;
+    SubmitJob job;
+    job.batch = b;
+    job.from = from;
+    job.to = to;
+    job.staging_first = file_io ? m.ReserveStaging(lock, static_cast<int64_t>(moves.size())) : 0;
+    if (!m.spare_moves.empty()) {
+      job.moves = std::move(m.spare_moves.back());
+      m.spare_moves.pop_back();
+    }
+    job.moves.assign(moves.begin(), moves.end());
+    m.submits.push_back(std::move(job));
+    wake = m.WakeSubmitter();
   }
-  job.moves.assign(moves.begin(), moves.end());
-  m.submits.push_back(std::move(job));
-  m.cv.notify_all();
+  // Outside the mutex: the submit thread wakes to a free lock instead of waiting for ours.
+  if (wake) m.submit_cv.notify_one();
   return TransferBatch(std::move(b));
+}
+
+void TransferManager::Plug() {
+  MutexLock lock(impl_->mu);
+  ++impl_->plugs;
+}
+
+void TransferManager::Unplug() {
+  Impl& m = *impl_;
+  bool wake = false;
+  {
+    MutexLock lock(m.mu);
+    --m.plugs;
+    wake = m.WakeSubmitter();
+  }
+  if (wake) m.submit_cv.notify_one();
 }
 
 // The submit thread's part of a Move, in Move order: ordering after earlier batches (which may
@@ -218,10 +241,13 @@ void TransferManager::Impl::FinishSubmit(SubmitJob& job, int64_t bytes) {
 void TransferManager::Impl::SubmitLoop() {
   MutexLock lock(mu);
   while (true) {
-    lock.Wait(cv, [&]() REQUIRES(mu) { return stop_submit || !submits.empty(); });
+    submitter_waiting = true;
+    lock.Wait(submit_cv, [&]() REQUIRES(mu) { return SubmitterMayRun(); });
+    submitter_waiting = false;
     if (submits.empty()) return;
     SubmitJob job = std::move(submits.front());
     submits.pop_front();
+    if (submits.empty()) kicked = false;
     submitter_busy = true;
     if (StartSubmit(lock, job)) {
       lock.Unlock();
@@ -257,22 +283,22 @@ Status TransferManager::Impl::CheckMoves(Tier from, Tier to, std::span<const Blo
           fmt::format("move item {}: tokens={} outside [0, {}]", i, mv.tokens, tpb));
     }
     if (to != Tier::kFile) {
-      BlockState& d = state[static_cast<int>(to)][mv.dst];
-      if (d.dst_mark == seq) {
+      BlockMarks& d = marks[static_cast<int>(to)][mv.dst];
+      if (d.dst == seq) {
         return Status::InvalidArgument(
             fmt::format("move item {}: {} block {} is the destination of two moves of one batch", i,
                         TierName(to), mv.dst));
       }
-      d.dst_mark = seq;
+      d.dst = seq;
     }
     if (from == to) {
-      BlockState& src = state[static_cast<int>(from)][mv.src];
-      if (src.dst_mark == seq || state[static_cast<int>(to)][mv.dst].src_mark == seq) {
+      BlockMarks& src = marks[static_cast<int>(from)][mv.src];
+      if (src.dst == seq || marks[static_cast<int>(to)][mv.dst].src == seq) {
         return Status::InvalidArgument(
             fmt::format("move item {}: {} block {} is both read and written by one batch", i,
-                        TierName(from), src.dst_mark == seq ? mv.src : mv.dst));
+                        TierName(from), src.dst == seq ? mv.src : mv.dst));
       }
-      src.src_mark = seq;
+      src.src = seq;
     }
   }
   const bool file_io = from == Tier::kFile || to == Tier::kFile;
@@ -314,6 +340,7 @@ std::shared_ptr<BatchState> TransferManager::Impl::StartBatch(Tier from, Tier to
 
 // The first of `n` consecutive staging blocks, waiting (lock released) until they are free.
 int64_t TransferManager::Impl::ReserveStaging(MutexLock& lock, int64_t n) {
+  if (staging_used + n > staging_blocks) KickSubmitter();  // plugged jobs may hold it
   lock.Wait(cv, [&]() REQUIRES(mu) { return staging_used + n <= staging_blocks; });
   const int64_t first = (staging_head + staging_used) % staging_blocks;
   staging_used += n;
@@ -386,7 +413,7 @@ Status TransferManager::Impl::EnqueueCopies(BatchState& b, Tier from, Tier to,
   desc.clear();
   const tiering::TierView& sv = views[static_cast<int>(from)];
   auto src_of = [&](size_t i) { return moves[i].src; };
-  const bool staged = to != Tier::kFile && Staged(from, to, moves);
+  const bool staged = Staged(from, to, moves);
   if (to == Tier::kFile) {  // staging holds whole blocks: the file always stores the whole block
     Plan(
         sv, staging_view, moves.size(), src_of,
@@ -437,6 +464,7 @@ void TransferManager::Impl::QueueFileWrite(std::shared_ptr<BatchState> b, Tier f
 Status TransferManager::SyncWithCompute(Stream& compute) {
   Impl& m = *impl_;
   MutexLock lock(m.mu);
+  m.KickSubmitter();
   lock.Wait(m.cv, [&]() REQUIRES(m.mu) {
     return m.submits.empty() && !m.submitter_busy && m.unrecorded == 0;
   });
@@ -459,6 +487,7 @@ Status TransferManager::Drain(Deadline deadline) {
   Impl& m = *impl_;
   {
     MutexLock lock(m.mu);
+    m.KickSubmitter();
     if (!lock.WaitUntil(m.cv, deadline, [&]() REQUIRES(m.mu) {
           return m.submits.empty() && !m.submitter_busy && m.jobs.empty() && !m.worker_busy;
         })) {
@@ -473,6 +502,7 @@ Status TransferManager::Drain(Deadline deadline) {
 Status TransferManager::WaitSubmitted(Deadline deadline) {
   Impl& m = *impl_;
   MutexLock lock(m.mu);
+  m.KickSubmitter();
   if (!lock.WaitUntil(m.cv, deadline,
                       [&]() REQUIRES(m.mu) { return m.submits.empty() && !m.submitter_busy; })) {
     return Status::DeadlineExceeded(

@@ -72,8 +72,15 @@ struct BlockRef {
 struct BlockState {
   BlockRef write;
   BlockRef read[2];
-  uint64_t dst_mark = 0;  // seq of the last batch that wrote it: catches duplicate destinations
-  uint64_t src_mark = 0;  // seq of the last batch that read it: catches a block read and written
+};
+
+// Per block of the primary and host pools, the marks Move's checks use. Apart from BlockState:
+// the caller's thread writes these, the submit thread the ordering state; sharing cache lines,
+// every check of a batch of 60 blocks missed in the caller's cache (on the H200 VM, part of the
+// engine-visible stall).
+struct BlockMarks {
+  uint64_t dst = 0;  // seq of the last batch that wrote it: catches duplicate destinations
+  uint64_t src = 0;  // seq of the last batch that read it: catches a block read and written
 };
 
 struct FileItem {
@@ -110,6 +117,7 @@ std::vector<int32_t>& TokensScratch();
 }  // namespace internal
 
 using internal::BatchState;
+using internal::tm::BlockMarks;
 using internal::tm::BlockRef;
 using internal::tm::BlockState;
 using internal::tm::FileItem;
@@ -136,18 +144,26 @@ struct TransferManager::Impl {
   std::byte* staging_region[1] = {nullptr};
   tiering::TierView staging_view;
   int64_t staging_blocks = 0;
-  // Device staging of primary <-> host copies, one per copy stream (stream order makes reuse
-  // safe); see DeviceStaging in tiering.h.
+  // Device staging of primary <-> host copies (DeviceStaging in tiering.h; device_staging.cc):
+  // per copy stream, a buffer of two halves of `dstaging_half` packed blocks each, a pack stream
+  // for the device-local leg, and the events that hand the halves between the two streams.
   Buffer dstaging[2];
   std::optional<PoolLayout> dstaging_layout;
   std::byte* dstaging_region[2][1] = {{nullptr}, {nullptr}};
   tiering::TierView dstaging_view[2];
-  int64_t dstaging_blocks = 0;  // 0: copies go direct
+  int64_t dstaging_blocks = 0;              // 0: copies go direct
+  int64_t dstaging_half = 0;                // blocks per half (one chunk of a batch)
+  std::unique_ptr<Event> stage_start[2];    // the copy stream's work so far (its waits)
+  std::unique_ptr<Event> half_ready[2][2];  // a half was filled (gather or link copy)
+  std::unique_ptr<Event> half_free[2][2];   // a half was emptied (link copy or scatter)
+  // After the events they wait for: destroyed (drained) first.
+  std::unique_ptr<Stream> pack_streams[2];
 
   // Guards what the caller's thread (Move and the other public calls) and the file worker share.
   mutable Mutex mu;
   std::condition_variable cv;  // staging freed, a batch recorded, the worker went idle
   std::vector<BlockState> state[2] GUARDED_BY(mu);
+  std::vector<BlockMarks> marks[2] GUARDED_BY(mu);
   std::vector<std::shared_ptr<BatchState>> batches GUARDED_BY(mu);
   size_t batch_cursor GUARDED_BY(mu) = 0;
   uint64_t next_seq GUARDED_BY(mu) = 1;
@@ -163,6 +179,17 @@ struct TransferManager::Impl {
   std::vector<std::vector<BlockMove>> spare_moves GUARDED_BY(mu);
   bool submitter_busy GUARDED_BY(mu) = false;
   bool stop_submit GUARDED_BY(mu) = false;  // the submit thread: finish the queue, then end
+  // Only the submit thread waits on submit_cv (so a Move wakes nothing else), and only while
+  // `submitter_waiting`. While `plugs` > 0 (TransferManager::Plug) it takes no job (the queue
+  // fills, one wake-up at the last Unplug), unless `kicked` (a wait that needs the queue to move:
+  // until the queue is empty).
+  std::condition_variable submit_cv;
+  bool submitter_waiting GUARDED_BY(mu) = false;
+  int plugs GUARDED_BY(mu) = 0;
+  bool kicked GUARDED_BY(mu) = false;
+  bool SubmitterMayRun() const REQUIRES(mu) {
+    return stop_submit || (!submits.empty() && (plugs == 0 || kicked));
+  }
   TransferStats stats GUARDED_BY(mu);
   // Set once at construction; the counters themselves are atomics.
   std::shared_ptr<internal::CopyCounters> counters = std::make_shared<internal::CopyCounters>();
@@ -187,6 +214,7 @@ struct TransferManager::Impl {
       MutexLock lock(mu);
       stop_submit = true;
     }
+    submit_cv.notify_all();
     cv.notify_all();
     if (submitter.joinable()) submitter.join();  // before the worker: it may queue file jobs
     {
@@ -198,6 +226,16 @@ struct TransferManager::Impl {
     for (auto& s : streams) {
       if (s) (void)s->Synchronize(Clock::now() + std::chrono::hours(1));
     }
+  }
+
+  // After queueing a submit job or unplugging (mu held): true when the submit thread must be
+  // woken, by notify_one on submit_cv once mu is released (else it would wake to wait for mu).
+  bool WakeSubmitter() const REQUIRES(mu) { return submitter_waiting && SubmitterMayRun(); }
+  // Before a wait that needs the queued jobs submitted: runs them whatever the plug.
+  void KickSubmitter() REQUIRES(mu) {
+    if (submits.empty()) return;
+    kicked = true;
+    if (submitter_waiting) submit_cv.notify_one();
   }
 
   int64_t Blocks(Tier t) const {
@@ -284,8 +322,11 @@ struct TransferManager::Impl {
     return emitted;
   }
 
-  // True when a primary <-> host batch goes through device staging: staging is set up and every
-  // move copies whole blocks.
+  // True when a primary <-> host batch goes through device staging (set up at Create): every move
+  // copies whole blocks. A batch with partial moves goes direct: on the H200 its link leg is the
+  // gather kernel over 16 KiB rows either way, and staged partial rows measured 0.85-0.88 of one
+  // contiguous copy against 0.82-0.92 direct (the single-block partial copies of a prefix hit
+  // would also pay two legs' latency).
   bool Staged(Tier from, Tier to, std::span<const BlockMove> moves) const {
     if (dstaging_blocks == 0 || from == to || from == Tier::kFile || to == Tier::kFile) {
       return false;
@@ -297,69 +338,14 @@ struct TransferManager::Impl {
     return true;
   }
 
-  // Queues a staged batch on `stream`: per chunk of staging, the gather into staging and the
-  // copy out of it (two CopyBatch calls). Returns descriptors queued; adds bytes moved.
+  // Device staging (device_staging.cc). CopyStaged queues a staged batch on copy stream
+  // `stream` (its waits already enqueued), chunk by chunk through the two halves of that stream's
+  // staging, the device-local leg on the stream's pack stream; returns descriptors queued and adds
+  // the bytes moved. SetUpDeviceStaging decides at Create whether staging pays and allocates it.
   StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
                               std::span<const int32_t> toks, std::vector<CopyDesc>& desc,
-                              int64_t* bytes) {
-    size_t descs = 0;
-    const tiering::TierView& sv = views[static_cast<int>(from)];
-    const tiering::TierView& dv = views[static_cast<int>(to)];
-    const tiering::TierView& st = dstaging_view[stream];
-    for (size_t at = 0; at < moves.size(); at += static_cast<size_t>(dstaging_blocks)) {
-      const size_t n = std::min(moves.size() - at, static_cast<size_t>(dstaging_blocks));
-      auto slot = [](size_t i) { return static_cast<int64_t>(i); };
-      auto chunk_toks = toks.subspan(at, n);
-      for (int leg = 0; leg < 2; ++leg) {
-        desc.clear();
-        int64_t ignored = 0;
-        if (leg == 0) {
-          Plan(
-              sv, st, n, [&](size_t i) { return moves[at + i].src; }, slot, chunk_toks, desc,
-              bytes);
-        } else {
-          Plan(
-              st, dv, n, slot, [&](size_t i) { return moves[at + i].dst; }, chunk_toks, desc,
-              &ignored);
-        }
-        if (!desc.empty()) KVF_RETURN_IF_ERROR(streams[stream]->CopyBatch(desc));
-        descs += desc.size();
-      }
-    }
-    return descs;
-  }
-
-  // Sets up device staging when options and layouts call for it (Create).
-  Status SetUpDeviceStaging(const TransferOptions& o) {
-    if (pools[1] == nullptr || o.device_staging == DeviceStaging::kNever) return Status::Ok();
-    if (o.device_staging == DeviceStaging::kAuto && device->info().platform == "cpu") {
-      return Status::Ok();  // host memory both sides: staging is only an extra copy
-    }
-    if (o.device_staging_blocks <= 0) {
-      return Status::InvalidArgument(fmt::format(
-          "transfer manager: device_staging_blocks={} must be positive", o.device_staging_blocks));
-    }
-    KVF_ASSIGN_OR_RETURN(PoolLayout packed,
-                         tiering::PackedLayoutLike(pools[1]->layout(), o.device_staging_blocks));
-    // It helps only when a primary block is several fragments and a host block is one range.
-    std::byte* fake[1] = {nullptr};
-    tiering::TierView pv = views[0], hv = views[1], sv{&packed, fake};
-    std::vector<CopyDesc> probe;
-    const int64_t tpb = pools[0]->shape().tokens_per_block;
-    const size_t direct = tiering::AppendRunCopies(pv, 0, hv, 0, 1, tpb, probe);
-    const size_t link = tiering::AppendRunCopies(sv, 0, hv, 0, 1, tpb, probe);
-    if (direct <= 1 || link != 1) return Status::Ok();
-    dstaging_layout = std::move(packed);
-    for (int i = 0; i < 2; ++i) {
-      KVF_ASSIGN_OR_RETURN(dstaging[i],
-                           device->Allocate(MemoryKind::kDevice,
-                                            static_cast<size_t>(dstaging_layout->total_bytes())));
-      dstaging_region[i][0] = dstaging[i].data();
-      dstaging_view[i] = tiering::TierView{&*dstaging_layout, dstaging_region[i]};
-    }
-    dstaging_blocks = o.device_staging_blocks;
-    return Status::Ok();
-  }
+                              int64_t* bytes);
+  Status SetUpDeviceStaging(const TransferOptions& o);
 
   // Move's steps, in order; the caller holds `lock` on mu throughout.
   Status CheckMoves(Tier from, Tier to, std::span<const BlockMove> moves, uint64_t seq)

@@ -350,6 +350,50 @@ TEST(TransferManager, MoveReturnsWhileItsDependencyWaitsForTheDisk) {
   EXPECT_EQ(tm->stats().submits_queued, 0);
 }
 
+// Plugged, Move queues batches without starting them; the last Unplug starts them all (nested
+// plugs count); a call that waits for submissions runs the queue whatever the plug.
+TEST(TransferManager, PluggedMovesStartAtTheLastUnplug) {
+  auto dev = OpenCpuDevice();
+  BlockPool primary = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 8);
+  BlockPool host = MakePool(*dev, LayoutKind::kBlockMajor, MemoryKind::kPinnedHost, 8);
+  auto tm = std::move(TransferManager::Create(*dev, primary, &host, nullptr)).value();
+  FillAll(primary, 100);
+  tm->Plug();
+  tm->Plug();
+  std::vector<BlockMove> a = {{1, 5}, {2, 6}}, b = {{3, 7}};
+  auto ba = tm->Offload(Tier::kHost, a);
+  auto bb = tm->Offload(Tier::kHost, b);
+  ASSERT_TRUE(ba.ok() && bb.ok());
+  tm->Unplug();  // still plugged once
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(tm->stats().submits_queued, 2);
+  EXPECT_FALSE(ba->Query());
+  EXPECT_FALSE(bb->Query());
+  tm->Unplug();
+  ASSERT_TRUE(ba->Wait(Soon()).ok());
+  ASSERT_TRUE(bb->Wait(Soon()).ok());
+  ExpectBlockHolds(host, 5, 101);
+  ExpectBlockHolds(host, 6, 102);
+  ExpectBlockHolds(host, 7, 103);
+  {
+    TransferManager::SubmitPlug plug(*tm);
+    std::vector<BlockMove> c = {{4, 0}};
+    auto bc = tm->Offload(Tier::kHost, c);
+    ASSERT_TRUE(bc.ok());
+    ASSERT_TRUE(tm->WaitSubmitted(Soon()).ok());  // runs the queue under the plug
+    EXPECT_EQ(tm->stats().submits_queued, 0);
+    ASSERT_TRUE(bc->Wait(Soon()).ok());
+    ExpectBlockHolds(host, 0, 104);
+    std::vector<BlockMove> d = {{5, 1}};  // the kick lasts until the queue is empty: held again
+    auto bd = tm->Offload(Tier::kHost, d);
+    ASSERT_TRUE(bd.ok());
+    std::this_thread::sleep_for(50ms);
+    EXPECT_FALSE(bd->Query());
+  }
+  ASSERT_TRUE(tm->Drain(Soon()).ok());
+  ExpectBlockHolds(host, 1, 105);
+}
+
 TEST(TransferManager, FileBatchLargerThanStagingIsRejected) {
   Fixture f(LayoutKind::kBlockMajor, DType::kBf16, true, /*staging=*/2);
   std::vector<BlockMove> out = {FileMove(0, 0, 1), FileMove(1, 1, 2), FileMove(2, 2, 3)};
@@ -382,14 +426,15 @@ namespace {
 
 // Device staging (forced on the CPU device): a per-layer primary pool and a block-major host
 // pool; whole-block offloads and onboards go gather -> staging -> host and back, in chunks of the
-// staging, with the same bytes as the direct path. Partial moves still go direct.
+// staging, with the same bytes as the direct path (the CPU reference); batches with partial moves
+// go direct.
 TEST(TransferManager, DeviceStagedCopiesMatchTheDirectPath) {
   auto dev = OpenCpuDevice();
   BlockPool primary = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 10);
   BlockPool host = MakePool(*dev, LayoutKind::kBlockMajor, MemoryKind::kPinnedHost, 10);
   TransferOptions o;
   o.device_staging = DeviceStaging::kAlways;
-  o.device_staging_blocks = 3;  // batches of 7 go through it in three chunks
+  o.device_staging_blocks = 4;  // two halves of 2: batches of 7 go in 4 chunks, halves alternating
   auto tm = TransferManager::Create(*dev, primary, &host, nullptr, o);
   ASSERT_TRUE(tm.ok()) << tm.status().ToString();
   ASSERT_TRUE((*tm)->device_staged());
@@ -410,17 +455,51 @@ TEST(TransferManager, DeviceStagedCopiesMatchTheDirectPath) {
   ExpectBlockHolds(primary, 7, 104);
   ExpectBlockHolds(primary, 8, 109);
   ExpectBlockHolds(primary, 0, 900);  // untouched
-  // A partial move is not staged: only its tokens land.
-  std::vector<BlockMove> part = {{4, 3, 2}};
+  // A batch with partial moves goes direct: only their tokens land, both ways, the rest of each
+  // destination block keeps its bytes (the CPU reference, on snapshots).
+  std::vector<BlockMove> part = {{4, 3, 2}, {6, 1, 3}, {5, 9, 1}};
+  std::vector<std::byte> want_host = testing::Snapshot(host);
+  const std::vector<std::byte> prim = testing::Snapshot(primary);
+  for (const BlockMove& m : part)
+    testing::ReferenceCopy(primary, prim, m.src, host, want_host, m.dst, m.tokens);
   auto d = (*tm)->Offload(Tier::kHost, part);
   ASSERT_TRUE(d.ok());
   ASSERT_TRUE(d->Wait(Soon()).ok());
-  ExpectBlockHolds(host, 3, 904, 2);
-  // Same block layouts on both sides: nothing to gain, no staging.
+  EXPECT_TRUE(testing::Snapshot(host) == want_host);
+  std::vector<BlockMove> part_in = {{3, 2, 2}, {1, 4, 3}, {9, 0, 1}};
+  std::vector<std::byte> want_prim = testing::Snapshot(primary);
+  const std::vector<std::byte> hb = testing::Snapshot(host);
+  for (const BlockMove& m : part_in)
+    testing::ReferenceCopy(host, hb, m.src, primary, want_prim, m.dst, m.tokens);
+  auto e = (*tm)->Onboard(Tier::kHost, part_in);
+  ASSERT_TRUE(e.ok());
+  ASSERT_TRUE(e->Wait(Soon()).ok());
+  EXPECT_TRUE(testing::Snapshot(primary) == want_prim);
+  // Same block layouts on both sides: auto stages nothing (the link would see the same
+  // fragments); always stages in the primary's own order (a batch of whole blocks; the mixed one
+  // goes direct).
   BlockPool host2 = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kPinnedHost, 4);
-  auto tm2 = TransferManager::Create(*dev, primary, &host2, nullptr, o);
+  TransferOptions a = o;
+  a.device_staging = DeviceStaging::kAuto;
+  auto tm2 = TransferManager::Create(*dev, primary, &host2, nullptr, a);
   ASSERT_TRUE(tm2.ok());
   EXPECT_FALSE((*tm2)->device_staged());
+  auto tm3 = TransferManager::Create(*dev, primary, &host2, nullptr, o);
+  ASSERT_TRUE(tm3.ok());
+  ASSERT_TRUE((*tm3)->device_staged());
+  FillAll(host2, 500);
+  for (const std::vector<BlockMove>& batch : {std::vector<BlockMove>{{7, 2}, {0, 1}, {5, 3}},
+                                              std::vector<BlockMove>{{2, 0, 3}, {8, 3, 1}}}) {
+    std::vector<std::byte> want2 = testing::Snapshot(host2);
+    const std::vector<std::byte> p2 = testing::Snapshot(primary);
+    for (const BlockMove& m : batch) {
+      testing::ReferenceCopy(primary, p2, m.src, host2, want2, m.dst, m.tokens == 0 ? 4 : m.tokens);
+    }
+    auto f = (*tm3)->Offload(Tier::kHost, batch);
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE(f->Wait(Soon()).ok());
+    EXPECT_TRUE(testing::Snapshot(host2) == want2);
+  }
 }
 
 }  // namespace

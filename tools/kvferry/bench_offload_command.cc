@@ -72,6 +72,9 @@ struct Row {
   // File tier rows: the backend the store runs (caps.name) and its note (fallback reason etc.).
   std::string file_backend{};
   std::string file_note{};
+  // The host tier's pool layout as created, and whether primary <-> host copies were staged.
+  std::string host_pool{};
+  bool staged = false;
 };
 
 double Gbps(int64_t bytes, double s) { return s > 0 ? bytes / s / 1e9 : 0; }
@@ -165,6 +168,7 @@ class Bench {
     spec.memory = MemoryKind::kPinnedHost;
     spec.blocks = 2 * n;
     if (o_.host_layout == "block-major") spec.layout = LayoutKind::kBlockMajor;
+    if (o_.host_layout == "block-major-nhd") spec.layout = LayoutKind::kBlockMajorNhd;
     KVF_ASSIGN_OR_RETURN(s->host, BlockPool::Create(dev_, spec));
     s->topt = TransferOptions::FromConfig();
     s->topt.file_staging_blocks = std::min<int64_t>(n, std::max<int64_t>(1, (256 << 20) / s->bb));
@@ -284,6 +288,16 @@ class Bench {
 
   // Offload, onboard, both at once, partial (the first half of each block's tokens).
   Status HostCases(Setup& s, std::vector<Row>& rows) {
+    const size_t first_row = rows.size();
+    KVF_RETURN_IF_ERROR(HostRows(s, rows));
+    for (size_t i = first_row; i < rows.size(); ++i) {
+      rows[i].host_pool = std::string(LayoutKindName(s.host->spec().layout));
+      rows[i].staged = s.tm->device_staged();
+    }
+    return Status::Ok();
+  }
+
+  Status HostRows(Setup& s, std::vector<Row>& rows) {
     TransferManager& tm = *s.tm;
     const int64_t bytes = s.bytes, bb = s.bb, n = s.n;
     const int32_t tpb = s.tpb;
@@ -607,6 +621,10 @@ int RunBenchOffload(const Options& o) {
                           {"pattern_gbps", Gbps(r.bytes, r.pattern_seconds)},
                           {"iters", o.iters},
                           {"host_layout", o.host_layout}};
+      if (!r.host_pool.empty()) {
+        j["host_pool_layout"] = r.host_pool;
+        j["device_staged"] = r.staged;
+      }
       if (!r.file_backend.empty()) {
         j["file_backend"] = r.file_backend;
         j["file_note"] = r.file_note;

@@ -9,12 +9,16 @@
 // scheduler thread is idle then); Poll and RemoveSequence, where the watermarks run, are reported
 // apart as upkeep.
 #include <fmt/format.h>
+#include <sched.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -47,6 +51,10 @@ struct Options {
   int64_t file_staging_blocks = 128;
   uint64_t seed = 1;
   bool verify = false;
+  // The engine's thread (the one calling the BlockManager) pinned to this CPU while it runs the
+  // trace (the managers' threads are not); -1: not pinned. Separates the manager's own cost from
+  // the scheduler's (on a VM, a p99 of tens of us can be a preemption).
+  int32_t pin_cpu = -1;
   OutputFlags out;
 };
 
@@ -63,9 +71,10 @@ struct Result {
   int64_t prompt_tokens = 0, reused_tokens = 0, requests = 0, verified_blocks = 0;
   int64_t prompt_blocks = 0;  // full prompt blocks: the denominator of the hit rates
   std::vector<double> stall_us, ready_us;
-  std::vector<double> stall_cpu_us;  // the caller thread's CPU time in those calls
-  std::vector<double> upkeep_us;     // Poll (during the forward pass) and RemoveSequence
-  std::vector<double> submit_us;     // of stall_us: handing batches to the TransferManager
+  std::vector<double> add_us, append_us;  // stall_us by call: AddSequence, AppendTokens
+  std::vector<double> stall_cpu_us;       // the caller thread's CPU time in those calls
+  std::vector<double> upkeep_us;          // Poll (during the forward pass) and RemoveSequence
+  std::vector<double> submit_us;          // of stall_us: handing batches to the TransferManager
   int64_t events = 0;
   double seconds = 0;
   std::string file_backend;
@@ -132,6 +141,37 @@ int32_t AnswerToken(int32_t c, int32_t t, int32_t i) {
   return 50000000 + c * 100000 + t * 1000 + i;
 }
 
+// Pins the calling thread to one CPU for its scope (no-op for cpu < 0) and restores its mask
+// after. Taken once the managers exist: threads they start inherit their creator's mask, and must
+// not share the engine's CPU.
+class PinScope {
+ public:
+  static StatusOr<std::unique_ptr<PinScope>> Pin(int32_t cpu) {
+    auto p = std::unique_ptr<PinScope>(new PinScope);
+    if (cpu < 0) return p;
+    if (::sched_getaffinity(0, sizeof(p->saved_), &p->saved_) != 0) {
+      return Status::Internal(fmt::format("sched_getaffinity: {}", std::strerror(errno)));
+    }
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (::sched_setaffinity(0, sizeof(set), &set) != 0) {
+      return Status::InvalidArgument(
+          fmt::format("--pin-cpu {}: sched_setaffinity: {}", cpu, std::strerror(errno)));
+    }
+    p->pinned_ = true;
+    return p;
+  }
+  ~PinScope() {
+    if (pinned_) (void)::sched_setaffinity(0, sizeof(saved_), &saved_);
+  }
+
+ private:
+  PinScope() { CPU_ZERO(&saved_); }
+  cpu_set_t saved_;
+  bool pinned_ = false;
+};
+
 StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
   PoolSpec spec;
   spec.shape = KvShape{o.layers, o.kv_heads, o.head_dim, DType::kBf16, 2, o.tokens_per_block};
@@ -169,6 +209,7 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
   bo.identity.shape = spec.shape;
   if (!mode.watermarks) bo.free_low_pct = bo.free_high_pct = 0;
   KVF_ASSIGN_OR_RETURN(auto bm, BlockManager::Create(*tm, bo));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<PinScope> pinned, PinScope::Pin(o.pin_cpu));
 
   Result res;
   res.mode = mode;
@@ -194,6 +235,7 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
       CallTimer timer(res.stall_us, &res.stall_cpu_us);
       admitted = bm->AddSequence(id, h);
     }
+    res.add_us.push_back(res.stall_us.back());
     res.submit_us.push_back(static_cast<double>(bm->stats().submit_ns - submitted) / 1e3);
     KVF_ASSIGN_OR_RETURN(Admission a, std::move(admitted));
     auto t0 = Clock::now();
@@ -241,6 +283,7 @@ StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
         CallTimer timer(res.stall_us, &res.stall_cpu_us);
         appended = bm->AppendTokens(id, chunk);
       }
+      res.append_us.push_back(res.stall_us.back());
       res.submit_us.push_back(static_cast<double>(bm->stats().submit_ns - submitted) / 1e3);
       KVF_RETURN_IF_ERROR(appended);
       h.insert(h.end(), chunk.begin(), chunk.end());
@@ -287,7 +330,13 @@ nlohmann::json ToJson(const Result& r, int64_t bb, const std::string& device) {
           {"bytes_from_file", r.st.hits[2] * bb},
           {"dropped", {r.st.dropped[0], r.st.dropped[1], r.st.dropped[2]}},
           {"stall_us_p50", Pct(r.stall_us, 0.50)},
+          {"stall_us_p90", Pct(r.stall_us, 0.90)},
           {"stall_us_p99", Pct(r.stall_us, 0.99)},
+          {"stall_us_p999", Pct(r.stall_us, 0.999)},
+          {"add_sequence_us_p50", Pct(r.add_us, 0.50)},
+          {"add_sequence_us_p99", Pct(r.add_us, 0.99)},
+          {"append_tokens_us_p99", Pct(r.append_us, 0.99)},
+          {"stall_calls", r.stall_us.size()},
           {"stall_us_max", Pct(r.stall_us, 1.0)},
           {"stall_cpu_us_p50", Pct(r.stall_cpu_us, 0.50)},
           {"stall_cpu_us_p99", Pct(r.stall_cpu_us, 0.99)},
@@ -332,6 +381,10 @@ int RunBenchTiering(const Options& o) {
                "bench tiering: --verify needs --device cpu (it fills blocks from the host)\n");
     return 2;
   }
+  if (auto probe = PinScope::Pin(o.pin_cpu); !probe.ok()) {  // refused before any mode runs
+    fmt::print(stderr, "bench tiering: {}\n", probe.status().ToString());
+    return 2;
+  }
   const std::vector<Mode> modes = {{"tiered", true, true, true},
                                    {"tiered-on-demand", true, true, false},
                                    {"tiered-knob-staging", true, true, true, true},
@@ -372,6 +425,7 @@ int RunBenchTiering(const Options& o) {
                     {"answer_tokens", o.answer_tokens},
                     {"step_us", o.step_us},
                     {"seed", o.seed},
+                    {"pin_cpu", o.pin_cpu},
                     {"verify", o.verify}};
     for (const Result& r : results) doc.AddRow(ToJson(r, bb, (*dev)->info().name));
     doc.Print(o.out.format());
@@ -414,6 +468,18 @@ int RunBenchTiering(const Options& o) {
         Pct(r.stall_cpu_us, 0.99), Pct(r.ready_us, 0.99), Pct(r.upkeep_us, 0.99),
         Pct(r.submit_us, 0.99));
   }
+  fmt::print("stall distribution (us, {} calls per mode; engine thread {}):\n",
+             results.empty() ? 0 : results[0].stall_us.size(),
+             o.pin_cpu >= 0 ? fmt::format("pinned to cpu {}", o.pin_cpu) : "not pinned");
+  fmt::print("{:<18} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10}\n", "mode", "p50", "p90",
+             "p99", "p99.9", "max", "add p50", "add p99", "append p99");
+  for (const Result& r : results) {
+    fmt::print(
+        "{:<18} {:>8.1f} {:>8.1f} {:>8.1f} {:>8.1f} {:>8.1f} {:>10.1f} {:>10.1f} {:>10.1f}\n",
+        r.mode.name, Pct(r.stall_us, 0.5), Pct(r.stall_us, 0.9), Pct(r.stall_us, 0.99),
+        Pct(r.stall_us, 0.999), Pct(r.stall_us, 1.0), Pct(r.add_us, 0.5), Pct(r.add_us, 0.99),
+        Pct(r.append_us, 0.99));
+  }
   return 0;
 }
 
@@ -455,6 +521,10 @@ void AddBenchTieringCommand(CLI::App& bench) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   cmd->add_option("--seed", o->seed, "trace order seed");
   cmd->add_flag("--verify", o->verify, "check every reused block byte for byte (cpu device)");
+  cmd->add_option("--pin-cpu", o->pin_cpu,
+                  "pin the engine's thread (the one calling the block manager) to this CPU; -1: "
+                  "not pinned")
+      ->check(CLI::Range(-1, CPU_SETSIZE - 1));
   AddOutputFlags(cmd, o->out);
   cmd->callback([o] { std::exit(RunBenchTiering(*o)); });
 }
