@@ -71,6 +71,10 @@ TEST(HostCopy, StreamsOnlyLargeOperationsOfLongRows) {
   EXPECT_FALSE(UseStreamingStores((size_t{8} << 20) - 1, 16384, int64_t{8} << 20));
   EXPECT_FALSE(UseStreamingStores(size_t{64} << 20, 255, int64_t{8} << 20));  // short rows
   EXPECT_FALSE(UseStreamingStores(size_t{64} << 20, size_t{4} << 20, 0));     // knob: never
+  // By default a TP2->TP4 peer batch of a 128-token Llama-3-8B request streams: 4 MiB of 16 KiB
+  // rows (8 MiB, the first default, left it to memcpy).
+  const int64_t knob = Config::Global().Int("cpu.streaming_copy_min_bytes");
+  EXPECT_EQ(UseStreamingStores(size_t{4} << 20, 16384, knob), can) << knob;
 }
 
 // A CPU stream copies every way it is asked (Copy, CopyBatch with 1-D and 2-D descriptors,
