@@ -226,7 +226,9 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
       return Reject(
           peer, f,
           Status::InvalidArgument(fmt::format(
-              "request {} was already delivered and released (replayed handle)", f.request_id)));
+              "request {} already ended on this rank and was released (a replayed handle, or a "
+              "FETCH later than the request's deadline)",
+              f.request_id)));
     }
     if (pending_.full()) {
       return Reject(peer, f,
