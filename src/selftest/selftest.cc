@@ -324,6 +324,16 @@ static std::optional<RequestTimeline> Slowest(const std::vector<RequestTimeline>
   return out;
 }
 
+// A rank's warm-up requests ended: what its side spent so far is set-up, not the measured
+// requests' cost.
+template <typename Side>
+static void NoteWarm(RankResult& res, const Side& side, int done, Clock::time_point start) {
+  res.control_cpu_warm_seconds = side.stats().busy_cpu_seconds;
+  res.warm_requests = done;
+  res.warm_at_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  res.profile_warm = side.metrics().profile;
+}
+
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                                     const TransportMaker& make) {
   const fs::path dir(cfg.dir);
@@ -391,8 +401,16 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   auto start = Clock::now();
   RunWatch watch(cfg, dir / fmt::format("progress-ctx-{}", rank), static_cast<int>(mine.size()));
   std::vector<uint64_t> live;
+  // Warm-up (cfg.warmup): the first requests end before the others are published.
+  const int warmup = std::min(cfg.warmup, static_cast<int>(mine.size()) - 1);
+  bool warm = warmup <= 0;
   while (done < static_cast<int>(mine.size())) {
-    while (next < mine.size() && !busy[next % slots] && !watch.Stopped()) {
+    if (!warm && done >= warmup) {
+      warm = true;
+      NoteWarm(res, *side, done, start);
+    }
+    while (next < mine.size() && !busy[next % slots] && !watch.Stopped() &&
+           (static_cast<int>(next) < warmup || warm)) {
       int slot = static_cast<int>(next % slots);
       int i = mine[next++];
       busy[slot] = true;
@@ -470,6 +488,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
   res.data_path = side->metrics().data_path;
+  res.profile = side->metrics().profile;
   res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
@@ -535,10 +554,16 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   const int warmup = std::min(cfg.warmup, static_cast<int>(mine.size()) - 1);
   // With a shared prefix, the first request brings it; the others wait for it, then reuse it.
   bool prefix_resident = cfg.shared_prefix_blocks == 0;
+  bool warm = warmup <= 0;  // the measured requests start once the warm-up ones ended
+  const auto rank_start = Clock::now();
   while (done < static_cast<int>(mine.size())) {
+    if (!warm && done >= warmup) {
+      warm = true;
+      NoteWarm(res, *side, done, rank_start);
+    }
     bool handle_due = false;  // a free slot waits only for its request's handle
     while (next < mine.size() && !busy[next % slots] && (next == 0 || prefix_resident) &&
-           !watch.Stopped()) {
+           (static_cast<int>(next) < warmup || warm) && !watch.Stopped()) {
       int i = mine[next];
       // Nothing in flight: no completion can come, so wait for the handle here; otherwise take it
       // only if it is there, and go on taking completions.
@@ -627,6 +652,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
   res.data_path = side->metrics().data_path;
+  res.profile = side->metrics().profile;
   res.slowest = Slowest(side->timelines());
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
@@ -664,6 +690,73 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg) {
   }
   return out;
 }
+
+namespace {
+
+// A rank's share of one request in the measured part of the run: its measured requests scaled to
+// all it took part in, over the run's requests (with one DP group, 1 / measured requests).
+double MeasuredWeight(const SelftestConfig& cfg, const RankResult& r) {
+  const int measured = r.requests - r.warm_requests;
+  if (measured <= 0 || cfg.requests <= 0) return 0;
+  return static_cast<double>(r.requests) / measured / cfg.requests;
+}
+
+// Progress-thread CPU per measured request, seconds, all ranks.
+double MeasuredControlCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+  double per_request = 0;
+  for (const RankResult& r : ranks)
+    per_request += (r.control_cpu_seconds - r.control_cpu_warm_seconds) * MeasuredWeight(cfg, r);
+  return per_request;
+}
+
+double Lookup(const std::vector<std::pair<std::string, double>>& values, const std::string& name) {
+  for (const auto& [n, v] : values) {
+    if (n == name) return v;
+  }
+  return 0;
+}
+
+// transfer.profile per side over the measured requests (SelftestSummary::profile).
+std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> MeasuredProfile(
+    const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+  std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> out;
+  for (const bool context : {true, false}) {
+    std::vector<std::pair<std::string, double>> sums;
+    double busy_sum = 0, busy_min = 1e300;
+    int metered = 0;
+    for (const RankResult& r : ranks) {
+      if (r.context != context || r.profile.empty()) continue;
+      const double w = MeasuredWeight(cfg, r);
+      for (const auto& [name, value] : r.profile) {
+        const double v = (value - Lookup(r.profile_warm, name)) * w;
+        if (name == "copy_busy_s") continue;
+        const bool cpu = name.size() > 6 && name.ends_with("_cpu_s");
+        const std::string key = cpu ? name.substr(0, name.size() - 2) + "_us" : name;
+        auto it =
+            std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == key; });
+        if (it == sums.end()) it = sums.insert(sums.end(), {key, 0.0});
+        it->second += cpu ? v * 1e6 : v;
+      }
+      const double wall = r.seconds - r.warm_at_seconds;
+      if (context && wall > 0) {
+        const double busy =
+            (Lookup(r.profile, "copy_busy_s") - Lookup(r.profile_warm, "copy_busy_s")) / wall;
+        busy_sum += busy;
+        busy_min = std::min(busy_min, busy);
+        ++metered;
+      }
+    }
+    if (sums.empty()) continue;
+    if (metered > 0) {
+      sums.emplace_back("copy_busy", busy_sum / metered);
+      sums.emplace_back("copy_busy_min", busy_min);
+    }
+    out.emplace_back(context ? "context" : "generation", std::move(sums));
+  }
+  return out;
+}
+
+}  // namespace
 
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
   SelftestSummary s;
@@ -722,7 +815,9 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   s.p90_ms = pct(0.9);
   s.p99_ms = pct(0.99);
   s.cpu_us_per_request = cpu / cfg.requests * 1e6;
-  s.control_cpu_us_per_request = control_cpu / cfg.requests * 1e6;
+  s.control_cpu_with_warmup_us_per_request = control_cpu / cfg.requests * 1e6;
+  s.control_cpu_us_per_request = MeasuredControlCpu(cfg, ranks) * 1e6;
+  s.profile = MeasuredProfile(cfg, ranks);
   return s;
 }
 

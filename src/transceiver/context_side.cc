@@ -191,7 +191,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
   }
 
   bool Advance() override {
-    bool busy = false;
+    bool busy = peer_copies_.Poll();
     for (auto it = requests_.begin(); it != requests_.end();) {
       CtxRequest& r = it->second;
       for (auto& [layer_end, ev] : r.layer_events) {
@@ -402,7 +402,10 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
       in.direct_min_bytes = f.direct_min_bytes;
       in.layer_wise = r->layer_wise;
       in.max_plan_bytes = plan_budget();
-      auto plan = PlanForCtxRank(in, pool_.slice().rank);
+      auto plan = [&] {
+        ProfileScope timed(profile(), ProfilePhase::kPlan);
+        return PlanForCtxRank(in, pool_.slice().rank);
+      }();
       if (!plan.ok()) return Reject(peer, f, plan.status());
       r->plan = std::move(plan).value();
       r->plan_key = f;
@@ -420,7 +423,8 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
     if (!peer_pool.empty()) NotePeerMemoryUsed();
     p.checksum = f.checksum && host_visible_pool();
     if (!peer_pool.empty())
-      p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum);
+      p.mapped =
+          std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_, profile());
     if (rma) p.target = std::move(f.rma_target);
     for (const PairPlan& pp : r->plan) {
       if (pp.gen_rank == f.gen_rank) p.plan = pp;
@@ -563,7 +567,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
       if (!launched.ok()) return Fail(r, launched.status()), true;
       busy = *launched;
     }
-    p.mapped->Reap(*this, landed_);
+    p.mapped->Reap(landed_);
     for (const PeerSender::Landed& l : landed_) {
       busy = true;
       if (r.ending) continue;
@@ -708,7 +712,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
           if (op.packed) ReleaseEvent(op.packed);
         }
         p.inflight.clear();
-        if (p.mapped) p.mapped->Abandon(*this);
+        if (p.mapped) p.mapped->Abandon();
       }
       return true;
     }
@@ -777,10 +781,11 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
   PendingFetches pending_;                   // progress thread
   std::deque<uint64_t> recent_;              // recently finished ids, for replay detection
   std::set<uint64_t> recent_set_;
-  std::vector<CopyDesc> descs_;             // reused
-  std::vector<PeerSender::Landed> landed_;  // reused
-  bool rma_said_ = false;                   // logged once why a one-sided fetch is served tagged
-  bool peer_said_ = false;                  // logged once why offered peer memory is not used
+  std::vector<CopyDesc> descs_;                    // reused
+  std::vector<PeerSender::Landed> landed_;         // reused
+  PeerCompletions peer_copies_{*this, profile()};  // every PeerSender's batches on stream_
+  bool rma_said_ = false;   // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;  // logged once why offered peer memory is not used
 };
 
 }  // namespace

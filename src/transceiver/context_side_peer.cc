@@ -5,6 +5,12 @@
 #include "transceiver/rma.h"
 
 namespace kvferry {
+namespace {
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
 
 Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target) {
   for (size_t i = 0; i < mapped.size(); ++i) {
@@ -85,24 +91,30 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
       b.what.checksum = ChunkChecksum(plan.chunks[next], true, pool);
     }
     next += count;
-    Status st = stream.CopyBatch(scratch);
-    b.done = events.Lend();
-    if (st.ok()) st = b.done ? stream.Record(*b.done) : Status::Internal("no device event");
+    Status st;
+    Event* done = nullptr;
+    {
+      ProfileScope timed(profile_, ProfilePhase::kCopySubmit);
+      st = stream.CopyBatch(scratch);
+      done = events.Lend();
+      if (st.ok()) st = done ? stream.Record(*done) : Status::Internal("no device event");
+    }
     if (!st.ok()) {
-      if (b.done) events.Return(b.done);
+      if (done) events.Return(done);
       return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
     }
+    b.ticket = completions_.Add(done);
+    if (profile_) profile_->Count(ProfileCounter::kBatches);
     copying_.push_back(b);
     launched = true;
   }
   return launched;
 }
 
-void PeerSender::Reap(EventLender& events, std::vector<Landed>& out) {
+void PeerSender::Reap(std::vector<Landed>& out) {
   out.clear();
-  while (!copying_.empty() && copying_.front().done->Query()) {
+  while (!copying_.empty() && completions_.Finished(copying_.front().ticket)) {
     const Batch& b = copying_.front();
-    events.Return(b.done);
     if (!b.what.has_checksum) unreported_.Add(b.what.chunk, b.what.count);
     out.push_back(b.what);
     copying_.pop_front();
@@ -120,10 +132,27 @@ std::optional<LandedChunks> PeerSender::TakeReport() {
   return r;
 }
 
-void PeerSender::Abandon(EventLender& events) {
-  for (const Batch& b : copying_) events.Return(b.done);
+void PeerSender::Abandon() {
   copying_.clear();
   unreported_ = {};
+}
+
+uint64_t PeerCompletions::Add(Event* done) {
+  open_.emplace_back(done, profile_ ? profile_->Launched(NowNs()) : 0);
+  return finished_ + open_.size() - 1;
+}
+
+bool PeerCompletions::Poll() {
+  if (open_.empty()) return false;
+  ProfileScope timed(profile_, ProfilePhase::kEventQuery);
+  const uint64_t before = finished_;
+  while (!open_.empty() && open_.front().first->Query()) {
+    if (profile_) profile_->Landed(open_.front().second, NowNs());
+    events_.Return(open_.front().first);
+    open_.pop_front();
+    ++finished_;
+  }
+  return finished_ != before;
 }
 
 }  // namespace kvferry

@@ -23,6 +23,7 @@
 #include "kvferry/status.h"
 #include "planner/planner.h"
 #include "transceiver/messages.h"
+#include "transceiver/progress_profile.h"
 
 namespace kvferry {
 
@@ -68,6 +69,29 @@ class EventLender {
   ~EventLender() = default;
 };
 
+// Every peer-memory batch copying on the context rank's one stream, oldest first. A stream
+// finishes its work in order, so the oldest batch's event speaks for every later one: Poll
+// queries events only up to the first batch still copying (while copies run, one event query per
+// progress iteration, not one per pair and request in flight), and gives each finished batch's
+// event back. Progress thread only.
+class PeerCompletions {
+ public:
+  PeerCompletions(EventLender& events, ProgressProfile* profile)
+      : events_(events), profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
+  // A batch whose end `done` (lent by the EventLender) records; returns its ticket.
+  uint64_t Add(Event* done);
+  // Notes the batches that finished; true when any did.
+  bool Poll();
+  bool Finished(uint64_t ticket) const { return ticket < finished_; }
+  size_t copying() const { return open_.size(); }
+
+ private:
+  EventLender& events_;
+  ProgressProfile* const profile_;
+  std::deque<std::pair<Event*, uint64_t>> open_;  // event, the profile's meter ticket
+  uint64_t finished_ = 0;                         // tickets below this have finished
+};
+
 // One (request, generation rank) pair's peer-memory sends: the batches copying on the context
 // rank's stream (in order: one stream), and the landed chunks not yet reported. Used by the
 // progress thread only. Every lent event goes back through Reap or Abandon.
@@ -83,8 +107,14 @@ class PeerSender {
     Clock::time_point started;
   };
 
-  PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum)
-      : peer_pool_(std::move(peer_pool)), checksum_(checksum) {}
+  // `completions` tracks the stream every Launch of this sender copies on; it outlives the
+  // sender. `profile` (may be null) times copy submission.
+  PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum, PeerCompletions& completions,
+             ProgressProfile* profile = nullptr)
+      : peer_pool_(std::move(peer_pool)),
+        checksum_(checksum),
+        completions_(completions),
+        profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
 
   // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
   // `max_inflight` batches copying on `stream`; `scratch` holds the descriptors. True when it
@@ -92,22 +122,26 @@ class PeerSender {
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
                         std::vector<CopyDesc>& scratch, EventLender& events);
-  // Appends the batches that completed since the last call, in order, to `out` (cleared first);
-  // their events go back to `events`. Batches without a checksum join the coalesced report.
-  void Reap(EventLender& events, std::vector<Landed>& out);
+  // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
+  // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
+  // report.
+  void Reap(std::vector<Landed>& out);
   // The range to report by one CHUNK now: something landed unreported and nothing is copying.
   std::optional<LandedChunks> TakeReport();
   size_t copying() const { return copying_.size(); }
-  // Gives every event back without waiting (a request abandoned after its grace period).
-  void Abandon(EventLender& events);
+  // Forgets the batches still copying (a request abandoned after its grace period); their events
+  // go back through PeerCompletions once the stream passed them.
+  void Abandon();
 
  private:
   struct Batch {
     Landed what;
-    Event* done = nullptr;
+    uint64_t ticket = 0;  // PeerCompletions'
   };
   const std::vector<PeerMapping*> peer_pool_;
   const bool checksum_;
+  PeerCompletions& completions_;
+  ProgressProfile* const profile_;  // null unless profiling
   std::deque<Batch> copying_;
   LandedChunks unreported_;
 };

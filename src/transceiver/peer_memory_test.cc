@@ -123,6 +123,49 @@ TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
   EXPECT_EQ(*chunks, 1);
 }
 
+// Counts the CREDIT messages a generation rank sends.
+class CreditCounter final : public TestTransport {
+ public:
+  CreditCounter(std::unique_ptr<Transport> base, std::shared_ptr<int> credits)
+      : TestTransport(std::move(base)), credits_(std::move(credits)) {}
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    auto m = DecodeMessage(b);
+    if (m.ok() && std::holds_alternative<CreditMsg>(*m)) ++*credits_;
+    return base_->SendControl(p, b);
+  }
+
+ private:
+  std::shared_ptr<int> credits_;
+};
+
+// A FETCH that offers the pool as peer memory credits no staging slot before ACCEPT: a context
+// rank that copies into the pool never reads a credit (it was one wasted message per pair and
+// request), and one that falls back to puts is credited after its ACCEPT.
+TEST(PeerMemory, OfferedPoolIsCreditedOnlyWhenTheContextRankPuts) {
+  PeerMemoryOn on;
+  for (const bool lie : {false, true}) {
+    auto credits = std::make_shared<int>(0);
+    auto unmappable = [](FetchMsg& f) {
+      PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
+      h.pid += 1;
+      f.rma_target.peer_pool[0] = EncodePeerHandle(h);
+    };
+    Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, SmallChunks(true), {},
+               [&](std::unique_ptr<Transport> t) {
+                 if (lie) t = std::make_unique<FetchTamperer>(std::move(t), unmappable);
+                 return std::make_unique<CreditCounter>(std::move(t), credits);
+               });
+    auto h = cl.Publish(34, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+    ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+    cl.Verify(34, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
+    if (lie)
+      EXPECT_GT(*credits, 0) << "puts into staging need credits";
+    else
+      EXPECT_EQ(*credits, 0) << "copies into the peer pool need no credit";
+  }
+}
+
 // A generation rank may offer handles that don't map (another process, or a region smaller than
 // its target declares): the context rank then puts through the transport instead, and nothing
 // outside the destination blocks changes.
