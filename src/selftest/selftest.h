@@ -157,5 +157,10 @@ struct SelftestSummary {
   std::string data_path;
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+// Summarize's parts for the measured requests (summary.cc): progress-thread CPU per request in
+// seconds, all ranks; SelftestSummary::profile.
+double MeasuredControlCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> MeasuredProfile(
+    const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
 
 }  // namespace kvferry

@@ -27,6 +27,25 @@ Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& targ
   return Status::Ok();
 }
 
+bool ExtendRows(CopyDesc& prev, const CopyDesc& next) {
+  if (prev.rows < 1 || next.rows < 1 || prev.bytes != next.bytes) return false;
+  // A one-row descriptor takes the pitches of the one it joins (its own are unused).
+  const size_t dp = prev.rows > 1 ? prev.dst_pitch : next.rows > 1 ? next.dst_pitch : prev.bytes;
+  const size_t sp = prev.rows > 1 ? prev.src_pitch : next.rows > 1 ? next.src_pitch : prev.bytes;
+  if ((next.rows > 1 && (next.dst_pitch != dp || next.src_pitch != sp)) || dp < prev.bytes ||
+      sp < prev.bytes)
+    return false;
+  if (static_cast<const std::byte*>(next.dst) !=
+          static_cast<std::byte*>(prev.dst) + prev.rows * dp ||
+      static_cast<const std::byte*>(next.src) !=
+          static_cast<const std::byte*>(prev.src) + prev.rows * sp)
+    return false;
+  prev.rows += next.rows;
+  prev.dst_pitch = dp;
+  prev.src_pitch = sp;
+  return true;
+}
+
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
                   std::vector<CopyDesc>& out) {
   for (const Piece& pc : c.pieces) {
@@ -50,6 +69,11 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.rows = static_cast<size_t>(pc.rows);
     d.dst_pitch = static_cast<size_t>(pc.dst_pitch);
     d.src_pitch = static_cast<size_t>(pc.src_pitch);
+    // Only within one region at each end (a copy engine copies within one allocation).
+    if (!out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
+        static_cast<const std::byte*>(out.back().src) >= pool.region(pc.src_region) &&
+        ExtendRows(out.back(), d))
+      continue;
     out.push_back(d);
   }
   return Status::Ok();

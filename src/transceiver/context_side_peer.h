@@ -35,8 +35,14 @@ inline constexpr uint32_t kPeerBatchChunks = 1u << 16;
 // the error names the region and both sizes.
 Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target);
 
+// Appends `next` to `prev` when it continues it: rows of the same length, at the same pitches,
+// starting where prev's next row would (TP2 -> TP4 head slices of consecutive blocks in both
+// pools: one tall 2-D copy instead of one per block). True when merged.
+bool ExtendRows(CopyDesc& prev, const CopyDesc& next);
+
 // Appends the copies of chunk `c` from `pool` into the mapped generation pool `peer_pool` (one
-// mapping per generation region) to `out`, each checked to lie inside its mapped region.
+// mapping per generation region) to `out`, each checked to lie inside its mapped region; a copy
+// that continues the last one in `out` (ExtendRows) extends it.
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
                   std::vector<CopyDesc>& out);
 

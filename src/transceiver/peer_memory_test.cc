@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "transceiver/context_side_peer.h"
 #include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {
@@ -121,6 +122,54 @@ TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
   ExpectAllComplete(cl.Drain(0, 0, 1, milliseconds(60000)), 2);
   cl.Verify(33, gb, 12 * 1024);
   EXPECT_EQ(*chunks, 1);
+}
+
+TEST(PeerMemory, CopiesThatContinueEachOtherMergeIntoOneTallerCopy) {
+  std::vector<std::byte> src(1 << 16), dst(1 << 16);
+  auto desc = [&](size_t s, size_t d, size_t rows, size_t bytes, size_t sp, size_t dp) {
+    CopyDesc c{};
+    c.src = src.data() + s;
+    c.dst = dst.data() + d;
+    c.rows = rows;
+    c.bytes = bytes;
+    c.src_pitch = sp;
+    c.dst_pitch = dp;
+    return c;
+  };
+  // Head slices of two consecutive blocks: 4 rows of 64 bytes, source pitch 128, packed
+  // destination.
+  CopyDesc a = desc(0, 0, 4, 64, 128, 64);
+  EXPECT_TRUE(ExtendRows(a, desc(512, 256, 4, 64, 128, 64)));
+  EXPECT_EQ(a.rows, 8u);
+  EXPECT_EQ(a.src_pitch, 128u);
+  EXPECT_EQ(a.dst_pitch, 64u);
+  // One-row copies back to back become rows at their own length.
+  CopyDesc b = desc(0, 0, 1, 100, 0, 0);
+  EXPECT_TRUE(ExtendRows(b, desc(100, 100, 1, 100, 0, 0)));
+  EXPECT_EQ(b.rows, 2u);
+  EXPECT_EQ(b.src_pitch, 100u);
+  // Not continuing: a gap, another row length, another pitch, a row that overlaps the last.
+  CopyDesc c = desc(0, 0, 4, 64, 128, 64);
+  EXPECT_FALSE(ExtendRows(c, desc(640, 256, 4, 64, 128, 64)));
+  EXPECT_FALSE(ExtendRows(c, desc(512, 256, 4, 32, 128, 64)));
+  EXPECT_FALSE(ExtendRows(c, desc(512, 256, 4, 64, 256, 64)));
+  CopyDesc d = desc(0, 0, 1, 100, 0, 0);
+  EXPECT_FALSE(ExtendRows(d, desc(50, 50, 1, 100, 0, 0)));
+  EXPECT_EQ(c.rows, 4u);
+  EXPECT_EQ(d.rows, 1u);
+}
+
+// TP2 -> TP4, block-major at both ends, consecutive blocks: each pair's head slices merge into one
+// tall copy per batch; every byte lands, nothing outside the destination blocks changes.
+TEST(PeerMemory, MergedHeadSlicesLandByteForByte) {
+  PeerMemoryOn on;
+  TransceiverOptions o;
+  o.checksum = false;
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(35, {2, 3, 4, 5}, 15);
+  ASSERT_TRUE(cl.Fetch(h, {4, 5, 6, 7}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 6);
+  cl.Verify(35, {4, 5, 6, 7}, 15, 0, 0, /*sentinels=*/true);
 }
 
 // Counts the CREDIT messages a generation rank sends.
