@@ -12,21 +12,6 @@ int64_t NowNs() {
 }
 }  // namespace
 
-Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target) {
-  for (size_t i = 0; i < mapped.size(); ++i) {
-    if (i >= target.pool.size()) {
-      return Status::InvalidArgument(fmt::format(
-          "peer pool region {} has no target region ({} declared)", i, target.pool.size()));
-    }
-    if (mapped[i]->size() < target.pool[i].bytes) {
-      return Status::InvalidArgument(
-          fmt::format("peer pool region {} maps {} bytes, the target declares {}", i,
-                      mapped[i]->size(), target.pool[i].bytes));
-    }
-  }
-  return Status::Ok();
-}
-
 bool ExtendRows(CopyDesc& prev, const CopyDesc& next) {
   if (prev.rows < 1 || next.rows < 1 || prev.bytes != next.bytes) return false;
   // A one-row descriptor takes the pitches of the one it joins (its own are unused).
@@ -44,6 +29,21 @@ bool ExtendRows(CopyDesc& prev, const CopyDesc& next) {
   prev.dst_pitch = dp;
   prev.src_pitch = sp;
   return true;
+}
+
+Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target) {
+  for (size_t i = 0; i < mapped.size(); ++i) {
+    if (i >= target.pool.size()) {
+      return Status::InvalidArgument(fmt::format(
+          "peer pool region {} has no target region ({} declared)", i, target.pool.size()));
+    }
+    if (mapped[i]->size() < target.pool[i].bytes) {
+      return Status::InvalidArgument(
+          fmt::format("peer pool region {} maps {} bytes, the target declares {}", i,
+                      mapped[i]->size(), target.pool[i].bytes));
+    }
+  }
+  return Status::Ok();
 }
 
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
@@ -100,7 +100,7 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
 
 StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                                   const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                                  std::vector<CopyDesc>& scratch, EventLender& events) {
+                                  std::vector<CopyDesc>& scratch, EventPool& events) {
   bool launched = false;
   while (static_cast<int64_t>(copying_.size()) < max_inflight) {
     KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
@@ -116,20 +116,18 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     }
     next += count;
     Status st;
-    Event* done = nullptr;
+    EventLease done;
     {
       ProfileScope timed(profile_, ProfilePhase::kCopySubmit);
       st = stream.CopyBatch(scratch);
-      done = events.Lend();
+      done = events.Acquire();
       if (st.ok()) st = done ? stream.Record(*done) : Status::Internal("no device event");
     }
-    if (!st.ok()) {
-      if (done) events.Return(done);
+    if (!st.ok())
       return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
-    }
-    b.ticket = completions_.Add(done);
+    b.ticket = completions_.Add(std::move(done));
     if (profile_) profile_->Count(ProfileCounter::kBatches);
-    copying_.push_back(b);
+    copying_.push_back(std::move(b));
     launched = true;
   }
   return launched;
@@ -161,8 +159,8 @@ void PeerSender::Abandon() {
   unreported_ = {};
 }
 
-uint64_t PeerCompletions::Add(Event* done) {
-  open_.emplace_back(done, profile_ ? profile_->Launched(NowNs()) : 0);
+uint64_t PeerCompletions::Add(EventLease done) {
+  open_.emplace_back(std::move(done), profile_ ? profile_->Launched(NowNs()) : 0);
   return finished_ + open_.size() - 1;
 }
 
@@ -172,8 +170,7 @@ bool PeerCompletions::Poll() {
   const uint64_t before = finished_;
   while (!open_.empty() && open_.front().first->Query()) {
     if (profile_) profile_->Landed(open_.front().second, NowNs());
-    events_.Return(open_.front().first);
-    open_.pop_front();
+    open_.pop_front();  // the lease gives the event back
     ++finished_;
   }
   return finished_ != before;

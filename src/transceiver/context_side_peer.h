@@ -22,6 +22,7 @@
 #include "kvferry/pool.h"
 #include "kvferry/status.h"
 #include "planner/planner.h"
+#include "transceiver/leases.h"
 #include "transceiver/messages.h"
 #include "transceiver/progress_profile.h"
 
@@ -65,42 +66,32 @@ struct LandedChunks {
   }
 };
 
-// Pooled device events lent to a PeerSender (the context side's Engine pool).
-class EventLender {
- public:
-  virtual Event* Lend() = 0;  // null when the pool is exhausted
-  virtual void Return(Event* event) = 0;
-
- protected:
-  ~EventLender() = default;
-};
-
-// Every peer-memory batch copying on the context rank's one stream, oldest first. A stream
-// finishes its work in order, so the oldest batch's event speaks for every later one: Poll
-// queries events only up to the first batch still copying (while copies run, one event query per
-// progress iteration, not one per pair and request in flight), and gives each finished batch's
-// event back. Progress thread only.
+// Every peer-memory batch copying on the context rank's one stream, oldest first, with the lease
+// of the event that ends it. A stream finishes its work in order, so the oldest batch's event
+// speaks for every later one: Poll queries events only up to the first batch still copying (while
+// copies run, one event query per progress iteration, not one per pair and request in flight)
+// and gives each finished batch's event back. Progress thread only.
 class PeerCompletions {
  public:
-  PeerCompletions(EventLender& events, ProgressProfile* profile)
-      : events_(events), profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
-  // A batch whose end `done` (lent by the EventLender) records; returns its ticket.
-  uint64_t Add(Event* done);
+  explicit PeerCompletions(ProgressProfile* profile)
+      : profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
+  // A batch whose end `done` records; returns its ticket.
+  uint64_t Add(EventLease done);
   // Notes the batches that finished; true when any did.
   bool Poll();
   bool Finished(uint64_t ticket) const { return ticket < finished_; }
   size_t copying() const { return open_.size(); }
 
  private:
-  EventLender& events_;
   ProgressProfile* const profile_;
-  std::deque<std::pair<Event*, uint64_t>> open_;  // event, the profile's meter ticket
-  uint64_t finished_ = 0;                         // tickets below this have finished
+  std::deque<std::pair<EventLease, uint64_t>> open_;  // the event, the profile's meter ticket
+  uint64_t finished_ = 0;                             // tickets below this have finished
 };
 
 // One (request, generation rank) pair's peer-memory sends: the batches copying on the context
 // rank's stream (in order: one stream), and the landed chunks not yet reported. Used by the
-// progress thread only. Every lent event goes back through Reap or Abandon.
+// progress thread only. Each batch holds the lease of its pooled event (the context side's Engine
+// pool) and gives it back when it is reaped or abandoned, or when the sender goes.
 class PeerSender {
  public:
   // A batch that landed: chunks [chunk, chunk + count), with the checksum of its one chunk when
@@ -123,11 +114,12 @@ class PeerSender {
         profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
 
   // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
-  // `max_inflight` batches copying on `stream`; `scratch` holds the descriptors. True when it
-  // launched a batch; an error names the chunk or the failed copy.
+  // `max_inflight` batches copying on `stream`, each ending on an event of `events`; `scratch`
+  // holds the descriptors. True when it launched a batch; an error names the chunk or the failed
+  // copy.
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                        std::vector<CopyDesc>& scratch, EventLender& events);
+                        std::vector<CopyDesc>& scratch, EventPool& events);
   // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
   // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
   // report.

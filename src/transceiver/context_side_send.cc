@@ -31,16 +31,12 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
       s.op = std::move(op).value();
     } else {
       s.slot = AcquireSlot();
-      if (s.slot < 0) break;
+      if (!s.slot) break;
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_);
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
       if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
-      if (!st.ok()) {
-        ReleaseSlot(s.slot);
-        if (s.packed) ReleaseEvent(s.packed);
-        return Fail(r, st.WithContext("packing a chunk")), true;
-      }
+      if (!st.ok()) return Fail(r, st.WithContext("packing a chunk")), true;
     }
     p.inflight.push_back(std::move(s));
     ++p.next;
@@ -48,10 +44,8 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
   }
   for (auto it = p.inflight.begin(); it != p.inflight.end();) {
     if (it->packed && it->packed->Query()) {
-      ReleaseEvent(it->packed);
-      it->packed = nullptr;
+      it->packed.Reset();
       if (r.ending) {
-        ReleaseSlot(it->slot);
         it = p.inflight.erase(it);
         busy = true;
         continue;
@@ -71,13 +65,11 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
                     fmt::format("sending to generation rank {}", p.gen_rank)));
       else
         ChunkSent(r, p, *it);
-      if (it->slot >= 0) ReleaseSlot(it->slot);
       it = p.inflight.erase(it);
       busy = true;
       continue;
     }
     if (!it->op && !it->packed) {  // send could not be posted
-      if (it->slot >= 0) ReleaseSlot(it->slot);
       it = p.inflight.erase(it);
       continue;
     }
@@ -105,7 +97,7 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
   bool busy = false;
   if (!r.ending) {
     auto launched = p.mapped->Launch(p.plan, p.next, r.ready_end, pool_, *stream_,
-                                     options_.max_inflight, descs_, *this);
+                                     options_.max_inflight, descs_, event_pool());
     if (!launched.ok()) return Fail(r, launched.status()), true;
     busy = *launched;
   }
@@ -153,16 +145,12 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
     s.chunk = p.next;
     if (packed > 0) {
       s.slot = AcquireSlot();
-      if (s.slot < 0) break;
+      if (!s.slot) break;
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_, t.row_min_bytes);
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
       if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
-      if (!st.ok()) {
-        ReleaseSlot(s.slot);
-        if (s.packed) ReleaseEvent(s.packed);
-        return Fail(r, st.WithContext("packing a chunk")), true;
-      }
+      if (!st.ok()) return Fail(r, st.WithContext("packing a chunk")), true;
     }
     if (p.checksum) {
       s.has_checksum = true;
@@ -181,8 +169,7 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
   for (auto it = p.inflight.begin(); it != p.inflight.end();) {
     SendOp& s = *it;
     if (s.packed && s.packed->Query()) {
-      ReleaseEvent(s.packed);
-      s.packed = nullptr;
+      s.packed.Reset();
       busy = true;
       if (!r.ending) {
         const uint32_t slot = p.slots[s.chunk];
@@ -219,7 +206,6 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
     } else if (!r.ending) {
       ChunkSent(r, p, s);
     }
-    if (s.slot >= 0) ReleaseSlot(s.slot);
     it = p.inflight.erase(it);
     busy = true;
   }
