@@ -85,6 +85,10 @@ struct TransceiverMetrics {
   double busy_cpu_seconds = 0;       // progress-thread CPU in iterations that did work
   LatencyHistogram request_latency;  // start (MarkReady / Fetch) to terminal
   LatencyHistogram chunk_latency;    // a chunk's start (pack / receive posted) to in place
+  // With the knob transfer.profile: the progress thread's CPU by phase ("<phase>_cpu_s"), its
+  // loop and message counts, and (context side) "copy_busy_s", how long its copy stream had work.
+  // Empty when the knob is off.
+  std::vector<std::pair<std::string, double>> profile;
 };
 
 // Copies between two tiers of a transfer manager (primary, host, file), one direction.

@@ -70,6 +70,11 @@ constexpr KnobDecl kKnobs[] = {
      "the last thing happened, then naps 50 us at a time (frees the cores for the ranks that "
      "copy; costs up to a nap of latency on long waits)",
      0, 10 * 1000 * 1000, ""},
+    {"transfer.profile", KnobType::kBool, "false",
+     "progress threads time their phases with the thread CPU clock and context ranks measure how "
+     "long their copy stream had work (TransceiverMetrics::profile, bench transfer's profile "
+     "rows); a few clock reads per loop iteration",
+     0, 0, ""},
     {"transfer.checksum", KnobType::kBool, "false",
      "each chunk carries an XXH3-64 of its bytes, verified on the receiver (kDataLoss on a "
      "mismatch); host-visible pools only",

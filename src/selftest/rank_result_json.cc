@@ -18,6 +18,11 @@ std::string ResultToJson(const RankResult& r) {
   j["seconds"] = r.seconds;
   j["cpu_seconds"] = r.cpu_seconds;
   j["control_cpu_seconds"] = r.control_cpu_seconds;
+  j["control_cpu_warm_seconds"] = r.control_cpu_warm_seconds;
+  j["warm_requests"] = r.warm_requests;
+  j["warm_at_seconds"] = r.warm_at_seconds;
+  j["profile"] = r.profile;
+  j["profile_warm"] = r.profile_warm;
   j["latencies"] = r.latencies;
   j["baseline_gbps"] = r.baseline_gbps;
   j["baseline_name"] = r.baseline_name;
@@ -55,6 +60,12 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.seconds = j.value("seconds", 0.0);
   r.cpu_seconds = j.value("cpu_seconds", 0.0);
   r.control_cpu_seconds = j.value("control_cpu_seconds", 0.0);
+  r.control_cpu_warm_seconds = j.value("control_cpu_warm_seconds", 0.0);
+  r.warm_requests = j.value("warm_requests", 0);
+  r.warm_at_seconds = j.value("warm_at_seconds", 0.0);
+  using Pairs = std::vector<std::pair<std::string, double>>;
+  r.profile = j.value("profile", Pairs{});
+  r.profile_warm = j.value("profile_warm", Pairs{});
   r.latencies = j.value("latencies", std::vector<double>{});
   r.baseline_gbps = j.value("baseline_gbps", 0.0);
   r.baseline_name = j.value("baseline_name", std::string());

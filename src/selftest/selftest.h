@@ -64,7 +64,8 @@ struct SelftestConfig {
   bool checksum = true;  // per-chunk payload checksums (transfer.checksum)
   // Leading requests of each generation rank left out of bytes, seconds and latencies (bench
   // transfer's warm-up: connection setup, first registrations and peer mappings); they are still
-  // transferred and checked.
+  // transferred and checked. Both instances finish their warm-up requests before they start the
+  // measured ones, so the control-plane CPU of the measured ones is known apart from set-up.
   int warmup = 0;
   // Each rank serves its side's metrics on 127.0.0.1: context rank r at metrics_port + r,
   // generation rank r at metrics_port + context ranks + r; 0: free ports (each named on stderr);
@@ -86,8 +87,15 @@ struct RankResult {
   double seconds = 0;              // first start to last end on this rank
   double cpu_seconds = 0;          // process CPU time over the run
   double control_cpu_seconds = 0;  // the transceiver's busy progress-thread CPU (its stats())
-  std::vector<double> latencies;   // per request, seconds (generation: fetch to complete)
-  double baseline_gbps = 0;        // raw transport bandwidth, same processes, same bytes (rank 0s)
+  // The same once this rank's warm-up requests (cfg.warmup) ended, how many those were, and when
+  // (seconds after start): the measured requests' control CPU is the difference.
+  double control_cpu_warm_seconds = 0;
+  int warm_requests = 0;
+  double warm_at_seconds = 0;
+  // The side's metrics().profile (transfer.profile) at the end and once warm; empty when off.
+  std::vector<std::pair<std::string, double>> profile, profile_warm;
+  std::vector<double> latencies;  // per request, seconds (generation: fetch to complete)
+  double baseline_gbps = 0;       // raw transport bandwidth, same processes, same bytes (rank 0s)
   std::string baseline_name;
   double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
   std::string copy_name;
@@ -134,8 +142,16 @@ struct SelftestSummary {
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double cpu_us_per_request = 0;  // process CPU of all ranks / requests
   // Transceiver progress-thread CPU in iterations that did work, all ranks of both instances,
-  // per request: the control plane's cost (plus posting operations; no idle polling).
+  // per measured request (warm-up requests and the set-up they carry left out): the control
+  // plane's cost (plus posting operations; no idle polling). The second counts every request,
+  // warm-up included.
   double control_cpu_us_per_request = 0;
+  double control_cpu_with_warmup_us_per_request = 0;
+  // transfer.profile, per side ("context", "generation"), measured requests only: "<phase>_cpu_s"
+  // and counters summed over the side's ranks per request (CPU in microseconds), and on the
+  // context side "copy_busy" (the copy streams' busy time over the measured wall time, mean of the
+  // ranks) and "copy_busy_min".
+  std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> profile;
   double baseline_gbps = 0;
   std::string baseline_name;
   double copy_gbps = 0;
@@ -145,5 +161,10 @@ struct SelftestSummary {
   std::string data_path;
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+// Summarize's parts for the measured requests (summary.cc): progress-thread CPU per request in
+// seconds, all ranks; SelftestSummary::profile.
+double MeasuredControlCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> MeasuredProfile(
+    const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
 
 }  // namespace kvferry

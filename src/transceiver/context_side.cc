@@ -105,7 +105,7 @@ void ContextSideImpl::OnControl(PeerId from, ControlMsg msg) {
 }
 
 bool ContextSideImpl::Advance() {
-  bool busy = false;
+  bool busy = peer_copies_.Poll();
   for (auto it = requests_.begin(); it != requests_.end();) {
     CtxRequest& r = it->second;
     for (auto& [layer_end, ev] : r.layer_events) {
@@ -312,7 +312,10 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
     in.direct_min_bytes = f.direct_min_bytes;
     in.layer_wise = r->layer_wise;
     in.max_plan_bytes = plan_budget();
-    auto plan = PlanForCtxRank(in, pool_.slice().rank);
+    auto plan = [&] {
+      ProfileScope timed(profile(), ProfilePhase::kPlan);
+      return PlanForCtxRank(in, pool_.slice().rank);
+    }();
     if (!plan.ok()) return Reject(peer, f, plan.status());
     r->plan = std::move(plan).value();
     r->plan_key = f;
@@ -329,7 +332,9 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   p.rma = rma;
   if (!peer_pool.empty()) NotePeerMemoryUsed();
   p.checksum = f.checksum && host_visible_pool();
-  if (!peer_pool.empty()) p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum);
+  if (!peer_pool.empty())
+    p.mapped =
+        std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_, profile());
   if (rma) p.target = std::move(f.rma_target);
   for (const PairPlan& pp : r->plan) {
     if (pp.gen_rank == f.gen_rank) p.plan = pp;

@@ -153,6 +153,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   std::set<uint64_t> recent_set_;
   std::vector<CopyDesc> descs_;             // reused
   std::vector<PeerSender::Landed> landed_;  // reused
+  PeerCompletions peer_copies_{profile()};  // every PeerSender's batches on stream_
   bool rma_said_ = false;                   // logged once why a one-sided fetch is served tagged
   bool peer_said_ = false;                  // logged once why offered peer memory is not used
 };

@@ -5,6 +5,31 @@
 #include "transceiver/rma.h"
 
 namespace kvferry {
+namespace {
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+bool ExtendRows(CopyDesc& prev, const CopyDesc& next) {
+  if (prev.rows < 1 || next.rows < 1 || prev.bytes != next.bytes) return false;
+  // A one-row descriptor takes the pitches of the one it joins (its own are unused).
+  const size_t dp = prev.rows > 1 ? prev.dst_pitch : next.rows > 1 ? next.dst_pitch : prev.bytes;
+  const size_t sp = prev.rows > 1 ? prev.src_pitch : next.rows > 1 ? next.src_pitch : prev.bytes;
+  if ((next.rows > 1 && (next.dst_pitch != dp || next.src_pitch != sp)) || dp < prev.bytes ||
+      sp < prev.bytes)
+    return false;
+  if (static_cast<const std::byte*>(next.dst) !=
+          static_cast<std::byte*>(prev.dst) + prev.rows * dp ||
+      static_cast<const std::byte*>(next.src) !=
+          static_cast<const std::byte*>(prev.src) + prev.rows * sp)
+    return false;
+  prev.rows += next.rows;
+  prev.dst_pitch = dp;
+  prev.src_pitch = sp;
+  return true;
+}
 
 Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target) {
   for (size_t i = 0; i < mapped.size(); ++i) {
@@ -44,6 +69,11 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.rows = static_cast<size_t>(pc.rows);
     d.dst_pitch = static_cast<size_t>(pc.dst_pitch);
     d.src_pitch = static_cast<size_t>(pc.src_pitch);
+    // Only within one region at each end (a copy engine copies within one allocation).
+    if (!out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
+        static_cast<const std::byte*>(out.back().src) >= pool.region(pc.src_region) &&
+        ExtendRows(out.back(), d))
+      continue;
     out.push_back(d);
   }
   return Status::Ok();
@@ -85,11 +115,18 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
       b.what.checksum = ChunkChecksum(plan.chunks[next], true, pool);
     }
     next += count;
-    Status st = stream.CopyBatch(scratch);
-    b.done = events.Acquire();
-    if (st.ok()) st = b.done ? stream.Record(*b.done) : Status::Internal("no device event");
+    Status st;
+    EventLease done;
+    {
+      ProfileScope timed(profile_, ProfilePhase::kCopySubmit);
+      st = stream.CopyBatch(scratch);
+      done = events.Acquire();
+      if (st.ok()) st = done ? stream.Record(*done) : Status::Internal("no device event");
+    }
     if (!st.ok())
       return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
+    b.ticket = completions_.Add(std::move(done));
+    if (profile_) profile_->Count(ProfileCounter::kBatches);
     copying_.push_back(std::move(b));
     launched = true;
   }
@@ -98,7 +135,7 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
 
 void PeerSender::Reap(std::vector<Landed>& out) {
   out.clear();
-  while (!copying_.empty() && copying_.front().done->Query()) {
+  while (!copying_.empty() && completions_.Finished(copying_.front().ticket)) {
     const Batch& b = copying_.front();
     if (!b.what.has_checksum) unreported_.Add(b.what.chunk, b.what.count);
     out.push_back(b.what);
@@ -120,6 +157,23 @@ std::optional<LandedChunks> PeerSender::TakeReport() {
 void PeerSender::Abandon() {
   copying_.clear();
   unreported_ = {};
+}
+
+uint64_t PeerCompletions::Add(EventLease done) {
+  open_.emplace_back(std::move(done), profile_ ? profile_->Launched(NowNs()) : 0);
+  return finished_ + open_.size() - 1;
+}
+
+bool PeerCompletions::Poll() {
+  if (open_.empty()) return false;
+  ProfileScope timed(profile_, ProfilePhase::kEventQuery);
+  const uint64_t before = finished_;
+  while (!open_.empty() && open_.front().first->Query()) {
+    if (profile_) profile_->Landed(open_.front().second, NowNs());
+    open_.pop_front();  // the lease gives the event back
+    ++finished_;
+  }
+  return finished_ != before;
 }
 
 }  // namespace kvferry

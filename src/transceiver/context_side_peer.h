@@ -24,6 +24,7 @@
 #include "planner/planner.h"
 #include "transceiver/leases.h"
 #include "transceiver/messages.h"
+#include "transceiver/progress_profile.h"
 
 namespace kvferry {
 
@@ -35,8 +36,14 @@ inline constexpr uint32_t kPeerBatchChunks = 1u << 16;
 // the error names the region and both sizes.
 Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& target);
 
+// Appends `next` to `prev` when it continues it: rows of the same length, at the same pitches,
+// starting where prev's next row would (TP2 -> TP4 head slices of consecutive blocks in both
+// pools: one tall 2-D copy instead of one per block). True when merged.
+bool ExtendRows(CopyDesc& prev, const CopyDesc& next);
+
 // Appends the copies of chunk `c` from `pool` into the mapped generation pool `peer_pool` (one
-// mapping per generation region) to `out`, each checked to lie inside its mapped region.
+// mapping per generation region) to `out`, each checked to lie inside its mapped region; a copy
+// that continues the last one in `out` (ExtendRows) extends it.
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
                   std::vector<CopyDesc>& out);
 
@@ -59,6 +66,28 @@ struct LandedChunks {
   }
 };
 
+// Every peer-memory batch copying on the context rank's one stream, oldest first, with the lease
+// of the event that ends it. A stream finishes its work in order, so the oldest batch's event
+// speaks for every later one: Poll queries events only up to the first batch still copying (while
+// copies run, one event query per progress iteration, not one per pair and request in flight)
+// and gives each finished batch's event back. Progress thread only.
+class PeerCompletions {
+ public:
+  explicit PeerCompletions(ProgressProfile* profile)
+      : profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
+  // A batch whose end `done` records; returns its ticket.
+  uint64_t Add(EventLease done);
+  // Notes the batches that finished; true when any did.
+  bool Poll();
+  bool Finished(uint64_t ticket) const { return ticket < finished_; }
+  size_t copying() const { return open_.size(); }
+
+ private:
+  ProgressProfile* const profile_;
+  std::deque<std::pair<EventLease, uint64_t>> open_;  // the event, the profile's meter ticket
+  uint64_t finished_ = 0;                             // tickets below this have finished
+};
+
 // One (request, generation rank) pair's peer-memory sends: the batches copying on the context
 // rank's stream (in order: one stream), and the landed chunks not yet reported. Used by the
 // progress thread only. Each batch holds the lease of its pooled event (the context side's Engine
@@ -75,8 +104,14 @@ class PeerSender {
     Clock::time_point started;
   };
 
-  PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum)
-      : peer_pool_(std::move(peer_pool)), checksum_(checksum) {}
+  // `completions` tracks the stream every Launch of this sender copies on; it outlives the
+  // sender. `profile` (may be null) times copy submission.
+  PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum, PeerCompletions& completions,
+             ProgressProfile* profile = nullptr)
+      : peer_pool_(std::move(peer_pool)),
+        checksum_(checksum),
+        completions_(completions),
+        profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
 
   // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
   // `max_inflight` batches copying on `stream`, each ending on an event of `events`; `scratch`
@@ -85,22 +120,26 @@ class PeerSender {
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
                         std::vector<CopyDesc>& scratch, EventPool& events);
-  // Appends the batches that completed since the last call, in order, to `out` (cleared first);
-  // their events go back to their pool. Batches without a checksum join the coalesced report.
+  // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
+  // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
+  // report.
   void Reap(std::vector<Landed>& out);
   // The range to report by one CHUNK now: something landed unreported and nothing is copying.
   std::optional<LandedChunks> TakeReport();
   size_t copying() const { return copying_.size(); }
-  // Gives every event back without waiting (a request abandoned after its grace period).
+  // Forgets the batches still copying (a request abandoned after its grace period); their events
+  // go back through PeerCompletions once the stream passed them.
   void Abandon();
 
  private:
   struct Batch {
     Landed what;
-    EventLease done;
+    uint64_t ticket = 0;  // PeerCompletions'
   };
   const std::vector<PeerMapping*> peer_pool_;
   const bool checksum_;
+  PeerCompletions& completions_;
+  ProgressProfile* const profile_;  // null unless profiling
   std::deque<Batch> copying_;
   LandedChunks unreported_;
 };

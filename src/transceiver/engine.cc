@@ -48,6 +48,7 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
   e.peer_memory = peer == "on"    ? EngineOptions::PeerMemory::kOn
                   : peer == "off" ? EngineOptions::PeerMemory::kOff
                                   : EngineOptions::PeerMemory::kAuto;
+  e.profile = c.Bool("transfer.profile");
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)
@@ -69,7 +70,8 @@ Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
       pool_(pool),
       options_(options),
       transport_(std::move(transport)),
-      events_([this] { return device_.CreateEvent(); }) {}
+      events_([this] { return device_.CreateEvent(); }),
+      profile_(options.profile) {}
 
 Engine::~Engine() {
   Stop();
@@ -143,7 +145,10 @@ StatusOr<std::vector<PeerMapping*>> Engine::MapPeerPool(
     if (it == mapped_.end()) {
       // A handle that did not map once is not tried again on every fetch.
       if (auto bad = unmappable_.find(h); bad != unmappable_.end()) return bad->second;
-      auto m = device_.ImportMemory(h);
+      auto m = [&] {
+        ProfileScope timed(&profile_, ProfilePhase::kPeerImport);
+        return device_.ImportMemory(h);
+      }();
       if (!m.ok()) {
         if (unmappable_.size() >= 1024) unmappable_.clear();
         unmappable_.emplace(h, m.status());
@@ -171,14 +176,6 @@ void Engine::Post(std::function<void()> fn) {
   cmd_cv_.notify_one();
 }
 
-namespace {
-int64_t ThreadCpuNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-}  // namespace
-
 void Engine::Run() {
   // Binds this thread to the device (CUDA: its primary context, which the transport's CUDA
   // transports find current when they copy GPU memory).
@@ -186,8 +183,21 @@ void Engine::Run() {
   auto next_tick = Clock::now();
   auto last_busy = next_tick;
   Deadline stop_deadline{};
+  // transfer.profile: the CPU of each phase of this iteration (ProgressProfile), kept apart until
+  // the iteration is known to have been busy.
+  const bool profiling = profile_.on();
+  std::array<int64_t, static_cast<int>(ProfilePhase::kIdle)> phase_ns{};
+  int64_t lap = 0;
+  auto phase_done = [&](ProfilePhase p) {
+    if (!profiling) return;
+    const int64_t t = ThreadCpuNs();
+    phase_ns[static_cast<int>(p)] += t - lap;
+    lap = t;
+  };
   while (true) {
     const int64_t cpu0 = ThreadCpuNs();
+    lap = cpu0;
+    phase_ns.fill(0);
     bool busy = false;
     std::deque<std::function<void()>> cmds;
     {
@@ -196,9 +206,12 @@ void Engine::Run() {
     }
     for (auto& c : cmds) c();
     busy |= !cmds.empty();
+    phase_done(ProfilePhase::kCommands);
     busy |= transport_->Progress();
+    phase_done(ProfilePhase::kProgress);
     while (auto m = transport_->PollControl()) {
       busy = true;
+      profile_.Count(ProfileCounter::kControlReceived);
       auto msg = DecodeMessage(m->bytes);
       if (!msg.ok()) {
         Log(LogLevel::kWarn, "transceiver: dropped a control message from peer {}: {}", m->from,
@@ -207,7 +220,9 @@ void Engine::Run() {
       }
       OnControl(m->from, std::move(msg).value());
     }
+    phase_done(ProfilePhase::kControl);
     busy |= Advance();
+    phase_done(ProfilePhase::kAdvance);
     auto now = Clock::now();
     if (now >= next_tick) {
       OnTick(now);
@@ -217,8 +232,18 @@ void Engine::Run() {
       if (stop_deadline == Deadline{}) stop_deadline = now + options_.timeout;
       if (OnStop() || now > stop_deadline) break;
     }
+    phase_done(ProfilePhase::kTick);
+    if (profiling) {
+      profile_.Count(busy ? ProfileCounter::kBusyIterations : ProfileCounter::kIdleIterations);
+      if (busy) {
+        for (size_t i = 0; i < phase_ns.size(); ++i)
+          profile_.Add(static_cast<ProfilePhase>(i), phase_ns[i]);
+      } else {
+        profile_.Add(ProfilePhase::kIdle, lap - cpu0);
+      }
+    }
     if (busy) {
-      busy_cpu_ns_ += ThreadCpuNs() - cpu0;
+      busy_cpu_ns_ += (profiling ? lap : ThreadCpuNs()) - cpu0;
       last_busy = now;
     }
     if (!busy && InFlight() && now - last_busy < options_.spin) {
@@ -291,12 +316,15 @@ TransceiverMetrics Engine::Metrics(std::string side) const {
   m.staging_slots_in_use = slots_.in_use();
   m.staging_slots = options_.staging_chunks;
   m.busy_cpu_seconds = static_cast<double>(busy_cpu_ns_.load()) / 1e9;
+  m.profile = profile_.Snapshot();
   MutexLock lock(cmd_mu_);
   m.command_queue = static_cast<int64_t>(commands_.size());
   return m;
 }
 
 void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {
+  ProfileScope timed(&profile_, ProfilePhase::kSendControl);
+  profile_.Count(ProfileCounter::kControlSent);
   auto bytes = EncodeMessage(msg);
   Status st = transport_->SendControl(peer, bytes);
   if (!st.ok())

@@ -24,6 +24,7 @@
 #include "planner/planner.h"
 #include "transceiver/leases.h"
 #include "transceiver/messages.h"
+#include "transceiver/progress_profile.h"
 #include "transceiver/rma.h"
 #include "transceiver/side_metrics.h"
 
@@ -49,6 +50,7 @@ struct EngineOptions {
   // Offer / use mapped peer pools on the one-sided path (transfer.peer_memory): for GPU pools
   // (auto), for every pool a device can share (on), never (off).
   enum class PeerMemory { kAuto, kOn, kOff } peer_memory;
+  bool profile = false;  // transfer.profile: time the progress thread's phases
 };
 EngineOptions ResolveOptions(const TransceiverOptions& options);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
@@ -143,6 +145,8 @@ class Engine {
   // A pair of this side moved its data by peer memory copies (Metrics' data_path says so).
   void NotePeerMemoryUsed() { peer_used_.store(true, std::memory_order_relaxed); }
   MemoryKind staging_kind() const { return staging_.kind(); }
+  // Where the progress thread's CPU goes (transfer.profile; inert when off).
+  ProgressProfile* profile() { return &profile_; }
   // Checksums need the pool's bytes on the host.
   bool host_visible_pool() const { return pool_wire_kind_ != MemoryKind::kDevice; }
 
@@ -173,6 +177,7 @@ class Engine {
   std::deque<std::function<void()>> commands_ GUARDED_BY(cmd_mu_);
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
+  ProgressProfile profile_;
   std::atomic<int64_t> ended_{0};
   std::atomic<int64_t> live_{0};  // requests whose last status is not terminal
   std::thread thread_;

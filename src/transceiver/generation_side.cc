@@ -43,8 +43,11 @@ struct RecvPair {
   // fetched, accepted (ACCEPT received), done (DONE sent), completed (COMPLETE received: every
   // generation rank is done), closed (rejected, aborted or lost by the context rank)
   PairState state{PairSide::kGeneration};
-  bool rma = false;             // one-sided: credits name staging slots, CHUNK says in place
-  bool peer_mem = false;        // one-sided by the context rank's copies into our mapped pool
+  bool rma = false;       // one-sided: credits name staging slots, CHUNK says in place
+  bool peer_mem = false;  // one-sided by the context rank's copies into our mapped pool
+  // The FETCH offered our pool as peer memory: no staging slot is credited before ACCEPT says
+  // whether the context rank copies into it (then no CREDIT is ever needed) or puts.
+  bool peer_offered = false;
   int64_t row_min = kNoDirect;  // one-sided: rows at least this long arrive in the pool
   bool checksum = false;        // CHUNK messages carry checksums (asked in FETCH)
   std::deque<RecvOp> inflight;
@@ -133,12 +136,16 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         p.ctx_rank = c;
         p.transfer_id = NextTransferId();
         p.rma = f.rma;
+        p.peer_offered = f.rma && !f.rma_target.peer_pool.empty();
         p.row_min = f.rma_target.row_min_bytes;
         p.checksum = f.checksum;
         for (const PairPlan& pp : plan) {
           if (pp.ctx_rank == c) p.plan = pp;
         }
-        auto peer = transport_->Connect(h.addresses[c], r.deadline);
+        auto peer = [&] {
+          ProfileScope timed(profile(), ProfilePhase::kConnect);
+          return transport_->Connect(h.addresses[c], r.deadline);
+        }();
         if (!peer.ok()) {
           Status why = peer.status().WithContext(
               fmt::format("request {}: context rank {}", h.request_id, c));
@@ -385,7 +392,11 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   }
 
   bool AdvancePair(GenRequest& r, RecvPair& p) {
-    bool busy = p.peer_mem ? PostPeer(r, p) : p.rma ? PostRma(r, p) : PostTagged(r, p);
+    const bool await_accept = p.rma && p.peer_offered && p.state.Is(PairPhase::kFetched);
+    bool busy = p.peer_mem     ? PostPeer(r, p)
+                : await_accept ? false
+                : p.rma        ? PostRma(r, p)
+                               : PostTagged(r, p);
     if (p.rma && !p.watch && !r.ending && !p.state.final()) {
       auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
                                  sizeof(p.watch_buf), MemoryKind::kHost);

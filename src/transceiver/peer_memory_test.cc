@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "transceiver/context_side_peer.h"
 #include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {
@@ -121,6 +122,97 @@ TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
   ExpectAllComplete(cl.Drain(0, 0, 1, milliseconds(60000)), 2);
   cl.Verify(33, gb, 12 * 1024);
   EXPECT_EQ(*chunks, 1);
+}
+
+TEST(PeerMemory, CopiesThatContinueEachOtherMergeIntoOneTallerCopy) {
+  std::vector<std::byte> src(1 << 16), dst(1 << 16);
+  auto desc = [&](size_t s, size_t d, size_t rows, size_t bytes, size_t sp, size_t dp) {
+    CopyDesc c{};
+    c.src = src.data() + s;
+    c.dst = dst.data() + d;
+    c.rows = rows;
+    c.bytes = bytes;
+    c.src_pitch = sp;
+    c.dst_pitch = dp;
+    return c;
+  };
+  // Head slices of two consecutive blocks: 4 rows of 64 bytes, source pitch 128, packed
+  // destination.
+  CopyDesc a = desc(0, 0, 4, 64, 128, 64);
+  EXPECT_TRUE(ExtendRows(a, desc(512, 256, 4, 64, 128, 64)));
+  EXPECT_EQ(a.rows, 8u);
+  EXPECT_EQ(a.src_pitch, 128u);
+  EXPECT_EQ(a.dst_pitch, 64u);
+  // One-row copies back to back become rows at their own length.
+  CopyDesc b = desc(0, 0, 1, 100, 0, 0);
+  EXPECT_TRUE(ExtendRows(b, desc(100, 100, 1, 100, 0, 0)));
+  EXPECT_EQ(b.rows, 2u);
+  EXPECT_EQ(b.src_pitch, 100u);
+  // Not continuing: a gap, another row length, another pitch, a row that overlaps the last.
+  CopyDesc c = desc(0, 0, 4, 64, 128, 64);
+  EXPECT_FALSE(ExtendRows(c, desc(640, 256, 4, 64, 128, 64)));
+  EXPECT_FALSE(ExtendRows(c, desc(512, 256, 4, 32, 128, 64)));
+  EXPECT_FALSE(ExtendRows(c, desc(512, 256, 4, 64, 256, 64)));
+  CopyDesc d = desc(0, 0, 1, 100, 0, 0);
+  EXPECT_FALSE(ExtendRows(d, desc(50, 50, 1, 100, 0, 0)));
+  EXPECT_EQ(c.rows, 4u);
+  EXPECT_EQ(d.rows, 1u);
+}
+
+// TP2 -> TP4, block-major at both ends, consecutive blocks: each pair's head slices merge into one
+// tall copy per batch; every byte lands, nothing outside the destination blocks changes.
+TEST(PeerMemory, MergedHeadSlicesLandByteForByte) {
+  PeerMemoryOn on;
+  TransceiverOptions o;
+  o.checksum = false;
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(35, {2, 3, 4, 5}, 15);
+  ASSERT_TRUE(cl.Fetch(h, {4, 5, 6, 7}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 6);
+  cl.Verify(35, {4, 5, 6, 7}, 15, 0, 0, /*sentinels=*/true);
+}
+
+// Counts the CREDIT messages a generation rank sends.
+class CreditCounter final : public TestTransport {
+ public:
+  CreditCounter(std::unique_ptr<Transport> base, std::shared_ptr<int> credits)
+      : TestTransport(std::move(base)), credits_(std::move(credits)) {}
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    auto m = DecodeMessage(b);
+    if (m.ok() && std::holds_alternative<CreditMsg>(*m)) ++*credits_;
+    return base_->SendControl(p, b);
+  }
+
+ private:
+  std::shared_ptr<int> credits_;
+};
+
+// A FETCH that offers the pool as peer memory credits no staging slot before ACCEPT: a context
+// rank that copies into the pool never reads a credit (it was one wasted message per pair and
+// request), and one that falls back to puts is credited after its ACCEPT.
+TEST(PeerMemory, OfferedPoolIsCreditedOnlyWhenTheContextRankPuts) {
+  PeerMemoryOn on;
+  for (const bool lie : {false, true}) {
+    auto credits = std::make_shared<int>(0);
+    auto unmappable = [](FetchMsg& f) {
+      PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
+      h.pid += 1;
+      f.rma_target.peer_pool[0] = EncodePeerHandle(h);
+    };
+    Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, SmallChunks(true), {},
+               [&](std::unique_ptr<Transport> t) {
+                 if (lie) t = std::make_unique<FetchTamperer>(std::move(t), unmappable);
+                 return std::make_unique<CreditCounter>(std::move(t), credits);
+               });
+    auto h = cl.Publish(34, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+    ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+    cl.Verify(34, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
+    if (lie)
+      EXPECT_GT(*credits, 0) << "puts into staging need credits";
+    else
+      EXPECT_EQ(*credits, 0) << "copies into the peer pool need no credit";
+  }
 }
 
 // A generation rank may offer handles that don't map (another process, or a region smaller than

@@ -144,6 +144,7 @@ nlohmann::json SummaryJson(const SelftestSummary& s) {
           {"p99_ms", s.p99_ms},
           {"cpu_us_per_request", s.cpu_us_per_request},
           {"control_cpu_us_per_request", s.control_cpu_us_per_request},
+          {"control_cpu_with_warmup_us_per_request", s.control_cpu_with_warmup_us_per_request},
           {"data_path", s.data_path},
           {"errors", s.errors}};
 }
@@ -269,6 +270,13 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
   row["ratio"] = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
   row["verified_all"] = cfg.verify && s.failed == 0;  // --no-verify checks nothing
   row["slowest"] = SlowestJson(ranks);
+  if (!s.profile.empty()) {
+    nlohmann::json profile = nlohmann::json::object();
+    for (const auto& [side, values] : s.profile) {
+      for (const auto& [name, value] : values) profile[side][name] = value;
+    }
+    row["profile"] = std::move(profile);
+  }
   return row;
 }
 
@@ -280,6 +288,15 @@ void PrintBenchRow(const nlohmann::json& row, const SelftestSummary& s, bool ver
       s.p99_ms, s.control_cpu_us_per_request, s.baseline_gbps, row["ratio"].get<double>(),
       s.copy_gbps, row["copy_ratio"].get<double>(), s.data_path, s.baseline_name, s.copy_name,
       s.failed ? "  FAILED" : "", verify || s.failed ? "" : "  (not verified: --no-verify)");
+  // transfer.profile: where each side's progress-thread CPU went, per measured request.
+  for (const auto& [side, values] : s.profile) {
+    std::string line;
+    for (const auto& [name, value] : values) {
+      if (value == 0) continue;
+      line += fmt::format(" {}={:.{}f}", name, value, name.starts_with("copy_busy") ? 2 : 1);
+    }
+    fmt::print("  profile {}:{}\n", side, line);
+  }
   for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
 }
 
@@ -323,8 +340,10 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
         f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.ctx_layout, f.gen.tp,
         f.gen.pp, f.gen_layout, f.transport);
     if (f.warmup > 0)
-      fmt::print("  GB/s and latencies leave out the first {} request(s) of each generation rank\n",
-                 f.warmup);
+      fmt::print(
+          "  GB/s, latencies and ctl us/r leave out the first {} request(s) of each generation "
+          "rank, which end before the others start\n",
+          f.warmup);
     fmt::print("{:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n",
                "tokens", "in flt", "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s",
                "ratio", "copy GB/s", "ratio", "data path: raw | copy baselines");

@@ -23,7 +23,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
 constexpr uint32_t kMaxBlocks = 65535;
-constexpr uint32_t kMaxParts = 64;  // gridDim.y: blocks sharing one descriptor
+// gridDim.y: blocks sharing one descriptor (a peer-memory batch of head slices can be one
+// descriptor of thousands of rows: consecutive blocks merge into one tall 2-D copy).
+constexpr uint32_t kMaxParts = 4096;
 
 template <typename T>
 __device__ void CopyRowAs(char* d, const char* s, uint64_t n, unsigned lane, unsigned lanes) {

@@ -1,0 +1,81 @@
+// Summarize's measured-request parts (selftest.h): the control-plane CPU and the transfer.profile
+// rows of the requests after each rank's warm-up (the set-up those carry left out).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "selftest/selftest.h"
+
+namespace kvferry {
+
+namespace {
+
+// A rank's share of one request in the measured part of the run: its measured requests scaled to
+// all it took part in, over the run's requests (with one DP group, 1 / measured requests).
+double MeasuredWeight(const SelftestConfig& cfg, const RankResult& r) {
+  const int measured = r.requests - r.warm_requests;
+  if (measured <= 0 || cfg.requests <= 0) return 0;
+  return static_cast<double>(r.requests) / measured / cfg.requests;
+}
+
+}  // namespace
+
+double MeasuredControlCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+  double per_request = 0;
+  for (const RankResult& r : ranks)
+    per_request += (r.control_cpu_seconds - r.control_cpu_warm_seconds) * MeasuredWeight(cfg, r);
+  return per_request;
+}
+
+static double Lookup(const std::vector<std::pair<std::string, double>>& values,
+                     const std::string& name) {
+  for (const auto& [n, v] : values) {
+    if (n == name) return v;
+  }
+  return 0;
+}
+
+// transfer.profile per side over the measured requests (SelftestSummary::profile).
+std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> MeasuredProfile(
+    const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+  std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> out;
+  for (const bool context : {true, false}) {
+    std::vector<std::pair<std::string, double>> sums;
+    double busy_sum = 0, busy_min = 1e300;
+    int metered = 0;
+    for (const RankResult& r : ranks) {
+      if (r.context != context || r.profile.empty()) continue;
+      const double w = MeasuredWeight(cfg, r);
+      for (const auto& [name, value] : r.profile) {
+        const double v = (value - Lookup(r.profile_warm, name)) * w;
+        if (name == "copy_busy_s") continue;
+        const bool cpu = name.size() > 6 && name.ends_with("_cpu_s");
+        const std::string key = cpu ? name.substr(0, name.size() - 2) + "_us" : name;
+        auto it =
+            std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == key; });
+        if (it == sums.end()) it = sums.insert(sums.end(), {key, 0.0});
+        it->second += cpu ? v * 1e6 : v;
+      }
+      const double wall = r.seconds - r.warm_at_seconds;
+      if (context && wall > 0) {
+        const double busy =
+            (Lookup(r.profile, "copy_busy_s") - Lookup(r.profile_warm, "copy_busy_s")) / wall;
+        busy_sum += busy;
+        busy_min = std::min(busy_min, busy);
+        ++metered;
+      }
+    }
+    if (sums.empty()) continue;
+    if (metered > 0) {
+      sums.emplace_back("copy_busy", busy_sum / metered);
+      sums.emplace_back("copy_busy_min", busy_min);
+    }
+    out.emplace_back(context ? "context" : "generation", std::move(sums));
+  }
+  return out;
+}
+
+}  // namespace kvferry

@@ -1,0 +1,63 @@
+// Summarize: the control-plane CPU and the profile of the measured requests leave out what a
+// rank spent before its warm-up requests ended (connections, first peer mappings).
+#include <gtest/gtest.h>
+
+#include "selftest/selftest.h"
+
+namespace kvferry {
+namespace {
+
+RankResult Rank(bool context, double control, double warm, int warm_requests,
+                std::vector<std::pair<std::string, double>> profile = {},
+                std::vector<std::pair<std::string, double>> profile_warm = {}) {
+  RankResult r;
+  r.context = context;
+  r.requests = 11;
+  r.verified = context ? 0 : 11;
+  r.control_cpu_seconds = control;
+  r.control_cpu_warm_seconds = warm;
+  r.warm_requests = warm_requests;
+  r.seconds = 2.0;
+  r.warm_at_seconds = 1.0;
+  r.profile = std::move(profile);
+  r.profile_warm = std::move(profile_warm);
+  return r;
+}
+
+TEST(SelftestSummary, ControlCpuPerRequestLeavesOutTheWarmUp) {
+  SelftestConfig cfg;
+  cfg.requests = 11;
+  cfg.warmup = 1;
+  // Each rank: 0.010 s of set-up in its one warm-up request, then 10 requests of 50 us.
+  const std::vector<RankResult> ranks = {Rank(true, 0.0105, 0.010, 1),
+                                         Rank(false, 0.0105, 0.010, 1)};
+  const SelftestSummary s = Summarize(cfg, ranks);
+  EXPECT_NEAR(s.control_cpu_us_per_request, 100, 1e-6);  // 2 ranks x 50 us
+  EXPECT_NEAR(s.control_cpu_with_warmup_us_per_request, 0.021 / 11 * 1e6, 1e-6);
+}
+
+TEST(SelftestSummary, ProfileIsPerMeasuredRequestAndCopyBusyPerWallTime) {
+  SelftestConfig cfg;
+  cfg.requests = 11;
+  const std::vector<RankResult> ranks = {
+      Rank(true, 1, 0, 1, {{"advance_cpu_s", 0.0012}, {"batches", 21}, {"copy_busy_s", 0.9}},
+           {{"advance_cpu_s", 0.0002}, {"batches", 1}, {"copy_busy_s", 0.1}}),
+      Rank(false, 1, 0, 1, {{"commands_cpu_s", 0.0005}}, {})};
+  const SelftestSummary s = Summarize(cfg, ranks);
+  ASSERT_EQ(s.profile.size(), 2u);
+  EXPECT_EQ(s.profile[0].first, "context");
+  auto get = [](const auto& values, const std::string& name) {
+    for (const auto& [n, v] : values) {
+      if (n == name) return v;
+    }
+    return -1.0;
+  };
+  EXPECT_NEAR(get(s.profile[0].second, "advance_cpu_us"), 100, 1e-6);  // 1 ms over 10 requests
+  EXPECT_NEAR(get(s.profile[0].second, "batches"), 2, 1e-9);
+  EXPECT_NEAR(get(s.profile[0].second, "copy_busy"), 0.8, 1e-9);  // 0.8 s of the last 1 s
+  EXPECT_EQ(s.profile[1].first, "generation");
+  EXPECT_NEAR(get(s.profile[1].second, "commands_cpu_us"), 50, 1e-6);
+}
+
+}  // namespace
+}  // namespace kvferry
