@@ -402,6 +402,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
       in.direct_min_bytes = f.direct_min_bytes;
       in.layer_wise = r->layer_wise;
       in.max_plan_bytes = plan_budget();
+      in.max_chunks = plan_chunk_cap();
       auto plan = PlanForCtxRank(in, pool_.slice().rank);
       if (!plan.ok()) return Reject(peer, f, plan.status());
       r->plan = std::move(plan).value();
@@ -418,7 +419,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
     p.transfer_id = f.transfer_id;
     p.rma = rma;
     if (!peer_pool.empty()) NotePeerMemoryUsed();
-    p.checksum = f.checksum && host_visible_pool();
+    p.checksum = f.checksum;
     if (!peer_pool.empty())
       p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum);
     if (rma) p.target = std::move(f.rma_target);
@@ -472,8 +473,10 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
       SendOp s;
       s.chunk = p.next;
       if (p.checksum) {
+        auto sum = ChunkDigest(c, true);
+        if (!sum.ok()) return Fail(r, sum.status()), true;
         s.has_checksum = true;
-        s.checksum = ChunkChecksum(c, true, pool_);
+        s.checksum = *sum;
       }
       if (c.direct && direct_ok()) {
         const Piece& pc = c.pieces.front();
@@ -584,6 +587,7 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
   }
   Event* Lend() override { return AcquireEvent(); }
   void Return(Event* event) override { ReleaseEvent(event); }
+  StatusOr<uint64_t> Digest(const Chunk& chunk) override { return ChunkDigest(chunk, true); }
 
   // One-sided: rows put pool to pool, the packed rest put into the credited staging slot, one
   // flush, then CHUNK.
@@ -622,8 +626,14 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
         }
       }
       if (p.checksum) {
+        auto sum = ChunkDigest(c, true);
+        if (!sum.ok()) {
+          if (s.slot >= 0) ReleaseSlot(s.slot);
+          if (s.packed) ReleaseEvent(s.packed);
+          return Fail(r, sum.status()), true;
+        }
         s.has_checksum = true;
-        s.checksum = ChunkChecksum(c, true, pool_);
+        s.checksum = *sum;
       }
       Status st = PutDirectRows(*transport_, p.peer, c, pool_, pool_wire_kind(), t, s.puts);
       p.inflight.push_back(std::move(s));

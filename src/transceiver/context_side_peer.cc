@@ -81,8 +81,8 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     b.what.count = count;
     b.what.started = Clock::now();
     if (checksum_) {
+      KVF_ASSIGN_OR_RETURN(b.what.checksum, events.Digest(plan.chunks[next]));
       b.what.has_checksum = true;
-      b.what.checksum = ChunkChecksum(plan.chunks[next], true, pool);
     }
     next += count;
     Status st = stream.CopyBatch(scratch);

@@ -58,11 +58,13 @@ struct LandedChunks {
   }
 };
 
-// Pooled device events lent to a PeerSender (the context side's Engine pool).
+// Pooled device events lent to a PeerSender (the context side's Engine pool), and the chunk
+// digests of its checksummed chunks (Engine::ChunkDigest of the source bytes).
 class EventLender {
  public:
   virtual Event* Lend() = 0;  // null when the pool is exhausted
   virtual void Return(Event* event) = 0;
+  virtual StatusOr<uint64_t> Digest(const Chunk& chunk) = 0;
 
  protected:
   ~EventLender() = default;
