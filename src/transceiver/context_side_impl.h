@@ -1,0 +1,159 @@
+// The context (sending) side's implementation class, shared by its source files:
+// context_side.cc (requests, FETCH and the control messages, ending) and context_side_send.cc (a
+// pair's data path: tagged sends, one-sided puts, peer memory copies). Internal to the
+// transceiver layer; everything here runs on the engine's progress thread unless a method says
+// otherwise (the public ContextSide calls reach it through Engine::Call).
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "transceiver/context_side_peer.h"
+#include "transceiver/engine.h"
+#include "transceiver/pending_fetches.h"
+#include "transceiver/rma.h"
+
+namespace kvferry {
+
+struct SendOp {
+  size_t chunk = 0;
+  uint32_t count = 1;                              // chunks [chunk, chunk + count) (peer memory)
+  int slot = -1;                                   // staging slot, -1 for a direct chunk
+  Event* packed = nullptr;                         // pending pack into the slot
+  std::unique_ptr<TransportOp> op;                 // pending send (tagged path)
+  std::vector<std::unique_ptr<TransportOp>> puts;  // one-sided: rows and the packed slot
+  std::unique_ptr<TransportOp> flush;              // one-sided: posted once every put is
+  bool has_checksum = false;
+  uint64_t checksum = 0;
+  Clock::time_point started = Clock::now();  // metrics: the chunk's latency
+};
+
+struct SendPair {
+  int32_t gen_rank = 0;
+  PeerId peer = kAnyPeer;
+  uint32_t transfer_id = 0;
+  PairPlan plan;
+  size_t next = 0;          // next chunk to start
+  size_t credit = 0;        // the receiver has posted chunks [0, credit)
+  bool done = false;        // DONE received
+  bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
+  bool rma = false;         // one-sided puts into target (else tagged sends)
+  // One-sided by copies into the mapped generation pool (context_side_peer.h); null otherwise.
+  std::unique_ptr<PeerSender> mapped;
+  bool checksum = false;
+  RmaTarget target;
+  std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
+  std::deque<SendOp> inflight;
+  bool drained() const {
+    return next == plan.chunks.size() && inflight.empty() && (!mapped || mapped->copying() == 0);
+  }
+};
+
+struct CtxRequest {
+  uint64_t id = 0;
+  bool layer_wise = false;  // planned one layer per piece, so each layer moves once it is ready
+  std::vector<int64_t> blocks;
+  int64_t tokens = 0;
+  AccessToken token{};
+  int32_t ready_end = 0;  // global layers [0, ready_end) of this stage are ready
+  std::vector<std::pair<int32_t, std::shared_ptr<Event>>> layer_events;
+  Clock::time_point start;
+  Deadline deadline;
+  uint64_t gen_instance = 0;
+  int expected_gen = -1;              // generation ranks that will FETCH (known at the first FETCH)
+  std::vector<PairPlan> plan;         // this rank's pairs, cached from the first FETCH
+  bool planned = false;               // an empty plan (this rank sends nothing) is a plan too
+  FetchMsg plan_key;                  // the FETCH the cached plan was made for (blocks, split)
+  std::map<int32_t, SendPair> pairs;  // by generation rank
+  int64_t bytes = 0;
+  TransferState state = TransferState::kInit;
+  Status reason;
+  bool ending = false;  // a terminal state is decided; waiting for operations to finish
+  Clock::time_point ended_at;
+};
+
+// Runs on the engine's progress thread except the public calls, which reach it through Call.
+class ContextSideImpl final : public ContextSide, public Engine, private EventLender {
+ public:
+  using Engine::Engine;
+  ~ContextSideImpl() override { Stop(); }
+
+  std::string address() const override { return address_; }
+  void InitAddress() { address_ = transport_->LocalAddress(); }
+
+  Status SetInstanceAddresses(std::vector<std::string> addresses) override;
+
+  StatusOr<std::vector<std::byte>> MarkReady(uint64_t id, std::span<const int64_t> blocks,
+                                             int64_t tokens) override {
+    return Begin(id, blocks, tokens, true);
+  }
+  StatusOr<std::vector<std::byte>> BeginLayerWise(uint64_t id, std::span<const int64_t> blocks,
+                                                  int64_t tokens) override {
+    return Begin(id, blocks, tokens, false);
+  }
+
+  Status MarkLayersReady(uint64_t id, int32_t local_layers) override;
+  Status MarkLayerReadyOn(uint64_t id, int32_t local_layer, std::shared_ptr<Event> event) override;
+
+  std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) override {
+    return PollStatuses(at_least, deadline);
+  }
+  StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
+  TransceiverStats stats() const override { return Stats(); }
+  TransceiverMetrics metrics() const override { return Metrics("context"); }
+  std::vector<RequestTimeline> timelines() const override { return Timelines(); }
+
+  Status Cancel(uint64_t id) override;
+
+ protected:
+  void OnControl(PeerId from, ControlMsg msg) override;
+  bool Advance() override;
+  void OnTick(Clock::time_point now) override;
+  bool InFlight() const override {
+    // A live request's next step (a FETCH, a peer's answer, a copy's end) is due soon: poll for
+    // it (the loop naps again transfer.spin_us after the last progress).
+    return !requests_.empty();
+  }
+  bool OnStop() override;
+
+ private:
+  // Requests, FETCH, credits and ending (context_side.cc).
+  StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks,
+                                         int64_t tokens, bool all_ready);
+  void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits);
+  void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c);
+  void Reject(PeerId peer, const FetchMsg& f, const Status& why);
+  int DoneCount(const CtxRequest& r) const;
+  bool Finished(CtxRequest& r);
+  void Finish(CtxRequest& r);
+  void Fail(CtxRequest& r, const Status& why) { End(r, TransferState::kError, why, true); }
+  void End(CtxRequest& r, TransferState state, Status why, bool tell_peers);
+  CtxRequest* Find(uint64_t id);
+  SendPair* FindPair(uint64_t id, PeerId from, uint32_t transfer_id);
+
+  // A pair's data path (context_side_send.cc).
+  bool AdvancePair(CtxRequest& r, SendPair& p);
+  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s);
+  bool AdvancePeerPair(CtxRequest& r, SendPair& p);
+  bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
+  Event* Lend() override { return AcquireEvent(); }
+  StatusOr<uint64_t> Digest(const Chunk& chunk) override { return ChunkDigest(chunk, true); }
+  void Return(Event* event) override { ReleaseEvent(event); }
+
+  std::string address_;
+  std::vector<std::string> addresses_;       // progress thread
+  std::map<uint64_t, CtxRequest> requests_;  // progress thread
+  PendingFetches pending_;                   // progress thread
+  std::deque<uint64_t> recent_;              // recently finished ids, for replay detection
+  std::set<uint64_t> recent_set_;
+  std::vector<CopyDesc> descs_;             // reused
+  std::vector<PeerSender::Landed> landed_;  // reused
+  bool rma_said_ = false;                   // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;                  // logged once why offered peer memory is not used
+};
+
+}  // namespace kvferry
