@@ -12,6 +12,11 @@ constexpr KnobDecl kKnobs[] = {
      "device the tools use when --device is not given: cpu, cuda or cuda:N", 0, 0, ""},
     {"cpu.pinned_alignment", KnobType::kInt, "4096",
      "alignment in bytes of CPU-device allocations (must allow O_DIRECT I/O)", 64, 1 << 21, ""},
+    {"cpu.streaming_copy_min_bytes", KnobType::kInt, "1048576",
+     "CPU-device copies writing at least this many bytes in all (one Copy, CopyBatch or Copy2D) "
+     "use non-temporal stores: past the caches they move 2 bytes per byte copied instead of 3, "
+     "but leave nothing cached; 0: never",
+     0, kMaxInt, ""},
     {"cuda.copy_kernel_threshold", KnobType::kInt, "1048576",
      "fragments below this many bytes are moved by the batched gather kernel, above it by the "
      "copy engine",

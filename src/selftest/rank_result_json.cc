@@ -13,6 +13,7 @@ std::string ResultToJson(const RankResult& r) {
   j["verified"] = r.verified;
   j["failed"] = r.failed;
   j["prefix_hits"] = r.prefix_hits;
+  j["warmup_overlap"] = r.warmup_overlap;
   j["bytes"] = r.bytes;
   j["seconds"] = r.seconds;
   j["cpu_seconds"] = r.cpu_seconds;
@@ -49,6 +50,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.verified = j.value("verified", 0);
   r.failed = j.value("failed", 0);
   r.prefix_hits = j.value("prefix_hits", 0);
+  r.warmup_overlap = j.value("warmup_overlap", 0);
   r.bytes = j.value("bytes", int64_t{0});
   r.seconds = j.value("seconds", 0.0);
   r.cpu_seconds = j.value("cpu_seconds", 0.0);

@@ -79,6 +79,9 @@ struct RankResult {
   int verified = 0;  // generation: requests complete (and, with cfg.verify, checked element-wise)
   int failed = 0;
   int prefix_hits = 0;  // generation: requests that reused the resident prefix
+  // Generation: timed requests fetched while a warm-up request was still in flight (their time
+  // would include the warm-up's connection set-up, peer mappings and bytes); 0 by design.
+  int warmup_overlap = 0;
   int64_t bytes = 0;
   double seconds = 0;              // first start to last end on this rank
   double cpu_seconds = 0;          // process CPU time over the run
@@ -123,9 +126,10 @@ struct SelftestSummary {
   // Requests that ended complete on every generation rank; `verified` counts those also checked
   // element by element, so it is 0 when verification is off (cfg.verify false).
   int completed = 0;
-  int prefix_hits = 0;  // (request, generation rank) pairs that reused the resident prefix
-  int64_t bytes = 0;    // payload bytes received by the generation instance
-  double seconds = 0;   // wall time of the generation instance (max over ranks)
+  int prefix_hits = 0;     // (request, generation rank) pairs that reused the resident prefix
+  int warmup_overlap = 0;  // RankResult::warmup_overlap, summed over generation ranks
+  int64_t bytes = 0;       // payload bytes received by the generation instance
+  double seconds = 0;      // wall time of the generation instance (max over ranks)
   double gbps = 0;
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;
   double cpu_us_per_request = 0;  // process CPU of all ranks / requests

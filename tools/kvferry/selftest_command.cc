@@ -264,6 +264,7 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
   row["copy_ratio"] = s.copy_gbps > 0 ? s.gbps / s.copy_gbps : 0;
   row["checksum"] = cfg.checksum;
   row["warmup"] = cfg.warmup;
+  row["warmup_overlap"] = s.warmup_overlap;  // timed requests started beside a warm-up one (0)
   row["concurrency"] = cfg.concurrency;
   row["ratio"] = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
   row["verified_all"] = cfg.verify && s.failed == 0;  // --no-verify checks nothing
