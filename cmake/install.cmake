@@ -24,6 +24,15 @@ if(KVFERRY_HAVE_UCX AND UCX_LIBRARY_DIRS)  # pkg-config flags: not seen by the l
   set_property(TARGET kvferry_shared APPEND PROPERTY INSTALL_RPATH ${UCX_LIBRARY_DIRS})
 endif()
 add_library(kvferry::kvferry ALIAS kvferry_shared)
+# Symbols of static archives linked into the library stay inside it. A toolchain that links the C++
+# runtime statically (the H200 image's /opt/gcc g++) otherwise makes libkvferry.so export
+# libstdc++'s ~4,200 symbols and its ABI (__cxa_throw, __cxxabiv1::...), and a consumer's own calls
+# into its runtime may then bind to the library's copy. GNU ld, gold and lld have the option.
+include(CheckLinkerFlag)
+check_linker_flag(CXX "-Wl,--exclude-libs,ALL" KVFERRY_LINKER_EXCLUDE_LIBS)
+if(KVFERRY_LINKER_EXCLUDE_LIBS)
+  target_link_options(kvferry_shared PRIVATE "-Wl,--exclude-libs,ALL")
+endif()
 
 install(TARGETS kvferry_shared EXPORT kvferryTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})

@@ -75,22 +75,23 @@ void ContextSideImpl::OnControl(PeerId from, ControlMsg msg) {
   if (auto* f = std::get_if<FetchMsg>(&msg)) return OnFetch(from, std::move(*f), {});
   if (auto* c = std::get_if<CreditMsg>(&msg)) {
     if (SendPair* p = FindPair(c->request_id, from, c->transfer_id)) {
-      ApplyCredit(requests_.at(c->request_id), *p, *c);
+      CtxRequest& r = requests_.at(c->request_id);
+      if (Step(r, *p, PairEvent::kCredit)) ApplyCredit(r, *p, *c);
     } else {
       pending_.AddCredit(from, *c);
     }
     return;
   }
   if (auto* d = std::get_if<DoneMsg>(&msg)) {
-    if (SendPair* p = FindPair(d->request_id, from, d->transfer_id)) p->done = true;
+    if (SendPair* p = FindPair(d->request_id, from, d->transfer_id))
+      Step(requests_.at(d->request_id), *p, PairEvent::kDone);
     return;
   }
   if (auto* a = std::get_if<AbortMsg>(&msg)) {
     pending_.Drop(from, a->request_id, a->transfer_id);
     if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
       CtxRequest& r = requests_.at(a->request_id);
-      p->done = true;  // it will not send DONE
-      p->peer_ended = true;
+      if (!Step(r, *p, PairEvent::kAbort)) return;  // a repeated ABORT
       // The other generation ranks can't complete without this one: tell them now rather
       // than leave them to their deadlines.
       End(r, TransferState::kError,
@@ -225,7 +226,9 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
       return Reject(
           peer, f,
           Status::InvalidArgument(fmt::format(
-              "request {} was already delivered and released (replayed handle)", f.request_id)));
+              "request {} already ended on this rank and was released (a replayed handle, or a "
+              "FETCH later than the request's deadline)",
+              f.request_id)));
     }
     if (pending_.full()) {
       return Reject(peer, f,
@@ -360,6 +363,16 @@ void ContextSideImpl::ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c
   p.credit = p.slots.size();
 }
 
+bool ContextSideImpl::Step(CtxRequest& r, SendPair& p, PairEvent event) {
+  auto step = p.state.On(event);
+  if (!step.ok()) {
+    Fail(r, step.status().WithContext(
+                fmt::format("request {}: generation rank {}", r.id, p.gen_rank)));
+    return false;
+  }
+  return *step == PairStep::kMove || *step == PairStep::kWithin;
+}
+
 void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) {
   Log(LogLevel::kInfo, "context side: refused fetch of request {} from generation rank {}: {}",
       f.request_id, f.gen_rank, why.ToString());
@@ -369,7 +382,7 @@ void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) 
 
 int ContextSideImpl::DoneCount(const CtxRequest& r) const {
   int n = 0;
-  for (const auto& [g, p] : r.pairs) n += p.done && p.drained();
+  for (const auto& [g, p] : r.pairs) n += p.state.Is(PairPhase::kDone) && p.drained();
   return n;
 }
 
@@ -386,13 +399,10 @@ bool ContextSideImpl::Finished(CtxRequest& r) {
     Log(LogLevel::kWarn, "context side: request {} ends with {} sends still held by the transport",
         r.id, stuck);
     for (auto& [g, p] : r.pairs) {
-      for (SendOp& op : p.inflight) {
-        // A pending pack is ordered on the stream before any later use of its slot.
-        if (op.slot >= 0) ReleaseSlot(op.slot);
-        if (op.packed) ReleaseEvent(op.packed);
-      }
+      // Their slots and events go back with them (a pending pack is ordered on the stream before
+      // any later use of its slot).
       p.inflight.clear();
-      if (p.mapped) p.mapped->Abandon(*this);
+      if (p.mapped) p.mapped->Abandon();
     }
     return true;
   }
@@ -431,7 +441,7 @@ void ContextSideImpl::End(CtxRequest& r, TransferState state, Status why, bool t
       if (s.op && !s.op->Done()) transport_->Cancel(*s.op);
     }
     // Generation ranks that said DONE wait for COMPLETE, which will not come: they are told too.
-    if (tell_peers && !p.peer_ended) {
+    if (tell_peers && !p.state.Is(PairPhase::kClosed)) {
       SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                std::string(r.reason.message())});
     }

@@ -14,6 +14,8 @@
 
 #include "transceiver/context_side_peer.h"
 #include "transceiver/engine.h"
+#include "transceiver/leases.h"
+#include "transceiver/pair_state.h"
 #include "transceiver/pending_fetches.h"
 #include "transceiver/rma.h"
 
@@ -22,8 +24,8 @@ namespace kvferry {
 struct SendOp {
   size_t chunk = 0;
   uint32_t count = 1;                              // chunks [chunk, chunk + count) (peer memory)
-  int slot = -1;                                   // staging slot, -1 for a direct chunk
-  Event* packed = nullptr;                         // pending pack into the slot
+  StagingLease slot;                               // staging slot; empty for a direct chunk
+  EventLease packed;                               // pending pack into the slot
   std::unique_ptr<TransportOp> op;                 // pending send (tagged path)
   std::vector<std::unique_ptr<TransportOp>> puts;  // one-sided: rows and the packed slot
   std::unique_ptr<TransportOp> flush;              // one-sided: posted once every put is
@@ -37,11 +39,10 @@ struct SendPair {
   PeerId peer = kAnyPeer;
   uint32_t transfer_id = 0;
   PairPlan plan;
-  size_t next = 0;          // next chunk to start
-  size_t credit = 0;        // the receiver has posted chunks [0, credit)
-  bool done = false;        // DONE received
-  bool peer_ended = false;  // ABORT received: the peer needs no ABORT back
-  bool rma = false;         // one-sided puts into target (else tagged sends)
+  size_t next = 0;                      // next chunk to start
+  size_t credit = 0;                    // the receiver has posted chunks [0, credit)
+  PairState state{PairSide::kContext};  // accepted (sending), done (DONE received), closed
+  bool rma = false;                     // one-sided puts into target (else tagged sends)
   // One-sided by copies into the mapped generation pool (context_side_peer.h); null otherwise.
   std::unique_ptr<PeerSender> mapped;
   bool checksum = false;
@@ -77,7 +78,7 @@ struct CtxRequest {
 };
 
 // Runs on the engine's progress thread except the public calls, which reach it through Call.
-class ContextSideImpl final : public ContextSide, public Engine, private EventLender {
+class ContextSideImpl final : public ContextSide, public Engine {
  public:
   using Engine::Engine;
   ~ContextSideImpl() override { Stop(); }
@@ -127,6 +128,9 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
   void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits);
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c);
   void Reject(PeerId peer, const FetchMsg& f, const Status& why);
+  // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
+  // event the protocol has no step for fails the request, naming the event and the phase.
+  bool Step(CtxRequest& r, SendPair& p, PairEvent event);
   int DoneCount(const CtxRequest& r) const;
   bool Finished(CtxRequest& r);
   void Finish(CtxRequest& r);
@@ -140,9 +144,6 @@ class ContextSideImpl final : public ContextSide, public Engine, private EventLe
   void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s);
   bool AdvancePeerPair(CtxRequest& r, SendPair& p);
   bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
-  Event* Lend() override { return AcquireEvent(); }
-  StatusOr<uint64_t> Digest(const Chunk& chunk) override { return ChunkDigest(chunk, true); }
-  void Return(Event* event) override { ReleaseEvent(event); }
 
   std::string address_;
   std::vector<std::string> addresses_;       // progress thread

@@ -70,7 +70,8 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
 
 StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                                   const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                                  std::vector<CopyDesc>& scratch, EventLender& events) {
+                                  std::vector<CopyDesc>& scratch, EventPool& events,
+                                  const Digester& digest) {
   bool launched = false;
   while (static_cast<int64_t>(copying_.size()) < max_inflight) {
     KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
@@ -81,28 +82,25 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     b.what.count = count;
     b.what.started = Clock::now();
     if (checksum_) {
-      KVF_ASSIGN_OR_RETURN(b.what.checksum, events.Digest(plan.chunks[next]));
+      KVF_ASSIGN_OR_RETURN(b.what.checksum, digest(plan.chunks[next]));
       b.what.has_checksum = true;
     }
     next += count;
     Status st = stream.CopyBatch(scratch);
-    b.done = events.Lend();
+    b.done = events.Acquire();
     if (st.ok()) st = b.done ? stream.Record(*b.done) : Status::Internal("no device event");
-    if (!st.ok()) {
-      if (b.done) events.Return(b.done);
+    if (!st.ok())
       return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
-    }
-    copying_.push_back(b);
+    copying_.push_back(std::move(b));
     launched = true;
   }
   return launched;
 }
 
-void PeerSender::Reap(EventLender& events, std::vector<Landed>& out) {
+void PeerSender::Reap(std::vector<Landed>& out) {
   out.clear();
   while (!copying_.empty() && copying_.front().done->Query()) {
     const Batch& b = copying_.front();
-    events.Return(b.done);
     if (!b.what.has_checksum) unreported_.Add(b.what.chunk, b.what.count);
     out.push_back(b.what);
     copying_.pop_front();
@@ -120,8 +118,7 @@ std::optional<LandedChunks> PeerSender::TakeReport() {
   return r;
 }
 
-void PeerSender::Abandon(EventLender& events) {
-  for (const Batch& b : copying_) events.Return(b.done);
+void PeerSender::Abandon() {
   copying_.clear();
   unreported_ = {};
 }

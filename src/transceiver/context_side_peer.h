@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "kvferry/pool.h"
 #include "kvferry/status.h"
 #include "planner/planner.h"
+#include "transceiver/leases.h"
 #include "transceiver/messages.h"
 
 namespace kvferry {
@@ -58,21 +60,10 @@ struct LandedChunks {
   }
 };
 
-// Pooled device events lent to a PeerSender (the context side's Engine pool), and the chunk
-// digests of its checksummed chunks (Engine::ChunkDigest of the source bytes).
-class EventLender {
- public:
-  virtual Event* Lend() = 0;  // null when the pool is exhausted
-  virtual void Return(Event* event) = 0;
-  virtual StatusOr<uint64_t> Digest(const Chunk& chunk) = 0;
-
- protected:
-  ~EventLender() = default;
-};
-
 // One (request, generation rank) pair's peer-memory sends: the batches copying on the context
 // rank's stream (in order: one stream), and the landed chunks not yet reported. Used by the
-// progress thread only. Every lent event goes back through Reap or Abandon.
+// progress thread only. Each batch holds the lease of its pooled event (the context side's Engine
+// pool) and gives it back when it is reaped or abandoned, or when the sender goes.
 class PeerSender {
  public:
   // A batch that landed: chunks [chunk, chunk + count), with the checksum of its one chunk when
@@ -88,25 +79,29 @@ class PeerSender {
   PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum)
       : peer_pool_(std::move(peer_pool)), checksum_(checksum) {}
 
+  // The chunk digest of a chunk's source bytes (Engine::ChunkDigest), for checksummed pairs.
+  using Digester = std::function<StatusOr<uint64_t>(const Chunk&)>;
+
   // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
-  // `max_inflight` batches copying on `stream`; `scratch` holds the descriptors. True when it
-  // launched a batch; an error names the chunk or the failed copy.
+  // `max_inflight` batches copying on `stream`, each ending on an event of `events`; `scratch`
+  // holds the descriptors; `digest` sums each chunk of a checksummed pair before it is copied.
+  // True when it launched a batch; an error names the chunk or the failed copy.
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                        std::vector<CopyDesc>& scratch, EventLender& events);
+                        std::vector<CopyDesc>& scratch, EventPool& events, const Digester& digest);
   // Appends the batches that completed since the last call, in order, to `out` (cleared first);
-  // their events go back to `events`. Batches without a checksum join the coalesced report.
-  void Reap(EventLender& events, std::vector<Landed>& out);
+  // their events go back to their pool. Batches without a checksum join the coalesced report.
+  void Reap(std::vector<Landed>& out);
   // The range to report by one CHUNK now: something landed unreported and nothing is copying.
   std::optional<LandedChunks> TakeReport();
   size_t copying() const { return copying_.size(); }
   // Gives every event back without waiting (a request abandoned after its grace period).
-  void Abandon(EventLender& events);
+  void Abandon();
 
  private:
   struct Batch {
     Landed what;
-    Event* done = nullptr;
+    EventLease done;
   };
   const std::vector<PeerMapping*> peer_pool_;
   const bool checksum_;

@@ -18,13 +18,18 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
     if (c.last_layer >= r.ready_end) break;
     SendOp s;
     s.chunk = p.next;
-    if (p.checksum) {
+    const bool direct = c.direct && direct_ok();
+    if (!direct) {
+      s.slot = AcquireSlot();
+      if (!s.slot) break;
+    }
+    if (p.checksum) {  // of the source bytes, once the chunk can go (not again on every retry)
       auto sum = ChunkDigest(c, true);
       if (!sum.ok()) return Fail(r, sum.status()), true;
       s.has_checksum = true;
       s.checksum = *sum;
     }
-    if (c.direct && direct_ok()) {
+    if (direct) {
       const Piece& pc = c.pieces.front();
       auto op =
           transport_->Send(p.peer, DataTag(p.transfer_id, p.next),
@@ -32,17 +37,11 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
       if (!op.ok()) return Fail(r, op.status()), true;
       s.op = std::move(op).value();
     } else {
-      s.slot = AcquireSlot();
-      if (s.slot < 0) break;
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_);
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
       if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
-      if (!st.ok()) {
-        ReleaseSlot(s.slot);
-        if (s.packed) ReleaseEvent(s.packed);
-        return Fail(r, st.WithContext("packing a chunk")), true;
-      }
+      if (!st.ok()) return Fail(r, st.WithContext("packing a chunk")), true;
     }
     p.inflight.push_back(std::move(s));
     ++p.next;
@@ -50,10 +49,8 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
   }
   for (auto it = p.inflight.begin(); it != p.inflight.end();) {
     if (it->packed && it->packed->Query()) {
-      ReleaseEvent(it->packed);
-      it->packed = nullptr;
+      it->packed.Reset();
       if (r.ending) {
-        ReleaseSlot(it->slot);
         it = p.inflight.erase(it);
         busy = true;
         continue;
@@ -73,13 +70,11 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
                     fmt::format("sending to generation rank {}", p.gen_rank)));
       else
         ChunkSent(r, p, *it);
-      if (it->slot >= 0) ReleaseSlot(it->slot);
       it = p.inflight.erase(it);
       busy = true;
       continue;
     }
     if (!it->op && !it->packed) {  // send could not be posted
-      if (it->slot >= 0) ReleaseSlot(it->slot);
       it = p.inflight.erase(it);
       continue;
     }
@@ -107,11 +102,12 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
   bool busy = false;
   if (!r.ending) {
     auto launched = p.mapped->Launch(p.plan, p.next, r.ready_end, pool_, *stream_,
-                                     options_.max_inflight, descs_, *this);
+                                     options_.max_inflight, descs_, event_pool(),
+                                     [this](const Chunk& c) { return ChunkDigest(c, true); });
     if (!launched.ok()) return Fail(r, launched.status()), true;
     busy = *launched;
   }
-  p.mapped->Reap(*this, landed_);
+  p.mapped->Reap(landed_);
   for (const PeerSender::Landed& l : landed_) {
     busy = true;
     if (r.ending) continue;
@@ -155,26 +151,20 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
     s.chunk = p.next;
     if (packed > 0) {
       s.slot = AcquireSlot();
-      if (s.slot < 0) break;
+      if (!s.slot) break;
+    }
+    if (p.checksum) {  // of the source bytes, once the chunk can go (not again on every retry)
+      auto sum = ChunkDigest(c, true);
+      if (!sum.ok()) return Fail(r, sum.status()), true;
+      s.has_checksum = true;
+      s.checksum = *sum;
+    }
+    if (packed > 0) {
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_, t.row_min_bytes);
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
       if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
-      if (!st.ok()) {
-        ReleaseSlot(s.slot);
-        if (s.packed) ReleaseEvent(s.packed);
-        return Fail(r, st.WithContext("packing a chunk")), true;
-      }
-    }
-    if (p.checksum) {
-      auto sum = ChunkDigest(c, true);
-      if (!sum.ok()) {
-        if (s.slot >= 0) ReleaseSlot(s.slot);
-        if (s.packed) ReleaseEvent(s.packed);
-        return Fail(r, sum.status()), true;
-      }
-      s.has_checksum = true;
-      s.checksum = *sum;
+      if (!st.ok()) return Fail(r, st.WithContext("packing a chunk")), true;
     }
     Status st = PutDirectRows(*transport_, p.peer, c, pool_, pool_wire_kind(), t, s.puts);
     p.inflight.push_back(std::move(s));
@@ -189,8 +179,7 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
   for (auto it = p.inflight.begin(); it != p.inflight.end();) {
     SendOp& s = *it;
     if (s.packed && s.packed->Query()) {
-      ReleaseEvent(s.packed);
-      s.packed = nullptr;
+      s.packed.Reset();
       busy = true;
       if (!r.ending) {
         const uint32_t slot = p.slots[s.chunk];
@@ -227,7 +216,6 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
     } else if (!r.ending) {
       ChunkSent(r, p, s);
     }
-    if (s.slot >= 0) ReleaseSlot(s.slot);
     it = p.inflight.erase(it);
     busy = true;
   }

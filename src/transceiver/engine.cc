@@ -65,7 +65,11 @@ StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& opt
 
 Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
                std::unique_ptr<Transport> transport)
-    : device_(device), pool_(pool), options_(options), transport_(std::move(transport)) {}
+    : device_(device),
+      pool_(pool),
+      options_(options),
+      transport_(std::move(transport)),
+      events_([this] { return device_.CreateEvent(); }) {}
 
 Engine::~Engine() {
   Stop();
@@ -87,7 +91,7 @@ Status Engine::Start() {
   auto staging = device_.Allocate(staging_kind, options_.chunk_bytes * options_.staging_chunks);
   if (!staging.ok()) return staging.status().WithContext("transceiver staging");
   staging_ = std::move(staging).value();
-  for (int i = static_cast<int>(options_.staging_chunks) - 1; i >= 0; --i) free_slots_.push_back(i);
+  slots_.Resize(static_cast<int>(options_.staging_chunks));
   KVF_ASSIGN_OR_RETURN(stream_, device_.CreateStream());
   // Chunk digests of a GPU pool land in pinned memory: allocated now, not behind queued work.
   if (!host_visible_pool()) {
@@ -289,7 +293,7 @@ TransceiverMetrics Engine::Metrics(std::string side) const {
   m.data_path = peer_used_.load() ? "peer-memory" : rma_ok() ? "one-sided" : "tagged";
   metrics_.Fill(m);
   m.live_requests = live_.load();
-  m.staging_slots_in_use = slots_in_use_.load();
+  m.staging_slots_in_use = slots_.in_use();
   m.staging_slots = options_.staging_chunks;
   m.busy_cpu_seconds = static_cast<double>(busy_cpu_ns_.load()) / 1e9;
   MutexLock lock(cmd_mu_);
@@ -303,33 +307,6 @@ void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {
   if (!st.ok())
     Log(LogLevel::kWarn, "transceiver: control message to peer {} failed: {}", peer, st.ToString());
 }
-
-int Engine::AcquireSlot() {
-  if (free_slots_.empty()) return -1;
-  int s = free_slots_.back();
-  free_slots_.pop_back();
-  ++slots_in_use_;
-  return s;
-}
-
-void Engine::ReleaseSlot(int slot) {
-  free_slots_.push_back(slot);
-  --slots_in_use_;
-}
-
-Event* Engine::AcquireEvent() {
-  if (free_events_.empty()) {
-    auto e = device_.CreateEvent();
-    if (!e.ok()) return nullptr;
-    events_.push_back(std::move(e).value());
-    return events_.back().get();
-  }
-  Event* e = free_events_.back();
-  free_events_.pop_back();
-  return e;
-}
-
-void Engine::ReleaseEvent(Event* event) { free_events_.push_back(event); }
 
 InstanceDesc Engine::SelfDesc() const {
   InstanceDesc d;

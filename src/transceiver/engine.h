@@ -1,7 +1,8 @@
 // Engine: what the context and generation sides share. One progress thread owns the transport
 // and the pack/unpack stream; public calls reach it through a command queue (Call) and read
 // results from a status table guarded by a mutex. Staging memory is a fixed set of chunk-sized
-// slots allocated once; device events for pack/unpack come from a reused pool.
+// slots allocated once; device events for pack/unpack come from a reused pool. Both are handed out
+// only as move-only leases (transceiver/leases.h) that give them back when they go.
 #pragma once
 
 #include <atomic>
@@ -21,6 +22,7 @@
 #include "kvferry/transceiver.h"
 #include "kvferry/transport.h"
 #include "planner/planner.h"
+#include "transceiver/leases.h"
 #include "transceiver/messages.h"
 #include "transceiver/rma.h"
 #include "transceiver/side_metrics.h"
@@ -68,7 +70,7 @@ class Engine {
   std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
   TransceiverStats Stats() const {
     return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9, live_.load(),
-                            slots_in_use_.load()};
+                            slots_.in_use()};
   }
   StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
   // Metrics (kvferry/metrics.h): `side` is "context" or "generation".
@@ -106,12 +108,14 @@ class Engine {
     metrics_.OnChunk(request_id, bytes, started);
   }
 
-  // Staging slots: -1 when none is free.
-  int AcquireSlot();
-  void ReleaseSlot(int slot);
-  std::byte* SlotData(int slot) const { return staging_.data() + slot * options_.chunk_bytes; }
-  Event* AcquireEvent();
-  void ReleaseEvent(Event* event);
+  // A staging slot (an empty lease when none is free) and its bytes (chunk_bytes of them).
+  StagingLease AcquireSlot() { return slots_.Acquire(); }
+  std::byte* SlotData(const StagingLease& slot) const {
+    return staging_.data() + slot.index() * options_.chunk_bytes;
+  }
+  // A pooled device event (an empty lease when none can be made).
+  EventLease AcquireEvent() { return events_.Acquire(); }
+  EventPool& event_pool() { return events_; }
 
   // The memory kind a transport is told for the pool, and whether chunks may move pool to pool.
   MemoryKind pool_wire_kind() const { return pool_wire_kind_; }
@@ -161,9 +165,8 @@ class Engine {
   void Run();
 
   Buffer staging_;
-  std::vector<int> free_slots_;
-  std::vector<std::unique_ptr<Event>> events_;
-  std::vector<Event*> free_events_;
+  StagingPool slots_;  // progress thread (in_use(): any thread)
+  EventPool events_;   // progress thread
   MemoryKind pool_wire_kind_ = MemoryKind::kHost;
   MemoryKind staging_wire_kind_ = MemoryKind::kHost;
   bool direct_ok_ = true;
@@ -181,8 +184,7 @@ class Engine {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
   std::atomic<int64_t> ended_{0};
-  std::atomic<int64_t> live_{0};          // requests whose last status is not terminal
-  std::atomic<int64_t> slots_in_use_{0};  // staging slots acquired, not released
+  std::atomic<int64_t> live_{0};  // requests whose last status is not terminal
   std::thread thread_;
 
   mutable Mutex status_mu_;

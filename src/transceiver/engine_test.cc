@@ -87,9 +87,12 @@ TEST(Engine, DestructionWaitsForCopiesQueuedOnItsStreamBeforeFreeingStaging) {
   // may be when a side is destroyed mid-transfer; it must run while staging is still allocated.
   const int frees_before = device.frees.load();
   std::atomic<int> frees_seen_by_copy{-1};
-  const int slot = engine->AcquireSlot();
-  ASSERT_GE(slot, 0);
-  std::byte* dst = engine->SlotData(slot);
+  std::byte* dst = nullptr;
+  {
+    StagingLease slot = engine->AcquireSlot();  // given back before the engine goes
+    ASSERT_TRUE(slot);
+    dst = engine->SlotData(slot);
+  }
   ASSERT_TRUE(engine->stream()
                   .HostCallback([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); })
                   .ok());

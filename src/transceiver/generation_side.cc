@@ -8,6 +8,8 @@
 
 #include "base/log.h"
 #include "transceiver/engine.h"
+#include "transceiver/leases.h"
+#include "transceiver/pair_state.h"
 #include "transceiver/rma.h"
 
 namespace kvferry {
@@ -19,9 +21,9 @@ constexpr uint64_t kWatchChunk = (uint64_t{1} << kChunkTagBits) - 1;
 
 struct RecvOp {
   size_t chunk = 0;
-  int slot = -1;                    // staging slot, -1 when received in place
+  StagingLease slot;                // staging slot; empty when received in place
   std::unique_ptr<TransportOp> op;  // pending receive (tagged path)
-  Event* unpacked = nullptr;        // pending unpack from the slot
+  EventLease unpacked;              // pending unpack from the slot
   bool arrived = false;             // the bytes are in the slot or the pool
   bool landed = false;              // ... and unpacked: the chunk is in the pool
   bool notified = false;            // CHUNK received (one-sided path, or checksums asked)
@@ -38,10 +40,9 @@ struct RecvPair {
   size_t next_post = 0;
   size_t credited = 0;
   size_t completed = 0;
-  bool accepted = false;
-  bool done_sent = false;
-  bool completed_ack = false;   // COMPLETE received: every generation rank is done
-  bool closed = false;          // rejected or aborted by the context rank
+  // fetched, accepted (ACCEPT received), done (DONE sent), completed (COMPLETE received: every
+  // generation rank is done), closed (rejected, aborted or lost by the context rank)
+  PairState state{PairSide::kGeneration};
   bool rma = false;             // one-sided: credits name staging slots, CHUNK says in place
   bool peer_mem = false;        // one-sided by the context rank's copies into our mapped pool
   int64_t row_min = kNoDirect;  // one-sided: rows at least this long arrive in the pool
@@ -194,24 +195,23 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       return {nullptr, nullptr};
     };
     if (auto* a = std::get_if<AcceptMsg>(&msg)) {
-      if (auto [r, p] = find(a->request_id, a->transfer_id); p) OnAccept(*r, *p, *a);
+      if (auto [r, p] = find(a->request_id, a->transfer_id); p && Step(*r, *p, PairEvent::kAccept))
+        OnAccept(*r, *p, *a);
     } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
-      if (auto [r, p] = find(k->request_id, k->transfer_id); p) OnChunk(*r, *p, *k);
+      if (auto [r, p] = find(k->request_id, k->transfer_id); p && Step(*r, *p, PairEvent::kChunk))
+        OnChunk(*r, *p, *k);
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
-      // COMPLETE answers every generation rank's DONE, ours included: one before it is void.
-      if (auto [r, p] = find(c->request_id, c->transfer_id); p && p->done_sent) {
-        p->completed_ack = true;
-      }
+      // COMPLETE answers every generation rank's DONE, ours included: one before it is an error.
+      if (auto [r, p] = find(c->request_id, c->transfer_id); p) Step(*r, *p, PairEvent::kComplete);
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
-      if (auto [r, p] = find(j->request_id, j->transfer_id); p) {
-        p->closed = true;
+      if (auto [r, p] = find(j->request_id, j->transfer_id);
+          p && Step(*r, *p, PairEvent::kReject)) {
         End(*r, TransferState::kError,
             PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
-      if (auto [r, p] = find(b->request_id, b->transfer_id); p) {
-        p->closed = true;
+      if (auto [r, p] = find(b->request_id, b->transfer_id); p && Step(*r, *p, PairEvent::kAbort)) {
         End(*r, TransferState::kError,
             PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
             true);
@@ -226,19 +226,20 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       bool local_done = true, all_done = true, drained = true;
       for (RecvPair& p : r.pairs) {
         busy |= AdvancePair(r, p);
-        local_done &= p.accepted && p.completed == p.plan.chunks.size();
-        all_done &= p.completed_ack;
+        // (A closed pair ended the request: local_done counts only while it is not ending.)
+        local_done &= !p.state.Is(PairPhase::kFetched) && p.completed == p.plan.chunks.size();
+        all_done &= p.state.Is(PairPhase::kCompleted);
         // The watch stays until nothing of ours waits for this context rank to stop putting.
-        if (p.watch && !p.watch->Done() && (p.completed_ack || (r.ending && p.inflight.empty())))
+        if (p.watch && !p.watch->Done() &&
+            (p.state.Is(PairPhase::kCompleted) || (r.ending && p.inflight.empty())))
           transport_->Cancel(*p.watch);
         drained &= p.inflight.empty() && (!p.watch || p.watch->Done());
       }
       // Every chunk from every context rank is in place: tell them all.
       if (!r.ending && local_done) {
         for (RecvPair& p : r.pairs) {
-          if (!p.done_sent) {
+          if (p.state.Is(PairPhase::kAccepted) && Step(r, p, PairEvent::kDoneSent)) {
             SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
-            p.done_sent = true;
             busy = true;
           }
         }
@@ -261,7 +262,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (r.ending || now < r.deadline) continue;
       int done = 0, silent = -1;
       for (const RecvPair& p : r.pairs) {
-        if (p.completed_ack)
+        if (p.state.Is(PairPhase::kCompleted))
           ++done;
         else if (silent < 0)
           silent = p.ctx_rank;
@@ -306,7 +307,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   bool PostTagged(GenRequest& r, RecvPair& p) {
     bool busy = false;
     const auto& chunks = p.plan.chunks;
-    while (!r.ending && !p.closed && p.next_post < chunks.size() &&
+    while (!r.ending && !p.state.Is(PairPhase::kClosed) && p.next_post < chunks.size() &&
            static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
       const Chunk& c = chunks[p.next_post];
       RecvOp o;
@@ -319,13 +320,12 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         kind = pool_wire_kind();
       } else {
         o.slot = AcquireSlot();
-        if (o.slot < 0) break;
+        if (!o.slot) break;
         dst = SlotData(o.slot);
         kind = staging_wire_kind();
       }
       auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, p.next_post), dst, c.bytes, kind);
       if (!op.ok()) {
-        if (o.slot >= 0) ReleaseSlot(o.slot);
         End(r, TransferState::kError, op.status(), true);
         return true;
       }
@@ -343,7 +343,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
 
   // One-sided: a staging slot for each chunk with packed bytes, credited by number.
   bool PostRma(GenRequest& r, RecvPair& p) {
-    if (r.ending || p.closed) return false;
+    if (r.ending || p.state.Is(PairPhase::kClosed)) return false;
     const auto& chunks = p.plan.chunks;
     std::vector<uint32_t> slots;
     while (p.next_post < chunks.size() &&
@@ -352,9 +352,9 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       o.chunk = p.next_post;
       if (PackedBytes(chunks[p.next_post], p.row_min) > 0) {
         o.slot = AcquireSlot();
-        if (o.slot < 0) break;
+        if (!o.slot) break;
       }
-      slots.push_back(o.slot < 0 ? kNoSlot : static_cast<uint32_t>(o.slot));
+      slots.push_back(o.slot ? static_cast<uint32_t>(o.slot.index()) : kNoSlot);
       p.inflight.push_back(std::move(o));
       ++p.next_post;
     }
@@ -368,14 +368,15 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   // After a request ends, a context rank may still be putting into the slots and blocks of a
   // one-sided pair until it says it stopped (ABORT or COMPLETE), or the grace period passes.
   bool RmaQuiet(const GenRequest& r, const RecvPair& p) const {
-    return !p.rma || p.closed || p.completed_ack || !p.accepted ||
+    return !p.rma || p.state.final() || p.state.Is(PairPhase::kFetched) ||
            Clock::now() >= r.ended_at + options_.abort_grace;
   }
 
   // Peer memory: the context rank copies into our pool directly; every chunk just waits for its
   // CHUNK message (no slot, no credit).
   bool PostPeer(GenRequest& r, RecvPair& p) {
-    if (r.ending || p.closed || p.next_post == p.plan.chunks.size()) return false;
+    if (r.ending || p.state.Is(PairPhase::kClosed) || p.next_post == p.plan.chunks.size())
+      return false;
     for (; p.next_post < p.plan.chunks.size(); ++p.next_post) {
       RecvOp o;
       o.chunk = p.next_post;
@@ -386,14 +387,14 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
 
   bool AdvancePair(GenRequest& r, RecvPair& p) {
     bool busy = p.peer_mem ? PostPeer(r, p) : p.rma ? PostRma(r, p) : PostTagged(r, p);
-    if (p.rma && !p.watch && !r.ending && !p.closed && !p.completed_ack) {
+    if (p.rma && !p.watch && !r.ending && !p.state.final()) {
       auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
                                  sizeof(p.watch_buf), MemoryKind::kHost);
       if (op.ok()) p.watch = std::move(op).value();
     }
     if (p.watch && p.watch->Done() && !p.watch->status().ok() &&
-        p.watch->status().code() != StatusCode::kCancelled && !p.closed && !p.completed_ack) {
-      p.closed = true;  // it can no longer put
+        p.watch->status().code() != StatusCode::kCancelled &&
+        Step(r, p, PairEvent::kPeerLost)) {  // closed: it can no longer put
       End(r, TransferState::kError,
           Status::Unavailable(fmt::format("context rank {} is unreachable ({})", p.ctx_rank,
                                           p.watch->status().message())),
@@ -423,15 +424,13 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
           ++it;
           continue;
         }
-        if (it->unpacked) ReleaseEvent(it->unpacked);
-        if (it->slot >= 0) ReleaseSlot(it->slot);
-        it = p.inflight.erase(it);
+        it = p.inflight.erase(it);  // gives back its slot and event
         busy = true;
         continue;
       }
       if (p.rma && it->notified) it->arrived = true;
       if (it->arrived && !it->landed && !it->unpacked) {
-        if (it->slot < 0) {
+        if (!it->slot) {
           it->landed = true;
         } else {
           ChunkCopies(c, false, pool_, SlotData(it->slot), false, descs_,
@@ -449,10 +448,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         busy = true;
       }
       if (it->unpacked && it->unpacked->Query()) {
-        ReleaseEvent(it->unpacked);
-        it->unpacked = nullptr;
-        ReleaseSlot(it->slot);
-        it->slot = -1;
+        it->unpacked.Reset();
+        it->slot.Reset();
         it->landed = true;
         busy = true;
       }
@@ -486,9 +483,21 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return busy;
   }
 
+  // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
+  // event the protocol has no step for fails the request, naming the event and the phase.
+  bool Step(GenRequest& r, RecvPair& p, PairEvent event) {
+    auto step = p.state.On(event);
+    if (!step.ok()) {
+      End(r, TransferState::kError,
+          step.status().WithContext(fmt::format("request {}: context rank {}", r.id, p.ctx_rank)),
+          true);
+      return false;
+    }
+    return *step == PairStep::kMove || *step == PairStep::kWithin;
+  }
+
   void OnAccept(GenRequest& r, RecvPair& p, const AcceptMsg& a) {
     const bool rma = a.rma;
-    p.accepted = true;
     if (a.peer_memory) {
       if (!p.rma || exported_pool().empty()) {
         End(r, TransferState::kError,
@@ -501,10 +510,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       // The context rank writes no staging slot: give back those credited so far.
       p.peer_mem = true;
       NotePeerMemoryUsed();
-      for (RecvOp& o : p.inflight) {
-        if (o.slot >= 0) ReleaseSlot(o.slot);
-        o.slot = -1;
-      }
+      for (RecvOp& o : p.inflight) o.slot.Reset();
       PostPeer(r, p);  // CHUNK messages may follow in the same drain of control messages
       return;
     }
@@ -517,10 +523,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       return;
     }
     // The context rank can't put: receive tagged messages instead. Nothing was put yet.
-    for (RecvOp& o : p.inflight) {
-      if (o.slot >= 0) ReleaseSlot(o.slot);
-    }
-    p.inflight.clear();
+    p.inflight.clear();  // gives back their slots
     p.next_post = 0;
     p.credited = 0;
     p.rma = false;
@@ -556,7 +559,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       for (RecvOp& o : p.inflight) {
         if (o.op && !o.op->Done()) transport_->Cancel(*o.op);
       }
-      if (tell_peers && !p.closed && !p.completed_ack) {
+      if (tell_peers && !p.state.final()) {
         SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  std::string(r.reason.message())});
       }

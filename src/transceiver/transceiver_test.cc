@@ -212,6 +212,26 @@ TEST(Transceiver, MalformedTruncatedAndForgedHandlesAreRefused) {
   EXPECT_EQ(cl.ctx_[0]->Cancel(12345).code(), StatusCode::kNotFound);
 }
 
+// A FETCH that reaches a context rank after the request's deadline (seen under ASan at load 26:
+// the generation rank's first FETCH came 3 s late) is refused naming both causes, not only a
+// replay: "already delivered" would send the reader looking for a duplicate handle.
+TEST(Transceiver, FetchAfterTheContextDeadlineIsRefusedNamingTheDeadline) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(200);
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(5, {0, 1}, 8);
+  auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(cs.size(), 1u);
+  EXPECT_EQ(cs[0].state, TransferState::kTimedOut);
+  ASSERT_TRUE(cl.Fetch(h, {0, 1}).ok());
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kError);
+  EXPECT_NE(st[0].reason.message().find("later than the request's deadline"),
+            std::string_view::npos)
+      << st[0].reason.ToString();
+}
+
 TEST(Transceiver, DeadContextRankEndsTheRequestWithinTheDeadline) {
   TransceiverOptions o;
   o.timeout = milliseconds(1500);
