@@ -141,6 +141,7 @@ int HandleFuzzOne(const uint8_t* data, size_t size) {
   pin.direct_min_bytes = h->ctx_direct ? local.direct_min_bytes : kNoDirect;
   pin.layer_wise = h->layer_wise;
   pin.max_plan_bytes = PlanBudget(local);
+  pin.max_chunks = PlanChunkCap(pin.max_plan_bytes, local.chunk_bytes);
   for (int32_t g = 0; g < local.desc.parallel.world_size(); ++g) {
     auto plan = PlanForGenRank(pin, g);
     if (!plan.ok()) {
@@ -199,6 +200,7 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   pin.chunk_bytes = f->chunk_bytes;
   pin.direct_min_bytes = f->direct_min_bytes;
   pin.max_plan_bytes = PlanBudget(local);
+  pin.max_chunks = PlanChunkCap(pin.max_plan_bytes, local.chunk_bytes);
   for (int32_t c = 0; c < local.desc.parallel.world_size(); ++c) {
     auto plan = PlanForCtxRank(pin, c);
     if (!plan.ok()) {

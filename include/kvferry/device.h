@@ -88,6 +88,21 @@ struct CopyDesc {
   size_t src_pitch = 0;
 };
 
+// One run of bytes for Stream::Digest: `rows` rows of `bytes` bytes, row r at data + r * pitch
+// (pitch unused when rows == 1). Its packed bytes are its rows back to back.
+struct DigestRun {
+  const void* data = nullptr;
+  size_t bytes = 0;
+  size_t rows = 1;
+  size_t pitch = 0;
+};
+// Stream::Digest hashes each run's packed bytes in segments of this many bytes (the last one of a
+// run shorter), each on its own: XXH64 is sequential over its input, so a GPU hashes many
+// segments at once. Fixed by the wire format (docs/wire_format.md, "chunk digest").
+inline constexpr size_t kDigestSegmentBytes = 4096;
+// How many digests Stream::Digest writes for `runs`: the sum of ceil(bytes * rows / segment).
+size_t DigestSegmentCount(std::span<const DigestRun> runs);
+
 class Event {
  public:
   virtual ~Event() = default;
@@ -114,6 +129,14 @@ class Stream {
   // Runs `fn` on a host thread after all earlier work of this stream. `fn` must not call into
   // the device API and must not block for long.
   virtual Status HostCallback(std::function<void()> fn) = 0;
+  // Segment digests of `runs`, in order (docs/wire_format.md, "chunk digest"): XXH64 (seed 0) of
+  // every kDigestSegmentBytes of each run's packed bytes, written to out[0, DigestSegmentCount)
+  // once the stream reaches this point; the same values on every device. `runs` is consumed
+  // before the call returns; `out` must stay valid until then and be memory this stream's work
+  // may write (host memory on the CPU device; device or pinned host memory on CUDA). The default
+  // computes on a host thread in stream order (HostCallback), for memory the host can read; the
+  // CUDA device runs one kernel. Runs of zero bytes or rows add no digest.
+  virtual Status Digest(std::span<const DigestRun> runs, uint64_t* out);
 
   // Captures the work enqueued on this stream so far into `event`.
   virtual Status Record(Event& event) = 0;

@@ -76,8 +76,9 @@ constexpr KnobDecl kKnobs[] = {
      "rows); a few clock reads per loop iteration",
      0, 0, ""},
     {"transfer.checksum", KnobType::kBool, "false",
-     "each chunk carries an XXH3-64 of its bytes, verified on the receiver (kDataLoss on a "
-     "mismatch); host-visible pools only",
+     "each chunk carries a digest of its bytes (XXH64 per 4 KiB, computed where the bytes "
+     "are: the CPU, or a kernel for GPU pools), verified on the receiver (kDataLoss on a "
+     "mismatch)",
      0, 0, ""},
     {"transfer.abort_grace_ms", KnobType::kInt, "1000",
      "after a request fails, how long a context rank waits for sends a dead peer never takes "

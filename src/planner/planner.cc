@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <optional>
 
 #include "base/checked.h"
@@ -248,12 +249,14 @@ static_assert(kPlanChunkCharge >= static_cast<int64_t>(sizeof(Chunk) + sizeof(Pi
 // Turns the ordered pieces of one pair into chunks.
 class Chunker {
  public:
-  // `plan_bytes`: the memory the plan's chunks and pieces take so far, all pairs together.
-  Chunker(const PlanInput& in, PairPlan& out, int64_t& plan_bytes)
+  // `plan_bytes`: the memory the plan's chunks and pieces take so far, all pairs together;
+  // `chunks_left`: how many chunks this pair may still make under in.max_chunks.
+  Chunker(const PlanInput& in, PairPlan& out, int64_t& plan_bytes, int64_t chunks_left)
       : chunk_bytes_(in.chunk_bytes),
         direct_min_(in.direct_min_bytes),
         one_layer_(in.layer_wise),
         max_plan_bytes_(in.max_plan_bytes),
+        chunks_left_(chunks_left),
         out_(out),
         plan_bytes_(plan_bytes) {}
 
@@ -261,11 +264,13 @@ class Chunker {
   bool too_many() const { return too_many_; }
   // True when the plan needs more than max_plan_bytes of memory (the plan is then refused).
   bool too_big() const { return too_big_; }
+  // True when the plan needs more than in.max_chunks chunks (the plan is then refused).
+  bool over_cap() const { return over_cap_; }
   // True when the plan is refused already (the rest of the pieces need not be enumerated).
-  bool failed() const { return too_many_ || too_big_; }
+  bool failed() const { return too_many_ || too_big_ || over_cap_; }
 
   void Add(const Piece& p) {
-    if (too_many_ || too_big_) return;
+    if (failed()) return;
     if (pending_ && TryMerge(*pending_, p, one_layer_)) return;
     if (pending_) Place(*pending_);
     pending_ = p;
@@ -334,11 +339,13 @@ class Chunker {
     }
   }
 
-  // False (and too_many_ or too_big_ set) when one more chunk would exceed kMaxChunksPerPair or
-  // the plan's memory bound.
+  // False (and too_many_, over_cap_ or too_big_ set) when one more chunk would exceed
+  // kMaxChunksPerPair, the plan's chunk cap or its memory bound.
   bool Room() {
     if (static_cast<int64_t>(out_.chunks.size()) >= kMaxChunksPerPair) {
       too_many_ = true;
+    } else if (static_cast<int64_t>(out_.chunks.size()) >= chunks_left_) {
+      over_cap_ = true;
     } else if (!Charge(kPlanChunkCharge)) {
       too_big_ = true;
     } else {
@@ -385,11 +392,13 @@ class Chunker {
   const int64_t direct_min_;
   const bool one_layer_;
   const int64_t max_plan_bytes_;
+  const int64_t chunks_left_;
   PairPlan& out_;
   int64_t& plan_bytes_;
   std::optional<Piece> pending_;
   bool too_many_ = false;
   bool too_big_ = false;
+  bool over_cap_ = false;
   Chunk* open_ = nullptr;  // the packed chunk being filled (always out_.chunks.back())
 };
 
@@ -497,10 +506,19 @@ Status TooBig(const RankSlice& c, const RankSlice& g, const PlanInput& in, int64
       c.rank, g.rank, in.chunk_bytes, in.direct_min_bytes, plan_bytes, in.max_plan_bytes));
 }
 
+Status OverCap(const RankSlice& c, const RankSlice& g, const PlanInput& in) {
+  return Status::InvalidArgument(fmt::format(
+      "context rank {} -> generation rank {}: a plan of chunks of at most chunk_bytes={} "
+      "(direct_min_bytes={}) makes more than max_chunks={} chunks, the bound of this rank (its "
+      "pool and staging in chunks of its own size, times {}); use larger chunks",
+      c.rank, g.rank, in.chunk_bytes, in.direct_min_bytes, in.max_chunks, kPeerChunkSlack));
+}
+
 // Plans one pair; returns false when the pair exchanges nothing. `plan_bytes`: the memory the
-// plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes).
+// plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes);
+// `plan_chunks`: the chunks of the pairs planned before (bounded by in.max_chunks).
 StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out,
-                        int64_t& plan_bytes) {
+                        int64_t& plan_bytes, int64_t plan_chunks) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
   // Layers both hold.
@@ -565,6 +583,10 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
     const int64_t left = in.max_plan_bytes - plan_bytes;
     if (in.max_plan_bytes > 0 && in.direct_min_bytes > pair_bytes && min_chunks > left / kChunkCost)
       return TooBig(c, g, in, plan_bytes + min_chunks * kChunkCost);
+    if (in.max_chunks > 0 && in.direct_min_bytes > pair_bytes &&
+        min_chunks > in.max_chunks - plan_chunks) {
+      return OverCap(c, g, in);
+    }
     int64_t reserve = std::min(min_chunks + 1, kMaxChunksPerPair);
     if (in.max_plan_bytes > 0) reserve = std::min(reserve, std::max<int64_t>(left, 0) / kChunkCost);
     out.chunks.reserve(static_cast<size_t>(reserve));
@@ -576,7 +598,9 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   for (const BlockRun& run : cx.runs) long_runs = long_runs || (!run.partial && run.count > 1);
   const bool axes_outside = full.n > 0 && long_runs && RunMerges(full, src, dst);
 
-  Chunker chunker(in, out, plan_bytes);
+  Chunker chunker(
+      in, out, plan_bytes,
+      in.max_chunks > 0 ? in.max_chunks - plan_chunks : std::numeric_limits<int64_t>::max());
   Piece p;
   int64_t src_l = 0, dst_l = 0;  // offset of the current layer (layouts without layer regions)
   int64_t src_k = 0, dst_k = 0;  // offset of the current kv (kv_outer, layouts without kv regions)
@@ -637,6 +661,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   }
   chunker.Finish();
   if (chunker.too_many()) return TooManyChunks(c, g, in);
+  if (chunker.over_cap()) return OverCap(c, g, in);
   if (chunker.too_big()) return TooBig(c, g, in, plan_bytes);
   return true;
 }
@@ -657,11 +682,12 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
   KVF_ASSIGN_OR_RETURN(cx.ctx, GroupSlices(in.ctx, ctx_rank));
   KVF_ASSIGN_OR_RETURN(cx.gen, GroupSlices(in.gen, gen_rank));
   std::vector<PairPlan> pairs;
-  int64_t plan_bytes = 0;
+  int64_t plan_bytes = 0, plan_chunks = 0;
   for (const RankSlice& c : cx.ctx) {
     for (const RankSlice& g : cx.gen) {
       PairPlan pair;
-      KVF_ASSIGN_OR_RETURN(bool exchanges, PlanPair(cx, c, g, pair, plan_bytes));
+      KVF_ASSIGN_OR_RETURN(bool exchanges, PlanPair(cx, c, g, pair, plan_bytes, plan_chunks));
+      plan_chunks += static_cast<int64_t>(pair.chunks.size());
       if (exchanges) pairs.push_back(std::move(pair));
     }
   }
@@ -669,6 +695,12 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
 }
 
 }  // namespace
+
+int64_t PlanChunkCap(int64_t budget_bytes, int64_t own_chunk_bytes) {
+  const int64_t own = std::max<int64_t>(own_chunk_bytes, 1);
+  const int64_t chunks = std::max<int64_t>(budget_bytes / own, 1);
+  return std::min(chunks, std::numeric_limits<int64_t>::max() / kPeerChunkSlack) * kPeerChunkSlack;
+}
 
 Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
   const KvShape& a = ctx.shape;

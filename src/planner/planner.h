@@ -51,6 +51,18 @@ inline constexpr int64_t kMaxChunksPerPair = int64_t{1} << 20;
 // deployment's plan carries less (direct rows and staging chunks are far larger).
 inline constexpr int64_t kPlanChunkCharge = 512;
 
+// How many chunks a plan made for a peer may have follows from the planning rank's own chunk size:
+// at most what its pool and staging make in chunks of its own size, times kPeerChunkSlack (a peer
+// may use chunks, or direct_min_bytes, up to that much smaller than this rank's). A handle or
+// FETCH naming tiny chunks is then refused at once, naming chunk_bytes and the bound, instead of
+// being planned: the memory charge alone (kPlanChunkCharge) let a 1 GiB pool plan 2 million
+// chunks (the data tag's limit, kMaxChunksPerPair, per pair); with 4 MiB chunks of its own it now
+// plans at most 16,384.
+inline constexpr int64_t kPeerChunkSlack = 64;
+// PlanInput::max_chunks for a rank whose pool and staging hold `budget_bytes` and whose own
+// staging chunks are `own_chunk_bytes`: max(budget / own, 1) * kPeerChunkSlack.
+int64_t PlanChunkCap(int64_t budget_bytes, int64_t own_chunk_bytes);
+
 // One side of a transfer: an instance's model, split and pool layout.
 struct InstanceDesc {
   KvShape shape;
@@ -78,6 +90,9 @@ struct PlanInput {
   // own pool and staging bytes here, so a peer can't make it allocate more than that (nor plan for
   // longer). A plan that would need more is refused, naming chunk_bytes and this bound.
   int64_t max_plan_bytes = 0;
+  // The most chunks the plan may have, all pairs together (0: no bound; PlanChunkCap). A plan
+  // that would need more is refused, naming chunk_bytes, direct_min_bytes and this bound.
+  int64_t max_chunks = 0;
 };
 
 // A 2-D copy (model/coalesce.h): `rows` rows of `bytes`, at src_offset + r * src_pitch in the

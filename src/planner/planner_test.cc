@@ -396,6 +396,39 @@ TEST(PlannerErrors, PlanChunkCountIsBoundedByMaxPlanBytes) {
   EXPECT_TRUE(PlanTransfer(in).ok());
 }
 
+// The chunk cap (max_chunks, from the planning rank's own chunk size: PlanChunkCap) refuses a
+// peer's tiny chunks that the memory charge alone lets through, naming the field and the bound:
+// up front when nothing can go direct, while chunking otherwise (tiny direct_min_bytes).
+TEST(PlannerErrors, PlanChunkCountIsBoundedByMaxChunks) {
+  EXPECT_EQ(PlanChunkCap(int64_t{1} << 30, 4 << 20), 16384);  // 1 GiB in 4 MiB chunks, times 64
+  EXPECT_EQ(PlanChunkCap(1000, 4 << 20), kPeerChunkSlack);    // a pool smaller than one chunk
+  EXPECT_EQ(PlanChunkCap(INT64_MAX, 1), INT64_MAX / kPeerChunkSlack * kPeerChunkSlack);
+  KvShape shape{1, 4, 128, DType::kFp32, 2, 1};  // 512-byte rows, 4 KiB blocks
+  PlanInput in;
+  in.ctx = {shape, {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 200};
+  in.gen = in.ctx;
+  in.prompt_tokens = 110;
+  for (int64_t i = 0; i < 110; ++i) {
+    in.ctx_blocks.push_back(i);
+    in.gen_blocks.push_back(199 - i);
+  }
+  in.max_plan_bytes = 10 << 20;  // 20,480 chunks' charge: not the bound here
+  in.max_chunks = 500;
+  in.direct_min_bytes = int64_t{1} << 40;  // nothing direct
+  in.chunk_bytes = 64;                     // 7,040 chunks
+  ExpectError(in, {"chunk_bytes=64 ", "max_chunks=500 "});
+  in.direct_min_bytes = 64;  // every block direct: 110 chunks, refused while chunking at 100
+  in.chunk_bytes = 4096;
+  in.max_chunks = 100;
+  ExpectError(in, {"direct_min_bytes=64)", "max_chunks=100 "});
+  in.max_chunks = 110;
+  EXPECT_TRUE(PlanTransfer(in).ok());
+  in.max_chunks = 500;
+  in.direct_min_bytes = int64_t{1} << 40;  // nothing direct
+  in.chunk_bytes = 1024;                   // 440 chunks
+  EXPECT_TRUE(PlanTransfer(in).ok());
+}
+
 // Pieces alternating between direct and packed (a FETCH's direct_min_bytes between the two piece
 // sizes) make a chunk per piece: each may reserve only what it holds, or a hostile FETCH makes
 // the context rank allocate gigabytes (found by message_fuzz: out of memory).

@@ -312,6 +312,7 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
     in.direct_min_bytes = f.direct_min_bytes;
     in.layer_wise = r->layer_wise;
     in.max_plan_bytes = plan_budget();
+    in.max_chunks = plan_chunk_cap();
     auto plan = [&] {
       ProfileScope timed(profile(), ProfilePhase::kPlan);
       return PlanForCtxRank(in, pool_.slice().rank);
@@ -331,7 +332,7 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   p.transfer_id = f.transfer_id;
   p.rma = rma;
   if (!peer_pool.empty()) NotePeerMemoryUsed();
-  p.checksum = f.checksum && host_visible_pool();
+  p.checksum = f.checksum;
   if (!peer_pool.empty())
     p.mapped =
         std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_, profile());

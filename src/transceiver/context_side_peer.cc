@@ -100,7 +100,8 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
 
 StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                                   const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                                  std::vector<CopyDesc>& scratch, EventPool& events) {
+                                  std::vector<CopyDesc>& scratch, EventPool& events,
+                                  const Digester& digest) {
   bool launched = false;
   while (static_cast<int64_t>(copying_.size()) < max_inflight) {
     KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
@@ -111,8 +112,8 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     b.what.count = count;
     b.what.started = Clock::now();
     if (checksum_) {
+      KVF_ASSIGN_OR_RETURN(b.what.checksum, digest(plan.chunks[next]));
       b.what.has_checksum = true;
-      b.what.checksum = ChunkChecksum(plan.chunks[next], true, pool);
     }
     next += count;
     Status st;

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -113,13 +114,16 @@ class PeerSender {
         completions_(completions),
         profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
 
+  // The chunk digest of a chunk's source bytes (Engine::ChunkDigest), for checksummed pairs.
+  using Digester = std::function<StatusOr<uint64_t>(const Chunk&)>;
+
   // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
   // `max_inflight` batches copying on `stream`, each ending on an event of `events`; `scratch`
-  // holds the descriptors. True when it launched a batch; an error names the chunk or the failed
-  // copy.
+  // holds the descriptors; `digest` sums each chunk of a checksummed pair before it is copied.
+  // True when it launched a batch; an error names the chunk or the failed copy.
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                        std::vector<CopyDesc>& scratch, EventPool& events);
+                        std::vector<CopyDesc>& scratch, EventPool& events, const Digester& digest);
   // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
   // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
   // report.

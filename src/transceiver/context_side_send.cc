@@ -18,11 +18,18 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
     if (c.last_layer >= r.ready_end) break;
     SendOp s;
     s.chunk = p.next;
-    if (p.checksum) {
-      s.has_checksum = true;
-      s.checksum = ChunkChecksum(c, true, pool_);
+    const bool direct = c.direct && direct_ok();
+    if (!direct) {
+      s.slot = AcquireSlot();
+      if (!s.slot) break;
     }
-    if (c.direct && direct_ok()) {
+    if (p.checksum) {  // of the source bytes, once the chunk can go (not again on every retry)
+      auto sum = ChunkDigest(c, true);
+      if (!sum.ok()) return Fail(r, sum.status()), true;
+      s.has_checksum = true;
+      s.checksum = *sum;
+    }
+    if (direct) {
       const Piece& pc = c.pieces.front();
       auto op =
           transport_->Send(p.peer, DataTag(p.transfer_id, p.next),
@@ -30,8 +37,6 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
       if (!op.ok()) return Fail(r, op.status()), true;
       s.op = std::move(op).value();
     } else {
-      s.slot = AcquireSlot();
-      if (!s.slot) break;
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_);
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
@@ -97,7 +102,8 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
   bool busy = false;
   if (!r.ending) {
     auto launched = p.mapped->Launch(p.plan, p.next, r.ready_end, pool_, *stream_,
-                                     options_.max_inflight, descs_, event_pool());
+                                     options_.max_inflight, descs_, event_pool(),
+                                     [this](const Chunk& c) { return ChunkDigest(c, true); });
     if (!launched.ok()) return Fail(r, launched.status()), true;
     busy = *launched;
   }
@@ -146,15 +152,19 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
     if (packed > 0) {
       s.slot = AcquireSlot();
       if (!s.slot) break;
+    }
+    if (p.checksum) {  // of the source bytes, once the chunk can go (not again on every retry)
+      auto sum = ChunkDigest(c, true);
+      if (!sum.ok()) return Fail(r, sum.status()), true;
+      s.has_checksum = true;
+      s.checksum = *sum;
+    }
+    if (packed > 0) {
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_, t.row_min_bytes);
       Status st = stream_->CopyBatch(descs_);
       s.packed = AcquireEvent();
       if (st.ok()) st = s.packed ? stream_->Record(*s.packed) : Status::Internal("no device event");
       if (!st.ok()) return Fail(r, st.WithContext("packing a chunk")), true;
-    }
-    if (p.checksum) {
-      s.has_checksum = true;
-      s.checksum = ChunkChecksum(c, true, pool_);
     }
     Status st = PutDirectRows(*transport_, p.peer, c, pool_, pool_wire_kind(), t, s.puts);
     p.inflight.push_back(std::move(s));

@@ -95,6 +95,11 @@ Status Engine::Start() {
   staging_ = std::move(staging).value();
   slots_.Resize(static_cast<int>(options_.staging_chunks));
   KVF_ASSIGN_OR_RETURN(stream_, device_.CreateStream());
+  // Chunk digests of a GPU pool land in pinned memory: allocated now, not behind queued work.
+  if (!host_visible_pool()) {
+    KVF_RETURN_IF_ERROR(digester_.Reserve(
+        device_, static_cast<size_t>(options_.chunk_bytes) / kDigestSegmentBytes + 1024));
+  }
   if (!options_.rma) {
     rma_why_ = "transfer.rma is off";
   } else if (!transport_->caps().one_sided) {

@@ -130,6 +130,9 @@ class Engine {
   // The memory a plan made from a peer's FETCH or handle may take: this rank's pool and staging
   // bytes (PlanInput::max_plan_bytes).
   int64_t plan_budget() const;
+  // The most chunks such a plan may have (PlanInput::max_chunks): the budget in chunks of this
+  // rank's own size, times kPeerChunkSlack.
+  int64_t plan_chunk_cap() const { return PlanChunkCap(plan_budget(), options_.chunk_bytes); }
   // One-sided path: the pool and staging are registered (caps().one_sided, the pool reachable by
   // the transport, transfer.rma on). rma_why() says why not.
   bool rma_ok() const { return rma_.staging != nullptr; }
@@ -147,8 +150,14 @@ class Engine {
   MemoryKind staging_kind() const { return staging_.kind(); }
   // Where the progress thread's CPU goes (transfer.profile; inert when off).
   ProgressProfile* profile() { return &profile_; }
-  // Checksums need the pool's bytes on the host.
   bool host_visible_pool() const { return pool_wire_kind_ != MemoryKind::kDevice; }
+  // The chunk digest of `chunk`'s bytes in this rank's pool (the context side reads its source,
+  // the generation side its destination), computed where they are (rma.h, ChunkDigester): on a
+  // GPU pool, waits for the side's stream up to the request timeout.
+  StatusOr<uint64_t> ChunkDigest(const Chunk& chunk, bool context_side) {
+    return digester_.Of(chunk, context_side, pool_, host_visible_pool(), device_, *stream_,
+                        Clock::now() + options_.timeout);
+  }
 
   Device& device_;
   const BlockPool& pool_;
@@ -166,6 +175,7 @@ class Engine {
   MemoryKind staging_wire_kind_ = MemoryKind::kHost;
   bool direct_ok_ = true;
   LocalRma rma_;
+  ChunkDigester digester_;  // progress thread
   std::string rma_why_;
   std::atomic<bool> peer_used_{false};
   std::vector<std::vector<std::byte>> exported_pool_;

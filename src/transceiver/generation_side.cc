@@ -93,6 +93,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.direct_min_bytes = h.ctx_direct && direct_ok() ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
     in.max_plan_bytes = plan_budget();
+    in.max_chunks = plan_chunk_cap();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
     return Call([&]() -> Status {
@@ -119,7 +120,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       f.direct_min_bytes = in.direct_min_bytes;
       f.blocks = in.gen_blocks;
       f.reply_address = address_;
-      f.checksum = options_.checksum && host_visible_pool();
+      f.checksum = options_.checksum;
       f.rma = rma_ok();
       if (f.rma) {
         f.rma_target =
@@ -465,7 +466,12 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       }
       if (it->landed && (!p.checksum || it->notified)) {
         if (it->has_checksum) {
-          const uint64_t sum = ChunkChecksum(c, false, pool_);
+          auto digest = ChunkDigest(c, false);
+          if (!digest.ok()) {
+            End(r, TransferState::kError, digest.status(), true);
+            continue;
+          }
+          const uint64_t sum = *digest;
           if (sum != it->checksum) {
             End(r, TransferState::kError,
                 Status::DataLoss(fmt::format(

@@ -33,7 +33,10 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // Version 3: every message ends with the XXH3-64 of its bytes (kMessageSealBytes, little-endian);
 // one whose seal does not match (corrupted on the way) is refused like any undecodable message.
 // Version 4: peer memory (FETCH flag 4 and its handles, ACCEPT mode 2), CHUNK counts.
-inline constexpr uint8_t kMessageVersion = 4;
+// Version 5: a CHUNK's checksum is the chunk digest (device/run_digest.h: XXH64 per 4 KiB segment
+// of each piece, XXH3-64 of those), which a GPU computes where the bytes are; it was XXH3-64 of the
+// chunk's bytes.
+inline constexpr uint8_t kMessageVersion = 5;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -81,7 +84,7 @@ struct FetchMsg {
   int64_t direct_min_bytes = 0;
   std::vector<int64_t> blocks;
   std::string reply_address;
-  bool checksum = false;  // send each chunk's XXH3-64 in a CHUNK message
+  bool checksum = false;  // send each chunk's digest in a CHUNK message
   bool rma = false;       // rma_target is set: the context rank may put
   RmaTarget rma_target;
   bool operator==(const FetchMsg&) const = default;
@@ -116,7 +119,7 @@ struct ChunkMsg {
   uint32_t chunk = 0;
   uint32_t count = 1;  // chunks [chunk, chunk + count) are in place (no checksum when > 1)
   bool has_checksum = false;
-  uint64_t checksum = 0;  // XXH3-64 of the chunk's bytes in plan order
+  uint64_t checksum = 0;  // the chunk digest of its bytes in plan order (rma.h)
   bool operator==(const ChunkMsg&) const = default;
 };
 struct DoneMsg {

@@ -1,7 +1,10 @@
 #include "transceiver/rma.h"
 
 #include <fmt/format.h>
-#include <xxhash.h>
+
+#include <algorithm>
+
+#include "device/run_digest.h"
 
 namespace kvferry {
 
@@ -126,20 +129,35 @@ Status PutDirectRows(Transport& transport, PeerId peer, const Chunk& chunk, cons
   return Status::Ok();
 }
 
-uint64_t ChunkChecksum(const Chunk& chunk, bool context_side, const BlockPool& pool) {
-  // One state per thread, created once (XXH3_state_t is opaque here; no allocation per chunk).
-  thread_local std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> owned(
-      XXH3_createState(), XXH3_freeState);
-  XXH3_state_t* state = owned.get();
-  XXH3_64bits_reset(state);
+Status ChunkDigester::Reserve(Device& device, size_t segments) {
+  out_.Reset();
+  auto grown = device.Allocate(MemoryKind::kPinnedHost, std::max<size_t>(segments, 1024) * 8);
+  if (!grown.ok()) return grown.status().WithContext("chunk digest buffer");
+  out_ = std::move(grown).value();
+  return Status::Ok();
+}
+
+StatusOr<uint64_t> ChunkDigester::Of(const Chunk& chunk, bool context_side, const BlockPool& pool,
+                                     bool host, Device& device, Stream& stream, Deadline deadline) {
+  runs_.clear();
   for (const Piece& p : chunk.pieces) {
     const std::byte* base = context_side ? pool.region(p.src_region) + p.src_offset
                                          : pool.region(p.dst_region) + p.dst_offset;
     const int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;
-    for (int64_t r = 0; r < p.rows; ++r)
-      XXH3_64bits_update(state, base + r * pitch, static_cast<size_t>(p.bytes));
+    runs_.push_back(DigestRun{base, static_cast<size_t>(p.bytes), static_cast<size_t>(p.rows),
+                              static_cast<size_t>(pitch)});
   }
-  return XXH3_64bits_digest(state);
+  const size_t n = DigestSegmentCount(runs_);
+  if (host) {
+    host_.resize(n);
+    internal::DigestOnHost(runs_, host_.data());
+    return internal::CombineDigests(host_);
+  }
+  if (out_.size() < n * sizeof(uint64_t)) KVF_RETURN_IF_ERROR(Reserve(device, n));
+  auto* out = reinterpret_cast<uint64_t*>(out_.data());
+  KVF_RETURN_IF_ERROR(stream.Digest(runs_, out));
+  KVF_RETURN_IF_ERROR(stream.Synchronize(deadline).WithContext("waiting for a chunk digest"));
+  return internal::CombineDigests({out, n});
 }
 
 }  // namespace kvferry

@@ -16,10 +16,11 @@
 // destination blocks it names. Transports check the key and range again (inproc: against the
 // registration).
 //
-// Checksums (optional, transfer.checksum): XXH3-64 over a chunk's bytes in plan order (every
-// piece's rows, as the packed layout would hold them), computed where the bytes are on each side
-// (host-visible pools; the context side before it sends, the generation side once the chunk is
-// in place) and carried in the CHUNK message.
+// Checksums (optional, transfer.checksum): the chunk digest (device/run_digest.h; wire version
+// 5) of a chunk's bytes in plan order (every piece's rows, as the packed layout would hold them),
+// computed where the bytes are on each side (the CPU for host-visible pools, a kernel on the
+// side's stream for GPU pools; the context side before it sends, the generation side once the
+// chunk is in place) and carried in the CHUNK message.
 #pragma once
 
 #include <cstdint>
@@ -66,8 +67,23 @@ Status PutDirectRows(Transport& transport, PeerId peer, const Chunk& chunk, cons
                      MemoryKind kind, const RmaTarget& target,
                      std::vector<std::unique_ptr<TransportOp>>& ops);
 
-// XXH3-64 of a chunk's bytes in plan order, read from the context pool (context_side) or the
-// generation pool. The pool must be host-visible.
-uint64_t ChunkChecksum(const Chunk& chunk, bool context_side, const BlockPool& pool);
+// The chunk digest of a chunk's bytes in plan order, read from the context pool (context_side)
+// or the generation pool: one run per piece (its rows, with that side's pitch).
+class ChunkDigester {
+ public:
+  // Host-visible pools (`host`): computed on the calling thread. Device pools: one digest kernel
+  // on `stream` (after the work already queued there), waited for until `deadline`; `device`
+  // provides the pinned buffer it writes to (grown when a chunk has more segments than before).
+  StatusOr<uint64_t> Of(const Chunk& chunk, bool context_side, const BlockPool& pool, bool host,
+                        Device& device, Stream& stream, Deadline deadline);
+  // Allocates the pinned buffer for `segments` digests now (a pinned allocation waits for the
+  // device's queued work: better at start than behind a stream).
+  Status Reserve(Device& device, size_t segments);
+
+ private:
+  std::vector<DigestRun> runs_;
+  std::vector<uint64_t> host_;
+  Buffer out_;  // pinned: written by the device's kernel
+};
 
 }  // namespace kvferry

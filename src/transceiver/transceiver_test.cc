@@ -435,6 +435,31 @@ TEST(Transceiver, HostileHandleSizesAreRefusedOrHarmless) {
   cl.Verify(21, {0, 1}, 8);
 }
 
+// A handle naming tiny chunks (valid checksum, re-encoded) is refused by the generation rank's
+// chunk cap, which follows from its own chunk size (PlanChunkCap: its 4 MiB of staging and 96 KiB
+// of pool in chunks of 1 MiB, times 64 = 256 chunks), naming the field and the bound; its memory
+// budget alone (576 chunks of 512 bytes < 4 MiB) let it plan 576 chunks of 32 bytes.
+TEST(Transceiver, HandleWithTinyChunksIsRefusedByTheRanksChunkCap) {
+  TransceiverOptions o;
+  o.chunk_bytes = 1 << 20;
+  o.staging_chunks = 4;
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(31, {0, 1, 2}, 12);  // 3 blocks of 6 KiB
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok());
+  ContextHandle tiny = *decoded;
+  tiny.chunk_bytes = 32;
+  Status st = cl.Fetch(EncodeHandle(tiny), {3, 4, 5});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("chunk_bytes=32 "), std::string_view::npos) << st.ToString();
+  EXPECT_NE(st.message().find("max_chunks=256 "), std::string_view::npos) << st.ToString();
+  // Chunks of 1 KiB (18 of them) are planned and served.
+  tiny.chunk_bytes = 1024;
+  ASSERT_TRUE(cl.Fetch(EncodeHandle(tiny), {3, 4, 5}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(31, {3, 4, 5}, 12);
+}
+
 // A FETCH with the request's valid token but hostile sizes, sent straight to a context rank: a
 // REJECT naming the field, not an abort of the context process; the genuine fetch still works.
 TEST(Transceiver, HostileFetchWithAValidTokenIsRejected) {

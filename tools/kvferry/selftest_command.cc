@@ -99,7 +99,7 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
                   "(default: the local rank modulo the visible GPUs)")
       ->delimiter(',');
   cmd->add_option("--checksum", f.checksum,
-                  "per-chunk XXH3-64 payload checksums, verified by the generation side")
+                  "per-chunk payload checksums (GPU pools too), verified by the generation side")
       ->capture_default_str();
 }
 

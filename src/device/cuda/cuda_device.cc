@@ -52,6 +52,7 @@
 #include "device/cuda/cuda_ipc.h"
 #include "device/cuda/cuda_kernels.h"
 #include "device/cuda/cuda_util.h"
+#include "device/cuda/digest_kernel.h"
 #include "device/cuda/memory_registry.h"
 #include "device/cuda_entry.h"
 #include "kvferry/config.h"
@@ -435,6 +436,32 @@ class CudaStream final : public Stream {
     }
     if (!ce_.empty()) KVF_RETURN_IF_ERROR(ce_.Submit(s_));
     return Status::Ok();
+  }
+
+  // One digest kernel (digest_kernel.h); its run table and segment index travel in the ring.
+  Status Digest(std::span<const DigestRun> runs, uint64_t* out) override {
+    KVF_RETURN_IF_ERROR(Use());
+    size_t n = 0;
+    for (const DigestRun& r : runs) n += (r.bytes > 0 && r.rows > 0) ? 1 : 0;
+    const size_t segments = DigestSegmentCount(runs);
+    if (segments == 0) return Status::Ok();
+    const size_t bytes = n * sizeof(DigestRunDesc) + segments * sizeof(uint32_t);
+    KVF_ASSIGN_OR_RETURN(GatherDesc * slots,
+                         ring_.Reserve((bytes + sizeof(GatherDesc) - 1) / sizeof(GatherDesc)));
+    auto* descs = reinterpret_cast<DigestRunDesc*>(slots);
+    auto* segment_run = reinterpret_cast<uint32_t*>(descs + n);
+    size_t i = 0, g = 0;
+    for (const DigestRun& r : runs) {
+      if (r.bytes == 0 || r.rows == 0) continue;
+      descs[i] = DigestRunDesc{reinterpret_cast<uint64_t>(r.data), r.bytes, r.rows, r.pitch, g};
+      for (size_t k = DigestSegmentCount({&r, 1}); k > 0; --k) segment_run[g++] = i;
+      ++i;
+    }
+    std::atomic_thread_fence(std::memory_order_release);
+    KVF_RETURN_IF_ERROR(CudaCheck(LaunchDigest(descs, segment_run, segments, out, s_),
+                                  "cuda:{} digest kernel launch ({} runs, {} segments)", ordinal_,
+                                  n, segments));
+    return ring_.Commit(s_);
   }
 
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
