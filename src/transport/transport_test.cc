@@ -271,6 +271,72 @@ TEST(UcxTransport, ConnectingToAGonePeerFailsWithinDeadline) {
   }
 }
 
+// A control message orders what its sender wrote before sending it before what its receiver
+// reads after taking it (a context rank's CHUNK after its copies into the generation rank's pool,
+// which the generation rank then sums). Between UCX transports of one process the edge runs
+// through UCX's own queues, built without ThreadSanitizer: without the transport telling TSan
+// (ucx_transport.cc, ControlSent/ControlTaken) the tsan preset reports this test's read as a data
+// race with the writer thread's write (as it did cli.soak_ucx_short's chunk checksums). In other
+// builds it checks the bytes.
+TEST(UcxTransport, ControlMessageOrdersSendersWritesBeforeReceiversReads) {
+  TransportOptions o;
+  o.name = "ucx";
+  auto a = std::move(CreateTransport(o)).value();
+  auto b = std::move(CreateTransport(o)).value();
+  const PeerId pb =
+      std::move(a->Connect(b->LocalAddress(), DeadlineIn(milliseconds(5000)))).value();
+  const std::byte note[] = {std::byte{1}};
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  auto await = [&](Transport& t, Transport& other) {
+    std::optional<ControlMessage> m;
+    while (!m && Clock::now() < deadline) {
+      m = t.PollControl();
+      t.Progress();
+      other.Progress();
+    }
+    return m;
+  };
+  // Both ways once first: connection setup is over before the writer starts.
+  ASSERT_TRUE(a->SendControl(pb, note).ok());
+  auto hello = await(*b, *a);
+  ASSERT_TRUE(hello.has_value()) << "the first control message never arrived";
+  ASSERT_TRUE(b->SendControl(hello->from, note).ok());
+  ASSERT_TRUE(await(*a, *b).has_value()) << "the answer never arrived";
+
+  constexpr size_t kRounds = 50, kWords = 8;
+  auto want = [](size_t round, size_t i) {
+    return 0x9e3779b97f4a7c15ull * (round * kWords + i + 1);
+  };
+  std::vector<uint64_t> written(kRounds * kWords);  // plain memory: no atomic, no lock orders it
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (size_t r = 0; r < kRounds; ++r) {
+      for (size_t i = 0; i < kWords; ++i) written[r * kWords + i] = want(r, i);
+      EXPECT_TRUE(a->SendControl(pb, note).ok());
+      a->Progress();
+    }
+    while (!stop.load(std::memory_order_relaxed)) a->Progress();
+  });
+  std::vector<uint64_t> seen;
+  size_t rounds = 0;
+  for (; rounds < kRounds; ++rounds) {
+    std::optional<ControlMessage> m;
+    while (!m && Clock::now() < deadline) {
+      m = b->PollControl();
+      b->Progress();
+    }
+    if (!m) break;
+    // Round `rounds`'s words, read before the join (which would order the writes itself).
+    seen.insert(seen.end(), written.begin() + rounds * kWords,
+                written.begin() + (rounds + 1) * kWords);
+  }
+  stop.store(true, std::memory_order_relaxed);
+  writer.join();
+  ASSERT_EQ(rounds, kRounds) << "control messages lost";
+  for (size_t i = 0; i < seen.size(); ++i)
+    EXPECT_EQ(seen[i], want(i / kWords, i % kWords)) << "word " << i;
+}
+
 TEST(UcxAddress, RoundTripsAndRejectsEveryMutation) {
   std::vector<uint8_t> raw(123);
   for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<uint8_t>(i * 37 + 1);

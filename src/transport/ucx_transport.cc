@@ -38,6 +38,17 @@
 #include "transport/ucx_address.h"
 #include "transport/ucx_transport_impl.h"
 
+#if defined(__SANITIZE_THREAD__)
+#define KVFERRY_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVFERRY_TSAN 1
+#endif
+#endif
+#ifdef KVFERRY_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace kvferry {
 namespace ucx_detail {
 namespace {
@@ -447,6 +458,35 @@ void UcxTransport::HandleDeaths() {
   }
 }
 
+namespace {
+// ThreadSanitizer and control messages between transports of one process (the soak, the
+// transport tests: UCX workers in one process). A control message orders everything its sender
+// did before sending it before everything its receiver does after taking it; the protocol
+// relies on that (a context rank's CHUNK follows the completion of its copies into the
+// generation rank's pool, whose bytes the generation rank then sums). UCX carries the message
+// through its own lock-free queues in code built without TSan, so TSan sees no such edge and
+// reports the receiver's reads as racing with the sender's earlier writes. Each sender releases
+// a sync word chosen by its instance id before it posts a message, and the receiver acquires the
+// sender's word when it takes one: the edge UCX provides, told to TSan (a message from an
+// instance also orders that instance's earlier sends to other peers, and those of instances
+// whose ids share its word: an over-approximation that can only hide a race, never report a false
+// one). No code outside TSan builds.
+#ifdef KVFERRY_TSAN
+char tsan_control_sync[64];
+void* ControlSyncWord(uint64_t instance) { return &tsan_control_sync[instance % 64]; }
+#endif
+void ControlSent([[maybe_unused]] uint64_t sender_instance) {
+#ifdef KVFERRY_TSAN
+  __tsan_release(ControlSyncWord(sender_instance));
+#endif
+}
+void ControlTaken([[maybe_unused]] uint64_t sender_instance) {
+#ifdef KVFERRY_TSAN
+  __tsan_acquire(ControlSyncWord(sender_instance));
+#endif
+}
+}  // namespace
+
 StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_t kind,
                                                              std::span<const std::byte> bytes) {
   Peer& p = peers_[peer];
@@ -461,6 +501,7 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   }
   s->payload.insert(s->payload.end(), bytes.begin(), bytes.end());
   ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, false);
+  ControlSent(instance_);
   ucs_status_ptr_t r =
       ucp_tag_send_nbx(p.ctrl_ep, s->payload.data(), s->payload.size(), kCtrlBit | instance_, &prm);
   auto keep = s;
@@ -505,6 +546,7 @@ void UcxTransport::DrainControl() {
       continue;
     }
     const uint64_t instance = s->sender_tag & ~kCtrlBit;
+    ControlTaken(instance);
     const auto* p = reinterpret_cast<const uint8_t*>(s->payload.data());
     const size_t n = s->payload.size();
     size_t off = 1;
