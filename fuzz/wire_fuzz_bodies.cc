@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <span>
@@ -18,15 +19,21 @@
 namespace kvferry {
 namespace {
 
-void Check(bool ok) {
-  if (!ok) std::abort();
+// A failed invariant names its line (and the refusal its status) before aborting: the fuzz
+// binaries inline the bodies, so the abort's stack alone does not say which check failed.
+void CheckAt(bool ok, int line, const Status* st = nullptr) {
+  if (ok) return;
+  std::fprintf(stderr, "wire_fuzz_bodies.cc:%d: check failed%s%s\n", line, st ? ": " : "",
+               st ? st->ToString().c_str() : "");
+  std::abort();
 }
+#define Check(ok) CheckAt((ok), __LINE__)
 
 // A refusal: one of the codes the decoders document, with a message naming what was wrong.
-void CheckRefusal(const Status& st) {
-  Check(st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kDataLoss);
-  Check(!st.message().empty());
-}
+#define CheckRefusal(st)                                                                           \
+  CheckAt(((st).code() == StatusCode::kInvalidArgument || (st).code() == StatusCode::kDataLoss) && \
+              !(st).message().empty(),                                                             \
+          __LINE__, &(st))
 
 std::vector<std::byte> Bytes(const uint8_t* data, size_t size) {
   std::vector<std::byte> v(size);

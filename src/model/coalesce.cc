@@ -67,9 +67,16 @@ bool MergeRuns(StridedRun& last, const StridedRun& next, RunMerge how) {
     sp = next.src_offset - last.src_offset;
     dp = next.dst_offset - last.dst_offset;
     if (sp < last.bytes || dp < last.bytes) return false;  // backwards or overlapping
-  } else if (next.src_offset != last.src_offset + last.rows * sp ||
-             next.dst_offset != last.dst_offset + last.rows * dp) {
-    return false;
+  } else {
+    // Hostile offsets and pitches (a handle's) can overflow the row arithmetic: no chain then.
+    int64_t src_end = 0, dst_end = 0;
+    if (__builtin_mul_overflow(last.rows, sp, &src_end) ||
+        __builtin_add_overflow(src_end, last.src_offset, &src_end) ||
+        __builtin_mul_overflow(last.rows, dp, &dst_end) ||
+        __builtin_add_overflow(dst_end, last.dst_offset, &dst_end) || next.src_offset != src_end ||
+        next.dst_offset != dst_end) {
+      return false;
+    }
   }
   if (next.rows > 1 && (next.src_pitch != sp || next.dst_pitch != dp)) return false;
   last.src_pitch = sp;

@@ -210,9 +210,11 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
         m.rma_target.row_min_bytes = r.I64("row_min_bytes");
         if ((flags & 4) && r.ok()) {
           const uint32_t k = r.U32("peer pool handles");
-          if (r.ok() && k != m.rma_target.pool.size()) {
-            r.Fail(fmt::format("{} peer pool handles for {} rma regions", k,
-                               m.rma_target.pool.size()));
+          // Flag 4 says handles follow: none at all is not a form the encoder writes.
+          if (r.ok() && (k == 0 || k != m.rma_target.pool.size())) {
+            r.Fail(
+                fmt::format("{} peer pool handles for {} rma regions (flag 4 needs at least one)",
+                            k, m.rma_target.pool.size()));
           }
           for (uint32_t i = 0; i < k && r.ok(); ++i) {
             const uint32_t len = r.U32("peer handle length");

@@ -101,6 +101,20 @@ TEST(Messages, PeerHandlesMustMatchTheRegionsAndChunkCountsMustBePositive) {
   f = PeerFetch();
   f.rma_target.peer_pool[0].clear();
   EXPECT_FALSE(DecodeMessage(EncodeMessage(f)).ok()) << "an empty handle";
+  // Flag 4 (peer pool handles follow) with a count of 0 for 0 regions: a form the encoder never
+  // writes, so it must not decode (the fuzzer found that it did, and re-encoded 4 bytes shorter).
+  f = PeerFetch();
+  f.rma_target.pool.clear();
+  f.rma_target.peer_pool = {{std::byte{'x'}}};  // encoded as count 1, length 1, 'x', then the seal
+  auto bytes = EncodeMessage(f);
+  bytes.resize(bytes.size() - kMessageSealBytes - 9);
+  for (int i = 0; i < 4; ++i) bytes.push_back(std::byte{0});  // count 0
+  const uint64_t seal = MessageSeal(bytes);
+  for (size_t i = 0; i < kMessageSealBytes; ++i)
+    bytes.push_back(std::byte((seal >> (8 * i)) & 0xff));
+  st = DecodeMessage(bytes).status();
+  EXPECT_NE(st.message().find("0 peer pool handles for 0 rma regions"), std::string_view::npos)
+      << st.ToString();
   st = DecodeMessage(EncodeMessage(ChunkMsg{1, 2, 3, 0, false, 0})).status();
   EXPECT_NE(st.message().find("chunk count 0"), std::string_view::npos) << st.ToString();
 }
