@@ -142,6 +142,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // A pair's data path (context_side_send.cc).
   bool AdvancePair(CtxRequest& r, SendPair& p);
   void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s);
+  Status SumSource(const SendPair& p, const Chunk& c, SendOp& s);
   bool AdvancePeerPair(CtxRequest& r, SendPair& p);
   bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
 

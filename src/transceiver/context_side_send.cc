@@ -7,6 +7,15 @@
 
 namespace kvferry {
 
+// The checksum of a chunk's source bytes, when the pair asked for them; taken once the chunk can
+// go (not again on every retry while staging slots are short).
+Status ContextSideImpl::SumSource(const SendPair& p, const Chunk& c, SendOp& s) {
+  if (!p.checksum) return Status::Ok();
+  KVF_ASSIGN_OR_RETURN(s.checksum, ChunkDigest(c, true));
+  s.has_checksum = true;
+  return Status::Ok();
+}
+
 bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
   if (p.mapped) return AdvancePeerPair(r, p);
   if (p.rma) return AdvanceRmaPair(r, p);
@@ -23,12 +32,7 @@ bool ContextSideImpl::AdvancePair(CtxRequest& r, SendPair& p) {
       s.slot = AcquireSlot();
       if (!s.slot) break;
     }
-    if (p.checksum) {  // of the source bytes, once the chunk can go (not again on every retry)
-      auto sum = ChunkDigest(c, true);
-      if (!sum.ok()) return Fail(r, sum.status()), true;
-      s.has_checksum = true;
-      s.checksum = *sum;
-    }
+    if (Status st = SumSource(p, c, s); !st.ok()) return Fail(r, st), true;
     if (direct) {
       const Piece& pc = c.pieces.front();
       auto op =
@@ -153,12 +157,7 @@ bool ContextSideImpl::AdvanceRmaPair(CtxRequest& r, SendPair& p) {
       s.slot = AcquireSlot();
       if (!s.slot) break;
     }
-    if (p.checksum) {  // of the source bytes, once the chunk can go (not again on every retry)
-      auto sum = ChunkDigest(c, true);
-      if (!sum.ok()) return Fail(r, sum.status()), true;
-      s.has_checksum = true;
-      s.checksum = *sum;
-    }
+    if (Status st = SumSource(p, c, s); !st.ok()) return Fail(r, st), true;
     if (packed > 0) {
       ChunkCopies(c, true, pool_, SlotData(s.slot), true, descs_, t.row_min_bytes);
       Status st = stream_->CopyBatch(descs_);
