@@ -181,9 +181,16 @@ constexpr KnobDecl kKnobs[] = {
      "covers at most",
      1 << 20, int64_t{1} << 40, ""},
     {"transfer.peer_merge_pairs", KnobType::kBool, "true",
-     "peer-memory sends: the batches of all generation ranks of one request found ready together "
-     "go out as one CopyBatch (one gather-kernel launch, up to transfer.peer_batch_bytes)",
+     "peer-memory sends: the batches of all pairs (generation ranks and requests) found ready in "
+     "one progress iteration go out as one CopyBatch (one gather-kernel launch, up to "
+     "transfer.peer_batch_bytes)",
      0, 0, ""},
+    {"transfer.peer_hold_launches", KnobType::kInt, "0",
+     "peer-memory sends with transfer.peer_merge_pairs: while this many launches are on the "
+     "context rank's copy stream, newly ready batches wait and go out as one launch when it "
+     "drains below (long launches for ranks sharing one GPU; 2 = one copying, one queued); "
+     "0 = the batches found in each progress iteration go out at once",
+     0, 64, ""},
 };
 
 }  // namespace

@@ -116,13 +116,7 @@ bool ContextSideImpl::Advance() {
     }
     std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
     for (auto& [g, p] : r.pairs) busy |= AdvancePair(r, p);
-    if (!peer_launch_.empty()) {  // the request's pairs' batches of this iteration, at once
-      if (r.ending) {
-        peer_launch_.Discard();  // its senders abandoned them
-      } else if (Status st = peer_launch_.Flush(*stream_, event_pool()); !st.ok()) {
-        Fail(r, st.WithContext("copying into the generation ranks' pools"));
-      }
-    }
+    if (r.ending) peer_launch_.Discard(r.id);  // its senders abandoned its waiting batches
     if (Finished(r)) {
       Finish(r);
       recent_.push_back(r.id);
@@ -137,7 +131,24 @@ bool ContextSideImpl::Advance() {
       ++it;
     }
   }
+  // The batches found ready in this iteration (all pairs, all requests) go out together, or wait
+  // for the stream to drain to fewer than transfer.peer_hold_launches launches (PeerLaunch).
+  if (peer_launch_.due()) {
+    FlushPeerLaunch();
+    busy = true;
+  }
   return busy;
+}
+
+void ContextSideImpl::FlushPeerLaunch() {
+  const std::vector<uint64_t> owners = peer_launch_.owners();
+  if (Status st = peer_launch_.Flush(*stream_, event_pool()); !st.ok()) {
+    for (uint64_t id : owners) {
+      auto it = requests_.find(id);
+      if (it != requests_.end() && !it->second.ending)
+        Fail(it->second, st.WithContext("copying into the generation ranks' pools"));
+    }
+  }
 }
 
 void ContextSideImpl::OnTick(Clock::time_point now) {

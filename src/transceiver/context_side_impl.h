@@ -144,6 +144,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s);
   Status SumSource(const SendPair& p, const Chunk& c, SendOp& s);
   bool AdvancePeerPair(CtxRequest& r, SendPair& p);
+  // Copies the waiting batches of peer_launch_; a failure ends the requests they belong to.
+  void FlushPeerLaunch();
   bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
 
   std::string address_;
@@ -155,8 +157,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   std::vector<CopyDesc> descs_;             // reused
   std::vector<PeerSender::Landed> landed_;  // reused
   PeerCompletions peer_copies_{profile()};  // every PeerSender's batches on stream_
-  // One request's pairs' batches of one iteration, launched together (transfer.peer_merge_pairs).
-  PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile()};
+  // The pairs' batches found ready, launched together (transfer.peer_merge_pairs, PeerLaunch).
+  PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile(),
+                          options_.peer_hold_launches};
   bool rma_said_ = false;   // logged once why a one-sided fetch is served tagged
   bool peer_said_ = false;  // logged once why offered peer memory is not used
 };

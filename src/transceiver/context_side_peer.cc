@@ -104,7 +104,7 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
 StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                                   const BlockPool& pool, Stream& stream, int64_t max_inflight,
                                   std::vector<CopyDesc>& scratch, EventPool& events,
-                                  const Digester& digest, PeerLaunch* merged) {
+                                  const Digester& digest, PeerLaunch* merged, uint64_t owner) {
   bool launched = false;
   while (static_cast<int64_t>(copying_.size()) < max_inflight &&
          (merged == nullptr || !merged->full())) {
@@ -124,7 +124,7 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     for (const CopyDesc& d : scratch)
       bytes += static_cast<int64_t>(d.bytes * std::max<size_t>(d.rows, 1));
     if (merged != nullptr) {  // copied by the caller's PeerLaunch::Flush
-      b.ticket = merged->Add(scratch, bytes);
+      b.ticket = merged->Add(owner, scratch, bytes);
       copying_.push_back(std::move(b));
       launched = true;
       continue;
@@ -147,10 +147,21 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
   return launched;
 }
 
-uint64_t PeerLaunch::Add(std::span<const CopyDesc> copies, int64_t bytes) {
+uint64_t PeerLaunch::Add(uint64_t owner, std::span<const CopyDesc> copies, int64_t bytes) {
+  if (parts_.empty() || parts_.back().owner != owner) parts_.push_back({owner, descs_.size()});
   descs_.insert(descs_.end(), copies.begin(), copies.end());
+  parts_.back().end = descs_.size();
+  parts_.back().bytes += bytes;
   bytes_ += bytes;
   return completions_.next_ticket();
+}
+
+std::vector<uint64_t> PeerLaunch::owners() const {
+  std::vector<uint64_t> out;
+  for (const Part& p : parts_) {
+    if (std::find(out.begin(), out.end(), p.owner) == out.end()) out.push_back(p.owner);
+  }
+  return out;
 }
 
 Status PeerLaunch::Flush(Stream& stream, EventPool& events) {
@@ -171,8 +182,28 @@ Status PeerLaunch::Flush(Stream& stream, EventPool& events) {
   return Status::Ok();
 }
 
+void PeerLaunch::Discard(uint64_t owner) {
+  if (std::none_of(parts_.begin(), parts_.end(), [&](const Part& p) { return p.owner == owner; }))
+    return;
+  std::vector<CopyDesc> kept;
+  std::vector<Part> parts;
+  for (const Part& p : parts_) {
+    if (p.owner == owner) {
+      bytes_ -= p.bytes;
+      continue;
+    }
+    parts.push_back({p.owner, kept.size(), 0, p.bytes});
+    kept.insert(kept.end(), descs_.begin() + static_cast<ptrdiff_t>(p.begin),
+                descs_.begin() + static_cast<ptrdiff_t>(p.end));
+    parts.back().end = kept.size();
+  }
+  descs_ = std::move(kept);
+  parts_ = std::move(parts);
+}
+
 void PeerLaunch::Discard() {
   descs_.clear();
+  parts_.clear();
   bytes_ = 0;
 }
 

@@ -111,32 +111,59 @@ class PeerCompletions {
   uint64_t finished_ = 0;     // tickets below this have finished
 };
 
-// The batches of all pairs of one request found ready in one progress iteration, copied by one
-// CopyBatch behind one event (transfer.peer_merge_pairs): a context rank of TP2 -> TP4 feeds two
-// generation ranks, and one launch of both pairs' copies is twice as long as one per pair (ranks
-// sharing one GPU time-slice it, and each switch costs: context_side_peer.h's kPeerBatchBytes).
-// Batches added carry the ticket of the Flush that follows; Discard drops them (their request
-// ended before the flush: its senders abandoned them). Progress thread only.
+// The batches of the pairs found ready, copied by one CopyBatch behind one event
+// (transfer.peer_merge_pairs): a context rank of TP2 -> TP4 feeds two generation ranks, and ranks
+// sharing one GPU time-slice it, each switch costing (kPeerBatchBytes), so launches are made long:
+// - across pairs and requests: everything found ready in one progress iteration goes together;
+// - across iterations (transfer.peer_hold_launches, off by default): while that many launches are
+//   on the stream
+//   (one copying, the next queued behind it), new batches wait and join one launch, which goes
+//   out once the stream is down to fewer (it is never idle: the queued one still copies). In
+//   steady state a launch's requests end together and come back together, so launches stay as
+//   long as the work in flight allows, not one pair each as FETCHes trickle in.
+// Batches added carry the ticket of the Flush that copies them; Discard drops a request's (it
+// ended before they went out: its senders abandoned them). Progress thread only.
 class PeerLaunch {
  public:
-  PeerLaunch(PeerCompletions& completions, int64_t max_bytes, ProgressProfile* profile)
+  // `hold_launches` 0: every batch goes out in the iteration that found it.
+  PeerLaunch(PeerCompletions& completions, int64_t max_bytes, ProgressProfile* profile,
+             int64_t hold_launches = 0)
       : completions_(completions),
         max_bytes_(max_bytes),
+        hold_launches_(hold_launches),
         profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
   // No more batches join once the launch holds this many bytes.
   bool full() const { return bytes_ >= max_bytes_; }
   bool empty() const { return descs_.empty(); }
-  // Adds a batch of `bytes` copied by `copies`; returns the ticket the next Flush carries.
-  uint64_t Add(std::span<const CopyDesc> copies, int64_t bytes);
+  // Batches wait, and they should go out now: the launch is full, or fewer than hold_launches
+  // launches are on the stream.
+  bool due() const {
+    return !empty() && (full() || static_cast<int64_t>(completions_.copying()) < hold_launches_ ||
+                        hold_launches_ <= 0);
+  }
+  // Adds a batch of request `owner` of `bytes` copied by `copies`; returns the ticket the next
+  // Flush carries.
+  uint64_t Add(uint64_t owner, std::span<const CopyDesc> copies, int64_t bytes);
+  // The requests whose batches wait (each once).
+  std::vector<uint64_t> owners() const;
   // One CopyBatch of every copy added since the last Flush, one event behind it.
   Status Flush(Stream& stream, EventPool& events);
+  // Drops the waiting batches of `owner`.
+  void Discard(uint64_t owner);
   void Discard();
 
  private:
+  struct Part {  // descs_[begin, end) of one owner
+    uint64_t owner = 0;
+    size_t begin = 0, end = 0;
+    int64_t bytes = 0;
+  };
   PeerCompletions& completions_;
   const int64_t max_bytes_;
+  const int64_t hold_launches_;
   ProgressProfile* const profile_;
   std::vector<CopyDesc> descs_;
+  std::vector<Part> parts_;
   int64_t bytes_ = 0;
 };
 
@@ -174,10 +201,11 @@ class PeerSender {
   // holds the descriptors; `digest` sums each chunk of a checksummed pair before it is copied.
   // With `merged`, batches join it (until it is full) instead of being copied here: the caller
   // flushes it. True when it launched a batch; an error names the chunk or the failed copy.
+  // `owner` names the request in `merged`.
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
                         std::vector<CopyDesc>& scratch, EventPool& events, const Digester& digest,
-                        PeerLaunch* merged = nullptr);
+                        PeerLaunch* merged = nullptr, uint64_t owner = 0);
   // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
   // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
   // report.

@@ -105,10 +105,11 @@ void ContextSideImpl::ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
 bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
   bool busy = false;
   if (!r.ending) {
+    if (peer_launch_.full()) FlushPeerLaunch();  // room for this pair's batches
     auto launched = p.mapped->Launch(
         p.plan, p.next, r.ready_end, pool_, *stream_, options_.max_inflight, descs_, event_pool(),
         [this](const Chunk& c) { return ChunkDigest(c, true); },
-        options_.peer_merge_pairs ? &peer_launch_ : nullptr);
+        options_.peer_merge_pairs ? &peer_launch_ : nullptr, r.id);
     if (!launched.ok()) return Fail(r, launched.status()), true;
     busy = *launched;
   }

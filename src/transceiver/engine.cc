@@ -51,6 +51,7 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
   e.profile = c.Bool("transfer.profile");
   e.peer_batch_bytes = c.Int("transfer.peer_batch_bytes");
   e.peer_merge_pairs = c.Bool("transfer.peer_merge_pairs");
+  e.peer_hold_launches = c.Int("transfer.peer_hold_launches");
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)

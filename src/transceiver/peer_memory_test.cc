@@ -168,8 +168,12 @@ TEST(PeerMemory, CopiesThatContinueEachOtherMergeIntoOneTallerCopy) {
 // tall copy per batch; every byte lands, nothing outside the destination blocks changes.
 TEST(PeerMemory, MergedHeadSlicesLandByteForByte) {
   PeerMemoryOn on;
-  for (const char* merge : {"true", "false"}) {  // transfer.peer_merge_pairs
-    ASSERT_TRUE(Config::Global().Set("transfer.peer_merge_pairs", merge).ok());
+  // transfer.peer_merge_pairs, and transfer.peer_hold_launches 0 (the default) or 2
+  for (const char* merge : {"true", "false", "hold2"}) {
+    ASSERT_TRUE(
+        Config::Global().Set("transfer.peer_merge_pairs", merge[0] == 'f' ? "false" : "true").ok());
+    ASSERT_TRUE(
+        Config::Global().Set("transfer.peer_hold_launches", merge[0] == 'h' ? "2" : "0").ok());
     TransceiverOptions o;
     o.checksum = false;
     Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
@@ -179,6 +183,7 @@ TEST(PeerMemory, MergedHeadSlicesLandByteForByte) {
     cl.Verify(35, {4, 5, 6, 7}, 15, 0, 0, /*sentinels=*/true);
   }
   ASSERT_TRUE(Config::Global().Reset("transfer.peer_merge_pairs").ok());
+  ASSERT_TRUE(Config::Global().Reset("transfer.peer_hold_launches").ok());
 }
 
 class Knob {

@@ -117,6 +117,91 @@ TEST(PeerCompletions, PollDoesNotQueryABatchBeforeItCanHaveFinished) {
   EXPECT_EQ(queries, 2);
 }
 
+// A stream that copies nothing and counts its launches (CopyBatch calls) and their descriptors.
+class CountingStream final : public Stream {
+ public:
+  Status Copy(void*, const void*, size_t) override { return Status::Ok(); }
+  Status CopyBatch(std::span<const CopyDesc> copies) override {
+    launches.push_back(copies.size());
+    return fail ? Status::Internal("copy failed") : Status::Ok();
+  }
+  Status Copy2D(void*, size_t, const void*, size_t, size_t, size_t) override {
+    return Status::Ok();
+  }
+  Status Fill(void*, uint8_t, size_t) override { return Status::Ok(); }
+  Status HostCallback(std::function<void()> fn) override {
+    fn();
+    return Status::Ok();
+  }
+  Status Record(Event&) override { return Status::Ok(); }
+  Status Wait(Event&) override { return Status::Ok(); }
+  Status Synchronize(Deadline) override { return Status::Ok(); }
+  bool Query() override { return true; }
+  std::vector<size_t> launches;  // descriptors per CopyBatch
+  bool fail = false;
+};
+
+// transfer.peer_hold_launches: batches of several requests found while two launches are on the
+// stream wait and go out as one launch once the stream drains to one; a request that ends while
+// its batches wait takes them out; full launches go at once; 0 launches every batch at once.
+TEST(PeerLaunch, BatchesOfManyRequestsWaitWhileTwoLaunchesAreQueuedThenGoAsOne) {
+  int queries = 0;
+  std::vector<FakeEvent*> events;
+  EventPool pool([&]() -> StatusOr<std::unique_ptr<Event>> {
+    auto e = std::make_unique<FakeEvent>(&queries);
+    events.push_back(e.get());
+    return std::unique_ptr<Event>(std::move(e));
+  });
+  CountingStream stream;
+  PeerCompletions c(nullptr);
+  PeerLaunch launch(c, /*max_bytes=*/1000, nullptr, /*hold_launches=*/2);
+  const std::vector<CopyDesc> one(1), two(2);
+  EXPECT_FALSE(launch.due());  // nothing waits
+  // An idle stream: the first request's batch goes at once.
+  EXPECT_EQ(launch.Add(1, one, 100), 0u);
+  EXPECT_TRUE(launch.due());
+  ASSERT_TRUE(launch.Flush(stream, pool).ok());
+  // One launch on the stream: the next still goes (it queues behind, the stream never idles).
+  EXPECT_EQ(launch.Add(2, one, 100), 1u);
+  EXPECT_TRUE(launch.due());
+  ASSERT_TRUE(launch.Flush(stream, pool).ok());
+  // Two on the stream: requests 3, 4 and 5 wait, over several iterations.
+  EXPECT_EQ(launch.Add(3, two, 100), 2u);
+  EXPECT_FALSE(launch.due());
+  EXPECT_EQ(launch.Add(4, one, 100), 2u);
+  EXPECT_EQ(launch.Add(5, one, 100), 2u);
+  EXPECT_EQ(launch.Add(4, one, 100), 2u);
+  EXPECT_EQ(launch.owners(), (std::vector<uint64_t>{3, 4, 5}));
+  EXPECT_FALSE(launch.due());
+  launch.Discard(5);  // request 5 ended while waiting: its copies never go out
+  EXPECT_EQ(launch.owners(), (std::vector<uint64_t>{3, 4}));
+  EXPECT_FALSE(c.Poll());
+  EXPECT_FALSE(launch.due());
+  events[0]->done = true;  // the first launch finished: one left copying
+  EXPECT_TRUE(c.Poll());
+  EXPECT_TRUE(launch.due());
+  ASSERT_TRUE(launch.Flush(stream, pool).ok());
+  EXPECT_EQ(stream.launches, (std::vector<size_t>{1, 1, 4}))
+      << "requests 3 and 4 in one launch of their 4 copies, request 5's left out";
+  EXPECT_TRUE(launch.empty());
+  EXPECT_EQ(c.copying(), 2u);
+  // A full launch goes even with two on the stream.
+  EXPECT_EQ(launch.Add(6, one, 999), 3u);
+  EXPECT_FALSE(launch.due());
+  launch.Add(6, one, 1);
+  EXPECT_TRUE(launch.full());
+  EXPECT_TRUE(launch.due());
+  // A failed launch leaves nothing waiting and adds nothing to the stream's count.
+  stream.fail = true;
+  EXPECT_FALSE(launch.Flush(stream, pool).ok());
+  EXPECT_TRUE(launch.empty());
+  EXPECT_EQ(c.copying(), 2u);
+  // hold_launches 0: whatever is on the stream, a batch goes at once.
+  PeerLaunch eager(c, 1000, nullptr, 0);
+  eager.Add(7, one, 1);
+  EXPECT_TRUE(eager.due());
+}
+
 class KnobOn {
  public:
   KnobOn(const char* name, const char* value) : name_(name) {
