@@ -137,11 +137,16 @@ bool ContextSideImpl::Advance() {
     FlushPeerLaunch();
     busy = true;
   }
+  if (peer_launched_) {  // after every copy this pass submitted (QuietNap)
+    peer_launched_ = false;
+    WakeAtStreamEnd();
+  }
   return busy;
 }
 
 void ContextSideImpl::FlushPeerLaunch() {
   const std::vector<uint64_t> owners = peer_launch_.owners();
+  peer_launched_ = true;  // a launch held from an earlier pass also gets its wake-up
   if (Status st = peer_launch_.Flush(*stream_, event_pool()); !st.ok()) {
     for (uint64_t id : owners) {
       auto it = requests_.find(id);
