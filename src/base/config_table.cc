@@ -176,6 +176,14 @@ constexpr KnobDecl kKnobs[] = {
      "slab files found at open: verify = keep every slot whose header and payload checksum "
      "verify (reads every slot), headers = check headers only, none = forget them",
      0, 0, "verify|headers|none"},
+    {"transfer.peer_batch_bytes", KnobType::kInt, "1073741824",
+     "peer-memory sends: bytes of consecutive chunks one CopyBatch (one gather-kernel launch) "
+     "covers at most",
+     1 << 20, int64_t{1} << 40, ""},
+    {"transfer.peer_merge_pairs", KnobType::kBool, "true",
+     "peer-memory sends: the batches of all generation ranks of one request found ready together "
+     "go out as one CopyBatch (one gather-kernel launch, up to transfer.peer_batch_bytes)",
+     0, 0, ""},
 };
 
 }  // namespace

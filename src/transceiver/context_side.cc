@@ -116,6 +116,13 @@ bool ContextSideImpl::Advance() {
     }
     std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
     for (auto& [g, p] : r.pairs) busy |= AdvancePair(r, p);
+    if (!peer_launch_.empty()) {  // the request's pairs' batches of this iteration, at once
+      if (r.ending) {
+        peer_launch_.Discard();  // its senders abandoned them
+      } else if (Status st = peer_launch_.Flush(*stream_, event_pool()); !st.ok()) {
+        Fail(r, st.WithContext("copying into the generation ranks' pools"));
+      }
+    }
     if (Finished(r)) {
       Finish(r);
       recent_.push_back(r.id);
@@ -334,8 +341,8 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   if (!peer_pool.empty()) NotePeerMemoryUsed();
   p.checksum = f.checksum;
   if (!peer_pool.empty())
-    p.mapped =
-        std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_, profile());
+    p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_,
+                                            profile(), options_.peer_batch_bytes);
   if (rma) p.target = std::move(f.rma_target);
   for (const PairPlan& pp : r->plan) {
     if (pp.gen_rank == f.gen_rank) p.plan = pp;

@@ -155,8 +155,10 @@ class ContextSideImpl final : public ContextSide, public Engine {
   std::vector<CopyDesc> descs_;             // reused
   std::vector<PeerSender::Landed> landed_;  // reused
   PeerCompletions peer_copies_{profile()};  // every PeerSender's batches on stream_
-  bool rma_said_ = false;                   // logged once why a one-sided fetch is served tagged
-  bool peer_said_ = false;                  // logged once why offered peer memory is not used
+  // One request's pairs' batches of one iteration, launched together (transfer.peer_merge_pairs).
+  PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile()};
+  bool rma_said_ = false;   // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;  // logged once why offered peer memory is not used
 };
 
 }  // namespace kvferry

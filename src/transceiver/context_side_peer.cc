@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "transceiver/rma.h"
 
 namespace kvferry {
@@ -81,13 +83,14 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
 
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
-                                    const BlockPool& pool, std::vector<CopyDesc>& out) {
+                                    const BlockPool& pool, std::vector<CopyDesc>& out,
+                                    int64_t max_bytes) {
   out.clear();
   uint32_t count = 0;
   int64_t bytes = 0;
   for (size_t i = next;
        i < plan.chunks.size() && plan.chunks[i].last_layer < ready_end &&
-       (count == 0 || (!one_chunk && bytes < kPeerBatchBytes && count < kPeerBatchChunks));
+       (count == 0 || (!one_chunk && bytes < max_bytes && count < kPeerBatchChunks));
        ++i) {
     KVF_RETURN_IF_ERROR(
         PeerCopies(plan.chunks[i], peer_pool, pool, out)
@@ -101,11 +104,12 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
 StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                                   const BlockPool& pool, Stream& stream, int64_t max_inflight,
                                   std::vector<CopyDesc>& scratch, EventPool& events,
-                                  const Digester& digest) {
+                                  const Digester& digest, PeerLaunch* merged) {
   bool launched = false;
-  while (static_cast<int64_t>(copying_.size()) < max_inflight) {
+  while (static_cast<int64_t>(copying_.size()) < max_inflight &&
+         (merged == nullptr || !merged->full())) {
     KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
-                                                          peer_pool_, pool, scratch));
+                                                          peer_pool_, pool, scratch, batch_bytes_));
     if (count == 0) break;
     Batch b;
     b.what.chunk = next;
@@ -116,6 +120,15 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
       b.what.has_checksum = true;
     }
     next += count;
+    int64_t bytes = 0;
+    for (const CopyDesc& d : scratch)
+      bytes += static_cast<int64_t>(d.bytes * std::max<size_t>(d.rows, 1));
+    if (merged != nullptr) {  // copied by the caller's PeerLaunch::Flush
+      b.ticket = merged->Add(scratch, bytes);
+      copying_.push_back(std::move(b));
+      launched = true;
+      continue;
+    }
     Status st;
     EventLease done;
     {
@@ -126,12 +139,41 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     }
     if (!st.ok())
       return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
-    b.ticket = completions_.Add(std::move(done));
+    b.ticket = completions_.Add(std::move(done), bytes);
     if (profile_) profile_->Count(ProfileCounter::kBatches);
     copying_.push_back(std::move(b));
     launched = true;
   }
   return launched;
+}
+
+uint64_t PeerLaunch::Add(std::span<const CopyDesc> copies, int64_t bytes) {
+  descs_.insert(descs_.end(), copies.begin(), copies.end());
+  bytes_ += bytes;
+  return completions_.next_ticket();
+}
+
+Status PeerLaunch::Flush(Stream& stream, EventPool& events) {
+  if (descs_.empty()) return Status::Ok();
+  Status st;
+  EventLease done;
+  {
+    ProfileScope timed(profile_, ProfilePhase::kCopySubmit);
+    st = stream.CopyBatch(descs_);
+    done = events.Acquire();
+    if (st.ok()) st = done ? stream.Record(*done) : Status::Internal("no device event");
+  }
+  const int64_t bytes = bytes_;
+  Discard();
+  if (!st.ok()) return st;
+  completions_.Add(std::move(done), bytes);
+  if (profile_) profile_->Count(ProfileCounter::kBatches);
+  return Status::Ok();
+}
+
+void PeerLaunch::Discard() {
+  descs_.clear();
+  bytes_ = 0;
 }
 
 void PeerSender::Reap(std::vector<Landed>& out) {
@@ -160,19 +202,40 @@ void PeerSender::Abandon() {
   unreported_ = {};
 }
 
-uint64_t PeerCompletions::Add(EventLease done) {
-  open_.emplace_back(std::move(done), profile_ ? profile_->Launched(NowNs()) : 0);
+uint64_t PeerCompletions::Add(EventLease done, int64_t bytes) {
+  const int64_t now = NowNs();
+  Open o;
+  o.done = std::move(done);
+  o.meter = profile_ ? profile_->Launched(now) : 0;
+  o.enqueued = now;
+  o.bytes = std::max<int64_t>(bytes, 0);
+  o.not_before = now + o.bytes / kPeerCopyBytesPerNs;
+  open_.push_back(std::move(o));
   return finished_ + open_.size() - 1;
 }
 
 bool PeerCompletions::Poll() {
   if (open_.empty()) return false;
+  int64_t now = NowNs();
+  if (now < open_.front().not_before) return false;  // it cannot have finished yet
   ProfileScope timed(profile_, ProfilePhase::kEventQuery);
   const uint64_t before = finished_;
-  while (!open_.empty() && open_.front().first->Query()) {
-    if (profile_) profile_->Landed(open_.front().second, NowNs());
+  while (!open_.empty()) {
+    if (!open_.front().done->Query()) {
+      seen_copying_ = now;
+      break;
+    }
+    now = NowNs();
+    if (profile_) profile_->Landed(open_.front().meter, now);
     open_.pop_front();  // the lease gives the event back
     ++finished_;
+    if (open_.empty()) break;
+    // The next one started after the last query that saw this one copying (and after it was
+    // enqueued); it may have finished already (then it is queried now).
+    Open& next = open_.front();
+    next.not_before = std::max(next.enqueued, seen_copying_) + next.bytes / kPeerCopyBytesPerNs;
+    seen_copying_ = 0;
+    if (now < next.not_before) break;
   }
   return finished_ != before;
 }

@@ -29,8 +29,12 @@
 
 namespace kvferry {
 
-// Bytes and chunks one CopyBatch covers at most.
-inline constexpr int64_t kPeerBatchBytes = int64_t{64} << 20;
+// Bytes (the default of transfer.peer_batch_bytes) and chunks one CopyBatch covers at most. Long
+// launches: ranks sharing one GPU time-slice it without MPS, and each switch costs. Measured on
+// the H200 (gather_kernel_bench_test), two processes copying at once keep 0.70 of one process's
+// rate with 64 MiB per launch, 0.87 with 512 MiB; bench transfer TP2 -> TP4 (4k tokens, 131 MB
+// per pair and request) moved 1432 GB/s with 1 GiB batches against 1322 with 64 MiB ones.
+inline constexpr int64_t kPeerBatchBytes = int64_t{1} << 30;
 inline constexpr uint32_t kPeerBatchChunks = 1u << 16;
 
 // Every mapping of a FETCH's offered pool holds at least the bytes its target region declares;
@@ -49,12 +53,13 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
                   std::vector<CopyDesc>& out);
 
 // The next batch of `plan`: consecutive chunks from `next` whose layers are ready (last layer
-// below `ready_end`), up to kPeerBatchBytes and kPeerBatchChunks, or exactly one when `one_chunk`
+// below `ready_end`), up to `max_bytes` and kPeerBatchChunks, or exactly one when `one_chunk`
 // (a checksum covers one chunk). Their copies replace the contents of `out`. Returns how many
 // chunks (0: the next one is not ready, or there is none), or the error naming the chunk.
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
-                                    const BlockPool& pool, std::vector<CopyDesc>& out);
+                                    const BlockPool& pool, std::vector<CopyDesc>& out,
+                                    int64_t max_bytes = kPeerBatchBytes);
 
 // Chunks that landed in the generation pool and were not reported yet: one contiguous range,
 // since a pair's batches complete in order on one stream.
@@ -71,22 +76,68 @@ struct LandedChunks {
 // of the event that ends it. A stream finishes its work in order, so the oldest batch's event
 // speaks for every later one: Poll queries events only up to the first batch still copying (while
 // copies run, one event query per progress iteration, not one per pair and request in flight)
-// and gives each finished batch's event back. Progress thread only.
+// and gives each finished batch's event back.
+//
+// Nor does it query the oldest batch before it can have finished: a batch starts no earlier than
+// it was enqueued and than the last query that found the batch before it still copying, and moves
+// its bytes no faster than kPeerCopyBytesPerNs. On the H200 a 4k-token request (525 MB) copies
+// for about 260 us, polled once per progress iteration: 26 of the 105 us of context CPU per
+// request went to event queries. Progress thread only.
+inline constexpr int64_t kPeerCopyBytesPerNs = 4000;  // 4 TB/s: above any copy within one GPU
 class PeerCompletions {
  public:
   explicit PeerCompletions(ProgressProfile* profile)
       : profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
-  // A batch whose end `done` records; returns its ticket.
-  uint64_t Add(EventLease done);
+  // A batch of `bytes` whose end `done` records; returns its ticket.
+  uint64_t Add(EventLease done, int64_t bytes = 0);
   // Notes the batches that finished; true when any did.
   bool Poll();
   bool Finished(uint64_t ticket) const { return ticket < finished_; }
+  // The ticket the next Add returns.
+  uint64_t next_ticket() const { return finished_ + open_.size(); }
   size_t copying() const { return open_.size(); }
 
  private:
+  struct Open {
+    EventLease done;
+    uint64_t meter = 0;    // the profile's meter ticket
+    int64_t enqueued = 0;  // steady-clock ns
+    int64_t bytes = 0;
+    int64_t not_before = 0;  // no query before this (set when the batch becomes the oldest)
+  };
   ProgressProfile* const profile_;
-  std::deque<std::pair<EventLease, uint64_t>> open_;  // the event, the profile's meter ticket
-  uint64_t finished_ = 0;                             // tickets below this have finished
+  std::deque<Open> open_;
+  int64_t seen_copying_ = 0;  // the last query that found the oldest batch copying (ns)
+  uint64_t finished_ = 0;     // tickets below this have finished
+};
+
+// The batches of all pairs of one request found ready in one progress iteration, copied by one
+// CopyBatch behind one event (transfer.peer_merge_pairs): a context rank of TP2 -> TP4 feeds two
+// generation ranks, and one launch of both pairs' copies is twice as long as one per pair (ranks
+// sharing one GPU time-slice it, and each switch costs: context_side_peer.h's kPeerBatchBytes).
+// Batches added carry the ticket of the Flush that follows; Discard drops them (their request
+// ended before the flush: its senders abandoned them). Progress thread only.
+class PeerLaunch {
+ public:
+  PeerLaunch(PeerCompletions& completions, int64_t max_bytes, ProgressProfile* profile)
+      : completions_(completions),
+        max_bytes_(max_bytes),
+        profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
+  // No more batches join once the launch holds this many bytes.
+  bool full() const { return bytes_ >= max_bytes_; }
+  bool empty() const { return descs_.empty(); }
+  // Adds a batch of `bytes` copied by `copies`; returns the ticket the next Flush carries.
+  uint64_t Add(std::span<const CopyDesc> copies, int64_t bytes);
+  // One CopyBatch of every copy added since the last Flush, one event behind it.
+  Status Flush(Stream& stream, EventPool& events);
+  void Discard();
+
+ private:
+  PeerCompletions& completions_;
+  const int64_t max_bytes_;
+  ProgressProfile* const profile_;
+  std::vector<CopyDesc> descs_;
+  int64_t bytes_ = 0;
 };
 
 // One (request, generation rank) pair's peer-memory sends: the batches copying on the context
@@ -106,11 +157,12 @@ class PeerSender {
   };
 
   // `completions` tracks the stream every Launch of this sender copies on; it outlives the
-  // sender. `profile` (may be null) times copy submission.
+  // sender. `profile` (may be null) times copy submission. A batch covers at most `batch_bytes`.
   PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum, PeerCompletions& completions,
-             ProgressProfile* profile = nullptr)
+             ProgressProfile* profile = nullptr, int64_t batch_bytes = kPeerBatchBytes)
       : peer_pool_(std::move(peer_pool)),
         checksum_(checksum),
+        batch_bytes_(batch_bytes),
         completions_(completions),
         profile_(profile != nullptr && profile->on() ? profile : nullptr) {}
 
@@ -120,10 +172,12 @@ class PeerSender {
   // Copies the ready chunks of `plan` from `next` (advanced past them) in batches, keeping at most
   // `max_inflight` batches copying on `stream`, each ending on an event of `events`; `scratch`
   // holds the descriptors; `digest` sums each chunk of a checksummed pair before it is copied.
-  // True when it launched a batch; an error names the chunk or the failed copy.
+  // With `merged`, batches join it (until it is full) instead of being copied here: the caller
+  // flushes it. True when it launched a batch; an error names the chunk or the failed copy.
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
-                        std::vector<CopyDesc>& scratch, EventPool& events, const Digester& digest);
+                        std::vector<CopyDesc>& scratch, EventPool& events, const Digester& digest,
+                        PeerLaunch* merged = nullptr);
   // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
   // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
   // report.
@@ -142,6 +196,7 @@ class PeerSender {
   };
   const std::vector<PeerMapping*> peer_pool_;
   const bool checksum_;
+  const int64_t batch_bytes_;
   PeerCompletions& completions_;
   ProgressProfile* const profile_;  // null unless profiling
   std::deque<Batch> copying_;

@@ -105,9 +105,10 @@ void ContextSideImpl::ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
 bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
   bool busy = false;
   if (!r.ending) {
-    auto launched = p.mapped->Launch(p.plan, p.next, r.ready_end, pool_, *stream_,
-                                     options_.max_inflight, descs_, event_pool(),
-                                     [this](const Chunk& c) { return ChunkDigest(c, true); });
+    auto launched = p.mapped->Launch(
+        p.plan, p.next, r.ready_end, pool_, *stream_, options_.max_inflight, descs_, event_pool(),
+        [this](const Chunk& c) { return ChunkDigest(c, true); },
+        options_.peer_merge_pairs ? &peer_launch_ : nullptr);
     if (!launched.ok()) return Fail(r, launched.status()), true;
     busy = *launched;
   }

@@ -49,6 +49,8 @@ EngineOptions ResolveOptions(const TransceiverOptions& o) {
                   : peer == "off" ? EngineOptions::PeerMemory::kOff
                                   : EngineOptions::PeerMemory::kAuto;
   e.profile = c.Bool("transfer.profile");
+  e.peer_batch_bytes = c.Int("transfer.peer_batch_bytes");
+  e.peer_merge_pairs = c.Bool("transfer.peer_merge_pairs");
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)

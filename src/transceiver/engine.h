@@ -51,6 +51,8 @@ struct EngineOptions {
   // (auto), for every pool a device can share (on), never (off).
   enum class PeerMemory { kAuto, kOn, kOff } peer_memory;
   bool profile = false;  // transfer.profile: time the progress thread's phases
+  int64_t peer_batch_bytes = int64_t{1} << 30;  // transfer.peer_batch_bytes
+  bool peer_merge_pairs = true;                 // transfer.peer_merge_pairs
 };
 EngineOptions ResolveOptions(const TransceiverOptions& options);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,

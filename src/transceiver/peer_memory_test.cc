@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <thread>
+
 #include "transceiver/context_side_peer.h"
 #include "transceiver/transceiver_test_cluster.h"
 
@@ -103,11 +106,12 @@ class ChunkCounter final : public TestTransport {
   std::shared_ptr<int> chunks_;
 };
 
-// 96 MiB per pair is two copy batches (kPeerBatchBytes), both in flight at once: the generation
-// rank hears of them by one CHUNK (it was one per batch: each message costs syscalls on both
-// sides), and every byte lands.
+// 96 MiB per pair is two copy batches (transfer.peer_batch_bytes 64 MiB), both in flight at once:
+// the generation rank hears of them by one CHUNK (it was one per batch: each message costs
+// syscalls on both sides), and every byte lands.
 TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
   PeerMemoryOn on;
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_batch_bytes", "67108864").ok());
   const KvShape big{2, 8, 128, DType::kBf16, 2, 1024};  // 8 MiB blocks
   TransceiverOptions o;
   o.checksum = false;
@@ -122,6 +126,7 @@ TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
   ExpectAllComplete(cl.Drain(0, 0, 1, milliseconds(60000)), 2);
   cl.Verify(33, gb, 12 * 1024);
   EXPECT_EQ(*chunks, 1);
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_batch_bytes").ok());
 }
 
 TEST(PeerMemory, CopiesThatContinueEachOtherMergeIntoOneTallerCopy) {
@@ -163,13 +168,120 @@ TEST(PeerMemory, CopiesThatContinueEachOtherMergeIntoOneTallerCopy) {
 // tall copy per batch; every byte lands, nothing outside the destination blocks changes.
 TEST(PeerMemory, MergedHeadSlicesLandByteForByte) {
   PeerMemoryOn on;
+  for (const char* merge : {"true", "false"}) {  // transfer.peer_merge_pairs
+    ASSERT_TRUE(Config::Global().Set("transfer.peer_merge_pairs", merge).ok());
+    TransceiverOptions o;
+    o.checksum = false;
+    Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
+    auto h = cl.Publish(35, {2, 3, 4, 5}, 15);
+    ASSERT_TRUE(cl.Fetch(h, {4, 5, 6, 7}).ok());
+    ExpectAllComplete(cl.Drain(0, 0, 1), 6);
+    cl.Verify(35, {4, 5, 6, 7}, 15, 0, 0, /*sentinels=*/true);
+  }
+  ASSERT_TRUE(Config::Global().Reset("transfer.peer_merge_pairs").ok());
+}
+
+class Knob {
+ public:
+  Knob(const char* name, const char* value) : name_(name) {
+    EXPECT_TRUE(Config::Global().Set(name, value).ok());
+  }
+  ~Knob() { EXPECT_TRUE(Config::Global().Reset(name_).ok()); }
+
+ private:
+  const char* name_;
+};
+
+double Counter(const std::vector<std::pair<std::string, double>>& v, const std::string& name) {
+  for (const auto& [n, x] : v) {
+    if (n == name) return x;
+  }
+  ADD_FAILURE() << name << " is not in the profile";
+  return -1;
+}
+
+// transfer.peer_merge_pairs: a context rank of TP2 -> TP4 whose two pairs become ready together
+// copies both in one CopyBatch (one launch instead of two); every byte lands, nothing outside the
+// destination blocks changes.
+TEST(PeerMemory, PairsReadyTogetherGoOutAsOneLaunch) {
+  PeerMemoryOn on;
+  Knob merge("transfer.peer_merge_pairs", "true");
+  Knob profile("transfer.profile", "true");
   TransceiverOptions o;
   o.checksum = false;
   Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
-  auto h = cl.Publish(35, {2, 3, 4, 5}, 15);
+  auto h = cl.Publish(36, {2, 3, 4, 5}, 15, 0, /*layer_wise=*/true);
   ASSERT_TRUE(cl.Fetch(h, {4, 5, 6, 7}).ok());
+  // Both FETCHes in on each context rank before any layer is ready.
+  const auto deadline = Clock::now() + milliseconds(10000);
+  for (int r = 0; r < 2; ++r) {
+    while (Counter(cl.ctx_[r]->metrics().profile, "control_received") < 2 &&
+           Clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+  }
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(cl.ctx_[r]->MarkLayersReady(36, 6).ok());
   ExpectAllComplete(cl.Drain(0, 0, 1), 6);
-  cl.Verify(35, {4, 5, 6, 7}, 15, 0, 0, /*sentinels=*/true);
+  cl.Verify(36, {4, 5, 6, 7}, 15, 0, 0, /*sentinels=*/true);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(Counter(cl.ctx_[r]->metrics().profile, "batches"), 1) << "context rank " << r;
+  }
+}
+
+// What the gather kernel gets for bench transfer's Llama-3-8B TP2 -> TP4 (block-major at both
+// ends, 32 tokens per block, 4k tokens in consecutive blocks): the planner's pieces of one pair
+// and the copies PeerCopies makes of them (ExtendRows) are head slices of 16 KiB (2 of a context
+// rank's 4 heads x 32 tokens x 128 x bf16) at a source pitch of 32 KiB into packed 16 KiB rows, the
+// shape gather_kernel_bench_test times. Printed, and checked.
+TEST(PeerMemory, Llama3Tp2ToTp4CopiesAreHeadSlicesOf16KiB) {
+  const KvShape llama{32, 8, 128, DType::kBf16, 2, 32};
+  PlanInput in;
+  in.ctx = {llama, {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 128};
+  in.gen = {llama, {4, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 128};
+  in.prompt_tokens = 4096;
+  for (int64_t b = 0; b < 128; ++b) {
+    in.ctx_blocks.push_back(b);
+    in.gen_blocks.push_back(b);
+  }
+  auto plans = PlanForCtxRank(in, 0);
+  ASSERT_TRUE(plans.ok()) << plans.status().ToString();
+  ASSERT_EQ(plans->size(), 2u);  // generation ranks 0 and 1
+  const PairPlan& pp = plans->front();
+  // PeerCopies' merging over fake addresses (offsets from two distinct bases; nothing is read).
+  const uintptr_t src_base = uintptr_t{1} << 40, dst_base = uintptr_t{1} << 41;
+  std::vector<CopyDesc> out;
+  size_t pieces = 0;
+  for (const Chunk& c : pp.chunks) {
+    for (const Piece& p : c.pieces) {
+      ++pieces;
+      EXPECT_EQ(p.bytes, 16 << 10);
+      if (p.rows > 1) {
+        EXPECT_EQ(p.src_pitch, 32 << 10);
+        EXPECT_EQ(p.dst_pitch, 16 << 10);
+      }
+      CopyDesc d{};
+      d.src = reinterpret_cast<const void*>(src_base + p.src_offset);
+      d.dst = reinterpret_cast<void*>(dst_base + p.dst_offset);
+      d.bytes = p.bytes;
+      d.rows = p.rows;
+      d.src_pitch = p.src_pitch;
+      d.dst_pitch = p.dst_pitch;
+      if (out.empty() || !ExtendRows(out.back(), d)) out.push_back(d);
+    }
+  }
+  std::printf(
+      "llama3-8b tp2->tp4, 4k tokens, context rank 0 -> generation rank 0: %zu chunks, %zu "
+      "pieces (first: %lld rows of %lld bytes, pitches %lld/%lld), merged into %zu copies "
+      "(first: %zu rows of %zu bytes, pitches %zu/%zu), %lld bytes\n",
+      pp.chunks.size(), pieces, static_cast<long long>(pp.chunks[0].pieces[0].rows),
+      static_cast<long long>(pp.chunks[0].pieces[0].bytes),
+      static_cast<long long>(pp.chunks[0].pieces[0].src_pitch),
+      static_cast<long long>(pp.chunks[0].pieces[0].dst_pitch), out.size(), out[0].rows,
+      out[0].bytes, out[0].src_pitch, out[0].dst_pitch, static_cast<long long>(pp.bytes));
+  EXPECT_EQ(pp.bytes, int64_t{128} * 64 * (16 << 10));
+  size_t rows = 0;
+  for (const CopyDesc& d : out) rows += d.rows;
+  EXPECT_EQ(rows, 128u * 64);
 }
 
 // Counts the CREDIT messages a generation rank sends.

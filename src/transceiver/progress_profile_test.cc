@@ -84,6 +84,39 @@ TEST(PeerCompletions, PollQueriesOnlyUpToTheFirstBatchStillCopying) {
   EXPECT_EQ(pool.out(), 14u) << "finished batches give their events back";
 }
 
+// A batch is not queried before its bytes could have moved at kPeerCopyBytesPerNs since it
+// could have started (enqueued, or after the last query that saw the batch before it copying).
+TEST(PeerCompletions, PollDoesNotQueryABatchBeforeItCanHaveFinished) {
+  int queries = 0;
+  std::vector<FakeEvent*> events;
+  EventPool pool([&]() -> StatusOr<std::unique_ptr<Event>> {
+    auto e = std::make_unique<FakeEvent>(&queries);
+    events.push_back(e.get());
+    return std::unique_ptr<Event>(std::move(e));
+  });
+  PeerCompletions c(nullptr);
+  const int64_t hour = kPeerCopyBytesPerNs * int64_t{3600} * 1000000000;  // an hour's bytes
+  EXPECT_EQ(c.Add(pool.Acquire(), 0), 0u);
+  EXPECT_EQ(c.Add(pool.Acquire(), hour), 1u);
+  events[0]->done = events[1]->done = true;
+  EXPECT_TRUE(c.Poll());
+  EXPECT_EQ(queries, 1) << "the second batch cannot have moved an hour's bytes yet";
+  EXPECT_TRUE(c.Finished(0));
+  EXPECT_FALSE(c.Finished(1));
+  EXPECT_FALSE(c.Poll());
+  EXPECT_EQ(queries, 1);
+  // A small batch behind it is not queried either: the stream finishes in order.
+  EXPECT_EQ(c.Add(pool.Acquire(), 1), 2u);
+  EXPECT_FALSE(c.Poll());
+  EXPECT_EQ(queries, 1);
+  // Small batches are queried at once, as before.
+  PeerCompletions small(nullptr);
+  EXPECT_EQ(small.Add(pool.Acquire(), 4096), 0u);
+  events.back()->done = true;
+  EXPECT_TRUE(small.Poll());
+  EXPECT_EQ(queries, 2);
+}
+
 class KnobOn {
  public:
   KnobOn(const char* name, const char* value) : name_(name) {

@@ -72,6 +72,7 @@ TEST_F(GatherGridTest, FewDescriptorsSplitOverTheGridMatchTheCpuDevice) {
       {"one long row, aligned", 1, 1, 3 << 20, 0},
       {"one long row, unaligned", 2, 1, (3 << 20) + 7, 3},
       {"narrow rows, aligned", 5, 1000, 64, 0},
+      {"narrow rows, aligned, many", 2, 40000, 48, 0},
       {"narrow rows, unaligned", 2, 777, 37, 1},
   };
   uint32_t seed = 100;
