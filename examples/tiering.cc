@@ -70,12 +70,10 @@ int Run(const std::string& dir) {
   auto primary = kvferry::BlockPool::Wrap(*device, spec, regions);
   if (!primary.ok()) return Fail("wrap", primary.status());
 
-  // The host tier: pinned host memory, block-major (a block is one contiguous range).
-  kvferry::PoolSpec host_spec = spec;
-  host_spec.layout = kvferry::LayoutKind::kBlockMajor;
-  host_spec.memory = kvferry::MemoryKind::kPinnedHost;
-  host_spec.blocks = 8;
-  auto host = kvferry::BlockPool::Create(*device, host_spec);
+  // The host tier: pinned host memory, each block one contiguous range in the primary's own
+  // in-block order (block-major-nhd under this per-layer pool), so that on a GPU a per-layer
+  // block is gathered on the device and crosses PCIe as one copy (device staging).
+  auto host = kvferry::CreatePackedHostPool(*device, *primary, /*blocks=*/8);
   if (!host.ok()) return Fail("host pool", host.status());
 
   // The file tier: slots of one whole block each.

@@ -21,18 +21,19 @@
 // that allocates may evict), call WaitForCompute(compute) first.
 //
 // Nothing waits on the caller's thread (background tiering). Every public call first retires the
-// copies and file I/O that finished. Poll and RemoveSequence (not the calls that allocate, whose
-// stall the engine sees) then keep free blocks between watermarks: when the free primary blocks
-// fall below free_low_pct of the pool, LRU victims are offloaded to the host tier (on the offload
-// stream) until free_high_pct are free, and likewise host victims are demoted to the file tier
-// (copies on the offload stream, the writes on the TransferManager's I/O thread), so an allocation
-// normally finds a free block and never waits for a copy or a disk. Call Poll while the engine
-// waits for a forward pass. An allocation
-// that finds none evicts at once (offload queued, never waited for) or drops the victim when the
-// host tier has no free block. Onboards start as soon as a prefix hit is known (AddSequence, or
-// earlier with Prefetch): host hits on the onboard stream, file hits read on the I/O thread; the
-// engine asks PollReady/WaitReady only when it needs the blocks. A corrupt or failed slot shortens
-// the reuse (Readiness::reused_tokens) and is reported in Readiness::misses and a kRemoved event.
+// copies that finished, and Poll, RemoveSequence and PollReady also the file I/O (the calls that
+// allocate leave its per-block bookkeeping to them). Poll and RemoveSequence (not the calls that
+// allocate, whose stall the engine sees) then keep free blocks between watermarks: when the free
+// primary blocks fall below free_low_pct of the pool, LRU victims are offloaded to the host tier
+// (on the offload stream) until free_high_pct are free, and likewise host victims are demoted to
+// the file tier (copies on the offload stream, the writes on the TransferManager's I/O thread), so
+// an allocation normally finds a free block and never waits for a copy or a disk. Call Poll while
+// the engine waits for a forward pass. An allocation that finds none evicts at once (offload
+// queued, never waited for) or drops the victim when the host tier has no free block. Onboards
+// start as soon as a prefix hit is known (AddSequence, or earlier with Prefetch): host hits on the
+// onboard stream, file hits read on the I/O thread; the engine asks PollReady/WaitReady only when
+// it needs the blocks. A corrupt or failed slot shortens the reuse (Readiness::reused_tokens) and
+// is reported in Readiness::misses and a kRemoved event.
 //
 // I/O leases: a file slot is held by a move-only SlotLease (tiering/slot_lease.h) owned either by
 // the index (the slot holds a key) or by the in-flight operation that reads or writes it; it goes
@@ -181,7 +182,8 @@ class BlockManager {
   // Waits up to `deadline` for the sequence's onboards (ready = false when it passes).
   StatusOr<Readiness> WaitReady(uint64_t id, Deadline deadline);
   // Retires finished copies and I/O and runs the watermarks (RemoveSequence does too; the calls
-  // that allocate only retire). Call it when idle, e.g. while a forward pass runs. Never waits.
+  // that allocate only retire finished copies). Call it when idle, e.g. while a forward pass
+  // runs. Never waits.
   void Poll();
   // The sequence's primary blocks, or kNotFound.
   StatusOr<std::vector<int64_t>> Blocks(uint64_t id) const;

@@ -122,6 +122,19 @@ enum class DeviceStaging : uint8_t {
   kNever,
 };
 
+// A host tier packed in the primary's block order: each host block one contiguous range whose
+// axes run in the order they run inside one block of `primary` (kBlockMajorNhd under an NHD
+// primary: per-layer, per-layer-kv, flashinfer, block-major-nhd; kBlockMajor under an HND one). A
+// TransferManager over such a pair stages per-layer blocks through device memory by default
+// (DeviceStaging::kAuto) and moves each one over the link as one copy (docs/tiering.md, device
+// staging). PackedHostLayout names that layout for `primary`'s layout (a wrapped kCustom pool
+// too, from its strides); InvalidArgument when no named layout keeps its order.
+StatusOr<LayoutKind> PackedHostLayout(const BlockPool& primary);
+// A pinned-host pool of `blocks` blocks for that tier: `primary`'s shape, parallel config and
+// rank, laid out by PackedHostLayout(primary). Errors: those of PackedHostLayout, blocks < 1, and
+// BlockPool::Create's (allocation).
+StatusOr<BlockPool> CreatePackedHostPool(Device& device, const BlockPool& primary, int64_t blocks);
+
 struct TransferOptions {
   int64_t file_staging_blocks = 32;  // pinned staging of the file tier, in blocks
   DeviceStaging device_staging = DeviceStaging::kAuto;

@@ -2,6 +2,7 @@
 // counters, all memory is aligned host memory. It exists so that every piece of logic above the
 // device layer runs, and is tested, on a machine without a GPU.
 #include <fmt/format.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -207,6 +208,7 @@ class CpuStream final : public Stream {
   }
 
   void Run() {
+    pthread_setname_np(pthread_self(), "kvf-cpu-stream");  // for perf, top -H and /proc
     MutexLock lock(mu_);
     while (true) {
       lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || !queue_.empty(); });

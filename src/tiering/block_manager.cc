@@ -12,7 +12,6 @@
 #include "tiering/block_manager_impl.h"
 
 namespace kvferry {
-
 using tiering::Cached;
 using tiering::OpKind;
 using tiering::Sequence;
@@ -148,6 +147,49 @@ void BlockManager::Impl::Unref(int64_t b, int32_t priority) {
   }
 }
 
+BlockManager::Impl::SeqMap::node_type BlockManager::Impl::NewSequence(uint64_t id) {
+  if (spare_seqs.empty()) {
+    SeqMap one;
+    one.emplace(id, Sequence{});
+    return one.extract(one.begin());
+  }
+  SeqMap::node_type node = std::move(spare_seqs.back());
+  spare_seqs.pop_back();
+  node.key() = id;
+  Sequence& s = node.mapped();  // as new, the vectors keeping their capacity
+  s.tokens.clear();
+  s.blocks.clear();
+  s.keys.clear();
+  s.misses.clear();
+  s.priority = kDefaultPriority;
+  s.matched = 0;
+  s.partial_tokens = 0;
+  s.prompt_tokens = 0;
+  return node;
+}
+
+void BlockManager::Impl::RecycleSequence(SeqMap::iterator it) {
+  SeqMap::node_type node = seqs.extract(it);
+  if (spare_seqs.size() < kMaxSpares) spare_seqs.push_back(std::move(node));  // else freed
+}
+
+tiering::Op BlockManager::Impl::NewOp(OpKind kind, Tier from) {
+  tiering::Op op;
+  op.kind = kind;
+  op.from = from;
+  if (!spare_items.empty()) {
+    op.items = std::move(spare_items.back());
+    spare_items.pop_back();
+  }
+  return op;
+}
+
+void BlockManager::Impl::RecycleOp(tiering::Op& op) {
+  if (spare_items.size() >= kMaxSpares || op.items.capacity() == 0) return;
+  op.items.clear();  // releases the leases the retirement did not hand on
+  spare_items.push_back(std::move(op.items));
+}
+
 namespace {
 
 void ExtendKeys(Sequence& s, const BlockKey& root, int64_t tpb) {
@@ -210,21 +252,27 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   TransferManager::SubmitPlug plug(*m.tm);  // one wake of the submit thread per call
-  m.RetireAndSubmit();                      // the watermarks run in Poll and RemoveSequence
-  Sequence seq;
+  m.RetireAndSubmit(/*file_lane=*/false);   // the watermarks run in Poll and RemoveSequence
+  const size_t nblocks = (prompt.size() + m.tpb - 1) / m.tpb;
+  Impl::SeqMap::node_type node = m.NewSequence(id);
+  Sequence& seq = node.mapped();
   seq.tokens.assign(prompt.begin(), prompt.end());
   seq.priority = priority;
   seq.prompt_tokens = static_cast<int64_t>(prompt.size());
+  seq.keys.reserve(nblocks);
+  seq.blocks.reserve(nblocks);
   ExtendKeys(seq, m.root, m.tpb);
-  const size_t nblocks = (prompt.size() + m.tpb - 1) / m.tpb;
-  std::vector<Impl::Hit> hits = m.LeasePrefixHits(seq);
+  std::vector<Impl::Hit>& hits = m.hits_scratch;
+  m.LeasePrefixHits(seq, hits);
   const Impl::Candidate cand = m.LeasePartialCandidate(seq, hits.size(), nblocks);
   int64_t primary_hits = 0;
   for (const Impl::Hit& h : hits) primary_hits += h.tier == Tier::kPrimary;
-  std::vector<int64_t> fresh;
+  std::vector<int64_t>& fresh = m.scratch.fresh;
+  fresh.clear();
   Status alloc = m.AllocatePrimary(static_cast<int64_t>(nblocks) - primary_hits, fresh);
   if (!alloc.ok()) {
     m.UnleaseAll(seq, hits, cand);
+    if (m.spare_seqs.size() < Impl::kMaxSpares) m.spare_seqs.push_back(std::move(node));
     return alloc;
   }
   Admission adm;
@@ -237,20 +285,20 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
       std::min<int64_t>(static_cast<int64_t>(seq.matched) * m.tpb + seq.partial_tokens,
                         static_cast<int64_t>(prompt.size()));
   adm.misses = seq.misses;
-  m.seqs.emplace(id, std::move(seq));
-  auto r = PollReady(id);
-  adm.ready = r.ok() && r->ready;
+  const Sequence& placed = m.seqs.insert(std::move(node)).position->second;
+  const Readiness r = m.ReadinessOf(placed);  // from what has been retired (PollReady: all)
+  adm.ready = r.ready;
   if (adm.ready) {
-    adm.reused_tokens = r->reused_tokens;
-    adm.misses = r->misses;
+    adm.reused_tokens = r.reused_tokens;
+    adm.misses = r.misses;
   }
   return adm;
 }
 
 // Walks the prompt's key chain while it is cached (not in a file slot being read), leasing
 // every hit so nothing evicts it meanwhile.
-std::vector<BlockManager::Impl::Hit> BlockManager::Impl::LeasePrefixHits(const Sequence& seq) {
-  std::vector<Hit> hits;
+void BlockManager::Impl::LeasePrefixHits(const Sequence& seq, std::vector<Hit>& hits) {
+  hits.clear();
   for (const BlockKey& key : seq.keys) {
     const Cached* c = index.Find(key);
     ++st.lookups;
@@ -259,7 +307,6 @@ std::vector<BlockManager::Impl::Hit> BlockManager::Impl::LeasePrefixHits(const S
     Lease(*c);
     hits.push_back({c->tier, c->id});
   }
-  return hits;
 }
 
 // Partial reuse: the cached child of the last match sharing the most leading tokens with the
@@ -300,8 +347,12 @@ void BlockManager::Impl::PlaceAndOnboard(Sequence& seq, std::span<const Hit> hit
                                          std::span<const int64_t> fresh, size_t nblocks,
                                          Admission& adm) {
   size_t next_fresh = 0;
-  std::vector<BlockMove> from_host, from_file;
-  std::vector<SlotLease> leases;
+  std::vector<BlockMove>& from_host = scratch.from_host;
+  std::vector<BlockMove>& from_file = scratch.from_file;
+  std::vector<SlotLease>& leases = scratch.leases;
+  from_host.clear();
+  from_file.clear();
+  leases.clear();
   for (size_t i = 0; i < nblocks; ++i) {
     if (i < hits.size() && hits[i].tier == Tier::kPrimary) {
       seq.blocks.push_back(hits[i].id);
@@ -322,8 +373,9 @@ void BlockManager::Impl::PlaceAndOnboard(Sequence& seq, std::span<const Hit> hit
     }
   }
   st.onboarded += static_cast<int64_t>(from_host.size() + from_file.size());
-  Onboard(Tier::kHost, std::move(from_host), {}, false);
-  Onboard(Tier::kFile, std::move(from_file), std::move(leases), false);
+  Onboard(Tier::kHost, from_host, {}, false);
+  Onboard(Tier::kFile, from_file, leases, false);
+  leases.clear();  // moved from: empty leases
   for (int t = 0; t < kNumTiers; ++t) st.hits[t] += adm.hits[t];
   seq.matched = hits.size();
 }
@@ -336,9 +388,7 @@ void BlockManager::Impl::StartPartialCopy(Sequence& seq, const Candidate& cand) 
   if (cand.tokens > 0) {
     BlockMove mv(cand.id, seq.blocks[seq.matched], static_cast<int32_t>(cand.tokens), cand.key);
     if (cand.tier == Tier::kFile) {
-      tiering::Op op;
-      op.kind = OpKind::kPartial;
-      op.from = Tier::kFile;
+      tiering::Op op = NewOp(OpKind::kPartial, Tier::kFile);
       SlotOf(Tier::kFile, cand.id).busy = true;
       SlotOf(Tier::kPrimary, mv.dst).arriving = true;
       op.items.push_back(
@@ -376,7 +426,11 @@ StatusOr<Readiness> BlockManager::PollReady(uint64_t id) {
   m.SubmitDeferred();
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
-  const Sequence& s = it->second;
+  return m.ReadinessOf(it->second);
+}
+
+Readiness BlockManager::Impl::ReadinessOf(const Sequence& s) const {
+  const Impl& m = *this;
   Readiness r;
   r.misses = s.misses;
   const bool partial = s.partial_tokens > 0 && s.matched < s.blocks.size();
@@ -418,7 +472,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   TransferManager::SubmitPlug plug(*m.tm);
-  m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
+  m.RetireAndSubmit(/*file_lane=*/false);  // the watermarks run in Poll and RemoveSequence
   Sequence probe;
   probe.tokens.assign(prompt.begin(), prompt.end());
   ExtendKeys(probe, m.root, m.tpb);
@@ -454,8 +508,8 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
     }
   }
   const int64_t started = static_cast<int64_t>(lower.size());
-  m.Onboard(Tier::kHost, std::move(from_host), {}, true);
-  m.Onboard(Tier::kFile, std::move(from_file), std::move(leases), true);
+  m.Onboard(Tier::kHost, from_host, {}, true);
+  m.Onboard(Tier::kFile, from_file, leases, true);
   for (int64_t b : host_dst) {  // stream-ordered: cached in the primary tier from now on
     const tiering::Slot& s = m.SlotOf(Tier::kPrimary, b);
     if (s.has_key) {
@@ -479,10 +533,11 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
   TransferManager::SubmitPlug plug(*m.tm);
-  m.RetireAndSubmit();  // the watermarks run in Poll and RemoveSequence
+  m.RetireAndSubmit(/*file_lane=*/false);  // the watermarks run in Poll and RemoveSequence
   Sequence& s = it->second;
   const size_t need = (s.tokens.size() + tokens.size() + m.tpb - 1) / m.tpb;
-  std::vector<int64_t> fresh;
+  std::vector<int64_t>& fresh = m.scratch.fresh;
+  fresh.clear();
   if (need > s.blocks.size()) {
     KVF_RETURN_IF_ERROR(m.AllocatePrimary(static_cast<int64_t>(need - s.blocks.size()), fresh));
   }
@@ -500,7 +555,7 @@ Status BlockManager::RemoveSequence(uint64_t id) {
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
   TransferManager::SubmitPlug plug(*m.tm);
   for (int64_t b : it->second.blocks) m.Unref(b, it->second.priority);
-  m.seqs.erase(it);
+  m.RecycleSequence(it);
   m.Maintain();
   return Status::Ok();
 }

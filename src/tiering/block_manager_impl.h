@@ -84,16 +84,19 @@ inline int LaneOf(const Op& op) {
 // first event (address space only: pages are touched as it fills) and never moved after; when
 // full, the oldest is overwritten and counted in `*dropped`. (It used to grow by doubling: a call
 // that crossed a power of two moved every event so far, up to 64k of them, on the engine's
-// thread.)
+// thread.) A drain that empties it starts the next events at the ring's front again: a router
+// that drains often keeps them in the few cache lines it just read, instead of the ring walking
+// all of its storage (up to 64k events, ~4 MiB: a cache miss per event on the engine's thread).
 class EventRing {
  public:
   EventRing(int64_t cap, int64_t* dropped) : cap_(static_cast<size_t>(cap)), dropped_(dropped) {}
   void Push(KvEvent e) {
     if (ring_.capacity() < cap_) ring_.reserve(cap_);
-    if (ring_.size() < cap_) {
-      ring_.push_back(std::move(e));
+    const size_t at = (head_ + count_) % cap_;
+    if (at < ring_.size()) {
+      ring_[at] = std::move(e);
     } else {
-      ring_[(head_ + count_) % cap_] = std::move(e);
+      ring_.push_back(std::move(e));  // at == ring_.size(): the ring has not reached `at` yet
     }
     if (count_ < cap_) {
       ++count_;
@@ -106,11 +109,12 @@ class EventRing {
     std::vector<KvEvent> out;
     out.reserve(count_);
     for (size_t i = 0; i < count_; ++i) out.push_back(std::move(ring_[(head_ + i) % cap_]));
-    head_ = (head_ + count_) % cap_;
+    head_ = 0;  // empty: the next event goes to the front (see the class comment)
     count_ = 0;
     return out;
   }
   size_t size() const { return count_; }
+  size_t slots_used() const { return ring_.size(); }  // storage touched so far
 
  private:
   const size_t cap_;
@@ -139,7 +143,26 @@ struct BlockManager::Impl {
   tiering::PriorityLru lru[kNumTiers];
   std::vector<tiering::SlotLease> file_leases;  // by slot id: leases the index holds
   std::vector<int64_t> free_primary, free_host;
-  std::unordered_map<uint64_t, tiering::Sequence> seqs;
+  using SeqMap = std::unordered_map<uint64_t, tiering::Sequence>;
+  SeqMap seqs;
+  // Allocation-free calls: the nodes of removed sequences (their vectors keep their capacity),
+  // finished ops' item vectors, and the per-call lists, all reused (the engine's thread pays no
+  // malloc or free per block once they have grown to a prompt's size).
+  std::vector<SeqMap::node_type> spare_seqs;
+  std::vector<std::vector<tiering::OpItem>> spare_items;
+  static constexpr size_t kMaxSpares = 256;
+  SeqMap::node_type NewSequence(uint64_t id);  // a recycled node (fields reset) or a new one
+  void RecycleSequence(SeqMap::iterator it);
+  tiering::Op NewOp(tiering::OpKind kind, Tier from);  // with a recycled item vector
+  void RecycleOp(tiering::Op& op);
+  struct Scratch {
+    std::vector<BlockMove> from_host, from_file;  // PlaceAndOnboard
+    std::vector<BlockMove> evict_moves;           // EvictPrimary
+    std::vector<BlockMove> read_moves;            // StartFileRead
+    std::vector<tiering::SlotLease> leases;
+    std::vector<int64_t> fresh;    // AddSequence, AppendTokens
+    std::vector<int64_t> victims;  // AllocatePrimary
+  } scratch;
   // In flight, by lane (tiering::LaneOf): each lane finishes in submission order, so retiring
   // looks at the front of each and stops at its first unfinished op.
   std::deque<tiering::Op> ops[tiering::kLanes];
@@ -149,6 +172,7 @@ struct BlockManager::Impl {
   tiering::EventRing events{opt.max_events, &st.events_dropped};
 
   tiering::Slot& SlotOf(Tier t, int64_t id) { return slots[static_cast<int>(t)][id]; }
+  const tiering::Slot& SlotOf(Tier t, int64_t id) const { return slots[static_cast<int>(t)][id]; }
   tiering::PriorityLru& Lru(Tier t) { return lru[static_cast<int>(t)]; }
 
   // Index bookkeeping (block_manager.cc).
@@ -173,7 +197,9 @@ struct BlockManager::Impl {
     int64_t tokens = 0;  // leading tokens it shares with the prompt's next block
     bool found() const { return id >= 0; }
   };
-  std::vector<Hit> LeasePrefixHits(const tiering::Sequence& seq);
+  std::vector<Hit> hits_scratch;
+  // Fills `hits` (cleared first).
+  void LeasePrefixHits(const tiering::Sequence& seq, std::vector<Hit>& hits);
   Candidate LeasePartialCandidate(const tiering::Sequence& seq, size_t matched, size_t nblocks);
   void UnleaseAll(const tiering::Sequence& seq, std::span<const Hit> hits, const Candidate& cand);
   void PlaceAndOnboard(tiering::Sequence& seq, std::span<const Hit> hits,
@@ -182,12 +208,18 @@ struct BlockManager::Impl {
   void StoreFullBlocks(const tiering::Sequence& seq, size_t first);
 
   // Movement (block_manager_io.cc). None of these waits.
-  // Retires what finished and submits deferred reads: what the calls that allocate do first.
-  void RetireAndSubmit();
+  // Retires what finished and submits deferred reads: what the calls that allocate do first,
+  // with `file_lane` false: they leave the file lane's ops (demotions, spills, reads from file
+  // slots) to Poll, RemoveSequence and PollReady, since retiring one is bookkeeping per item
+  // (relocation, slot lease handed to the index, LRU) for up to a file staging's worth of blocks,
+  // measured as the tiered mode's extra p99 on the engine's thread while the file tier was busy.
+  void RetireAndSubmit(bool file_lane = true);
   // That, then the watermarks (Poll, RemoveSequence): moving victims down ahead of need stays off
   // the allocation path, whose stall the engine sees.
   void Maintain();
-  void RetireFinished();
+  void RetireFinished(bool file_lane = true);
+  // Whether `s`'s reused blocks hold their bytes, from what has been retired (no retiring).
+  Readiness ReadinessOf(const tiering::Sequence& s) const;
   void Retire(tiering::Op& op);
   void SubmitDeferred();
   void RunWatermarks();
@@ -207,7 +239,7 @@ struct BlockManager::Impl {
   tiering::SlotLease AcquireSlot();
   // Onboards `moves` (from host: stream; from file: read on the I/O thread, deferred while
   // staging is full). File moves need their slot leases in `leases` (same order).
-  void Onboard(Tier from, std::vector<BlockMove> moves, std::vector<tiering::SlotLease> leases,
+  void Onboard(Tier from, std::span<const BlockMove> moves, std::span<tiering::SlotLease> leases,
                bool prefetch);
   void SubmitFileRead(tiering::Op op);  // now, or deferred behind earlier reads
   void StartFileRead(tiering::Op op);   // now (staging is free)

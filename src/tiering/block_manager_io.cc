@@ -21,8 +21,8 @@ void BlockManager::Impl::AddOp(Op op) {
   ops[tiering::LaneOf(op)].push_back(std::move(op));
 }
 
-void BlockManager::Impl::RetireAndSubmit() {
-  RetireFinished();
+void BlockManager::Impl::RetireAndSubmit(bool file_lane) {
+  RetireFinished(file_lane);
   SubmitDeferred();
 }
 
@@ -31,16 +31,18 @@ void BlockManager::Impl::Maintain() {
   RunWatermarks();
 }
 
-void BlockManager::Impl::RetireFinished() {
+void BlockManager::Impl::RetireFinished(bool file_lane) {
   // A lane's first unfinished op ends its polling: a call queries a few batches, not every one in
   // flight (this runs at the start of every public call).
-  for (std::deque<Op>& lane : ops) {
+  for (int l = 0; l < (file_lane ? tiering::kLanes : 2); ++l) {
+    std::deque<Op>& lane = ops[l];
     while (!lane.empty() && lane.front().batch.Query()) {
       Op op = std::move(lane.front());
       lane.pop_front();
       if (op.kind == OpKind::kDemote) demoting -= static_cast<int64_t>(op.items.size());
       Retire(op);
-    }  // `op` goes out of scope: releases the leases the retirement did not hand on
+      RecycleOp(op);  // releases the leases the retirement did not hand on
+    }
   }
   // Deadlines grow in submission order: only the oldest file ops can be past theirs.
   const Clock::time_point now = Clock::now();
@@ -164,7 +166,8 @@ void BlockManager::Impl::SubmitFileRead(Op op) {
 }
 
 void BlockManager::Impl::StartFileRead(Op op) {
-  std::vector<BlockMove> moves;
+  std::vector<BlockMove>& moves = scratch.read_moves;
+  moves.clear();
   for (const OpItem& it : op.items) moves.emplace_back(it.src, it.dst, it.tokens, it.key);
   auto batch = Submit([&] { return tm->Move(Tier::kFile, Tier::kPrimary, moves); });
   if (!batch.ok()) {
@@ -218,9 +221,7 @@ void BlockManager::Impl::Demote(int64_t count) {
   while (count > 0 && Lru(Tier::kHost).size() > 0) {
     const int64_t n = std::min({count, tm->file_staging_free(), tm->file_staging_blocks()});
     if (n <= 0) return;  // staging busy: the next call continues
-    Op op;
-    op.kind = OpKind::kDemote;
-    op.from = Tier::kHost;
+    Op op = NewOp(OpKind::kDemote, Tier::kHost);
     std::vector<BlockMove> moves;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t h = Lru(Tier::kHost).Peek();
@@ -281,9 +282,7 @@ std::vector<int64_t> BlockManager::Impl::Spill(std::span<const int64_t> victims)
     const int64_t n = std::min({static_cast<int64_t>(victims.size() - at), tm->file_staging_free(),
                                 tm->file_staging_blocks()});
     if (n <= 0) break;
-    Op op;
-    op.kind = OpKind::kSpill;
-    op.from = Tier::kPrimary;
+    Op op = NewOp(OpKind::kSpill, Tier::kPrimary);
     std::vector<BlockMove> moves;
     for (int64_t i = 0; i < n; ++i, ++at) {
       SlotLease slot = AcquireSlot();
@@ -317,7 +316,8 @@ std::vector<int64_t> BlockManager::Impl::Spill(std::span<const int64_t> victims)
 }
 
 void BlockManager::Impl::EvictPrimary(std::span<const int64_t> victims) {
-  std::vector<BlockMove> moves;
+  std::vector<BlockMove>& moves = scratch.evict_moves;
+  moves.clear();
   std::vector<int64_t> to_file;
   for (int64_t v : victims) {
     const BlockKey key = SlotOf(Tier::kPrimary, v).key;
@@ -358,9 +358,8 @@ void BlockManager::Impl::EvictPrimary(std::span<const int64_t> victims) {
     if (!s.ok()) Log(LogLevel::kError, "tiering: WaitForCompute failed: {}", s.ToString());
   }
   auto batch = Submit([&] { return tm->Offload(Tier::kHost, moves); });
-  Op op;
-  op.kind = OpKind::kOffload;
-  op.from = Tier::kPrimary;
+  Op op = NewOp(OpKind::kOffload, Tier::kPrimary);
+  op.items.reserve(moves.size());
   for (const BlockMove& m : moves) {
     if (!batch.ok()) {  // a programming error: keep the books straight anyway
       Drop(m.key, batch.status().ToString());
@@ -387,7 +386,8 @@ Status BlockManager::Impl::AllocatePrimary(int64_t n, std::vector<int64_t>& out)
         n, avail, tm->tier_blocks(Tier::kPrimary) - avail));
   }
   need_now = std::max(need_now, n);
-  std::vector<int64_t> victims;
+  std::vector<int64_t>& victims = scratch.victims;
+  victims.clear();
   for (int64_t i = 0; i < n; ++i) {
     int64_t b;
     if (!free_primary.empty()) {
@@ -411,15 +411,14 @@ Status BlockManager::Impl::AllocatePrimary(int64_t n, std::vector<int64_t>& out)
   return Status::Ok();
 }
 
-void BlockManager::Impl::Onboard(Tier from, std::vector<BlockMove> moves,
-                                 std::vector<SlotLease> leases, bool prefetch) {
+void BlockManager::Impl::Onboard(Tier from, std::span<const BlockMove> moves,
+                                 std::span<SlotLease> leases, bool prefetch) {
   if (moves.empty()) return;
   if (from == Tier::kHost) {
     auto batch = Submit([&] { return tm->Onboard(Tier::kHost, moves); });
-    Op op;
-    op.kind = OpKind::kOnboard;
-    op.from = Tier::kHost;
+    Op op = NewOp(OpKind::kOnboard, Tier::kHost);
     op.prefetch = prefetch;
+    op.items.reserve(moves.size());
     for (const BlockMove& mv : moves) {
       if (!batch.ok()) {  // programming error: the key stays in the host tier
         Lru(Tier::kHost).Push(mv.src, index.At(mv.key).priority);
@@ -437,9 +436,7 @@ void BlockManager::Impl::Onboard(Tier from, std::vector<BlockMove> moves,
   }
   const size_t chunk = static_cast<size_t>(std::max<int64_t>(tm->file_staging_blocks(), 1));
   for (size_t at = 0; at < moves.size(); at += chunk) {
-    Op op;
-    op.kind = OpKind::kOnboard;
-    op.from = Tier::kFile;
+    Op op = NewOp(OpKind::kOnboard, Tier::kFile);
     op.prefetch = prefetch;
     for (size_t i = at; i < std::min(moves.size(), at + chunk); ++i) {
       const BlockMove& mv = moves[i];

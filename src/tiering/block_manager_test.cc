@@ -3,14 +3,50 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <cstdlib>
 #include <future>
 #include <mutex>
+#include <new>
 #include <numeric>
 #include <thread>
 
 #include "files/test_util.h"
 #include "testing/memory_slab_store.h"
+#include "tiering/block_manager_impl.h"
 #include "tiering/tiering_test_util.h"
+
+// Counts the heap allocations of the calling thread while g_count_allocs is set (the test of the
+// allocation-free BlockManager calls below); every other allocation goes straight to malloc. Not
+// under a sanitizer: its runtime owns the global operator new and delete (clang's TSan runtime
+// defines them too: a second definition does not link), and the test skips.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVF_COUNTS_ALLOCS 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(memory_sanitizer)
+#define KVF_COUNTS_ALLOCS 0
+#endif
+#endif
+#ifndef KVF_COUNTS_ALLOCS
+#define KVF_COUNTS_ALLOCS 1
+#endif
+namespace {
+thread_local bool g_count_allocs = false;
+thread_local int64_t g_allocs = 0;
+}  // namespace
+#if KVF_COUNTS_ALLOCS
+void* operator new(std::size_t n) {
+  if (g_count_allocs) ++g_allocs;
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+// The matching deletes (malloc'd above).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
+#endif
 
 namespace kvferry::tiering {
 namespace {
@@ -187,6 +223,101 @@ TEST(BlockManager, ReusesPrimaryPrefixBlocks) {
 }
 
 // Nobody drains: the events stay bounded by max_events, the oldest go first and are counted.
+// Once its spare sequences, op item lists and scratch lists have grown, an AddSequence that
+// onboards host hits and evicts inline allocates what it returns (Admission::blocks) and, now and
+// then, a chunk of an op queue (std::deque); an AppendTokens next to nothing. Before, each call
+// allocated the sequence's node and vectors (grown by doubling), the hit, fresh, onboard and
+// offload lists and each op's item vector: 476 allocations in these 12 AddSequence calls and 62
+// in the 12 AppendTokens.
+TEST(BlockManager, SteadyCallsAllocateOnlyWhatTheyReturn) {
+  if (!KVF_COUNTS_ALLOCS) GTEST_SKIP() << "a sanitizer's runtime owns operator new";
+  Env e(8, 32, 0);
+  const int32_t tokens = 6 * 4;  // 6 blocks: two conversations do not fit the primary tier
+  uint64_t id = 1;
+  for (int round = 0; round < 4; ++round) {
+    for (int32_t c = 1; c <= 3; ++c) e.Run(id++, c, tokens);
+  }
+  e.Settle();
+  int64_t adds = 0, add_allocs = 0, append_allocs = 0, host_hits = 0;
+  const int64_t inline_before = e.bm->stats().inline_evictions;
+  for (int32_t k = 0; k < 12; ++k) {
+    const int32_t c = 1 + k % 3;
+    const std::vector<int32_t> prompt = Conv(c, tokens);
+    const std::vector<int32_t> more = Conv(c, 2, tokens);
+    g_allocs = 0;
+    g_count_allocs = true;
+    auto a = e.bm->AddSequence(id, prompt, kDefaultPriority);
+    g_count_allocs = false;
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    add_allocs += g_allocs;
+    ++adds;
+    fprintf(stderr, "add %ld\n", (long)g_allocs);
+    host_hits += a->hits[1];
+    e.Compute(a->blocks, static_cast<uint64_t>(c), tokens);
+    g_allocs = 0;
+    g_count_allocs = true;
+    Status st = e.bm->AppendTokens(id, more);
+    g_count_allocs = false;
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    append_allocs += g_allocs;
+    fprintf(stderr, "append %ld\n", (long)g_allocs);
+    ASSERT_TRUE(e.bm->RemoveSequence(id++).ok());
+    e.Settle();
+  }
+  EXPECT_GT(host_hits, 0);                                   // onboards were made
+  EXPECT_GT(e.bm->stats().inline_evictions, inline_before);  // and inline offloads
+  EXPECT_LE(add_allocs, 2 * adds) << add_allocs << " allocations in " << adds << " calls";
+  EXPECT_LE(append_allocs, adds / 2) << append_allocs << " allocations in " << adds << " calls";
+}
+
+// The calls that allocate retire only the copy streams' finished ops; the file lane's (here a
+// spill: per-item relocation, slot lease, LRU) wait for Poll, RemoveSequence or PollReady, off
+// the engine's stall. Before, AppendTokens retired the finished spill itself.
+TEST(BlockManager, AllocatingCallsLeaveFinishedFileOpsToPoll) {
+  Env e(2, 1, 4);
+  e.Run(1, 1, 8);                             // two cached blocks, evictable
+  auto a = e.bm->AddSequence(2, Conv(2, 7));  // evicts both: one to the host block, one spilled
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(e.bm->stats().file_ops_in_flight, 1);
+  ASSERT_TRUE(e.tm->Drain(DeadlineIn(10s)).ok());          // the spill's write has ended
+  ASSERT_TRUE(e.bm->AppendTokens(2, Conv(2, 1, 7)).ok());  // fills block 1: allocates nothing new
+  EXPECT_EQ(e.bm->stats().file_ops_in_flight, 1);          // finished, left for Poll
+  e.bm->Poll();
+  EXPECT_EQ(e.bm->stats().file_ops_in_flight, 0);
+  auto where = e.bm->Find(e.KeyOf(1, 1));
+  ASSERT_TRUE(where.ok()) << where.status().ToString();
+  EXPECT_EQ(where->first, Tier::kFile);
+  auto ready = e.bm->PollReady(2);
+  ASSERT_TRUE(ready.ok());
+  EXPECT_TRUE(ready->ready);
+}
+
+// After a drain empties the ring, the next events start at its front: storage stays at the
+// most events held between two drains (before, the ring walked all of its storage, a cache miss
+// per event on the engine's thread), and order and overwriting are unchanged.
+TEST(BlockManager, EventRingReusesItsFrontAfterADrain) {
+  int64_t dropped = 0;
+  EventRing ring(1000, &dropped);
+  auto ev = [](uint64_t n) {
+    return KvEvent{KvEventKind::kStored, BlockKey{0, n}, Tier::kPrimary, Tier::kPrimary, ""};
+  };
+  for (uint64_t round = 0; round < 100; ++round) {
+    for (uint64_t i = 0; i < 3; ++i) ring.Push(ev(round * 3 + i));
+    std::vector<KvEvent> out = ring.Drain();
+    ASSERT_EQ(out.size(), 3u);
+    for (uint64_t i = 0; i < 3; ++i) EXPECT_EQ(out[i].key.lo, round * 3 + i);
+  }
+  EXPECT_EQ(ring.slots_used(), 3u);
+  EventRing small(5, &dropped);
+  for (uint64_t i = 0; i < 3; ++i) small.Push(ev(i));
+  EXPECT_EQ(small.Drain().size(), 3u);
+  for (uint64_t i = 10; i < 17; ++i) small.Push(ev(i));  // 7 into 5: the 2 oldest overwritten
+  std::vector<KvEvent> out = small.Drain();
+  ASSERT_EQ(out.size(), 5u);
+  for (uint64_t i = 0; i < 5; ++i) EXPECT_EQ(out[i].key.lo, 12 + i);
+  EXPECT_EQ(dropped, 2);
+}
+
 TEST(BlockManager, EventsAreBoundedWhenNobodyDrains) {
   BlockManagerOptions o = OnDemand();
   o.max_events = 5;

@@ -502,5 +502,56 @@ TEST(TransferManager, DeviceStagedCopiesMatchTheDirectPath) {
   }
 }
 
+// CreatePackedHostPool: the host tier an engine makes for device staging, packed in its primary's
+// block order (NHD layouts -> block-major-nhd, HND -> block-major), the primary's shape; a
+// staged round trip through it keeps every byte.
+TEST(TransferManager, PackedHostPoolKeepsThePrimaryOrder) {
+  auto dev = OpenCpuDevice();
+  const std::pair<LayoutKind, LayoutKind> want[] = {
+      {LayoutKind::kPerLayer, LayoutKind::kBlockMajorNhd},
+      {LayoutKind::kPerLayerHnd, LayoutKind::kBlockMajor},
+      {LayoutKind::kPerLayerKvNhd, LayoutKind::kBlockMajorNhd},
+      {LayoutKind::kPerLayerKvHnd, LayoutKind::kBlockMajor},
+      {LayoutKind::kFlashInferNhd, LayoutKind::kBlockMajorNhd},
+      {LayoutKind::kFlashInferHnd, LayoutKind::kBlockMajor},
+      {LayoutKind::kBlockMajor, LayoutKind::kBlockMajor},
+      {LayoutKind::kBlockMajorNhd, LayoutKind::kBlockMajorNhd},
+  };
+  for (const auto& [kind, packed] : want) {
+    SCOPED_TRACE(std::string(LayoutKindName(kind)));
+    BlockPool primary = MakePool(*dev, kind, MemoryKind::kDevice, 10);
+    auto layout = PackedHostLayout(primary);
+    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+    EXPECT_EQ(*layout, packed);
+    auto host = CreatePackedHostPool(*dev, primary, 7);
+    ASSERT_TRUE(host.ok()) << host.status().ToString();
+    EXPECT_EQ(host->layout().kind(), packed);
+    EXPECT_EQ(host->memory(), MemoryKind::kPinnedHost);
+    EXPECT_EQ(host->blocks(), 7);
+    EXPECT_TRUE(host->shape() == primary.shape());
+    TransferOptions o;
+    o.device_staging = DeviceStaging::kAlways;  // the CPU device stages only when told to
+    o.device_staging_blocks = 4;
+    auto tm = TransferManager::Create(*dev, primary, &*host, nullptr, o);
+    ASSERT_TRUE(tm.ok()) << tm.status().ToString();
+    FillAll(primary, 100);
+    std::vector<BlockMove> out = {{0, 6}, {3, 0}, {9, 2}, {4, 3}, {7, 5}};
+    auto b = (*tm)->Offload(Tier::kHost, out);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    ASSERT_TRUE(b->Wait(Soon()).ok());
+    FillAll(primary, 900);
+    std::vector<BlockMove> in = {{6, 1}, {0, 2}, {2, 8}, {3, 5}, {5, 9}};
+    auto c = (*tm)->Onboard(Tier::kHost, in);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE(c->Wait(Soon()).ok());
+    for (size_t i = 0; i < in.size(); ++i) ExpectBlockHolds(primary, in[i].dst, 100 + out[i].src);
+    ExpectBlockHolds(primary, 0, 900);  // untouched
+  }
+  BlockPool primary = MakePool(*dev, LayoutKind::kPerLayer, MemoryKind::kDevice, 4);
+  auto none = CreatePackedHostPool(*dev, primary, 0);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvferry::tiering

@@ -137,6 +137,10 @@ bool ContextSideImpl::Advance() {
       ++it;
     }
   }
+  if (peer_launched_) {  // after every copy this pass submitted (QuietNap)
+    peer_launched_ = false;
+    WakeAtStreamEnd();
+  }
   return busy;
 }
 

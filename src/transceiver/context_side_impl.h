@@ -119,6 +119,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     // it (the loop naps again transfer.spin_us after the last progress).
     return !requests_.empty();
   }
+  std::chrono::microseconds QuietNap() const override;
   bool OnStop() override;
 
  private:
@@ -157,8 +158,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   PeerCompletions peer_copies_{profile()};  // every PeerSender's batches on stream_
   // One request's pairs' batches of one iteration, launched together (transfer.peer_merge_pairs).
   PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile()};
-  bool rma_said_ = false;   // logged once why a one-sided fetch is served tagged
-  bool peer_said_ = false;  // logged once why offered peer memory is not used
+  bool peer_launched_ = false;  // this Advance pass launched peer-memory copies
+  bool rma_said_ = false;       // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;      // logged once why offered peer memory is not used
 };
 
 }  // namespace kvferry

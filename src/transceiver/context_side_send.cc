@@ -111,6 +111,7 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
         options_.peer_merge_pairs ? &peer_launch_ : nullptr);
     if (!launched.ok()) return Fail(r, launched.status()), true;
     busy = *launched;
+    peer_launched_ |= busy;  // Advance queues the wake-up behind this pass's copies
   }
   p.mapped->Reap(landed_);
   for (const PeerSender::Landed& l : landed_) {
@@ -130,6 +131,21 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
                              report->count, false, 0});
   }
   return busy;
+}
+
+// Peer-memory batches are copying (each Advance that launched some queued WakeAtStreamEnd behind
+// them, after the merged PeerLaunch flush) and no transport operation waits to be driven: the
+// next thing this side must do is reap a batch, and a FETCH arriving meanwhile would queue its
+// copies behind these.
+std::chrono::microseconds ContextSideImpl::QuietNap() const {
+  if (peer_copies_.copying() == 0 || !host_visible_pool() || device_.info().platform != "cpu")
+    return {};
+  for (const auto& [id, r] : requests_) {
+    for (const auto& [rank, p] : r.pairs) {
+      if (!p.inflight.empty()) return {};
+    }
+  }
+  return options_.stream_nap;
 }
 
 // One-sided: rows put pool to pool, the packed rest put into the credited staging slot, one

@@ -42,6 +42,11 @@ struct EngineOptions {
   std::chrono::milliseconds unknown_request_wait;
   std::chrono::milliseconds abort_grace;
   std::chrono::microseconds spin;  // polling with operations in flight before napping
+  // The nap of a progress thread whose side waits only for its stream (transfer.stream_nap_us).
+  std::chrono::microseconds stream_nap;
+  // The nap of a generation progress thread waiting only for peer-memory pairs' messages
+  // (transfer.peer_wait_nap_us).
+  std::chrono::microseconds peer_wait_nap;
   std::array<uint8_t, 16> secret;
   uint64_t instance_id;
   bool rma;  // use one-sided puts where both transports can
@@ -102,6 +107,12 @@ class Engine {
   // True while requests are live: the loop then polls without sleeping for up to transfer.spin_us
   // after the last progress (transport operations, device copies and peers' answers are due).
   virtual bool InFlight() const = 0;
+  // How long the loop may nap, neither polling nor spinning, when an iteration found nothing to
+  // do; zero: poll as usual (spin transfer.spin_us with requests live, then 50 us naps). The
+  // context side says transfer.stream_nap_us while all it waits for is its stream (whose
+  // WakeAtStreamEnd callback wakes it), the generation side transfer.peer_wait_nap_us while all
+  // it waits for are CHUNK and COMPLETE messages of peer-memory pairs. A public call wakes it.
+  virtual std::chrono::microseconds QuietNap() const { return {}; }
 
   void Post(std::function<void()> fn);
   void SetStatus(const TransferStatus& status);
@@ -147,6 +158,10 @@ class Engine {
   // The mappings of `handles` (one per region), or why they can't be mapped.
   StatusOr<std::vector<PeerMapping*>> MapPeerPool(
       const std::vector<std::vector<std::byte>>& handles);
+  // Wakes the progress thread when the stream reaches the work queued on it so far (the end of
+  // a peer-memory batch), so that a thread napping up to stream_nap notices it at once. CPU device
+  // only (a stream callback is one more task there; on a GPU it would be a host function launch).
+  void WakeAtStreamEnd();
   // A pair of this side moved its data by peer memory copies (Metrics' data_path says so).
   void NotePeerMemoryUsed() { peer_used_.store(true, std::memory_order_relaxed); }
   MemoryKind staging_kind() const { return staging_.kind(); }

@@ -289,6 +289,25 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return !requests_.empty();
   }
 
+  // CPU device: every live pair is a peer-memory pair waiting for its CHUNK or COMPLETE with no
+  // operation of ours in flight (its chunks are placeholders): nothing to drive, only a message to
+  // notice, late by at most the nap. (On a GPU the copies take no core: poll as before.)
+  std::chrono::microseconds QuietNap() const override {
+    if (requests_.empty() || device_.info().platform != "cpu") return {};
+    for (const auto& [id, r] : requests_) {
+      if (r.ending) return {};
+      for (const RecvPair& p : r.pairs) {
+        if (p.state.final()) continue;
+        if (!p.peer_mem || !(p.state.Is(PairPhase::kAccepted) || p.state.Is(PairPhase::kDone)))
+          return {};
+        for (const RecvOp& o : p.inflight) {
+          if (o.op || o.unpacked) return {};
+        }
+      }
+    }
+    return options_.peer_wait_nap;
+  }
+
   bool OnStop() override {
     for (auto& [id, r] : requests_) {
       if (!r.ending)
