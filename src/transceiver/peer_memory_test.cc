@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include "transceiver/context_side_peer.h"
@@ -25,6 +26,17 @@ class PeerMemoryOn {
   ~PeerMemoryOn() { EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok()); }
 };
 
+// A pid no process or thread can have (above the kernel's pid_max). Not the handle's pid + 1: that
+// can be a thread of this very process (/proc/<tid>/fd is the process's own table), and then the
+// "other process" maps this process's own memfd and the fallback under test never happens (the
+// TSan build failed that way under ctest).
+uint32_t NoSuchPid() {
+  std::ifstream in("/proc/sys/kernel/pid_max");
+  uint32_t pid_max = 4194304;  // the kernel's largest pid_max
+  in >> pid_max;
+  return pid_max + 1;
+}
+
 TEST(PeerMemory, HandlesRoundTripAndRefuseAnotherProcessOrHost) {
   auto dev = OpenCpuDevice();
   std::vector<std::byte> buf(4096);
@@ -36,7 +48,7 @@ TEST(PeerMemory, HandlesRoundTripAndRefuseAnotherProcessOrHost) {
   EXPECT_EQ((*m)->size(), buf.size());
 
   PeerHandle other = DecodePeerHandle(*h).value();
-  other.pid += 1;
+  other.pid = NoSuchPid();
   auto st = dev->ImportMemory(EncodePeerHandle(other)).status();
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
   EXPECT_NE(st.message().find("process"), std::string_view::npos) << st.ToString();
@@ -314,7 +326,7 @@ TEST(PeerMemory, OfferedPoolIsCreditedOnlyWhenTheContextRankPuts) {
     auto credits = std::make_shared<int>(0);
     auto unmappable = [](FetchMsg& f) {
       PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
-      h.pid += 1;
+      h.pid = NoSuchPid();
       f.rma_target.peer_pool[0] = EncodePeerHandle(h);
     };
     Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, SmallChunks(true), {},
@@ -341,7 +353,7 @@ TEST(PeerMemory, UnmappableOrShortHandlesFallBackToTransportPuts) {
   const std::function<void(FetchMsg&)> lies[] = {
       [](FetchMsg& f) {
         PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
-        h.pid += 1;
+        h.pid = NoSuchPid();
         f.rma_target.peer_pool[0] = EncodePeerHandle(h);
       },
       [](FetchMsg& f) {
