@@ -12,6 +12,18 @@ int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
       .count();
 }
+
+// One launch of `copies` on `stream` and the pooled event that marks its end (the submit phase of
+// the profile).
+StatusOr<EventLease> SubmitCopies(Stream& stream, EventPool& events,
+                                  std::span<const CopyDesc> copies, ProgressProfile* profile) {
+  ProfileScope timed(profile, ProfilePhase::kCopySubmit);
+  KVF_RETURN_IF_ERROR(stream.CopyBatch(copies));
+  EventLease done = events.Acquire();
+  if (!done) return Status::Internal("no device event");
+  KVF_RETURN_IF_ERROR(stream.Record(*done));
+  return done;
+}
 }  // namespace
 
 bool ExtendRows(CopyDesc& prev, const CopyDesc& next) {
@@ -129,17 +141,12 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
       launched = true;
       continue;
     }
-    Status st;
-    EventLease done;
-    {
-      ProfileScope timed(profile_, ProfilePhase::kCopySubmit);
-      st = stream.CopyBatch(scratch);
-      done = events.Acquire();
-      if (st.ok()) st = done ? stream.Record(*done) : Status::Internal("no device event");
+    auto done = SubmitCopies(stream, events, scratch, profile_);
+    if (!done.ok()) {
+      return done.status().WithContext(
+          fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
     }
-    if (!st.ok())
-      return st.WithContext(fmt::format("copying into generation rank {}'s pool", plan.gen_rank));
-    b.ticket = completions_.Add(std::move(done), bytes);
+    b.ticket = completions_.Add(std::move(*done), bytes);
     if (profile_) profile_->Count(ProfileCounter::kBatches);
     copying_.push_back(std::move(b));
     launched = true;
@@ -166,18 +173,11 @@ std::vector<uint64_t> PeerLaunch::owners() const {
 
 Status PeerLaunch::Flush(Stream& stream, EventPool& events) {
   if (descs_.empty()) return Status::Ok();
-  Status st;
-  EventLease done;
-  {
-    ProfileScope timed(profile_, ProfilePhase::kCopySubmit);
-    st = stream.CopyBatch(descs_);
-    done = events.Acquire();
-    if (st.ok()) st = done ? stream.Record(*done) : Status::Internal("no device event");
-  }
+  auto done = SubmitCopies(stream, events, descs_, profile_);
   const int64_t bytes = bytes_;
   Discard();
-  if (!st.ok()) return st;
-  completions_.Add(std::move(done), bytes);
+  if (!done.ok()) return done.status();
+  completions_.Add(std::move(*done), bytes);
   if (profile_) profile_->Count(ProfileCounter::kBatches);
   return Status::Ok();
 }
