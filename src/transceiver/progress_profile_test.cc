@@ -60,14 +60,20 @@ class FakeEvent final : public Event {
   int* queries_;
 };
 
-TEST(PeerCompletions, PollQueriesOnlyUpToTheFirstBatchStillCopying) {
+// An event pool lending FakeEvents, each kept in `events` and counting its queries in `queries`.
+struct FakeEventPool {
   int queries = 0;
   std::vector<FakeEvent*> events;
-  EventPool pool([&]() -> StatusOr<std::unique_ptr<Event>> {
+  EventPool pool{[this]() -> StatusOr<std::unique_ptr<Event>> {
     auto e = std::make_unique<FakeEvent>(&queries);
     events.push_back(e.get());
     return std::unique_ptr<Event>(std::move(e));
-  });
+  }};
+};
+
+TEST(PeerCompletions, PollQueriesOnlyUpToTheFirstBatchStillCopying) {
+  FakeEventPool fake;
+  auto& [queries, events, pool] = fake;
   PeerCompletions c(nullptr);
   for (int i = 0; i < 16; ++i) EXPECT_EQ(c.Add(pool.Acquire()), static_cast<uint64_t>(i));
   EXPECT_FALSE(c.Poll());
@@ -87,13 +93,8 @@ TEST(PeerCompletions, PollQueriesOnlyUpToTheFirstBatchStillCopying) {
 // A batch is not queried before its bytes could have moved at kPeerCopyBytesPerNs since it
 // could have started (enqueued, or after the last query that saw the batch before it copying).
 TEST(PeerCompletions, PollDoesNotQueryABatchBeforeItCanHaveFinished) {
-  int queries = 0;
-  std::vector<FakeEvent*> events;
-  EventPool pool([&]() -> StatusOr<std::unique_ptr<Event>> {
-    auto e = std::make_unique<FakeEvent>(&queries);
-    events.push_back(e.get());
-    return std::unique_ptr<Event>(std::move(e));
-  });
+  FakeEventPool fake;
+  auto& [queries, events, pool] = fake;
   PeerCompletions c(nullptr);
   const int64_t hour = kPeerCopyBytesPerNs * int64_t{3600} * 1000000000;  // an hour's bytes
   EXPECT_EQ(c.Add(pool.Acquire(), 0), 0u);
@@ -145,13 +146,8 @@ class CountingStream final : public Stream {
 // stream wait and go out as one launch once the stream drains to one; a request that ends while
 // its batches wait takes them out; full launches go at once; 0 launches every batch at once.
 TEST(PeerLaunch, BatchesOfManyRequestsWaitWhileTwoLaunchesAreQueuedThenGoAsOne) {
-  int queries = 0;
-  std::vector<FakeEvent*> events;
-  EventPool pool([&]() -> StatusOr<std::unique_ptr<Event>> {
-    auto e = std::make_unique<FakeEvent>(&queries);
-    events.push_back(e.get());
-    return std::unique_ptr<Event>(std::move(e));
-  });
+  FakeEventPool fake;
+  auto& [queries, events, pool] = fake;
   CountingStream stream;
   PeerCompletions c(nullptr);
   PeerLaunch launch(c, /*max_bytes=*/1000, nullptr, /*hold_launches=*/2);
