@@ -127,6 +127,15 @@ class Transport {
   // Drives all outstanding operations; returns true if anything happened.
   virtual bool Progress() = 0;
 
+  // Sleeping until a control message comes, instead of polling for it (optional: -1 and false
+  // mean the transport has no such fd, and the caller polls). WakeupFd() is a file descriptor,
+  // owned by the transport, that becomes readable when a control message may have arrived since
+  // the last ArmWakeup() that returned true; it says nothing of data operations (they complete
+  // only when Progress drives them). ArmWakeup() returns false when something already waits
+  // (PollControl and Progress first, then arm again). Both on the thread that calls Progress.
+  virtual int WakeupFd() { return -1; }
+  virtual bool ArmWakeup() { return false; }
+
   // One-sided (caps().one_sided; otherwise kUnavailable). Put writes `bytes` from `local` to
   // `remote_addr` inside a peer's registration whose PackedKey() is `rkey`; it completes when
   // `local` may be reused (local completion: the bytes need not be visible remotely yet).

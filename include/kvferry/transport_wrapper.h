@@ -42,6 +42,8 @@ class TransportWrapper : public Transport {
   }
   std::optional<ControlMessage> PollControl() override { return target_->PollControl(); }
   bool Progress() override { return target_->Progress(); }
+  int WakeupFd() override { return target_->WakeupFd(); }
+  bool ArmWakeup() override { return target_->ArmWakeup(); }
   StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
                                                                MemoryKind kind) override {
     return target_->RegisterMemory(ptr, bytes, kind);

@@ -143,6 +143,7 @@ Status Engine::Start() {
       exported_pool_.push_back(std::move(h).value());
     }
   }
+  wakeup_ = ProgressWakeup::Create(*transport_);
   thread_ = std::thread([this] { Run(); });
   return Status::Ok();
 }
@@ -176,6 +177,7 @@ void Engine::Stop() {
   if (!thread_.joinable()) return;
   stop_ = true;
   cmd_cv_.notify_all();
+  if (wakeup_) wakeup_->Notify();
   thread_.join();
 }
 
@@ -191,6 +193,7 @@ void Engine::Post(std::function<void()> fn) {
     commands_.push_back(std::move(fn));
   }
   cmd_cv_.notify_one();
+  if (wakeup_) wakeup_->Notify();
 }
 
 void Engine::Run() {
@@ -278,9 +281,20 @@ void Engine::Run() {
       // copying.
       std::this_thread::yield();
     } else if (!busy) {
-      MutexLock lock(cmd_mu_);
-      lock.WaitFor(cmd_cv_, quiet.count() > 0 ? quiet : std::chrono::microseconds(50),
-                   [&]() REQUIRES(cmd_mu_) { return !commands_.empty() || stop_; });
+      // Only a peer's message, a public call or a stream callback can bring work: sleep until
+      // one does (ProgressWakeup), at most the nap (idle: 1 ms, the tick). Without a wakeup fd,
+      // or while the transport holds something (it did not arm), nap as before.
+      const bool slept =
+          wakeup_ && (quiet.count() > 0 || !InFlight()) &&
+          wakeup_->Sleep(quiet.count() > 0 ? quiet : std::chrono::microseconds(1000), [&] {
+            MutexLock lock(cmd_mu_);
+            return !commands_.empty() || stop_;
+          });
+      if (!slept) {
+        MutexLock lock(cmd_mu_);
+        lock.WaitFor(cmd_cv_, quiet.count() > 0 ? quiet : std::chrono::microseconds(50),
+                     [&]() REQUIRES(cmd_mu_) { return !commands_.empty() || stop_; });
+      }
     }
   }
   // Commands posted after the loop ended still complete (with whatever state they find).

@@ -25,6 +25,7 @@
 #include "transceiver/leases.h"
 #include "transceiver/messages.h"
 #include "transceiver/progress_profile.h"
+#include "transceiver/progress_wakeup.h"
 #include "transceiver/rma.h"
 #include "transceiver/side_metrics.h"
 
@@ -112,7 +113,8 @@ class Engine {
   // do; zero: poll as usual (spin transfer.spin_us with requests live, then 50 us naps). The
   // context side says transfer.stream_nap_us while all it waits for is its stream (whose
   // WakeAtStreamEnd callback wakes it), the generation side transfer.peer_wait_nap_us while all
-  // it waits for are CHUNK and COMPLETE messages of peer-memory pairs. A public call wakes it.
+  // it waits for are CHUNK and COMPLETE messages of peer-memory pairs. A public call wakes it, and
+  // a peer's control message where the transport has a wakeup fd (ProgressWakeup).
   virtual std::chrono::microseconds QuietNap() const { return {}; }
 
   void Post(std::function<void()> fn);
@@ -200,6 +202,9 @@ class Engine {
   std::map<std::vector<std::byte>, std::unique_ptr<PeerMapping>> mapped_;  // progress thread
   std::map<std::vector<std::byte>, Status> unmappable_;  // progress thread: why each did not map
 
+  // Sleeps until a control message, a Post or a nap's end (null: the transport has no wakeup
+  // fd; the loop naps on cmd_cv_).
+  std::unique_ptr<ProgressWakeup> wakeup_;
   mutable Mutex cmd_mu_;
   std::condition_variable cmd_cv_;
   std::deque<std::function<void()>> commands_ GUARDED_BY(cmd_mu_);

@@ -1,5 +1,8 @@
 #include "kvferry/inproc_transport.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -78,6 +81,7 @@ class Fabric final : public InProcFabric {
     std::list<PendingSend> sends;        // messages waiting for a receive at this node
     std::list<PendingRecv> recvs;        // receives posted at this node
     std::deque<std::pair<std::string, std::vector<std::byte>>> control;
+    int wakeup_fd = -1;  // the owning transport's eventfd, written when control arrives
   };
 
   Status Kill(std::string_view address) override {
@@ -175,14 +179,19 @@ class InProcTransport final : public Transport {
     caps_.one_sided = true;
     caps_.detects_crashed_peers = true;  // InProcFabric::Kill
     caps_.max_control_bytes = size_t{1} << 20;
+    wakeup_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -1: callers poll
     MutexLock lock(fabric_->mu);
     address_ = std::string(kScheme) + std::to_string(fabric_->next_id++);
-    fabric_->nodes[address_];
+    fabric_->nodes[address_].wakeup_fd = wakeup_fd_;
   }
 
   ~InProcTransport() override {
-    MutexLock lock(fabric_->mu);
-    (void)fabric_->KillLocked(address_);
+    {
+      MutexLock lock(fabric_->mu);
+      (void)fabric_->KillLocked(address_);
+      fabric_->nodes[address_].wakeup_fd = -1;
+    }
+    if (wakeup_fd_ >= 0) close(wakeup_fd_);
   }
 
   const TransportCaps& caps() const override { return caps_; }
@@ -282,7 +291,20 @@ class InProcTransport final : public Transport {
       return Status::Unavailable("inproc peer " + *dest + " is dead");
     }
     it->second.control.emplace_back(address_, std::vector<std::byte>(bytes.begin(), bytes.end()));
+    if (it->second.wakeup_fd >= 0) {
+      const uint64_t one = 1;
+      (void)!write(it->second.wakeup_fd, &one, sizeof one);  // fails only when the count is full
+    }
     return Status::Ok();
+  }
+
+  int WakeupFd() override { return wakeup_fd_; }
+  bool ArmWakeup() override {
+    if (wakeup_fd_ < 0) return false;
+    uint64_t count = 0;
+    (void)!read(wakeup_fd_, &count, sizeof count);  // clear it; a message after this sets it
+    MutexLock lock(fabric_->mu);
+    return fabric_->nodes[address_].control.empty();
   }
 
   std::optional<ControlMessage> PollControl() override {
@@ -404,6 +426,7 @@ class InProcTransport final : public Transport {
   const std::shared_ptr<Fabric> fabric_;
   TransportCaps caps_;
   std::string address_;
+  int wakeup_fd_ = -1;             // owned; readable once a control message came since ArmWakeup
   std::deque<std::string> peers_;  // PeerId -> address (deque: stable references)
   std::unordered_map<std::string, PeerId> peer_ids_;
 };

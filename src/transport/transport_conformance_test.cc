@@ -3,9 +3,11 @@
 #include "transport/transport_conformance.h"
 
 #include <gtest/gtest.h>
+#include <poll.h>
 
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvferry::testing {
@@ -270,6 +272,42 @@ TEST_P(TransportConformance, ConnectToGarbageIsAClearError) {
                   p.status().code() == StatusCode::kUnavailable)
           << p.status().ToString();
       EXPECT_FALSE(p.status().message().empty());
+    }
+    s.Sync();
+  });
+}
+
+// A progress thread with nothing to drive sleeps on WakeupFd after ArmWakeup (the transceiver's
+// ProgressWakeup) and must wake when a peer's control message comes: side 1 arms, says so, and
+// side 0 answers a while later. MPI has no such fd: its progress threads poll.
+TEST_P(TransportConformance, WakeupFdSignalsAControlMessage) {
+  const std::string name = GetParam();
+  Run([&](Side& s) {
+    Transport& t = s.transport();
+    if (name == "mpi") {
+      EXPECT_EQ(t.WakeupFd(), -1);
+      EXPECT_FALSE(t.ArmWakeup());
+      return;
+    }
+    ASSERT_GE(t.WakeupFd(), 0) << name << " offers no wakeup fd";
+    if (s.index() == 1) {
+      ASSERT_TRUE(t.SendControl(s.other(), Bytes("armed")).ok());
+      const Deadline deadline = Soon();
+      while (!t.ArmWakeup()) {  // the send's own events first
+        ASSERT_LT(Clock::now(), deadline) << "never armed";
+        t.Progress();
+      }
+      pollfd p{t.WakeupFd(), POLLIN, 0};
+      ASSERT_EQ(poll(&p, 1, 20000), 1) << name << ": no wake-up for a control message in 20 s";
+      auto m = AwaitControl(t, Soon());
+      ASSERT_TRUE(m.has_value());
+      EXPECT_EQ(Text(m->bytes), "wake");
+    } else {
+      auto m = AwaitControl(t, Soon());
+      ASSERT_TRUE(m.has_value());
+      EXPECT_EQ(Text(m->bytes), "armed");
+      std::this_thread::sleep_for(milliseconds(200));  // side 1 sleeps on its fd by then
+      ASSERT_TRUE(t.SendControl(s.other(), Bytes("wake")).ok());
     }
     s.Sync();
   });

@@ -118,10 +118,24 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
     t->cuda_ = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
 
+  // The control worker has a context of its own with the wakeup feature, so a progress thread
+  // can sleep on its fd until a control message comes (WakeupFd); the data context stays without
+  // it (UCX then wants lanes that can signal events, which is no concern of the data path).
+  ucp_params_t ctrl_params = params;
+  ctrl_params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  ucp_context_h ctrl_ctx = nullptr;
+  st = ucp_init(&ctrl_params, config.get(), &ctrl_ctx);
+  if (st != UCS_OK) return FromUcs(st, "ucp_init (control)").WithContext("ucx transport");
+  t->ctrl_context_.reset(ctrl_ctx);
+
   UcxWorkerAddresses addresses;
-  auto ctrl = MakeWorker(ctx, addresses.control);
+  auto ctrl = MakeWorker(ctrl_ctx, addresses.control);
   if (!ctrl.ok()) return ctrl.status().WithContext("ucx transport: control worker");
   t->ctrl_worker_ = std::move(ctrl).value();
+  if (ucs_status_t efd = ucp_worker_get_efd(t->ctrl_worker_.get(), &t->wakeup_fd_); efd != UCS_OK) {
+    t->wakeup_fd_ = -1;  // the progress thread polls
+    Log(LogLevel::kDebug, "ucx: no wakeup fd for the control worker: {}", ucs_status_string(efd));
+  }
   auto data = MakeWorker(ctx, addresses.data);
   if (!data.ok()) return data.status().WithContext("ucx transport: data worker");
   t->data_worker_ = std::move(data).value();
@@ -238,6 +252,7 @@ UcxTransport::~UcxTransport() {
   control_in_.clear();
   data_worker_.reset();
   ctrl_worker_.reset();
+  ctrl_context_.reset();
   context_.reset();
 }
 
@@ -588,6 +603,12 @@ void UcxTransport::DrainControl() {
     m.bytes.assign(s->payload.begin() + static_cast<std::ptrdiff_t>(off), s->payload.end());
     control_ready_.push_back(std::move(m));
   }
+}
+
+bool UcxTransport::ArmWakeup() {
+  if (wakeup_fd_ < 0 || !control_ready_.empty() || !control_in_.empty()) return false;
+  // UCS_ERR_BUSY: events came since the last progress; the caller drives it and arms again.
+  return ucp_worker_arm(ctrl_worker_.get()) == UCS_OK;
 }
 
 std::optional<ControlMessage> UcxTransport::PollControl() {

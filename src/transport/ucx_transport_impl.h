@@ -99,6 +99,8 @@ class UcxTransport final : public Transport {
   Status SendControl(PeerId peer, std::span<const std::byte> bytes) override;
   std::optional<ControlMessage> PollControl() override;
   bool Progress() override;
+  int WakeupFd() override { return wakeup_fd_; }
+  bool ArmWakeup() override;
   StatusOr<std::unique_ptr<MemoryRegistration>> RegisterMemory(void* ptr, size_t bytes,
                                                                MemoryKind kind) override;
   StatusOr<std::unique_ptr<TransportOp>> Put(PeerId peer, const void* local, size_t bytes,
@@ -151,7 +153,9 @@ class UcxTransport final : public Transport {
   bool data_peer_errors_ = false;  // data endpoints in error mode PEER
   int progress_spin_ = 1;
   ContextPtr context_;
+  ContextPtr ctrl_context_;  // the control worker's (UCP_FEATURE_WAKEUP)
   WorkerPtr ctrl_worker_;
+  int wakeup_fd_ = -1;  // the control worker's event fd (UCX owns it)
   WorkerPtr data_worker_;
   std::string address_;
   uint64_t instance_ = 0;   // random, 63 bits: identifies this transport in control tags
