@@ -283,16 +283,18 @@ void Engine::Run() {
     } else if (!busy) {
       // Only a peer's message, a public call or a stream callback can bring work: sleep until
       // one does (ProgressWakeup), at most the nap (idle: 1 ms, the tick). Without a wakeup fd,
-      // or while the transport holds something (it did not arm), nap as before.
+      // nap as before; when the transport did not arm (a message came since this iteration
+      // looked), look again after at most 50 us.
+      const bool wakes = wakeup_ && (quiet.count() > 0 || !InFlight());
       const bool slept =
-          wakeup_ && (quiet.count() > 0 || !InFlight()) &&
-          wakeup_->Sleep(quiet.count() > 0 ? quiet : std::chrono::microseconds(1000), [&] {
+          wakes && wakeup_->Sleep(quiet.count() > 0 ? quiet : std::chrono::microseconds(1000), [&] {
             MutexLock lock(cmd_mu_);
             return !commands_.empty() || stop_;
           });
       if (!slept) {
+        constexpr std::chrono::microseconds kPoll(50);
         MutexLock lock(cmd_mu_);
-        lock.WaitFor(cmd_cv_, quiet.count() > 0 ? quiet : std::chrono::microseconds(50),
+        lock.WaitFor(cmd_cv_, quiet.count() > 0 && !wakes ? quiet : kPoll,
                      [&]() REQUIRES(cmd_mu_) { return !commands_.empty() || stop_; });
       }
     }

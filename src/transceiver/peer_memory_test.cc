@@ -517,5 +517,58 @@ TEST(PeerMemory, PeersMessagesWakeNappingProgressThreads) {
   EXPECT_TRUE(Config::Global().Reset("transfer.stream_nap_us").ok());
 }
 
+// UCX's ucp_worker_arm says busy when events came since the last progress: the loop must look
+// again soon, not nap. This transport does that once after every message it hands out; with the
+// naps at 1 s, a request took 1 s or more when a refused arm fell back to the full nap.
+class BusyAfterMessages final : public TestTransport {
+ public:
+  using TestTransport::TestTransport;
+  int WakeupFd() override { return base_->WakeupFd(); }
+  bool ArmWakeup() override {
+    if (busy_once_) {
+      busy_once_ = false;
+      return false;
+    }
+    return base_->ArmWakeup();
+  }
+  std::optional<ControlMessage> PollControl() override {
+    auto m = base_->PollControl();
+    busy_once_ |= m.has_value();
+    return m;
+  }
+
+ private:
+  bool busy_once_ = false;
+};
+
+TEST(PeerMemory, AnArmThatFindsEventsIsFollowedByAShortLook) {
+  PeerMemoryOn on;
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_wait_nap_us", "1000000").ok());
+  ASSERT_TRUE(Config::Global().Set("transfer.stream_nap_us", "1000000").ok());
+  TransceiverOptions o;
+  o.checksum = false;
+  auto hook = [](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
+    return std::make_unique<BusyAfterMessages>(std::move(t));
+  };
+  {
+    Cluster cl({Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
+               {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
+    for (uint64_t id = 60; id < 63; ++id) {
+      std::vector<int64_t> blocks{0, 1, 2, 3};
+      auto h = cl.Publish(id, blocks, 16);
+      ASSERT_TRUE(cl.Fetch(h, blocks).ok());
+      auto st = cl.Drain(0, 0, 1, milliseconds(20000));
+      ExpectAllComplete(st, 2);
+      for (const TransferStatus& s : st) {
+        EXPECT_LT(s.seconds, 0.9) << "request " << id << " took " << s.seconds
+                                  << " s: a refused arm was followed by the whole nap";
+      }
+      cl.Verify(id, blocks, 16);
+    }
+  }
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_wait_nap_us").ok());
+  EXPECT_TRUE(Config::Global().Reset("transfer.stream_nap_us").ok());
+}
+
 }  // namespace
 }  // namespace kvferry
