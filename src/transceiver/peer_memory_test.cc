@@ -466,6 +466,43 @@ TEST(PeerMemory, LoneContextRankEndsEachPairByOneCompleteChunk) {
   }
 }
 
+// A lone context rank owes its ACCEPTs while the request may still fold; when one generation
+// rank cancels before any copy could run (layers not ready), the context rank passes the ABORT on
+// and the other generation rank, still waiting for its answer, ends at once (not at its deadline),
+// and nothing stays live.
+TEST(PeerMemory, CancelWhileTheAnswersAreOwedEndsEveryRankAtOnce) {
+  PeerMemoryOn on;
+  TransceiverOptions o;
+  o.checksum = false;
+  o.timeout = milliseconds(20000);
+  auto tally = std::make_shared<Tally>();
+  auto hook = [&](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
+    return std::make_unique<MessageTally>(std::move(t), tally);
+  };
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kPerLayer}, o,
+             hook, hook);
+  auto h = cl.Publish(720, {0, 1}, 7, 0, /*layer_wise=*/true);
+  ASSERT_TRUE(cl.Fetch(h, {3, 2}).ok());
+  for (auto until = DeadlineIn(milliseconds(3000)); tally->Of(0) < 2 && Clock::now() < until;)
+    std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_EQ(tally->Of(0), 2) << "both FETCHes sent";
+  ASSERT_TRUE(cl.gen_[1]->Cancel(720).ok());
+  const auto start = Clock::now();
+  auto ctx = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  auto gen0 = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  auto gen1 = cl.gen_[1]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(ctx.size(), 1u);
+  ASSERT_EQ(gen0.size(), 1u) << "the generation rank awaiting its answer was not told";
+  ASSERT_EQ(gen1.size(), 1u);
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  EXPECT_EQ(ctx[0].state, TransferState::kError) << ctx[0].reason.ToString();
+  EXPECT_EQ(gen0[0].state, TransferState::kError) << gen0[0].reason.ToString();
+  EXPECT_EQ(gen1[0].state, TransferState::kCancelled) << gen1[0].reason.ToString();
+  EXPECT_EQ(tally->complete_chunks.load(), 0);
+  EXPECT_EQ(cl.ctx_[0]->stats().live_requests, 0);
+  for (auto& g : cl.gen_) EXPECT_EQ(g->stats().live_requests, 0);
+}
+
 TEST(PeerMemory, TwoHundredFiftySixRequestsInFlightPerRank) { ManyInFlight("on", 256); }
 TEST(Transceiver, TwoHundredFiftySixRequestsInFlightPerRankOverTransportPuts) {
   ManyInFlight("off", 256);
