@@ -76,6 +76,7 @@ void WriteAll(const std::filesystem::path& root) {
       {"credit", CreditMsg{7, 1, 4, {}}},
       {"credit_slots", CreditMsg{7, 1, 4, {0, 1, kNoSlot}}},
       {"chunk", ChunkMsg{7, 1, 2, 1, true, 0x1234}},
+      {"chunk_complete", ChunkMsg{7, 1, 0, 3, false, 0, true}},
       {"done", DoneMsg{7, 1, 4096}},
       {"abort", AbortMsg{7, 1, 6, "cancelled"}},
       {"complete", CompleteMsg{7, 1}},

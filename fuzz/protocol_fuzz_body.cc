@@ -366,12 +366,14 @@ class Harness {
         if (in.U8() & 1) {
           msg = CreditMsg{r.id ^ 1, tid + 1, 1, {}};  // a neighbour's request, a stale transfer
         } else {
+          const uint8_t flags = in.U8();
           msg = ChunkMsg{r.id,
                          tid,
                          in.Pick<uint32_t>({0, 1, 5, UINT32_MAX}),
                          in.Pick<uint32_t>({1, 1, 2, 1u << 20}),
-                         (in.U8() & 1) != 0,
-                         in.I64() < 0 ? 0u : 1u};
+                         (flags & 1) != 0 && (flags & 2) == 0,
+                         in.I64() < 0 ? 0u : 1u,
+                         (flags & 2) != 0};  // says complete (in phase fetched: accepts too)
         }
         break;
     }

@@ -117,6 +117,7 @@ bool ContextSideImpl::Advance() {
     std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
     for (auto& [g, p] : r.pairs) busy |= AdvancePair(r, p);
     if (r.ending) peer_launch_.Discard(r.id);  // its senders abandoned its waiting batches
+    FoldComplete(r);
     if (Finished(r)) {
       Finish(r);
       recent_.push_back(r.id);
@@ -365,7 +366,9 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   }
   r->state = TransferState::kInProgress;
   SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
-  SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, p.mapped != nullptr});
+  // A pair that may end by a CHUNK saying complete answers by that CHUNK (FoldComplete).
+  p.accept_owed = Foldable(p);
+  if (!p.accept_owed) SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, p.mapped != nullptr});
   SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
   for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
 }
@@ -408,6 +411,47 @@ void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) 
                           std::string(why.message())});
 }
 
+void ContextSideImpl::FoldComplete(CtxRequest& r) {
+  if (r.ending || r.folded || !lone_rank_) return;
+  bool foldable = true, landed = true;
+  for (const auto& [g, p] : r.pairs) {
+    foldable &= Foldable(p);
+    landed &= p.last_report.has_value() && p.drained() && p.state.Is(PairPhase::kAccepted);
+  }
+  if (!foldable) {  // a pair without peer memory (or with checksums) says DONE: COMPLETE as usual
+    for (auto& [g, p] : r.pairs) {
+      if (p.accept_owed) SendMsg(p.peer, AcceptMsg{r.id, p.transfer_id, true, true});
+      p.accept_owed = false;
+      if (!p.last_report) continue;
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.last_report->first),
+                               p.last_report->count, false, 0});
+      p.last_report.reset();
+    }
+    return;
+  }
+  if (!landed || static_cast<int>(r.pairs.size()) != r.expected_gen) return;
+  r.folded = true;
+  for (auto& [g, p] : r.pairs) {
+    ChunkMsg last{r.id,
+                  p.transfer_id,
+                  static_cast<uint32_t>(p.last_report->first),
+                  p.last_report->count,
+                  false,
+                  0};
+    last.complete = true;  // and, when still owed, ACCEPT (peer memory)
+    SendMsg(p.peer, last);
+    p.last_report.reset();
+    p.accept_owed = false;
+    Step(r, p, PairEvent::kCompleteFolded);
+  }
+}
+
+void ContextSideImpl::SendChunk(const CtxRequest& r, SendPair& p, const ChunkMsg& m) {
+  if (p.accept_owed) SendMsg(p.peer, AcceptMsg{r.id, p.transfer_id, true, true});
+  p.accept_owed = false;
+  SendMsg(p.peer, m);
+}
+
 int ContextSideImpl::DoneCount(const CtxRequest& r) const {
   int n = 0;
   for (const auto& [g, p] : r.pairs) n += p.state.Is(PairPhase::kDone) && p.drained();
@@ -443,7 +487,9 @@ void ContextSideImpl::Finish(CtxRequest& r) {
   if (!r.ending) {
     r.state = TransferState::kComplete;
     r.reason = Status::Ok();
-    for (auto& [g, p] : r.pairs) SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
+    if (!r.folded) {
+      for (auto& [g, p] : r.pairs) SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
+    }
   } else {
     // One-sided pairs: no more puts from here; the generation rank may reuse its slots.
     for (auto& [g, p] : r.pairs) {

@@ -8,6 +8,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -49,6 +50,12 @@ struct SendPair {
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
   std::deque<SendOp> inflight;
+  // Peer memory on a lone context rank (FoldComplete): the pair's last CHUNK, held until every
+  // pair's copies landed so that it can say complete.
+  std::optional<LandedChunks> last_report;
+  // FoldComplete: ACCEPT (peer memory) is not sent yet; the CHUNK saying complete stands for it,
+  // or it goes out before the pair's first other message (SendChunk).
+  bool accept_owed = false;
   bool drained() const {
     return next == plan.chunks.size() && inflight.empty() && (!mapped || mapped->copying() == 0);
   }
@@ -74,6 +81,7 @@ struct CtxRequest {
   TransferState state = TransferState::kInit;
   Status reason;
   bool ending = false;  // a terminal state is decided; waiting for operations to finish
+  bool folded = false;  // the last CHUNKs said complete (FoldComplete): no COMPLETE to send
   Clock::time_point ended_at;
 };
 
@@ -133,6 +141,16 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // event the protocol has no step for fails the request, naming the event and the phase.
   bool Step(CtxRequest& r, SendPair& p, PairEvent event);
   int DoneCount(const CtxRequest& r) const;
+  // This rank alone serves its DP group and every pair is a peer-memory pair without checksums:
+  // once every pair's copies landed, the whole generation instance holds the request, so the
+  // pairs' last CHUNKs say complete (wire version 6) and neither DONE nor COMPLETE is exchanged.
+  // Holds each pair's last CHUNK until then; releases them as plain CHUNKs when a pair can't fold.
+  void FoldComplete(CtxRequest& r);
+  // Sends a CHUNK of the pair, after its ACCEPT if that is still owed.
+  void SendChunk(const CtxRequest& r, SendPair& p, const ChunkMsg& m);
+  bool Foldable(const SendPair& p) const {
+    return lone_rank_ && p.mapped && !p.checksum && !p.plan.chunks.empty();
+  }
   bool Finished(CtxRequest& r);
   void Finish(CtxRequest& r);
   void Fail(CtxRequest& r, const Status& why) { End(r, TransferState::kError, why, true); }
@@ -164,6 +182,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   bool peer_launched_ = false;  // this Advance pass launched peer-memory copies
   bool rma_said_ = false;       // logged once why a one-sided fetch is served tagged
   bool peer_said_ = false;      // logged once why offered peer memory is not used
+  // The only context rank of its DP group (every generation rank hears from this one alone).
+  const bool lone_rank_ =
+      pool_.spec().parallel.tp / pool_.spec().parallel.dp_size * pool_.spec().parallel.pp == 1;
 };
 
 }  // namespace kvferry

@@ -281,16 +281,17 @@ void Engine::Run() {
       // copying.
       std::this_thread::yield();
     } else if (!busy) {
-      // Only a peer's message, a public call or a stream callback can bring work: sleep until
-      // one does (ProgressWakeup), at most the nap (idle: 1 ms, the tick). Without a wakeup fd,
-      // nap as before; when the transport did not arm (a message came since this iteration
-      // looked), look again after at most 50 us.
-      const bool wakes = wakeup_ && (quiet.count() > 0 || !InFlight());
-      const bool slept =
-          wakes && wakeup_->Sleep(quiet.count() > 0 ? quiet : std::chrono::microseconds(1000), [&] {
-            MutexLock lock(cmd_mu_);
-            return !commands_.empty() || stop_;
-          });
+      // A quiet side (QuietNap): only a peer's message, a public call or a stream callback can
+      // bring work, so it sleeps until one does (ProgressWakeup), at most the nap. Without a
+      // wakeup fd it naps as before; when the transport did not arm (a message came since this
+      // iteration looked), it looks again after at most 50 us. An idle side polls every 50 us as
+      // before (sleeping on the fd there cost more CPU per request than it saved once control
+      // messages went over shared memory: arming, and the sender's signal to an armed peer).
+      const bool wakes = wakeup_ && quiet.count() > 0;
+      const bool slept = wakes && wakeup_->Sleep(quiet, [&] {
+        MutexLock lock(cmd_mu_);
+        return !commands_.empty() || stop_;
+      });
       if (!slept) {
         constexpr std::chrono::microseconds kPoll(50);
         MutexLock lock(cmd_mu_);

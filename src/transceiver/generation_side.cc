@@ -205,8 +205,19 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (auto [r, p] = find(a->request_id, a->transfer_id); p && Step(*r, *p, PairEvent::kAccept))
         OnAccept(*r, *p, *a);
     } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
-      if (auto [r, p] = find(k->request_id, k->transfer_id); p && Step(*r, *p, PairEvent::kChunk))
-        OnChunk(*r, *p, *k);
+      // A CHUNK saying complete ends the pair (the context rank stopped copying), also when this
+      // request is ending already.
+      // In phase fetched it also stands for ACCEPT with peer memory.
+      const PairEvent e = k->complete ? PairEvent::kChunkComplete : PairEvent::kChunk;
+      if (auto [r, p] = find(k->request_id, k->transfer_id); p) {
+        const bool accepts = k->complete && p->state.Is(PairPhase::kFetched);
+        if (Status st = CheckComplete(*r, *p, *k); !st.ok()) {
+          End(*r, TransferState::kError, st, true);
+        } else if (Step(*r, *p, e)) {
+          if (accepts) OnAccept(*r, *p, AcceptMsg{k->request_id, k->transfer_id, true, true});
+          OnChunk(*r, *p, *k);
+        }
+      }
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
       // COMPLETE answers every generation rank's DONE, ours included: one before it is an error.
       if (auto [r, p] = find(c->request_id, c->transfer_id); p) Step(*r, *p, PairEvent::kComplete);
@@ -251,7 +262,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
           }
         }
       }
-      if ((r.ending && drained) || (!r.ending && all_done)) {
+      if ((r.ending && drained) || (!r.ending && all_done && local_done)) {
         double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
         if (!r.ending) r.state = TransferState::kComplete;
         SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
@@ -298,8 +309,12 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (r.ending) return {};
       for (const RecvPair& p : r.pairs) {
         if (p.state.final()) continue;
-        if (!p.peer_mem || !(p.state.Is(PairPhase::kAccepted) || p.state.Is(PairPhase::kDone)))
-          return {};
+        // A FETCH that offered peer memory may be answered by CHUNK (FoldComplete) after the
+        // copies: waiting for that answer is waiting for a message too.
+        const bool waits = p.peer_mem
+                               ? p.state.Is(PairPhase::kAccepted) || p.state.Is(PairPhase::kDone)
+                               : p.peer_offered && p.state.Is(PairPhase::kFetched);
+        if (!waits) return {};
         for (const RecvOp& o : p.inflight) {
           if (o.op || o.unpacked) return {};
         }
@@ -557,6 +572,19 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     p.next_post = 0;
     p.credited = 0;
     p.rma = false;
+  }
+
+  // A CHUNK saying complete comes only for a pair that offered (or uses) peer memory, and is its
+  // last: checked before the pair's phase moves, so that the context rank is told.
+  static Status CheckComplete(const GenRequest& r, const RecvPair& p, const ChunkMsg& k) {
+    if (!k.complete || p.state.final()) return Status::Ok();
+    if ((p.peer_mem || p.peer_offered) && k.chunk + uint64_t{k.count} == p.plan.chunks.size())
+      return Status::Ok();
+    return Status::InvalidArgument(
+        fmt::format("request {}: context rank {} said complete with chunks [{}, +{}) of {} ({}): "
+                    "only the last CHUNK of a peer-memory pair may",
+                    r.id, p.ctx_rank, k.chunk, k.count, p.plan.chunks.size(),
+                    p.peer_mem || p.peer_offered ? "peer memory" : "no peer memory offered"));
   }
 
   void OnChunk(GenRequest& r, RecvPair& p, const ChunkMsg& k) {

@@ -143,8 +143,9 @@ TEST(EventLease, EmptyWhenNoneCanBeMade) {
 using P = PairPhase;
 using E = PairEvent;
 constexpr P kPhases[] = {P::kFetched, P::kAccepted, P::kDone, P::kCompleted, P::kClosed};
-constexpr E kEvents[] = {E::kAccept,   E::kCredit, E::kChunk, E::kDoneSent, E::kDone,
-                         E::kComplete, E::kReject, E::kAbort, E::kPeerLost};
+constexpr E kEvents[] = {E::kAccept,   E::kCredit,        E::kChunk,         E::kDoneSent,
+                         E::kDone,     E::kComplete,      E::kReject,        E::kAbort,
+                         E::kPeerLost, E::kChunkComplete, E::kCompleteFolded};
 
 TEST(PairState, GenerationWalksForwardOnly) {
   PairState s(PairSide::kGeneration);
@@ -223,9 +224,11 @@ TEST(PairState, TransitionTable) {
       {{P::kFetched, E::kReject}, {PairStep::kMove, P::kClosed}},
       {{P::kFetched, E::kAbort}, {PairStep::kMove, P::kClosed}},
       {{P::kFetched, E::kPeerLost}, {PairStep::kMove, P::kClosed}},
+      {{P::kFetched, E::kChunkComplete}, {PairStep::kMove, P::kCompleted}},
       {{P::kAccepted, E::kAccept}, {PairStep::kIgnore, P::kAccepted}},
       {{P::kAccepted, E::kChunk}, {PairStep::kWithin, P::kAccepted}},
       {{P::kAccepted, E::kDoneSent}, {PairStep::kMove, P::kDone}},
+      {{P::kAccepted, E::kChunkComplete}, {PairStep::kMove, P::kCompleted}},
       {{P::kAccepted, E::kAbort}, {PairStep::kMove, P::kClosed}},
       {{P::kAccepted, E::kPeerLost}, {PairStep::kMove, P::kClosed}},
       {{P::kDone, E::kComplete}, {PairStep::kMove, P::kCompleted}},
@@ -233,6 +236,7 @@ TEST(PairState, TransitionTable) {
       {{P::kDone, E::kPeerLost}, {PairStep::kMove, P::kClosed}},
       {{P::kCompleted, E::kComplete}, {PairStep::kIgnore, P::kCompleted}},
       {{P::kCompleted, E::kPeerLost}, {PairStep::kIgnore, P::kCompleted}},
+      {{P::kCompleted, E::kChunkComplete}, {PairStep::kIgnore, P::kCompleted}},
       {{P::kClosed, E::kReject}, {PairStep::kIgnore, P::kClosed}},
       {{P::kClosed, E::kAbort}, {PairStep::kIgnore, P::kClosed}},
       {{P::kClosed, E::kPeerLost}, {PairStep::kIgnore, P::kClosed}},
@@ -241,6 +245,7 @@ TEST(PairState, TransitionTable) {
       {{P::kAccepted, E::kCredit}, {PairStep::kWithin, P::kAccepted}},
       {{P::kAccepted, E::kDone}, {PairStep::kMove, P::kDone}},
       {{P::kAccepted, E::kAbort}, {PairStep::kMove, P::kClosed}},
+      {{P::kAccepted, E::kCompleteFolded}, {PairStep::kMove, P::kDone}},
       {{P::kDone, E::kDone}, {PairStep::kIgnore, P::kDone}},
       {{P::kDone, E::kAbort}, {PairStep::kMove, P::kClosed}},
       {{P::kClosed, E::kAbort}, {PairStep::kIgnore, P::kClosed}},

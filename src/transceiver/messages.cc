@@ -9,6 +9,9 @@ namespace kvferry {
 namespace {
 
 enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort, kComplete, kChunk };
+// CHUNK flags.
+constexpr uint8_t kChunkHasChecksum = 1;
+constexpr uint8_t kChunkComplete = 2;
 
 constexpr uint32_t kMaxKeyBytes = 1 << 12;
 constexpr uint32_t kMaxRegions = 1 << 16;
@@ -93,7 +96,8 @@ struct Encoder {
     w.U32(m.transfer_id);
     w.U32(m.chunk);
     w.U32(m.count);
-    w.U8(m.has_checksum ? 1 : 0);
+    w.U8(static_cast<uint8_t>((m.has_checksum ? kChunkHasChecksum : 0) |
+                              (m.complete ? kChunkComplete : 0)));
     w.U64(m.checksum);
   }
   void operator()(const RejectMsg& m) {
@@ -292,9 +296,13 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
       if (r.ok() && (m.count == 0 || m.count > kMaxCreditSlots)) {
         r.Fail(fmt::format("chunk count {} is 0 or exceeds {}", m.count, kMaxCreditSlots));
       }
-      const uint8_t has = r.U8("has_checksum");
-      if (r.ok() && has > 1) r.Fail(fmt::format("has_checksum {} is not 0 or 1", has));
-      m.has_checksum = has == 1;
+      const uint8_t flags = r.U8("chunk flags");
+      if (r.ok() && (flags & ~(kChunkHasChecksum | kChunkComplete)) != 0)
+        r.Fail(fmt::format("chunk flags {:#x} has unknown bits", flags));
+      if (r.ok() && flags == (kChunkHasChecksum | kChunkComplete))
+        r.Fail("a chunk that says complete carries no checksum");
+      m.has_checksum = (flags & kChunkHasChecksum) != 0;
+      m.complete = (flags & kChunkComplete) != 0;
       m.checksum = r.U64("checksum");
       out = m;
       break;

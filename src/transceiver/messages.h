@@ -7,7 +7,8 @@
 //   ctx -> gen  data    chunk k on data tag (transfer_id << 20 | k), after credit and readiness;
 //                       or, one-sided (RMA), puts into the generation pool and staging then
 //   ctx -> gen  CHUNK   chunks [k, k + n) are in place (flushed), with the payload checksum when
-//                       asked (one chunk per message then)
+//                       asked (one chunk per message then); the last one may say COMPLETE too
+//                       (a lone context rank whose peer-memory copies all landed: no DONE)
 //   gen -> ctx  DONE    every chunk from every context rank is in place on this generation rank
 //   ctx -> gen  COMPLETE every generation rank said DONE: the whole generation instance holds the
 //                        request (the context rank releases its lease; the generation rank reports
@@ -36,7 +37,10 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // Version 5: a CHUNK's checksum is the chunk digest (device/run_digest.h: XXH64 per 4 KiB segment
 // of each piece, XXH3-64 of those), which a GPU computes where the bytes are; it was XXH3-64 of the
 // chunk's bytes.
-inline constexpr uint8_t kMessageVersion = 5;
+// Version 6: a CHUNK may say the request is complete (flags bit 1): a context rank that alone
+// serves its DP group and copied every chunk into the mapped peer pools ends the pair with its last
+// CHUNK, with no DONE and no COMPLETE (two messages fewer per pair).
+inline constexpr uint8_t kMessageVersion = 6;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -120,6 +124,11 @@ struct ChunkMsg {
   uint32_t count = 1;  // chunks [chunk, chunk + count) are in place (no checksum when > 1)
   bool has_checksum = false;
   uint64_t checksum = 0;  // the chunk digest of its bytes in plan order (rma.h)
+  // The last CHUNK of the pair, and the request is complete on every rank of both instances: the
+  // context rank, the only one of its DP group, saw every chunk of every generation rank land in
+  // their pools (peer memory), so neither DONE nor COMPLETE follows. Never with a checksum (the
+  // generation rank could still refuse the chunk).
+  bool complete = false;
   bool operator==(const ChunkMsg&) const = default;
 };
 struct DoneMsg {

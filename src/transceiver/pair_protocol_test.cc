@@ -7,6 +7,7 @@
 #include <optional>
 #include <thread>
 
+#include "kvferry/config.h"
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
 #include "transceiver/transceiver_test_cluster.h"
@@ -64,6 +65,42 @@ TEST(PairProtocol, CompleteBeforeDoneFailsTheGenerationRequestNamingThePhase) {
   EXPECT_EQ(abort->second.transfer_id, f.transfer_id);
   EXPECT_EQ(cl.gen_[0]->stats().staging_slots_in_use, 0);
   ASSERT_TRUE(cl.ctx_[0]->Cancel(31).ok());  // the genuine context rank never heard a FETCH
+}
+
+// A CHUNK saying complete (wire version 6) ends a pair without DONE and stands for ACCEPT: only a
+// lone context rank's peer-memory pair may end so. Sent for a FETCH that offered no peer memory,
+// it fails the request naming why, and the context rank is told (the pair did not end).
+TEST(PairProtocol, CompleteChunkForAPairWithoutPeerMemoryFailsTheRequest) {
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_memory", "off").ok());
+  TransceiverOptions o;
+  o.timeout = milliseconds(20000);
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(33, {0, 1}, 8);
+  auto decoded = DecodeHandle(h);
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  auto fake_ctx = cl.Transport();  // plays context rank 0
+  ContextHandle redirected = *decoded;
+  redirected.addresses[0] = fake_ctx->LocalAddress();
+  ASSERT_TRUE(cl.gen_[0]->Fetch(EncodeHandle(redirected), std::vector<int64_t>{4, 5}, 0).ok());
+  auto fetch = WaitFor<FetchMsg>(*fake_ctx);
+  ASSERT_TRUE(fetch.has_value()) << "no FETCH reached the fake context rank";
+  const auto [gen_peer, f] = *fetch;
+  EXPECT_TRUE(f.rma_target.peer_pool.empty());
+  ChunkMsg last{33, f.transfer_id, 0, 1, false, 0};
+  last.complete = true;
+  ASSERT_TRUE(fake_ctx->SendControl(gen_peer, EncodeMessage(last)).ok());
+
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+  ASSERT_EQ(st.size(), 1u) << "a CHUNK saying complete left the request waiting";
+  EXPECT_EQ(st[0].state, TransferState::kError) << TransferStateName(st[0].state);
+  const std::string why(st[0].reason.message());
+  EXPECT_NE(why.find("request 33: context rank 0 said complete"), std::string::npos) << why;
+  EXPECT_NE(why.find("no peer memory offered"), std::string::npos) << why;
+  auto abort = WaitFor<AbortMsg>(*fake_ctx);
+  ASSERT_TRUE(abort.has_value()) << "the context rank was not told";
+  EXPECT_EQ(abort->second.transfer_id, f.transfer_id);
+  ASSERT_TRUE(cl.ctx_[0]->Cancel(33).ok());  // the genuine context rank never heard a FETCH
 }
 
 // The context side: a generation rank posts receives (CREDIT) only until it has every chunk and

@@ -40,6 +40,10 @@ std::string_view PairEventName(PairEvent event) {
       return "ABORT";
     case PairEvent::kPeerLost:
       return "peer lost";
+    case PairEvent::kChunkComplete:
+      return "CHUNK (complete)";
+    case PairEvent::kCompleteFolded:
+      return "COMPLETE folded into CHUNK";
   }
   return "?";
 }
@@ -60,6 +64,9 @@ PairTransition GenerationNext(PairPhase from, PairEvent event) {
       return from == P::kAccepted ? ignore : illegal;
     case E::kChunk:
       return from == P::kAccepted ? Stay(PairStep::kWithin, from) : illegal;
+    case E::kChunkComplete:  // in phase fetched it stands for ACCEPT (peer memory) too
+      if (from == P::kFetched || from == P::kAccepted) return Move(P::kCompleted);
+      return from == P::kCompleted ? ignore : illegal;
     case E::kDoneSent:
       return from == P::kAccepted ? Move(P::kDone) : illegal;
     case E::kComplete:
@@ -76,6 +83,7 @@ PairTransition GenerationNext(PairPhase from, PairEvent event) {
       return ignore;  // completed: it owes nothing more; closed: already known
     case E::kCredit:
     case E::kDone:
+    case E::kCompleteFolded:
       return illegal;  // context-side events
   }
   return illegal;
@@ -95,12 +103,15 @@ PairTransition ContextNext(PairPhase from, PairEvent event) {
     case E::kAbort:
       if (from == P::kAccepted || from == P::kDone) return Move(P::kClosed);
       return from == P::kClosed ? ignore : illegal;
+    case E::kCompleteFolded:
+      return from == P::kAccepted ? Move(P::kDone) : illegal;
     case E::kAccept:
     case E::kChunk:
     case E::kDoneSent:
     case E::kComplete:
     case E::kReject:
     case E::kPeerLost:
+    case E::kChunkComplete:
       return illegal;  // generation-side events
   }
   return illegal;

@@ -8,11 +8,14 @@
 //
 //   generation side (pair made by FETCH):
 //     fetched   --ACCEPT--> accepted --DONE sent--> done --COMPLETE--> completed
+//     fetched, accepted --CHUNK saying complete--> completed  (a lone context rank's peer copies:
+//                          no DONE; in fetched it stands for ACCEPT with peer memory too)
 //     fetched   --REJECT--> closed
 //     fetched, accepted, done --ABORT / context rank lost--> closed
 //     within accepted: CHUNK
 //   context side (pair made when this rank accepts a FETCH):
 //     accepted  --DONE--> done;  accepted, done --ABORT--> closed
+//     accepted  --COMPLETE folded--> done  (its last CHUNK said complete: no DONE comes)
 //     within accepted: CREDIT
 // completed and closed are final. A message repeated by the transport (the same ACCEPT, DONE,
 // COMPLETE, REJECT or ABORT again right after the first; the fault matrix's duplicate cells) is
@@ -49,6 +52,10 @@ enum class PairEvent : uint8_t {
   kReject,    // generation: REJECT received
   kAbort,     // ABORT received
   kPeerLost,  // generation: the context rank became unreachable (one-sided path)
+  // generation: a CHUNK saying complete received (the pair's last, messages.h ChunkMsg::complete)
+  kChunkComplete,
+  // context: the pair's last CHUNK went out saying complete (every pair's copies landed)
+  kCompleteFolded,
 };
 
 // What an event does in a phase.

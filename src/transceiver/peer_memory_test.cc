@@ -3,8 +3,10 @@
 // of one process (transfer.peer_memory=on), which runs the same protocol a GPU runs over CUDA IPC.
 #include "device/peer_memory.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -397,14 +399,119 @@ void ManyInFlight(const char* peer_memory, int requests) {
   EXPECT_EQ(cl.gen_[0]->stats().staging_slots_in_use, 0);
 }
 
+// Counts every control message sent, by type (ControlMsg's alternative index), over all ranks.
+struct Tally {
+  std::array<std::atomic<int>, std::variant_size_v<ControlMsg>> sent{};
+  std::atomic<int> complete_chunks{0};  // CHUNKs saying complete
+  int Of(size_t type) const { return sent[type].load(); }
+};
+class MessageTally final : public TestTransport {
+ public:
+  MessageTally(std::unique_ptr<Transport> base, std::shared_ptr<Tally> tally)
+      : TestTransport(std::move(base)), tally_(std::move(tally)) {}
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    auto m = DecodeMessage(b);
+    if (m.ok()) {
+      ++tally_->sent[m->index()];
+      if (auto* k = std::get_if<ChunkMsg>(&*m); k && k->complete) ++tally_->complete_chunks;
+    }
+    return base_->SendControl(p, b);
+  }
+
+ private:
+  std::shared_ptr<Tally> tally_;
+};
+
+// Messages per request. A context rank alone in its DP group that copies every chunk into the
+// mapped generation pools knows when every generation rank holds the request: each pair takes a
+// FETCH and one CHUNK saying complete (standing for ACCEPT too), not FETCH, ACCEPT, CHUNK, DONE
+// and COMPLETE (each message costs a send and a receive on the control transport: 114-163 us of
+// progress-thread CPU per TP1->TP1 request on the H200, most of it those five). With two context
+// ranks a generation rank must still say DONE to each and hear COMPLETE: all five stay.
+TEST(PeerMemory, LoneContextRankEndsEachPairByOneCompleteChunk) {
+  PeerMemoryOn on;
+  TransceiverOptions o;
+  o.checksum = false;
+  constexpr int kRequests = 3;
+  constexpr size_t kFetch = 0, kAccept = 1, kDone = 4, kComplete = 6, kChunk = 7;
+  for (const int ctx_tp : {1, 2}) {
+    auto tally = std::make_shared<Tally>();
+    auto hook = [&](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
+      return std::make_unique<MessageTally>(std::move(t), tally);
+    };
+    Cluster cl({Shape(), {ctx_tp, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kPerLayer},
+               o, hook, hook);
+    for (int i = 0; i < kRequests; ++i) {
+      std::vector<int64_t> cb{4 * i, 4 * i + 1}, gb{4 * i + 3, 4 * i + 2};
+      auto h = cl.Publish(700 + i, cb, 7);
+      ASSERT_TRUE(cl.Fetch(h, gb).ok());
+      ExpectAllComplete(cl.Drain(0, 0, 1), ctx_tp + 2);
+      cl.Verify(700 + i, gb, 7);
+    }
+    const int pairs = kRequests * ctx_tp * 2;
+    SCOPED_TRACE(fmt::format("TP{} -> TP2", ctx_tp));
+    EXPECT_EQ(tally->Of(kFetch), pairs);
+    if (ctx_tp == 1) {
+      EXPECT_EQ(tally->Of(kChunk), pairs);
+      EXPECT_EQ(tally->complete_chunks.load(), pairs);
+      EXPECT_EQ(tally->Of(kAccept) + tally->Of(kDone) + tally->Of(kComplete), 0);
+    } else {
+      EXPECT_EQ(tally->complete_chunks.load(), 0);
+      EXPECT_EQ(tally->Of(kAccept), pairs);
+      EXPECT_EQ(tally->Of(kDone), pairs);
+      EXPECT_EQ(tally->Of(kComplete), pairs);
+    }
+    for (auto& g : cl.gen_) EXPECT_EQ(g->stats().live_requests, 0);
+    for (auto& c : cl.ctx_) EXPECT_EQ(c->stats().live_requests, 0);
+  }
+}
+
+// A lone context rank owes its ACCEPTs while the request may still fold; when one generation
+// rank cancels before any copy could run (layers not ready), the context rank passes the ABORT on
+// and the other generation rank, still waiting for its answer, ends at once (not at its deadline),
+// and nothing stays live.
+TEST(PeerMemory, CancelWhileTheAnswersAreOwedEndsEveryRankAtOnce) {
+  PeerMemoryOn on;
+  TransceiverOptions o;
+  o.checksum = false;
+  o.timeout = milliseconds(20000);
+  auto tally = std::make_shared<Tally>();
+  auto hook = [&](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
+    return std::make_unique<MessageTally>(std::move(t), tally);
+  };
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kPerLayer}, o,
+             hook, hook);
+  auto h = cl.Publish(720, {0, 1}, 7, 0, /*layer_wise=*/true);
+  ASSERT_TRUE(cl.Fetch(h, {3, 2}).ok());
+  for (auto until = DeadlineIn(milliseconds(3000)); tally->Of(0) < 2 && Clock::now() < until;)
+    std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_EQ(tally->Of(0), 2) << "both FETCHes sent";
+  ASSERT_TRUE(cl.gen_[1]->Cancel(720).ok());
+  const auto start = Clock::now();
+  auto ctx = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  auto gen0 = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  auto gen1 = cl.gen_[1]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(ctx.size(), 1u);
+  ASSERT_EQ(gen0.size(), 1u) << "the generation rank awaiting its answer was not told";
+  ASSERT_EQ(gen1.size(), 1u);
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  EXPECT_EQ(ctx[0].state, TransferState::kError) << ctx[0].reason.ToString();
+  EXPECT_EQ(gen0[0].state, TransferState::kError) << gen0[0].reason.ToString();
+  EXPECT_EQ(gen1[0].state, TransferState::kCancelled) << gen1[0].reason.ToString();
+  EXPECT_EQ(tally->complete_chunks.load(), 0);
+  EXPECT_EQ(cl.ctx_[0]->stats().live_requests, 0);
+  for (auto& g : cl.gen_) EXPECT_EQ(g->stats().live_requests, 0);
+}
+
 TEST(PeerMemory, TwoHundredFiftySixRequestsInFlightPerRank) { ManyInFlight("on", 256); }
 TEST(Transceiver, TwoHundredFiftySixRequestsInFlightPerRankOverTransportPuts) {
   ManyInFlight("off", 256);
 }
 
 // Counts the Progress() calls of a rank while it waits for the copies of one request: the
-// context rank from sending ACCEPT to sending CHUNK, the generation rank from receiving ACCEPT to
-// receiving CHUNK, and how long that was: its progress loop's iterations meanwhile.
+// context rank from receiving FETCH to sending CHUNK, the generation rank from sending FETCH to
+// receiving CHUNK (a lone context rank answers a peer-memory FETCH by that CHUNK, with no ACCEPT),
+// and how long that was: its progress loop's iterations meanwhile.
 struct LoopCount {
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> ns{0};
@@ -419,26 +526,28 @@ class LoopCounter final : public TestTransport {
     return base_->Progress();
   }
   Status SendControl(PeerId p, std::span<const std::byte> b) override {
-    Note(b, ctx_.get());
+    Note(b, /*sent=*/true);
     return base_->SendControl(p, b);
   }
   std::optional<ControlMessage> PollControl() override {
     auto m = base_->PollControl();
-    if (m) Note(m->bytes, gen_.get());
+    if (m) Note(m->bytes, /*sent=*/false);
     return m;
   }
 
  private:
-  // ACCEPT starts the count of `side`, CHUNK ends it.
-  void Note(std::span<const std::byte> bytes, LoopCount* side) {
+  // FETCH starts the count of the side that sends it (generation) or receives it (context),
+  // CHUNK ends it.
+  void Note(std::span<const std::byte> bytes, bool sent) {
     auto m = DecodeMessage(bytes);
-    if (m.ok() && std::holds_alternative<AcceptMsg>(*m) && waiting_ == nullptr) {
-      waiting_ = side;
+    if (m.ok() && std::holds_alternative<FetchMsg>(*m) && waiting_ == nullptr) {
+      waiting_ = sent ? gen_.get() : ctx_.get();
       since_ = Clock::now();
-    } else if (m.ok() && std::holds_alternative<ChunkMsg>(*m) && waiting_ == side) {
-      waiting_ = nullptr;
-      side->ns +=
+    } else if (m.ok() && std::holds_alternative<ChunkMsg>(*m) &&
+               waiting_ == (sent ? ctx_.get() : gen_.get())) {
+      waiting_->ns +=
           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since_).count();
+      waiting_ = nullptr;
     }
   }
   std::shared_ptr<LoopCount> ctx_, gen_;
@@ -474,8 +583,8 @@ TEST(PeerMemory, ProgressThreadsNapWhileOnlyCopiesRun) {
   cl.Verify(34, gb, 12 * 1024);
   const double ctx_ms = static_cast<double>(ctx->ns.load()) / 1e6;
   const double gen_ms = static_cast<double>(gen->ns.load()) / 1e6;
-  ASSERT_GT(ctx_ms, 0) << "the context rank sent no ACCEPT then CHUNK";
-  ASSERT_GT(gen_ms, 0) << "the generation rank received no ACCEPT then CHUNK";
+  ASSERT_GT(ctx_ms, 0) << "the context rank received no FETCH then sent no CHUNK";
+  ASSERT_GT(gen_ms, 0) << "the generation rank sent no FETCH then received no CHUNK";
   // One nap per iteration (a loaded machine only stretches the naps), plus the launch and the
   // wake-ups at the stream's end.
   EXPECT_LE(static_cast<double>(ctx->calls.load()), ctx_ms / 0.8 + 6)
@@ -497,14 +606,14 @@ TEST(PeerMemory, PeersMessagesWakeNappingProgressThreads) {
   TransceiverOptions o;
   o.checksum = false;
   {
-    Cluster cl({Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
-               {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o);
+    Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
+               {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o);
     for (uint64_t id = 50; id < 53; ++id) {
       std::vector<int64_t> blocks{0, 1, 2, 3};
       auto h = cl.Publish(id, blocks, 16);
       ASSERT_TRUE(cl.Fetch(h, blocks).ok());
       auto st = cl.Drain(0, 0, 1, milliseconds(20000));
-      ExpectAllComplete(st, 2);
+      ExpectAllComplete(st, 4);
       for (const TransferStatus& s : st) {
         EXPECT_LT(s.seconds, 0.9) << "request " << id << " took " << s.seconds
                                   << " s: a napping progress thread did not wake for a message";
@@ -551,14 +660,14 @@ TEST(PeerMemory, AnArmThatFindsEventsIsFollowedByAShortLook) {
     return std::make_unique<BusyAfterMessages>(std::move(t));
   };
   {
-    Cluster cl({Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
-               {Shape(), {1, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
+    Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
+               {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
     for (uint64_t id = 60; id < 63; ++id) {
       std::vector<int64_t> blocks{0, 1, 2, 3};
       auto h = cl.Publish(id, blocks, 16);
       ASSERT_TRUE(cl.Fetch(h, blocks).ok());
       auto st = cl.Drain(0, 0, 1, milliseconds(20000));
-      ExpectAllComplete(st, 2);
+      ExpectAllComplete(st, 4);
       for (const TransferStatus& s : st) {
         EXPECT_LT(s.seconds, 0.9) << "request " << id << " took " << s.seconds
                                   << " s: a refused arm was followed by the whole nap";

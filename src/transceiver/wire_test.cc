@@ -117,6 +117,22 @@ TEST(Messages, PeerHandlesMustMatchTheRegionsAndChunkCountsMustBePositive) {
       << st.ToString();
   st = DecodeMessage(EncodeMessage(ChunkMsg{1, 2, 3, 0, false, 0})).status();
   EXPECT_NE(st.message().find("chunk count 0"), std::string_view::npos) << st.ToString();
+  // CHUNK flags: bit 0 checksum, bit 1 complete; never both, no other bit.
+  ChunkMsg both{1, 2, 3, 1, true, 9};
+  both.complete = true;
+  st = DecodeMessage(EncodeMessage(both)).status();
+  EXPECT_NE(st.message().find("a chunk that says complete carries no checksum"),
+            std::string_view::npos)
+      << st.ToString();
+  bytes = EncodeMessage(ChunkMsg{1, 2, 3, 1, false, 0});
+  bytes.resize(bytes.size() - kMessageSealBytes);
+  bytes[bytes.size() - 9] = std::byte{4};  // the flags byte, before the u64 checksum
+  const uint64_t chunk_seal = MessageSeal(bytes);
+  for (size_t i = 0; i < kMessageSealBytes; ++i)
+    bytes.push_back(std::byte((chunk_seal >> (8 * i)) & 0xff));
+  st = DecodeMessage(bytes).status();
+  EXPECT_NE(st.message().find("chunk flags 0x4 has unknown bits"), std::string_view::npos)
+      << st.ToString();
 }
 
 TEST(Messages, EveryTypeRoundTrips) {
@@ -151,7 +167,7 @@ TEST(Messages, EveryTypeRoundTrips) {
            CreditMsg{1, 2, 9, {}}, CreditMsg{1, 2, 9, {3, kNoSlot, 0}}, DoneMsg{1, 2, 99},
            AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}, ChunkMsg{1, 2, 3, 1, true, 0xfeedbeef},
            ChunkMsg{1, 2, 3, 1, false, 0}, ChunkMsg{1, 2, 3, 40, false, 0}, peer,
-           AcceptMsg{1, 2, true, true}}) {
+           AcceptMsg{1, 2, true, true}, ChunkMsg{1, 2, 3, 40, false, 0, true}}) {
     auto bytes = EncodeMessage(m);
     auto back = DecodeMessage(bytes);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -182,7 +198,8 @@ TEST(WireFuzz, MutatedInputsAreRefusedOrRoundTrip) {
                                                EncodeMessage(CreditMsg{1, 2, 3, {4, 5}}),
                                                EncodeMessage(ChunkMsg{1, 2, 3, 1, true, 4}),
                                                EncodeMessage(PeerFetch()),
-                                               EncodeMessage(AcceptMsg{1, 2, true, true})};
+                                               EncodeMessage(AcceptMsg{1, 2, true, true}),
+                                               EncodeMessage(ChunkMsg{1, 2, 0, 3, false, 0, true})};
   for (int i = 0; i < 50000; ++i) {
     std::vector<std::byte> in = seeds[rng() % seeds.size()];
     int flips = 1 + rng() % 4;

@@ -16,10 +16,13 @@
 //           LocalAddress() text, so the receiver can connect back; then the data.
 //   kind 2: like kind 1 without data (the receiver looks the sender up, never connects back).
 //   kind 0: the data follows byte 0.
-// The first control message to a peer is a hello; a transport being destroyed sends bye to every
-// live peer, which fails that peer's pending ops at the receiver with kUnavailable at once.
+// The first control message to a peer is a hello, on the control endpoint; every later one (bye
+// included) goes on the data endpoint, and a receiver holds those of a sender whose hello it has
+// not taken yet. A transport being destroyed sends bye to every live peer, which fails that peer's
+// pending ops at the receiver with kUnavailable at once.
 //
 // Address text: see ucx_address.h.
+#include <sys/epoll.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -106,7 +109,9 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_TAG | UCP_FEATURE_RMA;
+  // WAKEUP: a progress thread can sleep on the workers' event fds until a control message comes
+  // (WakeupFd; hellos arrive on the control worker, later messages on the data worker).
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
   ucp_context_h ctx = nullptr;
   st = ucp_init(&params, config.get(), &ctx);
   if (st != UCS_OK) return FromUcs(st, "ucp_init").WithContext("ucx transport");
@@ -118,28 +123,15 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
     t->cuda_ = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
 
-  // The control worker has a context of its own with the wakeup feature, so a progress thread
-  // can sleep on its fd until a control message comes (WakeupFd); the data context stays without
-  // it (UCX then wants lanes that can signal events, which is no concern of the data path).
-  ucp_params_t ctrl_params = params;
-  ctrl_params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  ucp_context_h ctrl_ctx = nullptr;
-  st = ucp_init(&ctrl_params, config.get(), &ctrl_ctx);
-  if (st != UCS_OK) return FromUcs(st, "ucp_init (control)").WithContext("ucx transport");
-  t->ctrl_context_.reset(ctrl_ctx);
-
   UcxWorkerAddresses addresses;
-  auto ctrl = MakeWorker(ctrl_ctx, addresses.control);
+  auto ctrl = MakeWorker(ctx, addresses.control);
   if (!ctrl.ok()) return ctrl.status().WithContext("ucx transport: control worker");
   t->ctrl_worker_ = std::move(ctrl).value();
-  if (ucs_status_t efd = ucp_worker_get_efd(t->ctrl_worker_.get(), &t->wakeup_fd_); efd != UCS_OK) {
-    t->wakeup_fd_ = -1;  // the progress thread polls
-    Log(LogLevel::kDebug, "ucx: no wakeup fd for the control worker: {}", ucs_status_string(efd));
-  }
   auto data = MakeWorker(ctx, addresses.data);
   if (!data.ok()) return data.status().WithContext("ucx transport: data worker");
   t->data_worker_ = std::move(data).value();
   t->address_ = EncodeUcxWorkerAddresses(addresses);
+  t->OpenWakeup();
 
   std::random_device rd;
   t->instance_ = ((uint64_t{rd()} << 32) ^ rd() ^ reinterpret_cast<uintptr_t>(t.get())) & ~kCtrlBit;
@@ -250,10 +242,28 @@ UcxTransport::~UcxTransport() {
   }
   inflight_.clear();
   control_in_.clear();
+  if (wakeup_fd_ >= 0) ::close(wakeup_fd_);
   data_worker_.reset();
   ctrl_worker_.reset();
-  ctrl_context_.reset();
   context_.reset();
+}
+
+void UcxTransport::OpenWakeup() {
+  const int ep = epoll_create1(EPOLL_CLOEXEC);
+  if (ep < 0) return;  // the progress thread polls
+  for (ucp_worker_h w : {ctrl_worker_.get(), data_worker_.get()}) {
+    int fd = -1;
+    ucs_status_t st = ucp_worker_get_efd(w, &fd);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    if (st != UCS_OK || epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      Log(LogLevel::kDebug, "ucx: no wakeup fd, progress threads poll: {}",
+          st != UCS_OK ? ucs_status_string(st) : "epoll_ctl failed");
+      close(ep);
+      return;
+    }
+  }
+  wakeup_fd_ = ep;
 }
 
 std::shared_ptr<OpState> UcxTransport::NewOp(PeerId peer, bool is_recv) {
@@ -517,8 +527,13 @@ StatusOr<std::shared_ptr<OpState>> UcxTransport::PostControl(PeerId peer, uint8_
   s->payload.insert(s->payload.end(), bytes.begin(), bytes.end());
   ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, false);
   ControlSent(instance_);
+  // The hello goes on the control endpoint (it sets up the connection that notices the peer's
+  // death); everything after it on the data endpoint: shared memory on one host, where a message
+  // costs no system call on either side (TCP: a send and an epoll + receive per message, most of
+  // a transfer's control-plane CPU).
+  ucp_ep_h ep = kind == kKindHello ? p.ctrl_ep : p.data_ep;
   ucs_status_ptr_t r =
-      ucp_tag_send_nbx(p.ctrl_ep, s->payload.data(), s->payload.size(), kCtrlBit | instance_, &prm);
+      ucp_tag_send_nbx(ep, s->payload.data(), s->payload.size(), kCtrlBit | instance_, &prm);
   auto keep = s;
   auto op = Posted(std::move(s), r, "ucx control send");
   if (op->Done() && !op->status().ok()) return op->status();
@@ -538,20 +553,23 @@ Status UcxTransport::SendControl(PeerId peer, std::span<const std::byte> bytes) 
 }
 
 void UcxTransport::DrainControl() {
-  // Take every arrived control message off the unexpected queue, in arrival order.
-  for (;;) {
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(ctrl_worker_.get(), kCtrlBit, kCtrlBit, 1, &info);
-    if (msg == nullptr) break;
-    auto s = NewOp(kAnyPeer, true);
-    s->payload.resize(info.length);
-    s->sender_tag = info.sender_tag;
-    ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, true);
-    ucs_status_ptr_t r =
-        ucp_tag_msg_recv_nbx(ctrl_worker_.get(), s->payload.data(), s->payload.size(), msg, &prm);
-    auto keep = s;
-    (void)Posted(std::move(s), r, "ucx control receive");
-    control_in_.push_back(std::move(keep));
+  // Take every arrived control message off the unexpected queues, in arrival order: hellos come
+  // on the control worker, every later message of a peer on the data worker (PostControl).
+  for (ucp_worker_h worker : {ctrl_worker_.get(), data_worker_.get()}) {
+    for (;;) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h msg = ucp_tag_probe_nb(worker, kCtrlBit, kCtrlBit, 1, &info);
+      if (msg == nullptr) break;
+      auto s = NewOp(kAnyPeer, true);
+      s->payload.resize(info.length);
+      s->sender_tag = info.sender_tag;
+      ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, true);
+      ucs_status_ptr_t r =
+          ucp_tag_msg_recv_nbx(worker, s->payload.data(), s->payload.size(), msg, &prm);
+      auto keep = s;
+      (void)Posted(std::move(s), r, "ucx control receive");
+      control_in_.push_back(std::move(keep));
+    }
   }
   while (!control_in_.empty() && control_in_.front()->done) {
     std::shared_ptr<OpState> s = std::move(control_in_.front());
@@ -576,6 +594,7 @@ void UcxTransport::DrainControl() {
       if (gone != kAnyPeer) {
         MarkDead(gone, Status::Unavailable("ucx peer " + std::to_string(gone) + " shut down"));
       }
+      Unhold(instance);
       continue;
     }
     if (p[0] == kKindHello) {
@@ -594,21 +613,41 @@ void UcxTransport::DrainControl() {
       off = 5 + len;
     }
     auto it = peer_by_instance_.find(instance);
+    std::vector<std::byte> bytes(s->payload.begin() + static_cast<std::ptrdiff_t>(off),
+                                 s->payload.end());
     if (it == peer_by_instance_.end()) {
-      Log(LogLevel::kWarn, "ucx: dropped a control message from an unknown sender");
+      // A peer's later messages (data worker) may overtake its hello (control worker): they wait
+      // for it, in order.
+      if (held_count_ >= kMaxHeldControl) {
+        Log(LogLevel::kWarn, "ucx: dropped a control message from an unknown sender");
+        continue;
+      }
+      held_[instance].push_back(std::move(bytes));
+      ++held_count_;
       continue;
     }
-    ControlMessage m;
-    m.from = it->second;
-    m.bytes.assign(s->payload.begin() + static_cast<std::ptrdiff_t>(off), s->payload.end());
-    control_ready_.push_back(std::move(m));
+    control_ready_.push_back(ControlMessage{it->second, std::move(bytes)});
+    if (p[0] == kKindHello) {
+      for (auto& b : Unhold(instance))
+        control_ready_.push_back(ControlMessage{it->second, std::move(b)});
+    }
   }
 }
 
 bool UcxTransport::ArmWakeup() {
   if (wakeup_fd_ < 0 || !control_ready_.empty() || !control_in_.empty()) return false;
   // UCS_ERR_BUSY: events came since the last progress; the caller drives it and arms again.
-  return ucp_worker_arm(ctrl_worker_.get()) == UCS_OK;
+  return ucp_worker_arm(ctrl_worker_.get()) == UCS_OK &&
+         ucp_worker_arm(data_worker_.get()) == UCS_OK;
+}
+
+std::deque<std::vector<std::byte>> UcxTransport::Unhold(uint64_t instance) {
+  auto it = held_.find(instance);
+  if (it == held_.end()) return {};
+  std::deque<std::vector<std::byte>> out = std::move(it->second);
+  held_.erase(it);
+  held_count_ -= out.size();
+  return out;
 }
 
 std::optional<ControlMessage> UcxTransport::PollControl() {

@@ -2,11 +2,13 @@
 // control messages, tagged data) and ucx_rma.cc (registration, remote keys, put/get/flush).
 //
 // Two workers on one context, and per peer two endpoints:
-//   control worker: control messages, each peer's control endpoint. Error mode PEER (unless
-//     ucx.error_mode=none): a crashed peer fails it (TCP reset or keepalive), and that fails
-//     every op of the peer. UCX refuses shared memory in this mode, which costs nothing for
-//     small control messages.
-//   data worker: tagged data and one-sided ops, each peer's data endpoint. Error mode NONE
+//   control worker: each peer's control endpoint, which carries the hello (the first control
+//     message to a peer). Error mode PEER (unless ucx.error_mode=none): a crashed peer fails it
+//     (TCP reset or keepalive), and that fails every op of the peer. UCX refuses shared memory in
+//     this mode.
+//   data worker: tagged data, one-sided ops and every control message after the hello, each
+//     peer's data endpoint (TCP cost a send, an epoll and a receive system call per control
+//     message: most of a transfer's control-plane CPU on one host). Error mode NONE
 //     (unless ucx.error_mode=peer), so UCX picks its fastest transports on one host: shared
 //     memory, CMA, cuda_ipc. A dead peer's data ops are failed by the control endpoint's death.
 // Two workers rather than two endpoints on one: UCX pairs the endpoints two workers create to
@@ -137,6 +139,10 @@ class UcxTransport final : public Transport {
   void MarkDead(PeerId peer, Status why);
   void HandleDeaths();
   void DrainControl();
+  // Sets wakeup_fd_ (left -1 where a worker has no event fd).
+  void OpenWakeup();
+  // Takes the messages held for a sender whose hello has not arrived yet (DrainControl).
+  std::deque<std::vector<std::byte>> Unhold(uint64_t instance);
   // Sends a control message; the state lets the caller watch its local completion.
   StatusOr<std::shared_ptr<OpState>> PostControl(PeerId peer, uint8_t kind,
                                                  std::span<const std::byte> bytes);
@@ -153,9 +159,8 @@ class UcxTransport final : public Transport {
   bool data_peer_errors_ = false;  // data endpoints in error mode PEER
   int progress_spin_ = 1;
   ContextPtr context_;
-  ContextPtr ctrl_context_;  // the control worker's (UCP_FEATURE_WAKEUP)
   WorkerPtr ctrl_worker_;
-  int wakeup_fd_ = -1;  // the control worker's event fd (UCX owns it)
+  int wakeup_fd_ = -1;  // owned: an epoll fd over both workers' event fds (-1: none)
   WorkerPtr data_worker_;
   std::string address_;
   uint64_t instance_ = 0;   // random, 63 bits: identifies this transport in control tags
@@ -166,6 +171,10 @@ class UcxTransport final : public Transport {
   std::unordered_map<OpState*, std::shared_ptr<OpState>> inflight_;
   std::deque<std::shared_ptr<OpState>> control_in_;  // control receives, in arrival order
   std::deque<ControlMessage> control_ready_;
+  // Control messages of senders not known yet, by instance, until their hello comes (bounded).
+  static constexpr size_t kMaxHeldControl = 4096;
+  std::unordered_map<uint64_t, std::deque<std::vector<std::byte>>> held_;
+  size_t held_count_ = 0;
   std::vector<std::pair<PeerId, ucs_status_t>> deaths_;  // reported by OnEpError
   std::vector<void*> closing_;  // close requests of dead peers' endpoints (error mode none)
 };
