@@ -404,5 +404,179 @@ std::vector<Cell> AllCells() {
 INSTANTIATE_TEST_SUITE_P(Cells, FaultMatrix, ::testing::ValuesIn(AllCells()),
                          [](const auto& info) { return info.param.Name(); });
 
+// The folded end (wire version 6): a context rank alone in its DP group that copies into the
+// mapped generation pools without checksums sends no ACCEPT, DONE or COMPLETE; each pair's last
+// CHUNK says complete. The matrix above (2-rank groups, peer memory off) never takes that path.
+// These cells fault the complete CHUNK where it arrives (the DATA step of a one-sided receiver),
+// a context rank that dies holding its answers (layers never ready) and a generation rank that
+// dies after its FETCH. Checked: the outcome of each rank of the faulted request (a rank that
+// lost its CHUNK ends in error, never complete), one terminal report per rank within its deadline
+// plus grace, nothing live afterwards, survivors served.
+struct FoldCell {
+  const char* name;
+  bool context;  // the faulty side; its rank `rank` of DP group 0
+  int rank;
+  FaultStep step;
+  int64_t nth;
+  FaultKind kind;
+  bool layer_wise;     // layers never marked ready: the context rank owes its answers throughout
+  const char* expect;  // Ledger::Outcome of the faulted request (OutcomeMatches)
+};
+void PrintTo(const FoldCell& cell, std::ostream* os) { *os << cell.name; }
+
+double Counter(const std::vector<std::pair<std::string, double>>& profile,
+               const std::string& name) {
+  for (const auto& [n, x] : profile) {
+    if (n == name) return x;
+  }
+  ADD_FAILURE() << name << " is not in the profile";
+  return -1;
+}
+
+// "g0=complete g1=timed-out c0=complete" against "g0=complete g1=timed-out|error c0=*": rank by
+// rank, one of the states given ('|'), or any ('*').
+bool OutcomeMatches(std::string_view outcome, std::string_view expect) {
+  auto split = [](std::string_view s, char sep) {
+    std::vector<std::string_view> out;
+    for (size_t at = 0; at <= s.size();) {
+      const size_t end = std::min(s.find(sep, at), s.size());
+      out.push_back(s.substr(at, end - at));
+      at = end + 1;
+    }
+    return out;
+  };
+  const auto got = split(outcome, ' '), want = split(expect, ' ');
+  if (got.size() != want.size()) return false;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const size_t eq = want[i].find('=');
+    if (eq == std::string_view::npos || got[i].substr(0, eq + 1) != want[i].substr(0, eq + 1))
+      return false;
+    const auto alts = split(want[i].substr(eq + 1), '|');
+    const std::string_view state = got[i].substr(eq + 1);
+    if (std::none_of(alts.begin(), alts.end(),
+                     [&](std::string_view a) { return a == "*" || a == state; }))
+      return false;
+  }
+  return true;
+}
+
+class FoldedFaults : public ::testing::TestWithParam<FoldCell> {};
+
+TEST_P(FoldedFaults, EveryRankEndsOnceNothingLeaksSurvivorsServe) {
+  const FoldCell& cell = GetParam();
+  const Times times = Times::Now();
+  const milliseconds kTimeout = times.timeout, kGrace = times.grace, kStall = times.stall;
+  ASSERT_TRUE(Config::Global()
+                  .Set("transfer.abort_grace_ms", std::to_string(times.abort_grace.count()))
+                  .ok());
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_memory", "on").ok());
+  ASSERT_TRUE(Config::Global().Set("transfer.profile", "true").ok());
+  TransceiverOptions o;
+  o.timeout = kTimeout;
+  o.checksum = false;  // checksums keep the DONE/COMPLETE exchange
+  // Two DP groups a side; a context group is one rank (it folds), a generation group two.
+  RigInstance ctx{Shape(), {2, 1, {}, 2, 0}, LayoutKind::kBlockMajor, 32};
+  RigInstance gen{Shape(), {4, 1, {}, 2, 0}, LayoutKind::kPerLayer, 32};
+  auto made = FaultRig::Create(ctx, gen, o);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  FaultRig& rig = **made;
+  const int c0 = rig.Group(true, 0)[0];
+  rig.faulty(cell.context, rig.Group(cell.context, 0)[cell.rank])
+      .Arm(FaultSpec{cell.step, cell.nth, cell.kind, kStall});
+  Ledger ledger(rig, kTimeout + kGrace);
+  const auto settle = kTimeout + kGrace + kStall;
+
+  auto h = rig.Publish(1, Blocks(0), kTokens, 0, cell.layer_wise);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  ledger.ExpectGroup(true, 0, 1);
+  ASSERT_TRUE(rig.Fetch(*h, Blocks(3), 0).ok());
+  ledger.ExpectGroup(false, 0, 1);
+  EXPECT_TRUE(ledger.Settle(settle)) << "request 1 never ended everywhere";
+  const std::string outcome = ledger.Outcome(1);
+  EXPECT_TRUE(OutcomeMatches(outcome, cell.expect)) << outcome << " is not " << cell.expect;
+  if (ledger.AllComplete(1)) {
+    Status v = rig.Verify(1, Blocks(3), kTokens, 0);
+    EXPECT_TRUE(v.ok()) << v.ToString();
+  }
+  if (cell.step == FaultStep::kData) {
+    // The path under test: the context rank's only messages were the two complete CHUNKs.
+    EXPECT_EQ(Counter(rig.ctx(c0).metrics().profile, "control_sent"), 2);
+  }
+  EXPECT_EQ(rig.faulty(cell.context, rig.Group(cell.context, 0)[cell.rank]).fired(), 1)
+      << "the fault point was never reached";
+  rig.DisarmAll();
+  if (cell.kind == FaultKind::kStall) std::this_thread::sleep_for(kStall);  // held messages go
+
+  // Survivors: the other groups always; the same ranks unless one crashed (a retry with a fresh
+  // id, as in the matrix, for a healthy transfer that missed its deadline on a loaded machine).
+  std::vector<std::pair<uint64_t, int>> survivors{{6, 1}};
+  if (cell.kind != FaultKind::kCrash) survivors.push_back({5, 0});
+  for (const auto& [first, group] : survivors) {
+    bool ok = false;
+    for (uint64_t id : {first, first + 100}) {
+      auto hs = rig.Publish(id, Blocks(id > 100 ? 28 : 0), kTokens, group, false);
+      ASSERT_TRUE(hs.ok()) << hs.status().ToString();
+      ledger.ExpectGroup(true, group, id);
+      ASSERT_TRUE(rig.Fetch(*hs, Blocks(id > 100 ? 28 : 9), group).ok());
+      ledger.ExpectGroup(false, group, id);
+      EXPECT_TRUE(ledger.Settle(settle)) << "survivor " << id << " never ended";
+      if (ledger.AllComplete(id)) {
+        Status v = rig.Verify(id, Blocks(id > 100 ? 28 : 9), kTokens, group);
+        EXPECT_TRUE(v.ok()) << v.ToString();
+        ok = true;
+        break;
+      }
+    }
+    EXPECT_TRUE(ok) << "survivor request " << first << " (group " << group << ")";
+  }
+  ledger.Check();
+  TransceiverStats t = rig.Totals();
+  for (const Deadline until = DeadlineIn(kGrace);
+       (t.live_requests != 0 || t.staging_slots_in_use != 0) && Clock::now() < until;) {
+    std::this_thread::sleep_for(milliseconds(2));
+    t = rig.Totals();
+  }
+  EXPECT_EQ(t.live_requests, 0) << "leases survive";
+  EXPECT_EQ(t.staging_slots_in_use, 0) << "staging slots survive";
+  std::printf("FOLDED|%s|%s\n", cell.name, outcome.c_str());
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+  EXPECT_TRUE(Config::Global().Reset("transfer.profile").ok());
+  EXPECT_TRUE(Config::Global().Reset("transfer.abort_grace_ms").ok());
+}
+
+// Generation ranks 0 and 1 (group 0); context rank 0. Outcomes list generation ranks first.
+const FoldCell kFoldCells[] = {
+    // The complete CHUNK lost: the context rank is done (it never waits for a DONE), generation
+    // rank 0 ends at its deadline, rank 1 completes.
+    {"chunk_dropped", false, 0, FaultStep::kData, 1, FaultKind::kDrop, false,
+     "g0=timed-out g1=complete c0=complete"},
+    // Twice: the second finds the pair completed (or the request gone) and changes nothing.
+    {"chunk_duplicated", false, 0, FaultStep::kData, 1, FaultKind::kDuplicate, false,
+     "g0=complete g1=complete c0=complete"},
+    // One byte flipped: the seal check refuses it; as lost.
+    {"chunk_corrupted", false, 0, FaultStep::kData, 1, FaultKind::kCorrupt, false,
+     "g0=timed-out g1=complete c0=complete"},
+    // Held past the deadline: it arrives for a request that ended and is dropped.
+    {"chunk_stale", false, 0, FaultStep::kData, 1, FaultKind::kStall, false,
+     "g0=timed-out g1=complete c0=complete"},
+    // Generation rank 1's FETCH comes after both deadlines: the context rank holds rank 0's last
+    // CHUNK (its copies landed) for a fold that can't come; rank 0 times out, its ABORT ends the
+    // context rank; the late FETCH and rank 1's ABORT find nothing live.
+    {"fetch_late_answer_held", false, 1, FaultStep::kFetch, 1, FaultKind::kStall, false,
+     "g0=timed-out|error g1=timed-out c0=timed-out|error"},
+    // The context rank dies with both FETCHes in and its answers owed: the generation ranks see
+    // its transport close and end in error (not at their deadline's end only).
+    {"ctx_dies_owing_answers", true, 0, FaultStep::kFetch, 2, FaultKind::kCrash, true,
+     "g0=error g1=error c0=*"},
+    // A generation rank dies right after its FETCH: the context rank's copies still land (the
+    // pool stays mapped in this process), the CHUNK to the dead rank fails to send; whether the
+    // others complete depends on when the death is seen, but every rank ends once.
+    {"gen_dies_after_fetch", false, 0, FaultStep::kFetch, 1, FaultKind::kCrash, false,
+     "g0=error|timed-out g1=complete|error c0=complete|error"},
+};
+
+INSTANTIATE_TEST_SUITE_P(Cells, FoldedFaults, ::testing::ValuesIn(kFoldCells),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 }  // namespace
 }  // namespace kvferry
