@@ -33,6 +33,26 @@ std::optional<std::pair<PeerId, T>> WaitFor(Transport& t) {
   return std::nullopt;
 }
 
+// Publishes request `id` on context rank 0 and has generation rank 0 fetch it from `fake_ctx`
+// instead (a test transport playing context rank 0, by hand): the FETCH that reached it, and from
+// whom; none when the fetch failed or no FETCH came within 3 s.
+std::optional<std::pair<PeerId, FetchMsg>> FetchRedirectedTo(Cluster& cl, Transport& fake_ctx,
+                                                             uint64_t id) {
+  auto decoded = DecodeHandle(cl.Publish(id, {0, 1}, 8));
+  if (!decoded.ok()) {
+    ADD_FAILURE() << decoded.status().ToString();
+    return std::nullopt;
+  }
+  ContextHandle redirected = *decoded;
+  redirected.addresses[0] = fake_ctx.LocalAddress();
+  Status fetched = cl.gen_[0]->Fetch(EncodeHandle(redirected), std::vector<int64_t>{4, 5}, 0);
+  if (!fetched.ok()) {
+    ADD_FAILURE() << fetched.ToString();
+    return std::nullopt;
+  }
+  return WaitFor<FetchMsg>(fake_ctx);
+}
+
 // The generation side: COMPLETE answers every generation rank's DONE, so one from the context
 // rank before this rank said DONE has no step in phase "fetched". It used to be dropped silently
 // and the request waited for its deadline (20 s here).
@@ -40,14 +60,8 @@ TEST(PairProtocol, CompleteBeforeDoneFailsTheGenerationRequestNamingThePhase) {
   TransceiverOptions o;
   o.timeout = milliseconds(20000);
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
-  auto h = cl.Publish(31, {0, 1}, 8);
-  auto decoded = DecodeHandle(h);
-  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
   auto fake_ctx = cl.Transport();  // plays context rank 0
-  ContextHandle redirected = *decoded;
-  redirected.addresses[0] = fake_ctx->LocalAddress();
-  ASSERT_TRUE(cl.gen_[0]->Fetch(EncodeHandle(redirected), std::vector<int64_t>{4, 5}, 0).ok());
-  auto fetch = WaitFor<FetchMsg>(*fake_ctx);
+  auto fetch = FetchRedirectedTo(cl, *fake_ctx, 31);
   ASSERT_TRUE(fetch.has_value()) << "no FETCH reached the fake context rank";
   const auto [gen_peer, f] = *fetch;
   ASSERT_TRUE(fake_ctx->SendControl(gen_peer, EncodeMessage(CompleteMsg{31, f.transfer_id})).ok());
@@ -75,14 +89,8 @@ TEST(PairProtocol, CompleteChunkForAPairWithoutPeerMemoryFailsTheRequest) {
   TransceiverOptions o;
   o.timeout = milliseconds(20000);
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
-  auto h = cl.Publish(33, {0, 1}, 8);
-  auto decoded = DecodeHandle(h);
-  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
   auto fake_ctx = cl.Transport();  // plays context rank 0
-  ContextHandle redirected = *decoded;
-  redirected.addresses[0] = fake_ctx->LocalAddress();
-  ASSERT_TRUE(cl.gen_[0]->Fetch(EncodeHandle(redirected), std::vector<int64_t>{4, 5}, 0).ok());
-  auto fetch = WaitFor<FetchMsg>(*fake_ctx);
+  auto fetch = FetchRedirectedTo(cl, *fake_ctx, 33);
   ASSERT_TRUE(fetch.has_value()) << "no FETCH reached the fake context rank";
   const auto [gen_peer, f] = *fetch;
   EXPECT_TRUE(f.rma_target.peer_pool.empty());

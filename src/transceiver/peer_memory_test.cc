@@ -593,6 +593,28 @@ TEST(PeerMemory, ProgressThreadsNapWhileOnlyCopiesRun) {
       << "generation progress loop iterations in " << gen_ms << " ms of waiting for the CHUNK";
 }
 
+// Naps of 1 s on both sides for one test's life: a request that ends in milliseconds was woken by
+// its messages, one that takes a second or more waited a nap out.
+struct LongNaps {
+  Knob wait{"transfer.peer_wait_nap_us", "1000000"};
+  Knob stream{"transfer.stream_nap_us", "1000000"};
+};
+
+// Three TP2->TP2 requests from `first_id` on, each complete, verified and well under a nap.
+void ExpectRequestsEndWithinANap(Cluster& cl, uint64_t first_id, const char* why) {
+  for (uint64_t id = first_id; id < first_id + 3; ++id) {
+    std::vector<int64_t> blocks{0, 1, 2, 3};
+    auto h = cl.Publish(id, blocks, 16);
+    ASSERT_TRUE(cl.Fetch(h, blocks).ok());
+    auto st = cl.Drain(0, 0, 1, milliseconds(20000));
+    ExpectAllComplete(st, 4);
+    for (const TransferStatus& s : st) {
+      EXPECT_LT(s.seconds, 0.9) << "request " << id << " took " << s.seconds << " s: " << why;
+    }
+    cl.Verify(id, blocks, 16);
+  }
+}
+
 // The naps are the longest a waiting progress thread sleeps, not how late it notices a peer: a
 // CHUNK, a COMPLETE or the end of a copy wakes it (ProgressWakeup over the transport's wakeup fd;
 // the in-process transport has one). With both naps at 1 s, a request used to take more than 2 s
@@ -601,29 +623,13 @@ TEST(PeerMemory, ProgressThreadsNapWhileOnlyCopiesRun) {
 // of the 1.9 ms per request was that COMPLETE.)
 TEST(PeerMemory, PeersMessagesWakeNappingProgressThreads) {
   PeerMemoryOn on;
-  ASSERT_TRUE(Config::Global().Set("transfer.peer_wait_nap_us", "1000000").ok());
-  ASSERT_TRUE(Config::Global().Set("transfer.stream_nap_us", "1000000").ok());
+  LongNaps naps;
   TransceiverOptions o;
   o.checksum = false;
-  {
-    Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
-               {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o);
-    for (uint64_t id = 50; id < 53; ++id) {
-      std::vector<int64_t> blocks{0, 1, 2, 3};
-      auto h = cl.Publish(id, blocks, 16);
-      ASSERT_TRUE(cl.Fetch(h, blocks).ok());
-      auto st = cl.Drain(0, 0, 1, milliseconds(20000));
-      ExpectAllComplete(st, 4);
-      for (const TransferStatus& s : st) {
-        EXPECT_LT(s.seconds, 0.9) << "request " << id << " took " << s.seconds
-                                  << " s: a napping progress thread did not wake for a message";
-      }
-      cl.Verify(id, blocks, 16);
-    }
-    EXPECT_EQ(cl.gen_[0]->metrics().data_path, "peer-memory");
-  }
-  EXPECT_TRUE(Config::Global().Reset("transfer.peer_wait_nap_us").ok());
-  EXPECT_TRUE(Config::Global().Reset("transfer.stream_nap_us").ok());
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
+             {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o);
+  ExpectRequestsEndWithinANap(cl, 50, "a napping progress thread did not wake for a message");
+  EXPECT_EQ(cl.gen_[0]->metrics().data_path, "peer-memory");
 }
 
 // UCX's ucp_worker_arm says busy when events came since the last progress: the loop must look
@@ -652,31 +658,15 @@ class BusyAfterMessages final : public TestTransport {
 
 TEST(PeerMemory, AnArmThatFindsEventsIsFollowedByAShortLook) {
   PeerMemoryOn on;
-  ASSERT_TRUE(Config::Global().Set("transfer.peer_wait_nap_us", "1000000").ok());
-  ASSERT_TRUE(Config::Global().Set("transfer.stream_nap_us", "1000000").ok());
+  LongNaps naps;
   TransceiverOptions o;
   o.checksum = false;
   auto hook = [](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
     return std::make_unique<BusyAfterMessages>(std::move(t));
   };
-  {
-    Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
-               {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
-    for (uint64_t id = 60; id < 63; ++id) {
-      std::vector<int64_t> blocks{0, 1, 2, 3};
-      auto h = cl.Publish(id, blocks, 16);
-      ASSERT_TRUE(cl.Fetch(h, blocks).ok());
-      auto st = cl.Drain(0, 0, 1, milliseconds(20000));
-      ExpectAllComplete(st, 4);
-      for (const TransferStatus& s : st) {
-        EXPECT_LT(s.seconds, 0.9) << "request " << id << " took " << s.seconds
-                                  << " s: a refused arm was followed by the whole nap";
-      }
-      cl.Verify(id, blocks, 16);
-    }
-  }
-  EXPECT_TRUE(Config::Global().Reset("transfer.peer_wait_nap_us").ok());
-  EXPECT_TRUE(Config::Global().Reset("transfer.stream_nap_us").ok());
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
+             {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
+  ExpectRequestsEndWithinANap(cl, 60, "a refused arm was followed by the whole nap");
 }
 
 }  // namespace
