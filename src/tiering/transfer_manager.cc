@@ -418,18 +418,15 @@ Status TransferManager::Impl::EnqueueCopies(BatchState& b, Tier from, Tier to,
     Plan(
         sv, staging_view, moves.size(), src_of,
         [&](size_t i) { return StagingSlot(staging_first, i); }, toks, desc, bytes);
-  } else if (!staged) {
-    Plan(
-        sv, views[static_cast<int>(to)], moves.size(), src_of,
-        [&](size_t i) { return moves[i].dst; }, toks, desc, bytes);
   }
   size_t ndesc = desc.size();
   Status st;
   {
     std::lock_guard<std::mutex> streamed(stream_mu[b.stream]);
     st = EnqueueWaits(b.stream, waits);
-    if (st.ok() && staged) {
-      auto copied = CopyStaged(b.stream, from, to, moves, toks, desc, bytes);
+    if (st.ok() && (staged || to != Tier::kFile)) {
+      auto copied = staged ? CopyStaged(b.stream, from, to, moves, toks, desc, bytes)
+                           : CopyDirect(b.stream, from, to, moves, toks, desc, bytes);
       st = copied.status();
       ndesc = copied.ok() ? *copied : 0;
     } else if (st.ok() && !desc.empty()) {
@@ -442,6 +439,29 @@ Status TransferManager::Impl::EnqueueCopies(BatchState& b, Tier from, Tier to,
     for (Status& item : b.items) item = st;
   }
   return st;
+}
+
+// Plans and queues a direct batch in slices of moves that double from kFirstDirectSlice, so the
+// copies of the first blocks run while the rest are planned: a 1 GiB per-layer batch is 16-32k
+// descriptors, whose planning and routing would otherwise all come before the first byte moves
+// (docs/tiering.md, "Planning overlapped with the copies").
+StatusOr<size_t> TransferManager::Impl::CopyDirect(int stream, Tier from, Tier to,
+                                                   std::span<const BlockMove> moves,
+                                                   std::span<const int32_t> toks,
+                                                   std::vector<CopyDesc>& desc, int64_t* bytes) {
+  const tiering::TierView& sv = views[static_cast<int>(from)];
+  const tiering::TierView& dv = views[static_cast<int>(to)];
+  size_t descs = 0;
+  for (size_t at = 0, n = kFirstDirectSlice; at < moves.size(); at += n, n *= 2) {
+    n = std::min(n, moves.size() - at);
+    desc.clear();
+    Plan(
+        sv, dv, n, [&](size_t i) { return moves[at + i].src; },
+        [&](size_t i) { return moves[at + i].dst; }, toks.subspan(at, n), desc, bytes);
+    descs += desc.size();
+    if (!desc.empty()) KVF_RETURN_IF_ERROR(streams[stream]->CopyBatch(desc));
+  }
+  return descs;
 }
 
 // A write to the file tier: the I/O thread writes the staged blocks once the copy is done.

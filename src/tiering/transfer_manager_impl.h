@@ -345,6 +345,13 @@ struct TransferManager::Impl {
   StatusOr<size_t> CopyStaged(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
                               std::span<const int32_t> toks, std::vector<CopyDesc>& desc,
                               int64_t* bytes);
+  // A direct primary <-> host (or primary -> primary) batch on copy stream `stream` (its waits
+  // already enqueued), planned and queued in slices of kFirstDirectSlice, then twice as many moves
+  // each time; returns descriptors queued and adds the bytes moved (transfer_manager.cc).
+  static constexpr size_t kFirstDirectSlice = 16;
+  StatusOr<size_t> CopyDirect(int stream, Tier from, Tier to, std::span<const BlockMove> moves,
+                              std::span<const int32_t> toks, std::vector<CopyDesc>& desc,
+                              int64_t* bytes);
   Status SetUpDeviceStaging(const TransferOptions& o);
 
   // Move's steps, in order; the caller holds `lock` on mu throughout.

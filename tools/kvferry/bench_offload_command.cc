@@ -42,7 +42,7 @@ struct Options {
   // Layout of the host tier: "same" as the primary pool (default), or "block-major" (packed
   // blocks, one contiguous range each; with tiering.device_staging, whole-block copies of
   // per-layer pools then go gather -> staging -> one copy per block).
-  std::string host_layout = "same";
+  std::string host_layout = "packed";
   bool verify = false;
   OutputFlags out;
   bool contiguous = false;
@@ -167,6 +167,9 @@ class Bench {
     KVF_ASSIGN_OR_RETURN(s->primary, BlockPool::Create(dev_, spec));
     spec.memory = MemoryKind::kPinnedHost;
     spec.blocks = 2 * n;
+    if (o_.host_layout == "packed") {  // what CreatePackedHostPool makes for this primary
+      KVF_ASSIGN_OR_RETURN(spec.layout, PackedHostLayout(*s->primary));
+    }
     if (o_.host_layout == "block-major") spec.layout = LayoutKind::kBlockMajor;
     if (o_.host_layout == "block-major-nhd") spec.layout = LayoutKind::kBlockMajorNhd;
     KVF_ASSIGN_OR_RETURN(s->host, BlockPool::Create(dev_, spec));
@@ -530,9 +533,10 @@ int RunBenchOffload(const Options& o) {
     return 2;
   }
   if (o.host_layout != "block-major" && o.host_layout != "block-major-nhd" &&
-      o.host_layout != "same") {
+      o.host_layout != "same" && o.host_layout != "packed") {
     fmt::print(stderr,
-               "bench offload: --host-layout must be same, block-major or block-major-nhd, not "
+               "bench offload: --host-layout must be packed, same, block-major or "
+               "block-major-nhd, not "
                "'{}'\n",
                o.host_layout);
     return 2;
@@ -639,7 +643,9 @@ int RunBenchOffload(const Options& o) {
       "kvferry bench offload: device {} ({}), median of {} after a warm-up, ids {}, host tier "
       "{}\n",
       device, (*dev)->info().name, o.iters, o.contiguous ? "contiguous" : "shuffled",
-      o.host_layout == "same" ? "in the primary layout" : o.host_layout);
+      o.host_layout == "same"     ? "in the primary layout"
+      : o.host_layout == "packed" ? "packed in the primary's block order (CreatePackedHostPool)"
+                                  : o.host_layout);
   fmt::print(
       "ratio = GB/s / baseline GB/s (one contiguous copy of the same bytes, same run); paired = "
       "median of the per-iteration ratios (case and baseline timed back to back); pattern = GB/s "
@@ -673,9 +679,10 @@ void AddBenchOffloadCommand(CLI::App& bench) {
   cmd->add_option("--model", o->model, "8b | 70b | all");
   cmd->add_option("--layout", o->layout, "block-major | per-layer | all");
   cmd->add_option("--host-layout", o->host_layout,
-                  "host tier layout: same (as the primary; default) | block-major (packed blocks, "
-                  "[layer][kv][head][token][dim]) | block-major-nhd (packed blocks in a per-layer "
-                  "pool's own in-block order, [layer][kv][token][head][dim])");
+                  "host tier layout: packed (default: each block one range in the primary's "
+                  "in-block order, what CreatePackedHostPool makes) | same (as the primary) | "
+                  "block-major ([layer][kv][head][token][dim] blocks) | block-major-nhd "
+                  "([layer][kv][token][head][dim] blocks)");
   cmd->add_option("--file-backend", o->file_backends,
                   "file tiers to measure with --tier file: posix, io_uring, cufile, memory "
                   "(in-memory stand-in); default posix io_uring cufile (one falling back to "
