@@ -72,15 +72,17 @@ constexpr KnobDecl kKnobs[] = {
      0, 10 * 1000 * 1000, ""},
     {"transfer.stream_nap_us", KnobType::kInt, "1000",
      "how long a context progress thread naps while all it waits for is peer-memory copies on "
-     "its CPU-device stream (the end of each launched group of copies, a peer's control message "
-     "where the transport has a wakeup fd (ucx, inproc), a public call and this timeout wake "
+     "its CPU-device stream (the end of each launched group of copies, a public call and this "
+     "timeout wake it; a peer's control message waits for them, so peers send without waking "
      "it). Polling every 50 us instead preempted the copying thread about 10,000 times a second",
      50, 1000 * 1000, ""},
     {"transfer.peer_wait_nap_us", KnobType::kInt, "500",
      "how long a generation progress thread naps while all it waits for are the CHUNK and "
-     "COMPLETE messages of peer-memory pairs (a context rank copies into its pool): such a "
-     "message wakes it where the transport has a wakeup fd (ucx, inproc), else it is noticed up "
-     "to this late; polling every 50 us instead took the cores from the context ranks' copying "
+     "COMPLETE messages of peer-memory pairs (a context rank copies into its pool): with one "
+     "request live such a message wakes it where the transport has a wakeup fd (ucx, inproc); "
+     "with several, or without that fd, it is noticed up to this late (an armed transport costs "
+     "each sender a wake-up); polling every 50 us instead took the cores from the context ranks' "
+     "copying "
      "threads (TP2->TP4: four generation ranks, two copying threads, two cores)",
      50, 1000 * 1000, ""},
     {"transfer.profile", KnobType::kBool, "false",

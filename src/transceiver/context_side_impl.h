@@ -128,6 +128,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
     return !requests_.empty();
   }
   std::chrono::microseconds QuietNap() const override;
+  bool QuietNapHearsPeers() const override { return false; }
   bool OnStop() override;
 
  private:

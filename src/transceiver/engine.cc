@@ -282,13 +282,14 @@ void Engine::Run() {
       std::this_thread::yield();
     } else if (!busy) {
       // A quiet side (QuietNap): only a peer's message, a public call or a stream callback can
-      // bring work, so it sleeps until one does (ProgressWakeup), at most the nap. Without a
+      // bring work, so it sleeps until one does (ProgressWakeup), at most the nap; a peer's
+      // message ends the sleep only where the side listens (QuietNapHearsPeers). Without a
       // wakeup fd it naps as before; when the transport did not arm (a message came since this
       // iteration looked), it looks again after at most 50 us. An idle side polls every 50 us as
       // before (sleeping on the fd there cost more CPU per request than it saved once control
       // messages went over shared memory: arming, and the sender's signal to an armed peer).
       const bool wakes = wakeup_ && quiet.count() > 0;
-      const bool slept = wakes && wakeup_->Sleep(quiet, [&] {
+      const bool slept = wakes && wakeup_->Sleep(quiet, QuietNapHearsPeers(), [&] {
         MutexLock lock(cmd_mu_);
         return !commands_.empty() || stop_;
       });

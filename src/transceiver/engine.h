@@ -116,6 +116,14 @@ class Engine {
   // it waits for are CHUNK and COMPLETE messages of peer-memory pairs. A public call wakes it, and
   // a peer's control message where the transport has a wakeup fd (ProgressWakeup).
   virtual std::chrono::microseconds QuietNap() const { return {}; }
+  // Whether a peer's control message ends such a nap. Listening arms the transport, and then
+  // every message a peer sends wakes this thread from its sender's progress loop (UCX: a system
+  // call and a wake-up of the sleeping thread, 10-35 us of the sender's CPU per message measured
+  // on the 2-core machine). The context side does not listen while its stream copies: a FETCH or
+  // DONE that comes meanwhile waits for the stream callback or the nap. The generation side
+  // listens only with one request live (its latency is all there is to win); with several, their
+  // messages come often and are taken together at the nap.
+  virtual bool QuietNapHearsPeers() const { return true; }
 
   void Post(std::function<void()> fn);
   void SetStatus(const TransferStatus& status);

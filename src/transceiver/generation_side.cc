@@ -323,6 +323,11 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return options_.peer_wait_nap;
   }
 
+  // One request live: its CHUNK or COMPLETE wakes this thread at once (its latency). Several:
+  // the naps take their messages together, and the context ranks send without waking it
+  // (TP2->TP4, 4k tokens: 1.9 ms of control CPU per request instead of 2.4).
+  bool QuietNapHearsPeers() const override { return requests_.size() <= 1; }
+
   bool OnStop() override {
     for (auto& [id, r] : requests_) {
       if (!r.ending)

@@ -632,6 +632,32 @@ TEST(PeerMemory, PeersMessagesWakeNappingProgressThreads) {
   EXPECT_EQ(cl.gen_[0]->metrics().data_path, "peer-memory");
 }
 
+// With several requests live a generation rank naps without arming the transport (its context
+// ranks send without waking it) and a context rank whose stream copies does not listen either:
+// a message waits at most a nap, then every request ends complete. Naps of 200 ms here.
+TEST(PeerMemory, SeveralLiveRequestsTakeTheirMessagesByTheNap) {
+  PeerMemoryOn on;
+  Knob wait{"transfer.peer_wait_nap_us", "200000"};
+  Knob stream{"transfer.stream_nap_us", "200000"};
+  TransceiverOptions o;
+  o.checksum = false;
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
+             {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o);
+  const std::vector<int64_t> a{0, 1, 2, 3}, b{4, 5, 6, 7};
+  auto ha = cl.Publish(80, a, 16);
+  auto hb = cl.Publish(81, b, 16);
+  ASSERT_TRUE(cl.Fetch(ha, a).ok());
+  ASSERT_TRUE(cl.Fetch(hb, b).ok());
+  auto st = cl.Drain(0, 0, 2, milliseconds(20000));
+  ExpectAllComplete(st, 8);
+  for (const TransferStatus& s : st) {
+    // FETCH, ACCEPT, CHUNK, DONE, COMPLETE: a few naps at most, however late each message.
+    EXPECT_LT(s.seconds, 5.0) << "request " << s.request_id << " took " << s.seconds << " s";
+  }
+  cl.Verify(80, a, 16);
+  cl.Verify(81, b, 16);
+}
+
 // UCX's ucp_worker_arm says busy when events came since the last progress: the loop must look
 // again soon, not nap. This transport does that once after every message it hands out; with the
 // naps at 1 s, a request took 1 s or more when a refused arm fell back to the full nap.

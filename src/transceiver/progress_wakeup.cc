@@ -23,12 +23,12 @@ void ProgressWakeup::Notify() {
   (void)!write(event_fd_, &one, sizeof one);  // fails only when the count is full: still readable
 }
 
-bool ProgressWakeup::Sleep(std::chrono::microseconds timeout,
+bool ProgressWakeup::Sleep(std::chrono::microseconds timeout, bool hear_peers,
                            const std::function<bool()>& has_work) {
   sleeping_.store(true);
   bool slept = false;
-  if (!has_work() && transport_.ArmWakeup()) {
-    pollfd fds[2] = {{transport_.WakeupFd(), POLLIN, 0}, {event_fd_, POLLIN, 0}};
+  if (!has_work() && (!hear_peers || transport_.ArmWakeup())) {
+    pollfd fds[2] = {{event_fd_, POLLIN, 0}, {transport_.WakeupFd(), POLLIN, 0}};
     const auto s = std::chrono::duration_cast<std::chrono::seconds>(timeout);
     const timespec ts{
         static_cast<time_t>(s.count()),
@@ -36,7 +36,7 @@ bool ProgressWakeup::Sleep(std::chrono::microseconds timeout,
             std::chrono::duration_cast<std::chrono::nanoseconds>(timeout - s).count())};
     int n;
     do {
-      n = ppoll(fds, 2, &ts, nullptr);
+      n = ppoll(fds, hear_peers ? 2 : 1, &ts, nullptr);
     } while (n < 0 && errno == EINTR);
     slept = true;
   }

@@ -35,10 +35,13 @@ class ProgressWakeup {
   // After queueing work for the progress thread: ends a Sleep in progress.
   void Notify();
 
-  // Sleeps until a control message may have come, a Notify or `timeout`; returns at once when
-  // `has_work()` (checked after this thread is marked sleeping, so a Notify that follows is not
-  // lost) or the transport has something waiting (ArmWakeup false). True when it slept.
-  bool Sleep(std::chrono::microseconds timeout, const std::function<bool()>& has_work);
+  // Sleeps until a control message may have come (when `hear_peers`), a Notify or `timeout`;
+  // returns at once when `has_work()` (checked after this thread is marked sleeping, so a Notify
+  // that follows is not lost) or, hearing peers, the transport has something waiting (ArmWakeup
+  // false). True when it slept. Not hearing peers leaves the transport unarmed: its peers send
+  // without waking this thread, and their messages wait for the Notify or the timeout.
+  bool Sleep(std::chrono::microseconds timeout, bool hear_peers,
+             const std::function<bool()>& has_work);
 
  private:
   ProgressWakeup(Transport& transport, int event_fd) : transport_(transport), event_fd_(event_fd) {}

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -636,6 +637,12 @@ void UcxTransport::DrainControl() {
 
 bool UcxTransport::ArmWakeup() {
   if (wakeup_fd_ < 0 || !control_ready_.empty() || !control_in_.empty()) return false;
+  // Progress drives the control worker only now and then: whatever it has waiting is taken
+  // before the sleep, not found by the arm (busy) over and over.
+  if (ucp_worker_progress(ctrl_worker_.get()) != 0) {
+    ctrl_active_ = true;
+    return false;
+  }
   // UCS_ERR_BUSY: events came since the last progress; the caller drives it and arms again.
   return ucp_worker_arm(ctrl_worker_.get()) == UCS_OK &&
          ucp_worker_arm(data_worker_.get()) == UCS_OK;
@@ -651,8 +658,13 @@ std::deque<std::vector<std::byte>> UcxTransport::Unhold(uint64_t instance) {
 }
 
 std::optional<ControlMessage> UcxTransport::PollControl() {
-  if (control_ready_.empty()) Progress();
-  if (control_ready_.empty()) return std::nullopt;
+  // A caller that drove Progress and then takes messages until none is left (the progress loop)
+  // finds nothing new by driving it again at once: that second look is skipped.
+  if (control_ready_.empty() && !just_progressed_) Progress();
+  if (control_ready_.empty()) {
+    just_progressed_ = false;
+    return std::nullopt;
+  }
   ControlMessage m = std::move(control_ready_.front());
   control_ready_.pop_front();
   return m;
@@ -661,7 +673,16 @@ std::optional<ControlMessage> UcxTransport::PollControl() {
 bool UcxTransport::Progress() {
   bool any = false;
   for (int i = 0; i < progress_spin_; ++i) any |= ucp_worker_progress(data_worker_.get()) != 0;
-  any |= ucp_worker_progress(ctrl_worker_.get()) != 0;
+  // The control worker carries the hellos, byes and the peer-error endpoints' keepalives and error
+  // events (TCP: each of its progress calls is an epoll_wait system call, the most of an empty
+  // Progress). Once peers said hello its traffic is rare: it is driven while it has something to
+  // do and otherwise at most every kCtrlProgressPeriod (ArmWakeup drives it before a sleep).
+  const auto now = std::chrono::steady_clock::now();
+  if (ctrl_active_ || now >= next_ctrl_progress_) {
+    ctrl_active_ = ucp_worker_progress(ctrl_worker_.get()) != 0;
+    any |= ctrl_active_;
+    next_ctrl_progress_ = now + kCtrlProgressPeriod;
+  }
   HandleDeaths();
   if (!closing_.empty()) {
     std::erase_if(closing_, [](void* r) {
@@ -672,6 +693,7 @@ bool UcxTransport::Progress() {
   }
   const size_t before = control_ready_.size();
   DrainControl();
+  just_progressed_ = true;
   return any || control_ready_.size() != before;
 }
 

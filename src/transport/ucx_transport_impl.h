@@ -17,6 +17,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <string>
@@ -158,6 +159,12 @@ class UcxTransport final : public Transport {
   bool ctrl_peer_errors_ = true;   // control endpoints in error mode PEER
   bool data_peer_errors_ = false;  // data endpoints in error mode PEER
   int progress_spin_ = 1;
+  // Progress: the control worker is driven while it reports events, else once a period.
+  static constexpr std::chrono::microseconds kCtrlProgressPeriod{100};
+  bool ctrl_active_ = true;
+  std::chrono::steady_clock::time_point next_ctrl_progress_{};
+  // Progress ran since PollControl last found nothing (PollControl skips driving it again).
+  bool just_progressed_ = false;
   ContextPtr context_;
   WorkerPtr ctrl_worker_;
   int wakeup_fd_ = -1;  // owned: an epoll fd over both workers' event fds (-1: none)
