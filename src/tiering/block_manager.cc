@@ -82,14 +82,14 @@ void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,
   s.has_key = true;
   s.key = key;
   ++st.cached[static_cast<int>(tier)];
-  events.Push(KvEvent{KvEventKind::kStored, key, tier, tier, ""});
+  events.Push({KvEventKind::kStored, key, tier, tier, nullptr, {}});
 }
 
 void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
   Cached& c = index.At(key);
   SlotOf(c.tier, c.id).has_key = false;
   --st.cached[static_cast<int>(c.tier)];
-  events.Push(KvEvent{KvEventKind::kMoved, key, c.tier, to, ""});
+  events.Push({KvEventKind::kMoved, key, c.tier, to, nullptr, {}});
   c.tier = to;
   c.id = id;
   tiering::Slot& s = SlotOf(to, id);
@@ -98,7 +98,7 @@ void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
   ++st.cached[static_cast<int>(to)];
 }
 
-void BlockManager::Impl::Drop(const BlockKey& key, std::string reason) {
+void BlockManager::Impl::Drop(const BlockKey& key, const char* why, std::string detail) {
   const Cached* c = index.Find(key);
   if (c == nullptr) return;
   const Tier tier = c->tier;
@@ -108,7 +108,7 @@ void BlockManager::Impl::Drop(const BlockKey& key, std::string reason) {
   index.Erase(key);
   --st.cached[static_cast<int>(tier)];
   ++st.dropped[static_cast<int>(tier)];
-  events.Push(KvEvent{KvEventKind::kRemoved, key, tier, tier, std::move(reason)});
+  events.Push({KvEventKind::kRemoved, key, tier, tier, why, std::move(detail)});
 }
 
 bool BlockManager::Impl::IndexedAt(const BlockKey& key, Tier tier, int64_t id) const {
@@ -252,7 +252,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   TransferManager::SubmitPlug plug(*m.tm);  // one wake of the submit thread per call
-  m.RetireAndSubmit(/*file_lane=*/false);   // the watermarks run in Poll and RemoveSequence
+  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   const size_t nblocks = (prompt.size() + m.tpb - 1) / m.tpb;
   Impl::SeqMap::node_type node = m.NewSequence(id);
   Sequence& seq = node.mapped();
@@ -278,7 +278,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   Admission adm;
   m.PlaceAndOnboard(seq, hits, fresh, nblocks, adm);
   m.StartPartialCopy(seq, cand);
-  m.StoreFullBlocks(seq, 0);
+  m.StoreFullBlocks(seq, seq.matched);  // the matched prefix is cached already
   adm.blocks = seq.blocks;
   adm.partial_tokens = seq.partial_tokens;
   adm.reused_tokens =
@@ -472,7 +472,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   TransferManager::SubmitPlug plug(*m.tm);
-  m.RetireAndSubmit(/*file_lane=*/false);  // the watermarks run in Poll and RemoveSequence
+  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   Sequence probe;
   probe.tokens.assign(prompt.begin(), prompt.end());
   ExtendKeys(probe, m.root, m.tpb);
@@ -533,7 +533,7 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
   TransferManager::SubmitPlug plug(*m.tm);
-  m.RetireAndSubmit(/*file_lane=*/false);  // the watermarks run in Poll and RemoveSequence
+  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   Sequence& s = it->second;
   const size_t need = (s.tokens.size() + tokens.size() + m.tpb - 1) / m.tpb;
   std::vector<int64_t>& fresh = m.scratch.fresh;
