@@ -278,7 +278,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   Admission adm;
   m.PlaceAndOnboard(seq, hits, fresh, nblocks, adm);
   m.StartPartialCopy(seq, cand);
-  m.StoreFullBlocks(seq, seq.matched);  // the matched prefix is cached already
+  m.StoreFullBlocks(seq, seq.matched);
   adm.blocks = seq.blocks;
   adm.partial_tokens = seq.partial_tokens;
   adm.reused_tokens =
@@ -299,7 +299,11 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
 // every hit so nothing evicts it meanwhile.
 void BlockManager::Impl::LeasePrefixHits(const Sequence& seq, std::vector<Hit>& hits) {
   hits.clear();
-  for (const BlockKey& key : seq.keys) {
+  const std::vector<BlockKey>& keys = seq.keys;
+  for (size_t i = 0; i < std::min(kPrefetchAhead, keys.size()); ++i) index.Prefetch(keys[i]);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i + kPrefetchAhead < keys.size()) index.Prefetch(keys[i + kPrefetchAhead]);
+    const BlockKey& key = keys[i];
     const Cached* c = index.Find(key);
     ++st.lookups;
     if (c == nullptr) break;
@@ -412,7 +416,16 @@ void BlockManager::Impl::StartPartialCopy(Sequence& seq, const Candidate& cand) 
 
 // Stores the sequence's full blocks from `first` on that are not cached yet under their keys.
 void BlockManager::Impl::StoreFullBlocks(const Sequence& seq, size_t first) {
-  for (size_t i = first; i < seq.keys.size(); ++i) {
+  const size_t n = seq.keys.size();
+  for (size_t i = first; i < std::min(first + kPrefetchAhead, n); ++i) {
+    index.Prefetch(seq.keys[i]);
+    index.PrefetchChildren(i == 0 ? root : seq.keys[i - 1]);
+  }
+  for (size_t i = first; i < n; ++i) {
+    if (const size_t a = i + kPrefetchAhead; a < n) {
+      index.Prefetch(seq.keys[a]);
+      index.PrefetchChildren(seq.keys[a - 1]);
+    }
     if (index.Contains(seq.keys[i])) continue;
     const BlockKey parent = i == 0 ? root : seq.keys[i - 1];
     std::span<const int32_t> toks(seq.tokens.data() + i * tpb, static_cast<size_t>(tpb));

@@ -219,6 +219,10 @@ struct BlockManager::Impl {
     bool found() const { return id >= 0; }
   };
   std::vector<Hit> hits_scratch;
+  // The walks over a prompt's keys (prefix lookup, storing the new blocks) prefetch the index
+  // buckets this many keys ahead: each key's bucket is a random cache line, and a 100-block
+  // prompt's misses then overlap instead of following one another.
+  static constexpr size_t kPrefetchAhead = 8;
   // Fills `hits` (cleared first).
   void LeasePrefixHits(const tiering::Sequence& seq, std::vector<Hit>& hits);
   Candidate LeasePartialCandidate(const tiering::Sequence& seq, size_t matched, size_t nblocks);

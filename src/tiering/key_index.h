@@ -50,6 +50,8 @@ class FlatKeyMap {
       if (b.key == key) return b.value;
     }
   }
+  // Starts loading the bucket where a lookup of `key` begins (a hint; no effect on contents).
+  void Prefetch(const BlockKey& key) const { __builtin_prefetch(&buckets_[Home(key)]); }
   // Sets key -> value (inserting or overwriting).
   void Put(const BlockKey& key, int32_t value) {
     if ((size_ + 1) * 2 > static_cast<int64_t>(buckets_.size())) Rehash(size_ + 1);
@@ -135,6 +137,11 @@ class KeyIndex {
     return e < 0 ? nullptr : &entries_[e];
   }
   bool Contains(const BlockKey& key) const { return keys_.Get(key) >= 0; }
+  // Starts loading what a lookup of `key` and an insert under `parent` first touch: a walk over a
+  // prompt's keys calls it a few keys ahead, so that the cache misses of those keys (random
+  // buckets) overlap instead of following one another.
+  void Prefetch(const BlockKey& key) const { keys_.Prefetch(key); }
+  void PrefetchChildren(const BlockKey& parent) const { heads_.Prefetch(parent); }
   // The entry of a key the caller knows is cached (a broken invariant aborts).
   Cached& At(const BlockKey& key) {
     Cached* c = Find(key);
