@@ -49,7 +49,8 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
       file(t.file()),
       block_bytes(t.primary().layout().block_bytes()),
       index(t.tier_blocks(Tier::kPrimary) + t.tier_blocks(Tier::kHost) +
-            t.tier_blocks(Tier::kFile)),
+                t.tier_blocks(Tier::kFile),
+            t.primary().shape().tokens_per_block),
       lru{tiering::PriorityLru(t.tier_blocks(Tier::kPrimary)),
           tiering::PriorityLru(t.tier_blocks(Tier::kHost)),
           tiering::PriorityLru(t.tier_blocks(Tier::kFile))} {

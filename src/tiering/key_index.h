@@ -10,7 +10,11 @@
 // live in a vector reused through a free list (an entry's token vector keeps its capacity), and
 // siblings are an intrusive doubly linked list headed in a second table keyed by the parent key,
 // so a parent's children are found again after the parent itself was dropped and re-registered.
-// Nothing is allocated per call once every entry has been used once.
+// Every entry is built at construction, its token vector reserved for a block's tokens, so that
+// nothing is allocated or first touched per call: before, the entries were made as the cache first
+// filled, a heap allocation per new key and a page fault every few dozen, on the engine's thread,
+// for as long as it took the tiers to fill once (all of bench tiering's run in the tiered modes,
+// whose working set stays below the index's capacity).
 //
 // Thread-compatible (the BlockManager's scheduler thread only).
 #pragma once
@@ -123,9 +127,15 @@ class FlatKeyMap {
 
 class KeyIndex {
  public:
-  // `capacity`: the most keys held at once (blocks + slots of every tier).
-  explicit KeyIndex(int64_t capacity) : keys_(capacity), heads_(capacity) {
-    entries_.reserve(static_cast<size_t>(capacity));
+  // `capacity`: the most keys held at once (blocks + slots of every tier); `tokens_per_entry`: the
+  // tokens an entry's vector is reserved for (a block's).
+  explicit KeyIndex(int64_t capacity, int64_t tokens_per_entry = 0)
+      : keys_(capacity), heads_(capacity), entries_(static_cast<size_t>(capacity)) {
+    free_.reserve(entries_.size());
+    for (size_t e = entries_.size(); e-- > 0;) {  // entry 0 first
+      entries_[e].tokens.reserve(static_cast<size_t>(tokens_per_entry));
+      free_.push_back(static_cast<int32_t>(e));
+    }
   }
   int64_t size() const { return keys_.size(); }
   Cached* Find(const BlockKey& key) {
