@@ -48,8 +48,7 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
       root(RootKey(o.identity)),
       file(t.file()),
       block_bytes(t.primary().layout().block_bytes()),
-      index(t.tier_blocks(Tier::kPrimary) + t.tier_blocks(Tier::kHost) +
-                t.tier_blocks(Tier::kFile),
+      index(t.tier_blocks(Tier::kPrimary) + t.tier_blocks(Tier::kHost) + t.tier_blocks(Tier::kFile),
             t.primary().shape().tokens_per_block),
       lru{tiering::PriorityLru(t.tier_blocks(Tier::kPrimary)),
           tiering::PriorityLru(t.tier_blocks(Tier::kHost)),
@@ -83,14 +82,14 @@ void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,
   s.has_key = true;
   s.key = key;
   ++st.cached[static_cast<int>(tier)];
-  events.Push({KvEventKind::kStored, key, tier, tier, nullptr, {}});
+  events.Push({KvEventKind::kStored, key, tier, tier});
 }
 
 void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
   Cached& c = index.At(key);
   SlotOf(c.tier, c.id).has_key = false;
   --st.cached[static_cast<int>(c.tier)];
-  events.Push({KvEventKind::kMoved, key, c.tier, to, nullptr, {}});
+  events.Push({KvEventKind::kMoved, key, c.tier, to});
   c.tier = to;
   c.id = id;
   tiering::Slot& s = SlotOf(to, id);

@@ -90,7 +90,7 @@ struct PendingEvent {
   Tier from = Tier::kPrimary;
   Tier to = Tier::kPrimary;
   const char* why = nullptr;  // kRemoved: the reason, if a constant
-  std::string detail;         // kRemoved: the reason otherwise
+  std::string detail{};       // kRemoved: the reason otherwise
 };
 
 // The router events waiting for DrainEvents: a ring of at most `cap`, its storage reserved at the

@@ -272,8 +272,9 @@ TEST(BlockManager, SteadyCallsAllocateOnlyWhatTheyReturn) {
 }
 
 // The index builds every entry up front, its tokens reserved for a block: the first fill of the
-// cache (a new key per block, for as long as the tiers take to fill once) allocates nothing. Before,
-// each first use of an entry allocated its token vector (and touched a new page every few dozen).
+// cache (a new key per block, for as long as the tiers take to fill once) allocates nothing.
+// Before, each first use of an entry allocated its token vector (and touched a new page every few
+// dozen).
 TEST(KeyIndex, FirstInsertsAllocateNothing) {
   if (!KVF_COUNTS_ALLOCS) GTEST_SKIP() << "a sanitizer's runtime owns operator new";
   KeyIndex index(64, 16);
@@ -365,8 +366,7 @@ TEST(BlockManager, EventRingReusesItsFrontAfterADrain) {
   int64_t dropped = 0;
   EventRing ring(1000, &dropped);
   auto ev = [](uint64_t n) {
-    return PendingEvent{KvEventKind::kStored, BlockKey{0, n}, Tier::kPrimary, Tier::kPrimary,
-                        nullptr, {}};
+    return PendingEvent{KvEventKind::kStored, BlockKey{0, n}, Tier::kPrimary, Tier::kPrimary};
   };
   for (uint64_t round = 0; round < 100; ++round) {
     for (uint64_t i = 0; i < 3; ++i) ring.Push(ev(round * 3 + i));
