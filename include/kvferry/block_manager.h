@@ -20,10 +20,11 @@
 // returned, call SyncWithCompute(compute); before blocks compute wrote are offloaded (every call
 // that allocates may evict), call WaitForCompute(compute) first.
 //
-// Nothing waits on the caller's thread (background tiering). Every public call first retires the
-// copies that finished, and Poll, RemoveSequence and PollReady also the file I/O (the calls that
-// allocate leave its per-block bookkeeping to them). Poll and RemoveSequence (not the calls that
-// allocate, whose stall the engine sees) then keep free blocks between watermarks: when the free
+// Nothing waits on the caller's thread (background tiering). Poll, RemoveSequence and PollReady
+// first retire the copies and file I/O that finished; the calls that allocate (AddSequence,
+// AppendTokens, Prefetch) retire nothing, leaving the completion queries and the per-block
+// bookkeeping to them. Poll and RemoveSequence (not the calls that allocate, whose stall the
+// engine sees) then keep free blocks between watermarks: when the free
 // primary blocks fall below free_low_pct of the pool, LRU victims are offloaded to the host tier
 // (on the offload stream) until free_high_pct are free, and likewise host victims are demoted to
 // the file tier (copies on the offload stream, the writes on the TransferManager's I/O thread), so
@@ -182,8 +183,7 @@ class BlockManager {
   // Waits up to `deadline` for the sequence's onboards (ready = false when it passes).
   StatusOr<Readiness> WaitReady(uint64_t id, Deadline deadline);
   // Retires finished copies and I/O and runs the watermarks (RemoveSequence does too; the calls
-  // that allocate only retire finished copies). Call it when idle, e.g. while a forward pass
-  // runs. Never waits.
+  // that allocate do neither). Call it when idle, e.g. while a forward pass runs. Never waits.
   void Poll();
   // The sequence's primary blocks, or kNotFound.
   StatusOr<std::vector<int64_t>> Blocks(uint64_t id) const;

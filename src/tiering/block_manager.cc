@@ -48,8 +48,8 @@ BlockManager::Impl::Impl(TransferManager& t, const BlockManagerOptions& o)
       root(RootKey(o.identity)),
       file(t.file()),
       block_bytes(t.primary().layout().block_bytes()),
-      index(t.tier_blocks(Tier::kPrimary) + t.tier_blocks(Tier::kHost) +
-            t.tier_blocks(Tier::kFile)),
+      index(t.tier_blocks(Tier::kPrimary) + t.tier_blocks(Tier::kHost) + t.tier_blocks(Tier::kFile),
+            t.primary().shape().tokens_per_block),
       lru{tiering::PriorityLru(t.tier_blocks(Tier::kPrimary)),
           tiering::PriorityLru(t.tier_blocks(Tier::kHost)),
           tiering::PriorityLru(t.tier_blocks(Tier::kFile))} {
@@ -82,14 +82,14 @@ void BlockManager::Impl::Register(const BlockKey& key, const BlockKey& parent,
   s.has_key = true;
   s.key = key;
   ++st.cached[static_cast<int>(tier)];
-  events.Push(KvEvent{KvEventKind::kStored, key, tier, tier, ""});
+  events.Push({KvEventKind::kStored, key, tier, tier});
 }
 
 void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
   Cached& c = index.At(key);
   SlotOf(c.tier, c.id).has_key = false;
   --st.cached[static_cast<int>(c.tier)];
-  events.Push(KvEvent{KvEventKind::kMoved, key, c.tier, to, ""});
+  events.Push({KvEventKind::kMoved, key, c.tier, to});
   c.tier = to;
   c.id = id;
   tiering::Slot& s = SlotOf(to, id);
@@ -98,7 +98,7 @@ void BlockManager::Impl::Relocate(const BlockKey& key, Tier to, int64_t id) {
   ++st.cached[static_cast<int>(to)];
 }
 
-void BlockManager::Impl::Drop(const BlockKey& key, std::string reason) {
+void BlockManager::Impl::Drop(const BlockKey& key, const char* why, std::string detail) {
   const Cached* c = index.Find(key);
   if (c == nullptr) return;
   const Tier tier = c->tier;
@@ -108,7 +108,7 @@ void BlockManager::Impl::Drop(const BlockKey& key, std::string reason) {
   index.Erase(key);
   --st.cached[static_cast<int>(tier)];
   ++st.dropped[static_cast<int>(tier)];
-  events.Push(KvEvent{KvEventKind::kRemoved, key, tier, tier, std::move(reason)});
+  events.Push({KvEventKind::kRemoved, key, tier, tier, why, std::move(detail)});
 }
 
 bool BlockManager::Impl::IndexedAt(const BlockKey& key, Tier tier, int64_t id) const {
@@ -252,7 +252,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   TransferManager::SubmitPlug plug(*m.tm);  // one wake of the submit thread per call
-  m.RetireAndSubmit(/*file_lane=*/false);   // the watermarks run in Poll and RemoveSequence
+  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   const size_t nblocks = (prompt.size() + m.tpb - 1) / m.tpb;
   Impl::SeqMap::node_type node = m.NewSequence(id);
   Sequence& seq = node.mapped();
@@ -278,7 +278,7 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   Admission adm;
   m.PlaceAndOnboard(seq, hits, fresh, nblocks, adm);
   m.StartPartialCopy(seq, cand);
-  m.StoreFullBlocks(seq, 0);
+  m.StoreFullBlocks(seq, seq.matched);
   adm.blocks = seq.blocks;
   adm.partial_tokens = seq.partial_tokens;
   adm.reused_tokens =
@@ -299,7 +299,11 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
 // every hit so nothing evicts it meanwhile.
 void BlockManager::Impl::LeasePrefixHits(const Sequence& seq, std::vector<Hit>& hits) {
   hits.clear();
-  for (const BlockKey& key : seq.keys) {
+  const std::vector<BlockKey>& keys = seq.keys;
+  for (size_t i = 0; i < std::min(kPrefetchAhead, keys.size()); ++i) index.Prefetch(keys[i]);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i + kPrefetchAhead < keys.size()) index.Prefetch(keys[i + kPrefetchAhead]);
+    const BlockKey& key = keys[i];
     const Cached* c = index.Find(key);
     ++st.lookups;
     if (c == nullptr) break;
@@ -412,7 +416,16 @@ void BlockManager::Impl::StartPartialCopy(Sequence& seq, const Candidate& cand) 
 
 // Stores the sequence's full blocks from `first` on that are not cached yet under their keys.
 void BlockManager::Impl::StoreFullBlocks(const Sequence& seq, size_t first) {
-  for (size_t i = first; i < seq.keys.size(); ++i) {
+  const size_t n = seq.keys.size();
+  for (size_t i = first; i < std::min(first + kPrefetchAhead, n); ++i) {
+    index.Prefetch(seq.keys[i]);
+    index.PrefetchChildren(i == 0 ? root : seq.keys[i - 1]);
+  }
+  for (size_t i = first; i < n; ++i) {
+    if (const size_t a = i + kPrefetchAhead; a < n) {
+      index.Prefetch(seq.keys[a]);
+      index.PrefetchChildren(seq.keys[a - 1]);
+    }
     if (index.Contains(seq.keys[i])) continue;
     const BlockKey parent = i == 0 ? root : seq.keys[i - 1];
     std::span<const int32_t> toks(seq.tokens.data() + i * tpb, static_cast<size_t>(tpb));
@@ -472,7 +485,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
   TransferManager::SubmitPlug plug(*m.tm);
-  m.RetireAndSubmit(/*file_lane=*/false);  // the watermarks run in Poll and RemoveSequence
+  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   Sequence probe;
   probe.tokens.assign(prompt.begin(), prompt.end());
   ExtendKeys(probe, m.root, m.tpb);
@@ -533,7 +546,7 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
   TransferManager::SubmitPlug plug(*m.tm);
-  m.RetireAndSubmit(/*file_lane=*/false);  // the watermarks run in Poll and RemoveSequence
+  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   Sequence& s = it->second;
   const size_t need = (s.tokens.size() + tokens.size() + m.tpb - 1) / m.tpb;
   std::vector<int64_t>& fresh = m.scratch.fresh;

@@ -80,6 +80,19 @@ inline int LaneOf(const Op& op) {
   return op.kind == OpKind::kOffload ? 0 : 1;
 }
 
+// A router event as the ring keeps it. A removal's reason is a constant (`why`, static storage)
+// or, on error paths, its own text (`detail`): a call that drops a prompt's worth of blocks (an
+// eviction with no lower tier, a host victim dropped before its demotion) formats no string and
+// allocates nothing on the engine's thread; DrainEvents spells the reason out.
+struct PendingEvent {
+  KvEventKind kind;
+  BlockKey key;
+  Tier from = Tier::kPrimary;
+  Tier to = Tier::kPrimary;
+  const char* why = nullptr;  // kRemoved: the reason, if a constant
+  std::string detail{};       // kRemoved: the reason otherwise
+};
+
 // The router events waiting for DrainEvents: a ring of at most `cap`, its storage reserved at the
 // first event (address space only: pages are touched as it fills) and never moved after; when
 // full, the oldest is overwritten and counted in `*dropped`. (It used to grow by doubling: a call
@@ -90,7 +103,7 @@ inline int LaneOf(const Op& op) {
 class EventRing {
  public:
   EventRing(int64_t cap, int64_t* dropped) : cap_(static_cast<size_t>(cap)), dropped_(dropped) {}
-  void Push(KvEvent e) {
+  void Push(PendingEvent e) {
     if (ring_.capacity() < cap_) ring_.reserve(cap_);
     const size_t at = (head_ + count_) % cap_;
     if (at < ring_.size()) {
@@ -108,7 +121,11 @@ class EventRing {
   std::vector<KvEvent> Drain() {
     std::vector<KvEvent> out;
     out.reserve(count_);
-    for (size_t i = 0; i < count_; ++i) out.push_back(std::move(ring_[(head_ + i) % cap_]));
+    for (size_t i = 0; i < count_; ++i) {
+      PendingEvent& e = ring_[(head_ + i) % cap_];
+      out.push_back(KvEvent{e.kind, e.key, e.from, e.to,
+                            e.why != nullptr ? std::string(e.why) : std::move(e.detail)});
+    }
     head_ = 0;  // empty: the next event goes to the front (see the class comment)
     count_ = 0;
     return out;
@@ -119,7 +136,7 @@ class EventRing {
  private:
   const size_t cap_;
   int64_t* const dropped_;
-  std::vector<KvEvent> ring_;
+  std::vector<PendingEvent> ring_;
   size_t head_ = 0, count_ = 0;
 };
 
@@ -179,7 +196,11 @@ struct BlockManager::Impl {
   void Register(const BlockKey& key, const BlockKey& parent, std::span<const int32_t> tokens,
                 Tier tier, int64_t id, int32_t priority, bool recovered = false);
   void Relocate(const BlockKey& key, Tier to, int64_t id);
-  void Drop(const BlockKey& key, std::string reason);
+  // Drops `key` from the cache; `reason` is a constant (static storage: nothing is formatted or
+  // allocated) or, on error paths, its own text.
+  void Drop(const BlockKey& key, const char* reason) { Drop(key, reason, {}); }
+  void Drop(const BlockKey& key, std::string reason) { Drop(key, nullptr, std::move(reason)); }
+  void Drop(const BlockKey& key, const char* why, std::string detail);
   bool IndexedAt(const BlockKey& key, Tier tier, int64_t id) const;
   void Lease(const tiering::Cached& c);
   void Unlease(Tier tier, int64_t id, int32_t priority);
@@ -198,6 +219,10 @@ struct BlockManager::Impl {
     bool found() const { return id >= 0; }
   };
   std::vector<Hit> hits_scratch;
+  // The walks over a prompt's keys (prefix lookup, storing the new blocks) prefetch the index
+  // buckets this many keys ahead: each key's bucket is a random cache line, and a 100-block
+  // prompt's misses then overlap instead of following one another.
+  static constexpr size_t kPrefetchAhead = 8;
   // Fills `hits` (cleared first).
   void LeasePrefixHits(const tiering::Sequence& seq, std::vector<Hit>& hits);
   Candidate LeasePartialCandidate(const tiering::Sequence& seq, size_t matched, size_t nblocks);
@@ -208,16 +233,17 @@ struct BlockManager::Impl {
   void StoreFullBlocks(const tiering::Sequence& seq, size_t first);
 
   // Movement (block_manager_io.cc). None of these waits.
-  // Retires what finished and submits deferred reads: what the calls that allocate do first,
-  // with `file_lane` false: they leave the file lane's ops (demotions, spills, reads from file
-  // slots) to Poll, RemoveSequence and PollReady, since retiring one is bookkeeping per item
-  // (relocation, slot lease handed to the index, LRU) for up to a file staging's worth of blocks,
-  // measured as the tiered mode's extra p99 on the engine's thread while the file tier was busy.
-  void RetireAndSubmit(bool file_lane = true);
+  // Retires what finished and submits deferred reads: what Poll, RemoveSequence and PollReady do
+  // first. The calls that allocate (AddSequence, AppendTokens, Prefetch) only submit deferred
+  // reads and retire nothing: retiring is bookkeeping per item (relocation, slot lease handed to
+  // the index, LRU) and a completion query per lane (a driver call on CUDA), measured as part of
+  // the tiered mode's extra stall on the engine's thread. A finished op only holds its leases and
+  // its batch state a little longer (until the next Poll).
+  void RetireAndSubmit();
   // That, then the watermarks (Poll, RemoveSequence): moving victims down ahead of need stays off
   // the allocation path, whose stall the engine sees.
   void Maintain();
-  void RetireFinished(bool file_lane = true);
+  void RetireFinished();
   // Whether `s`'s reused blocks hold their bytes, from what has been retired (no retiring).
   Readiness ReadinessOf(const tiering::Sequence& s) const;
   void Retire(tiering::Op& op);

@@ -21,8 +21,8 @@ void BlockManager::Impl::AddOp(Op op) {
   ops[tiering::LaneOf(op)].push_back(std::move(op));
 }
 
-void BlockManager::Impl::RetireAndSubmit(bool file_lane) {
-  RetireFinished(file_lane);
+void BlockManager::Impl::RetireAndSubmit() {
+  RetireFinished();
   SubmitDeferred();
 }
 
@@ -31,10 +31,10 @@ void BlockManager::Impl::Maintain() {
   RunWatermarks();
 }
 
-void BlockManager::Impl::RetireFinished(bool file_lane) {
+void BlockManager::Impl::RetireFinished() {
   // A lane's first unfinished op ends its polling: a call queries a few batches, not every one in
-  // flight (this runs at the start of every public call).
-  for (int l = 0; l < (file_lane ? tiering::kLanes : 2); ++l) {
+  // flight.
+  for (int l = 0; l < tiering::kLanes; ++l) {
     std::deque<Op>& lane = ops[l];
     while (!lane.empty() && lane.front().batch.Query()) {
       Op op = std::move(lane.front());
@@ -327,9 +327,7 @@ void BlockManager::Impl::EvictPrimary(std::span<const int64_t> victims) {
     }
     const int32_t prio = index.At(key).priority;
     if (prio < opt.offload_min_priority) {
-      Drop(key, fmt::format("evicted from the primary tier; priority {} is below "
-                            "offload_min_priority {}",
-                            prio, opt.offload_min_priority));
+      Drop(key, "evicted from the primary tier; its priority is below offload_min_priority");
       continue;
     }
     if (free_host.empty() && file != nullptr) {

@@ -10,7 +10,11 @@
 // live in a vector reused through a free list (an entry's token vector keeps its capacity), and
 // siblings are an intrusive doubly linked list headed in a second table keyed by the parent key,
 // so a parent's children are found again after the parent itself was dropped and re-registered.
-// Nothing is allocated per call once every entry has been used once.
+// Every entry is built at construction, its token vector reserved for a block's tokens, so that
+// nothing is allocated or first touched per call: before, the entries were made as the cache first
+// filled, a heap allocation per new key and a page fault every few dozen, on the engine's thread,
+// for as long as it took the tiers to fill once (all of bench tiering's run in the tiered modes,
+// whose working set stays below the index's capacity).
 //
 // Thread-compatible (the BlockManager's scheduler thread only).
 #pragma once
@@ -50,6 +54,8 @@ class FlatKeyMap {
       if (b.key == key) return b.value;
     }
   }
+  // Starts loading the bucket where a lookup of `key` begins (a hint; no effect on contents).
+  void Prefetch(const BlockKey& key) const { __builtin_prefetch(&buckets_[Home(key)]); }
   // Sets key -> value (inserting or overwriting).
   void Put(const BlockKey& key, int32_t value) {
     if ((size_ + 1) * 2 > static_cast<int64_t>(buckets_.size())) Rehash(size_ + 1);
@@ -121,9 +127,15 @@ class FlatKeyMap {
 
 class KeyIndex {
  public:
-  // `capacity`: the most keys held at once (blocks + slots of every tier).
-  explicit KeyIndex(int64_t capacity) : keys_(capacity), heads_(capacity) {
-    entries_.reserve(static_cast<size_t>(capacity));
+  // `capacity`: the most keys held at once (blocks + slots of every tier); `tokens_per_entry`: the
+  // tokens an entry's vector is reserved for (a block's).
+  explicit KeyIndex(int64_t capacity, int64_t tokens_per_entry = 0)
+      : keys_(capacity), heads_(capacity), entries_(static_cast<size_t>(capacity)) {
+    free_.reserve(entries_.size());
+    for (size_t e = entries_.size(); e-- > 0;) {  // entry 0 first
+      entries_[e].tokens.reserve(static_cast<size_t>(tokens_per_entry));
+      free_.push_back(static_cast<int32_t>(e));
+    }
   }
   int64_t size() const { return keys_.size(); }
   Cached* Find(const BlockKey& key) {
@@ -135,6 +147,11 @@ class KeyIndex {
     return e < 0 ? nullptr : &entries_[e];
   }
   bool Contains(const BlockKey& key) const { return keys_.Get(key) >= 0; }
+  // Starts loading what a lookup of `key` and an insert under `parent` first touch: a walk over a
+  // prompt's keys calls it a few keys ahead, so that the cache misses of those keys (random
+  // buckets) overlap instead of following one another.
+  void Prefetch(const BlockKey& key) const { keys_.Prefetch(key); }
+  void PrefetchChildren(const BlockKey& parent) const { heads_.Prefetch(parent); }
   // The entry of a key the caller knows is cached (a broken invariant aborts).
   Cached& At(const BlockKey& key) {
     Cached* c = Find(key);

@@ -1,6 +1,8 @@
 // PriorityLru: the eviction order of one tier. Ids 0..n-1; each queued id has a priority
 // 0..100; PopVictim takes the oldest id of the lowest non-empty priority. Intrusive lists over
-// preallocated arrays: nothing is allocated after construction. Thread-compatible.
+// one preallocated array of nodes (links and priority of an id side by side: removing a prompt's
+// prefix hits touches one cache line per id and its neighbours, not one in each of three
+// arrays): nothing is allocated after construction. Thread-compatible.
 #pragma once
 
 #include <array>
@@ -12,19 +14,20 @@ namespace kvferry::tiering {
 class PriorityLru {
  public:
   static constexpr int kLevels = 101;
-  explicit PriorityLru(int64_t n) : prev_(n, -1), next_(n, -1), prio_(n, -1) {
+  explicit PriorityLru(int64_t n) : nodes_(static_cast<size_t>(n)) {
     head_.fill(-1);
     tail_.fill(-1);
   }
   int64_t size() const { return size_; }
-  bool Contains(int64_t id) const { return prio_[id] >= 0; }
+  bool Contains(int64_t id) const { return nodes_[id].prio >= 0; }
   // Queues `id` as the newest of its priority. It must not be queued.
   void Push(int64_t id, int32_t priority) {
-    prio_[id] = priority;
-    prev_[id] = tail_[priority];
-    next_[id] = -1;
+    Node& n = nodes_[id];
+    n.prio = priority;
+    n.prev = tail_[priority];
+    n.next = -1;
     if (tail_[priority] >= 0) {
-      next_[tail_[priority]] = id;
+      nodes_[tail_[priority]].next = id;
     } else {
       head_[priority] = id;
     }
@@ -33,19 +36,20 @@ class PriorityLru {
   }
   // Removes `id` if queued.
   void Remove(int64_t id) {
-    const int32_t p = prio_[id];
+    Node& n = nodes_[id];
+    const int32_t p = n.prio;
     if (p < 0) return;
-    if (prev_[id] >= 0) {
-      next_[prev_[id]] = next_[id];
+    if (n.prev >= 0) {
+      nodes_[n.prev].next = n.next;
     } else {
-      head_[p] = next_[id];
+      head_[p] = n.next;
     }
-    if (next_[id] >= 0) {
-      prev_[next_[id]] = prev_[id];
+    if (n.next >= 0) {
+      nodes_[n.next].prev = n.prev;
     } else {
-      tail_[p] = prev_[id];
+      tail_[p] = n.prev;
     }
-    prio_[id] = -1;
+    n.prio = -1;
     --size_;
   }
   // The next victim (left queued), or -1.
@@ -63,8 +67,11 @@ class PriorityLru {
   }
 
  private:
-  std::vector<int64_t> prev_, next_;
-  std::vector<int32_t> prio_;
+  struct Node {
+    int64_t prev = -1, next = -1;
+    int32_t prio = -1;  // -1: not queued
+  };
+  std::vector<Node> nodes_;
   std::array<int64_t, kLevels> head_{}, tail_{};
   int64_t size_ = 0;
 };

@@ -250,17 +250,23 @@ struct TransferManager::Impl {
     return 0;
   }
 
+  // A batch state nobody references and whose batch has finished, or a new one. A state whose
+  // end was already observed (the BlockManager retires an op only after TransferBatch::Query saw
+  // it finish) is taken as it is: no lock and no event query, which on CUDA is a driver call on
+  // the caller's thread, under `mu`. Others are checked as before.
   std::shared_ptr<BatchState> AcquireBatch() REQUIRES(mu) {
     for (size_t n = 0; n < batches.size(); ++n) {
       size_t i = (batch_cursor + n) % batches.size();
       auto& b = batches[i];
       if (b.use_count() != 1) continue;
-      {
-        MutexLock lock(b->mu);
-        if (!b->host_done) continue;
+      if (!b->observed.load()) {
+        {
+          MutexLock lock(b->mu);
+          if (!b->host_done) continue;
+        }
+        if (!b->event->Query()) continue;
+        b->ObserveDone();
       }
-      if (!b->event->Query()) continue;
-      b->ObserveDone();
       batch_cursor = i + 1;
       return b;
     }
