@@ -297,6 +297,27 @@ TEST(KeyIndex, FirstInsertsAllocateNothing) {
   EXPECT_EQ(index.Find(BlockKey{8, 63})->tokens, toks);
 }
 
+// The batches a call makes start when it returns, with nothing else to kick the submit thread:
+// the call's plug (taken by its first batch) is released on return. Poll here makes no batch, so
+// it neither plugs nor wakes: a plug left behind would keep the onboard and the offload queued.
+TEST(BlockManager, BatchesOfACallStartWhenItReturns) {
+  Env e(8, 32, 0);
+  const int32_t tokens = 6 * 4;
+  e.Run(1, 1, tokens);
+  e.Run(2, 2, tokens);  // evicts conversation 1 to the host tier
+  e.Settle();
+  auto a = e.bm->AddSequence(3, Conv(1, tokens));  // host hits: an onboard, and an offload
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_GT(a->hits[1], 0);
+  EXPECT_GT(e.bm->stats().ops_in_flight, 0);
+  const Deadline deadline = DeadlineIn(10s);
+  while (e.bm->stats().ops_in_flight > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+    e.bm->Poll();
+  }
+  EXPECT_EQ(e.bm->stats().ops_in_flight, 0);
+}
+
 // An allocation that evicts with no lower tier drops its victims: their removal events keep a
 // constant reason, spelled out by DrainEvents, so the call allocates what it returns and nothing
 // per dropped block. Before, each drop formatted its reason into a new std::string (longer than
