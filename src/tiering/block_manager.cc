@@ -251,8 +251,8 @@ StatusOr<Admission> BlockManager::AddSequence(uint64_t id, std::span<const int32
   if (priority < kMinPriority || priority > kMaxPriority) {
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
-  TransferManager::SubmitPlug plug(*m.tm);  // one wake of the submit thread per call
-  m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
+  Impl::CallPlug plug(m);  // one wake of the submit thread per call that makes batches
+  m.SubmitDeferred();      // retiring and the watermarks: Poll, RemoveSequence, PollReady
   const size_t nblocks = (prompt.size() + m.tpb - 1) / m.tpb;
   Impl::SeqMap::node_type node = m.NewSequence(id);
   Sequence& seq = node.mapped();
@@ -435,6 +435,7 @@ void BlockManager::Impl::StoreFullBlocks(const Sequence& seq, size_t first) {
 
 StatusOr<Readiness> BlockManager::PollReady(uint64_t id) {
   Impl& m = *impl_;
+  Impl::CallPlug plug(m);  // deferred file reads may start
   m.RetireFinished();
   m.SubmitDeferred();
   auto it = m.seqs.find(id);
@@ -484,7 +485,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
   if (priority < kMinPriority || priority > kMaxPriority) {
     return Status::InvalidArgument(fmt::format("priority {} outside [0, 100]", priority));
   }
-  TransferManager::SubmitPlug plug(*m.tm);
+  Impl::CallPlug plug(m);
   m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   Sequence probe;
   probe.tokens.assign(prompt.begin(), prompt.end());
@@ -537,7 +538,7 @@ StatusOr<int64_t> BlockManager::Prefetch(std::span<const int32_t> prompt, int32_
 }
 
 void BlockManager::Poll() {
-  TransferManager::SubmitPlug plug(*impl_->tm);
+  Impl::CallPlug plug(*impl_);
   impl_->Maintain();
 }
 
@@ -545,7 +546,7 @@ Status BlockManager::AppendTokens(uint64_t id, std::span<const int32_t> tokens) 
   Impl& m = *impl_;
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
-  TransferManager::SubmitPlug plug(*m.tm);
+  Impl::CallPlug plug(m);
   m.SubmitDeferred();  // retiring and the watermarks: Poll, RemoveSequence, PollReady
   Sequence& s = it->second;
   const size_t need = (s.tokens.size() + tokens.size() + m.tpb - 1) / m.tpb;
@@ -566,7 +567,7 @@ Status BlockManager::RemoveSequence(uint64_t id) {
   Impl& m = *impl_;
   auto it = m.seqs.find(id);
   if (it == m.seqs.end()) return Status::NotFound(fmt::format("sequence {} does not exist", id));
-  TransferManager::SubmitPlug plug(*m.tm);
+  Impl::CallPlug plug(m);
   for (int64_t b : it->second.blocks) m.Unref(b, it->second.priority);
   m.RecycleSequence(it);
   m.Maintain();

@@ -270,9 +270,36 @@ struct BlockManager::Impl {
   void SubmitFileRead(tiering::Op op);  // now, or deferred behind earlier reads
   void StartFileRead(tiering::Op op);   // now (staging is free)
   void AddOp(tiering::Op op);
-  // Runs `submit` (a TransferManager call) and adds its time to st.submit_ns.
+  // The TransferManager's submission plug, taken by the first batch a public call makes (Submit)
+  // and released when the call returns (CallPlug, in every public call that can make batches):
+  // one wake of the submit thread per call that made batches, and a call that makes none (most
+  // AppendTokens) neither takes the manager's mutex, which the submit and I/O threads hold while
+  // they order and plan batches, nor wakes anything. Outside a CallPlug, Submit does not plug.
+  int call_depth = 0;
+  bool plugged = false;
+  class CallPlug {
+   public:
+    explicit CallPlug(Impl& m) : m_(m) { ++m_.call_depth; }
+    ~CallPlug() {
+      if (--m_.call_depth == 0 && m_.plugged) {
+        m_.plugged = false;
+        m_.tm->Unplug();
+      }
+    }
+    CallPlug(const CallPlug&) = delete;
+    CallPlug& operator=(const CallPlug&) = delete;
+
+   private:
+    Impl& m_;
+  };
+  // Runs `submit` (a TransferManager call that makes a batch, under the call's plug) and adds its
+  // time to st.submit_ns.
   template <typename F>
   auto Submit(F&& submit) {
+    if (call_depth > 0 && !plugged) {
+      tm->Plug();
+      plugged = true;
+    }
     const Clock::time_point t0 = Clock::now();
     auto batch = submit();
     st.submit_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
