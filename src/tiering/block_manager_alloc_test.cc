@@ -27,6 +27,16 @@
 namespace {
 thread_local bool g_count_allocs = false;
 thread_local int64_t g_allocs = 0;
+
+// The calling thread's heap allocations in fn() (when `on`; else 0).
+template <typename Fn>
+int64_t AllocsIn(Fn&& fn, bool on = true) {
+  g_allocs = 0;
+  g_count_allocs = on;
+  fn();
+  g_count_allocs = false;
+  return on ? g_allocs : 0;
+}
 }  // namespace
 #if KVF_COUNTS_ALLOCS
 void* operator new(std::size_t n) {
@@ -69,21 +79,15 @@ TEST(BlockManager, SteadyCallsAllocateOnlyWhatTheyReturn) {
     const bool counted = k >= 12;
     const std::vector<int32_t> prompt = Conv(c, tokens);
     const std::vector<int32_t> more = Conv(c, 2, tokens);
-    g_allocs = 0;
-    g_count_allocs = counted;
-    auto a = e.bm->AddSequence(id, prompt, kDefaultPriority);
-    g_count_allocs = false;
+    StatusOr<Admission> a = Status::Internal("not called");
+    add_allocs += AllocsIn([&] { a = e.bm->AddSequence(id, prompt, kDefaultPriority); }, counted);
     ASSERT_TRUE(a.ok()) << a.status().ToString();
-    add_allocs += g_allocs;
     adds += counted;
     host_hits += a->hits[1];
     e.Compute(a->blocks, static_cast<uint64_t>(c), tokens);
-    g_allocs = 0;
-    g_count_allocs = counted;
-    Status st = e.bm->AppendTokens(id, more);
-    g_count_allocs = false;
+    Status st;
+    append_allocs += AllocsIn([&] { st = e.bm->AppendTokens(id, more); }, counted);
     ASSERT_TRUE(st.ok()) << st.ToString();
-    append_allocs += g_allocs;
     ASSERT_TRUE(e.bm->RemoveSequence(id++).ok());
     e.Settle();
   }
@@ -101,19 +105,19 @@ TEST(KeyIndex, FirstInsertsAllocateNothing) {
   if (!KVF_COUNTS_ALLOCS) GTEST_SKIP() << "a sanitizer's runtime owns operator new";
   KeyIndex index(64, 16);
   const std::vector<int32_t> toks = Conv(1, 16);
-  g_allocs = 0;
-  g_count_allocs = true;
-  BlockKey parent{};
-  for (uint64_t k = 1; k <= 64; ++k) {
-    index.Insert(BlockKey{7, k}, parent, toks, Tier::kPrimary, static_cast<int64_t>(k), 50, false);
-    parent = BlockKey{7, k};
-  }
-  for (uint64_t k = 1; k <= 64; k += 2) index.Erase(BlockKey{7, k});
-  for (uint64_t k = 1; k <= 64; k += 2) {
-    index.Insert(BlockKey{8, k}, BlockKey{7, k + 1}, toks, Tier::kHost, 0, 50, false);
-  }
-  g_count_allocs = false;
-  EXPECT_EQ(g_allocs, 0);
+  const int64_t allocs = AllocsIn([&] {
+    BlockKey parent{};
+    for (uint64_t k = 1; k <= 64; ++k) {
+      index.Insert(BlockKey{7, k}, parent, toks, Tier::kPrimary, static_cast<int64_t>(k), 50,
+                   false);
+      parent = BlockKey{7, k};
+    }
+    for (uint64_t k = 1; k <= 64; k += 2) index.Erase(BlockKey{7, k});
+    for (uint64_t k = 1; k <= 64; k += 2) {
+      index.Insert(BlockKey{8, k}, BlockKey{7, k + 1}, toks, Tier::kHost, 0, 50, false);
+    }
+  });
+  EXPECT_EQ(allocs, 0);
   EXPECT_EQ(index.size(), 64);
   ASSERT_NE(index.Find(BlockKey{8, 63}), nullptr);
   EXPECT_EQ(index.Find(BlockKey{8, 63})->tokens, toks);
@@ -135,12 +139,9 @@ TEST(BlockManager, DroppingCallsAllocateNothingPerBlock) {
   const int64_t dropped_before = e.bm->stats().dropped[0];
   for (int32_t c = 4; c <= 9; ++c) {
     const std::vector<int32_t> prompt = Conv(c, tokens);
-    g_allocs = 0;
-    g_count_allocs = true;
-    auto a = e.bm->AddSequence(id, prompt, kDefaultPriority);
-    g_count_allocs = false;
+    StatusOr<Admission> a = Status::Internal("not called");
+    allocs += AllocsIn([&] { a = e.bm->AddSequence(id, prompt, kDefaultPriority); });
     ASSERT_TRUE(a.ok()) << a.status().ToString();
-    allocs += g_allocs;
     ASSERT_TRUE(e.bm->RemoveSequence(id++).ok());
   }
   EXPECT_GE(e.bm->stats().dropped[0] - dropped_before, 6 * 4);
