@@ -411,12 +411,11 @@ Status TransferManager::Impl::EnqueueCopies(BatchState& b, Tier from, Tier to,
   for (const BlockMove& mv : moves) toks.push_back(mv.tokens);
   std::vector<CopyDesc>& desc = submit_desc;
   desc.clear();
-  const tiering::TierView& sv = views[static_cast<int>(from)];
-  auto src_of = [&](size_t i) { return moves[i].src; };
   const bool staged = Staged(from, to, moves);
   if (to == Tier::kFile) {  // staging holds whole blocks: the file always stores the whole block
     Plan(
-        sv, staging_view, moves.size(), src_of,
+        views[static_cast<int>(from)], staging_view, moves.size(),
+        [&](size_t i) { return moves[i].src; },
         [&](size_t i) { return StagingSlot(staging_first, i); }, toks, desc, bytes);
   }
   size_t ndesc = desc.size();
@@ -424,13 +423,13 @@ Status TransferManager::Impl::EnqueueCopies(BatchState& b, Tier from, Tier to,
   {
     std::lock_guard<std::mutex> streamed(stream_mu[b.stream]);
     st = EnqueueWaits(b.stream, waits);
-    if (st.ok() && (staged || to != Tier::kFile)) {
+    if (st.ok() && to == Tier::kFile) {  // into file staging, planned above
+      if (!desc.empty()) st = streams[b.stream]->CopyBatch(desc);
+    } else if (st.ok()) {
       auto copied = staged ? CopyStaged(b.stream, from, to, moves, toks, desc, bytes)
                            : CopyDirect(b.stream, from, to, moves, toks, desc, bytes);
       st = copied.status();
       ndesc = copied.ok() ? *copied : 0;
-    } else if (st.ok() && !desc.empty()) {
-      st = streams[b.stream]->CopyBatch(desc);
     }
     if (st.ok()) st = streams[b.stream]->Record(*b.event);
   }
