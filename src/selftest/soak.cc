@@ -3,6 +3,19 @@
 #include <fmt/format.h>
 #include <malloc.h>
 #include <unistd.h>
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVF_SOAK_SANITIZER 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVF_SOAK_SANITIZER 1
+#endif
+#ifdef KVF_SOAK_SANITIZER
+// The sanitizer runtimes' allocator interface (sanitizer/allocator_interface.h, which GCC's
+// packages don't install).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -76,11 +89,21 @@ Rss ReadRss() {
   return r;
 }
 
+#ifdef KVF_SOAK_SANITIZER
+constexpr bool kSanitizer = true;
+// Bytes the sanitizer's allocator has handed out and not had back (it replaces malloc, so
+// mallinfo2 sees none).
+double HeapMiB() {
+  return static_cast<double>(__sanitizer_get_current_allocated_bytes()) / (1 << 20);
+}
+#else
+constexpr bool kSanitizer = false;
 // Bytes malloc has handed out and not had back (arenas and mmapped chunks).
 double HeapMiB() {
   struct mallinfo2 m = mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd) / (1 << 20);
 }
+#endif
 
 using RankKey = std::pair<bool, int>;  // (context, rank)
 
@@ -148,6 +171,9 @@ class Soak {
     auto growth = [](double from, double to) { return from > 0 ? 100.0 * (to - from) / from : 0; };
     report_.rss_growth_pct = growth(report_.rss_quarter_mib, report_.rss_end_mib);
     report_.anon_growth_pct = growth(report_.anon_quarter_mib, report_.anon_end_mib);
+    report_.heap_growth_pct = growth(report_.heap_quarter_mib, report_.heap_end_mib);
+    report_.sanitizer = kSanitizer;
+    report_.growth_pct = kSanitizer ? report_.heap_growth_pct : report_.rss_growth_pct;
     return report_;
   }
 
