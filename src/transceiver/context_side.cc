@@ -85,6 +85,8 @@ void ContextSideImpl::OnControl(PeerId from, ControlMsg msg) {
   if (auto* d = std::get_if<DoneMsg>(&msg)) {
     if (SendPair* p = FindPair(d->request_id, from, d->transfer_id))
       Step(requests_.at(d->request_id), *p, PairEvent::kDone);
+    else
+      pending_.AddDone(from, *d);  // a pair with no chunks whose FETCH waits for MarkReady
     return;
   }
   if (auto* a = std::get_if<AbortMsg>(&msg)) {
@@ -237,12 +239,12 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
     SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});
     // Fetches that arrived before this rank knew the request.
     for (PendingFetch& pf : pending_.Take(id))
-      OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits));
+      OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits), pf.done);
     return EncodeHandle(h);
   });
 }
 
-void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits) {
+void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits, bool done) {
   const PeerId peer = from;  // the transport connects back to a control sender by itself
   CtxRequest* r = Find(f.request_id);
   if (!r) {
@@ -261,7 +263,7 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
                         "requests are already waiting (the limit)",
                         f.request_id, pool_.slice().rank, PendingFetches::kMaxFetches)));
     }
-    pending_.Add(PendingFetch{peer, std::move(f), std::move(credits),
+    pending_.Add(PendingFetch{peer, std::move(f), std::move(credits), done,
                               Clock::now() + options_.unknown_request_wait});
     return;
   }
@@ -366,11 +368,14 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   }
   r->state = TransferState::kInProgress;
   SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
-  // A pair that may end by a CHUNK saying complete answers by that CHUNK (FoldComplete).
-  p.accept_owed = Foldable(p);
-  if (!p.accept_owed) SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, p.mapped != nullptr});
+  // ACCEPT says which data path the pair takes (wire version 7): a peer-memory pair's first
+  // CHUNK says it instead, and a pair with no chunks needs no answer (its generation rank says
+  // DONE once its other pairs' chunks are in place).
+  if (!p.mapped && !p.plan.chunks.empty())
+    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, false});
   SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
   for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
+  if (done) Step(*r, added, PairEvent::kDone);
 }
 
 // Tagged credits count posted receives; one-sided ones name the staging slot of each newly
@@ -420,8 +425,6 @@ void ContextSideImpl::FoldComplete(CtxRequest& r) {
   }
   if (!foldable) {  // a pair without peer memory (or with checksums) says DONE: COMPLETE as usual
     for (auto& [g, p] : r.pairs) {
-      if (p.accept_owed) SendMsg(p.peer, AcceptMsg{r.id, p.transfer_id, true, true});
-      p.accept_owed = false;
       if (!p.last_report) continue;
       SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.last_report->first),
                                p.last_report->count, false, 0});
@@ -438,18 +441,11 @@ void ContextSideImpl::FoldComplete(CtxRequest& r) {
                   p.last_report->count,
                   false,
                   0};
-    last.complete = true;  // and, when still owed, ACCEPT (peer memory)
+    last.complete = true;
     SendMsg(p.peer, last);
     p.last_report.reset();
-    p.accept_owed = false;
     Step(r, p, PairEvent::kCompleteFolded);
   }
-}
-
-void ContextSideImpl::SendChunk(const CtxRequest& r, SendPair& p, const ChunkMsg& m) {
-  if (p.accept_owed) SendMsg(p.peer, AcceptMsg{r.id, p.transfer_id, true, true});
-  p.accept_owed = false;
-  SendMsg(p.peer, m);
 }
 
 int ContextSideImpl::DoneCount(const CtxRequest& r) const {

@@ -53,9 +53,6 @@ struct SendPair {
   // Peer memory on a lone context rank (FoldComplete): the pair's last CHUNK, held until every
   // pair's copies landed so that it can say complete.
   std::optional<LandedChunks> last_report;
-  // FoldComplete: ACCEPT (peer memory) is not sent yet; the CHUNK saying complete stands for it,
-  // or it goes out before the pair's first other message (SendChunk).
-  bool accept_owed = false;
   bool drained() const {
     return next == plan.chunks.size() && inflight.empty() && (!mapped || mapped->copying() == 0);
   }
@@ -135,7 +132,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Requests, FETCH, credits and ending (context_side.cc).
   StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks,
                                          int64_t tokens, bool all_ready);
-  void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits);
+  // `done`: the generation rank's DONE for this pair came before the request was known (a pair
+  // with no chunks says DONE without waiting for an answer).
+  void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits, bool done = false);
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c);
   void Reject(PeerId peer, const FetchMsg& f, const Status& why);
   // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
@@ -147,8 +146,6 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // pairs' last CHUNKs say complete (wire version 6) and neither DONE nor COMPLETE is exchanged.
   // Holds each pair's last CHUNK until then; releases them as plain CHUNKs when a pair can't fold.
   void FoldComplete(CtxRequest& r);
-  // Sends a CHUNK of the pair, after its ACCEPT if that is still owed.
-  void SendChunk(const CtxRequest& r, SendPair& p, const ChunkMsg& m);
   bool Foldable(const SendPair& p) const {
     return lone_rank_ && p.mapped && !p.checksum && !p.plan.chunks.empty();
   }

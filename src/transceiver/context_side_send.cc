@@ -123,18 +123,16 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
       NoteChunk(r.id, p.plan.chunks[l.chunk + i].bytes, l.started);
     }
     if (l.has_checksum) {
-      SendChunk(
-          r, p,
-          ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(l.chunk), l.count, true, l.checksum});
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(l.chunk), l.count, true,
+                               l.checksum});
     }
   }
   if (auto report = p.mapped->TakeReport(); report && !r.ending) {
     if (Foldable(p) && report->first + report->count == p.plan.chunks.size()) {
       p.last_report = report;  // FoldComplete sends it
     } else {
-      SendChunk(r, p,
-                ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(report->first), report->count,
-                         false, 0});
+      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(report->first),
+                               report->count, false, 0});
     }
   }
   return busy;

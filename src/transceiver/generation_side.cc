@@ -207,10 +207,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
       // A CHUNK saying complete ends the pair (the context rank stopped copying), also when this
       // request is ending already.
-      // In phase fetched it also stands for ACCEPT with peer memory.
+      // In phase fetched any CHUNK also stands for ACCEPT with peer memory (wire version 7).
       const PairEvent e = k->complete ? PairEvent::kChunkComplete : PairEvent::kChunk;
       if (auto [r, p] = find(k->request_id, k->transfer_id); p) {
-        const bool accepts = k->complete && p->state.Is(PairPhase::kFetched);
+        const bool accepts = p->state.Is(PairPhase::kFetched);
         if (Status st = CheckComplete(*r, *p, *k); !st.ok()) {
           End(*r, TransferState::kError, st, true);
         } else if (Step(*r, *p, e)) {
@@ -244,8 +244,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       bool local_done = true, all_done = true, drained = true;
       for (RecvPair& p : r.pairs) {
         busy |= AdvancePair(r, p);
-        // (A closed pair ended the request: local_done counts only while it is not ending.)
-        local_done &= !p.state.Is(PairPhase::kFetched) && p.completed == p.plan.chunks.size();
+        // (A closed pair ended the request: local_done counts only while it is not ending.) A
+        // pair with no chunks is not answered by ACCEPT: it is done from the start.
+        local_done &= (!p.state.Is(PairPhase::kFetched) || p.plan.chunks.empty()) &&
+                      p.completed == p.plan.chunks.size();
         all_done &= p.state.Is(PairPhase::kCompleted);
         // The watch stays until nothing of ours waits for this context rank to stop putting.
         if (p.watch && !p.watch->Done() &&
@@ -256,7 +258,9 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       // Every chunk from every context rank is in place: tell them all.
       if (!r.ending && local_done) {
         for (RecvPair& p : r.pairs) {
-          if (p.state.Is(PairPhase::kAccepted) && Step(r, p, PairEvent::kDoneSent)) {
+          const bool owes = p.state.Is(PairPhase::kAccepted) ||
+                            (p.state.Is(PairPhase::kFetched) && p.plan.chunks.empty());
+          if (owes && Step(r, p, PairEvent::kDoneSent)) {
             SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
             busy = true;
           }
@@ -309,11 +313,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (r.ending) return {};
       for (const RecvPair& p : r.pairs) {
         if (p.state.final()) continue;
-        // A FETCH that offered peer memory may be answered by CHUNK (FoldComplete) after the
-        // copies: waiting for that answer is waiting for a message too.
-        const bool waits = p.peer_mem
-                               ? p.state.Is(PairPhase::kAccepted) || p.state.Is(PairPhase::kDone)
-                               : p.peer_offered && p.state.Is(PairPhase::kFetched);
+        // A FETCH that offered peer memory is answered by its first CHUNK after the copies, and
+        // a pair with no chunks waits only for COMPLETE: waiting for a message too.
+        const bool waits = p.peer_mem || p.plan.chunks.empty() ||
+                           (p.peer_offered && p.state.Is(PairPhase::kFetched));
         if (!waits) return {};
         for (const RecvOp& o : p.inflight) {
           if (o.op || o.unpacked) return {};

@@ -156,8 +156,7 @@ TEST(PairState, GenerationWalksForwardOnly) {
   EXPECT_EQ(early.status().message(),
             "COMPLETE in phase fetched of a generation pair: the protocol has no such step");
   EXPECT_TRUE(s.Is(P::kFetched)) << "an illegal event changed the phase";
-  EXPECT_FALSE(s.On(E::kChunk).ok());     // CHUNK before ACCEPT
-  EXPECT_FALSE(s.On(E::kDoneSent).ok());  // DONE before ACCEPT
+  EXPECT_FALSE(s.On(E::kCredit).ok());  // a context-side event
   EXPECT_EQ(*s.On(E::kAccept), PairStep::kMove);
   EXPECT_EQ(*s.On(E::kAccept), PairStep::kIgnore);  // the transport delivered it twice
   EXPECT_EQ(*s.On(E::kChunk), PairStep::kWithin);
@@ -170,6 +169,27 @@ TEST(PairState, GenerationWalksForwardOnly) {
   EXPECT_EQ(*s.On(E::kPeerLost), PairStep::kIgnore);  // it owes nothing more
   EXPECT_FALSE(s.On(E::kAbort).ok());
   EXPECT_TRUE(s.Is(P::kCompleted));
+}
+
+// Wire version 7: a peer-memory pair's first CHUNK stands for its ACCEPT, and a pair with no
+// chunks is never answered by ACCEPT: its DONE goes out from phase fetched, and a REJECT may
+// still follow it.
+TEST(PairState, GenerationSkipsAcceptWhenNoneIsSent) {
+  PairState peer(PairSide::kGeneration);
+  EXPECT_EQ(*peer.On(E::kChunk), PairStep::kMove);
+  EXPECT_TRUE(peer.Is(P::kAccepted));
+  EXPECT_EQ(*peer.On(E::kChunk), PairStep::kWithin);
+  EXPECT_EQ(*peer.On(E::kDoneSent), PairStep::kMove);
+  EXPECT_EQ(*peer.On(E::kComplete), PairStep::kMove);
+  EXPECT_TRUE(peer.Is(P::kCompleted));
+
+  PairState empty(PairSide::kGeneration);
+  EXPECT_EQ(*empty.On(E::kDoneSent), PairStep::kMove);
+  EXPECT_TRUE(empty.Is(P::kDone));
+  EXPECT_FALSE(empty.On(E::kChunk).ok());   // no chunk after DONE
+  EXPECT_FALSE(empty.On(E::kAccept).ok());  // nor an ACCEPT
+  EXPECT_EQ(*empty.On(E::kReject), PairStep::kMove);
+  EXPECT_TRUE(empty.Is(P::kClosed));
 }
 
 TEST(PairState, ClosedIsFinalFromAnyOpenPhase) {
@@ -225,6 +245,9 @@ TEST(PairState, TransitionTable) {
       {{P::kFetched, E::kAbort}, {PairStep::kMove, P::kClosed}},
       {{P::kFetched, E::kPeerLost}, {PairStep::kMove, P::kClosed}},
       {{P::kFetched, E::kChunkComplete}, {PairStep::kMove, P::kCompleted}},
+      {{P::kFetched, E::kChunk}, {PairStep::kMove, P::kAccepted}},
+      {{P::kFetched, E::kDoneSent}, {PairStep::kMove, P::kDone}},
+      {{P::kDone, E::kReject}, {PairStep::kMove, P::kClosed}},
       {{P::kAccepted, E::kAccept}, {PairStep::kIgnore, P::kAccepted}},
       {{P::kAccepted, E::kChunk}, {PairStep::kWithin, P::kAccepted}},
       {{P::kAccepted, E::kDoneSent}, {PairStep::kMove, P::kDone}},

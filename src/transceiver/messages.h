@@ -40,7 +40,11 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // Version 6: a CHUNK may say the request is complete (flags bit 1): a context rank that alone
 // serves its DP group and copied every chunk into the mapped peer pools ends the pair with its last
 // CHUNK, with no DONE and no COMPLETE (two messages fewer per pair).
-inline constexpr uint8_t kMessageVersion = 6;
+// Version 7: ACCEPT only for pairs with chunks that do not copy into peer memory: a peer-memory
+// pair's first CHUNK stands for ACCEPT mode 2, and a pair with no chunks gets no answer (its
+// generation rank sends DONE once its other pairs' chunks are in place). TP2->TP4: 28 messages
+// per request instead of 36.
+inline constexpr uint8_t kMessageVersion = 7;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 

@@ -3,14 +3,16 @@
 // instead of flags (accepted, done_sent, completed_ack, closed, peer_ended) each path tests and
 // sets on its own. Every protocol event of a pair goes through PairState::On, which says what the
 // event does in the pair's phase; an event the protocol has no step for (a COMPLETE before this
-// rank's DONE, a CHUNK before ACCEPT, a CREDIT after DONE, a DONE after ABORT) is an error naming
+// rank's DONE, a CHUNK after DONE, a CREDIT after DONE, a DONE after ABORT) is an error naming
 // the event and the phase, which the side turns into the request's failure.
 //
 //   generation side (pair made by FETCH):
 //     fetched   --ACCEPT--> accepted --DONE sent--> done --COMPLETE--> completed
+//     fetched   --CHUNK--> accepted  (peer memory: the first CHUNK stands for ACCEPT)
+//     fetched   --DONE sent--> done  (a pair with no chunks: no ACCEPT answers it)
 //     fetched, accepted --CHUNK saying complete--> completed  (a lone context rank's peer copies:
 //                          no DONE; in fetched it stands for ACCEPT with peer memory too)
-//     fetched   --REJECT--> closed
+//     fetched, done --REJECT--> closed  (done: a pair with no chunks said DONE first)
 //     fetched, accepted, done --ABORT / context rank lost--> closed
 //     within accepted: CHUNK
 //   context side (pair made when this rank accepts a FETCH):

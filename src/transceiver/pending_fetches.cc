@@ -13,6 +13,14 @@ void PendingFetches::AddCredit(PeerId from, const CreditMsg& c) {
   }
 }
 
+void PendingFetches::AddDone(PeerId from, const DoneMsg& d) {
+  for (PendingFetch& pf : list_) {
+    if (pf.from == from && pf.fetch.request_id == d.request_id &&
+        pf.fetch.transfer_id == d.transfer_id)
+      pf.done = true;
+  }
+}
+
 void PendingFetches::Drop(PeerId from, uint64_t request_id, uint32_t transfer_id) {
   std::erase_if(list_, [&](const PendingFetch& pf) {
     return pf.from == from && pf.fetch.request_id == request_id &&

@@ -1,6 +1,6 @@
 // PendingFetches: FETCHes a context rank received for requests it does not know yet (a generation
-// rank may ask before this rank's MarkReady), kept with the CREDITs that follow them until the
-// request is marked ready or its wait (transfer.unknown_request_wait_ms) runs out. Bounded: a
+// rank may ask before this rank's MarkReady), kept with the CREDITs and DONE that follow them until
+// the request is marked ready or its wait (transfer.unknown_request_wait_ms) runs out. Bounded: a
 // peer sending fetches for made-up ids can't grow it without bound. Used by the progress thread
 // only.
 #pragma once
@@ -18,6 +18,7 @@ struct PendingFetch {
   PeerId from;
   FetchMsg fetch;
   std::vector<CreditMsg> credits;  // arrived before the request was known
+  bool done = false;               // the pair's DONE too (a pair with no chunks)
   Deadline give_up;
 };
 
@@ -30,6 +31,8 @@ class PendingFetches {
   void Add(PendingFetch f) { list_.push_back(std::move(f)); }
   // Keeps a CREDIT for the waiting fetch it belongs to (none: dropped).
   void AddCredit(PeerId from, const CreditMsg& c);
+  // Marks the waiting fetch a DONE belongs to (none: dropped).
+  void AddDone(PeerId from, const DoneMsg& d);
   // Forgets the fetch an ABORT names.
   void Drop(PeerId from, uint64_t request_id, uint32_t transfer_id);
   // The fetches of `request_id` (now known), in arrival order, removed from the list.

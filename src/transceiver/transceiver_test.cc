@@ -212,6 +212,25 @@ TEST(Transceiver, MalformedTruncatedAndForgedHandlesAreRefused) {
   EXPECT_EQ(cl.ctx_[0]->Cancel(12345).code(), StatusCode::kNotFound);
 }
 
+// TP2 -> TP2: generation rank 0 takes no chunk from context rank 1, so that pair gets no ACCEPT
+// (wire version 7) and rank 0 says DONE to it as soon as its chunks from context rank 0 are in
+// place. Here context rank 1 marks the request ready only after that DONE came: it must keep the
+// DONE with the waiting FETCH, or the request never completes there (its deadline).
+TEST(Transceiver, DoneOfAPairWithoutChunksBeforeTheContextRankKnowsTheRequest) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(5000);
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}, o);
+  const std::vector<int64_t> blocks{2, 3};
+  auto h = cl.Publish(41, blocks, 7, 0, false, /*only_rank=*/0);
+  ASSERT_TRUE(cl.Fetch(h, {5, 6}).ok());
+  std::this_thread::sleep_for(milliseconds(300));  // rank 0's chunks land, its DONEs go out
+  EXPECT_EQ(cl.Publish(41, blocks, 7, 0, false, /*only_rank=*/1), h);
+  const auto start = Clock::now();
+  ExpectAllComplete(cl.Drain(0, 0, 1, milliseconds(4000)), 4);
+  EXPECT_LT(Clock::now() - start, milliseconds(2000)) << "a rank waited for its deadline";
+  cl.Verify(41, {5, 6}, 7);
+}
+
 // A FETCH that reaches a context rank after the request's deadline (seen under ASan at load 26:
 // the generation rank's first FETCH came 3 s late) is refused naming both causes, not only a
 // replay: "already delivered" would send the reader looking for a duplicate handle.

@@ -157,11 +157,13 @@ class Cluster {
   }
 
   // Fills the request's blocks on the serving context group and marks it ready; the handle.
+  // only_rank >= 0: on that context rank alone (the others mark it ready later).
   std::vector<std::byte> Publish(uint64_t id, const std::vector<int64_t>& blocks, int64_t tokens,
-                                 int ctx_group = 0, bool layer_wise = false) {
+                                 int ctx_group = 0, bool layer_wise = false, int only_rank = -1) {
     const int tpb = ctx_spec_.shape.tokens_per_block;
     std::vector<std::byte> handle;
     for (int r : Group(ctx_spec_, ctx_group)) {
+      if (only_rank >= 0 && r != only_rank) continue;
       for (size_t i = 0; i < blocks.size(); ++i) {
         int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
         if (valid > 0) {
