@@ -68,6 +68,9 @@ struct TransceiverStats {
   // every request this side knew has been reported terminal.
   int64_t live_requests = 0;
   int64_t staging_slots_in_use = 0;
+  // All of the progress thread's CPU time so far: busy_cpu_seconds plus idle polling and the
+  // wake-ups of its naps (what the side costs a core; as of its latest loop iteration).
+  double thread_cpu_seconds = 0;
 };
 
 struct TransceiverOptions {

@@ -56,6 +56,7 @@ nb::dict StatsDict(const TransceiverStats& s) {
   d["busy_cpu_seconds"] = s.busy_cpu_seconds;
   d["live_requests"] = s.live_requests;
   d["staging_slots_in_use"] = s.staging_slots_in_use;
+  d["thread_cpu_seconds"] = s.thread_cpu_seconds;
   return d;
 }
 
@@ -176,7 +177,8 @@ void CommonMethods(nb::class_<PySide<Side>>& c) {
           nb::arg("request_id"), "Cancels the request (it ends CANCELLED, reported by poll).")
       .def_prop_ro(
           "stats", [](P& s) { return StatsDict(s.Run([](Side& x) { return x.stats(); })); },
-          "requests_ended, busy_cpu_seconds (progress-thread CPU in iterations with work).")
+          "requests_ended, busy_cpu_seconds (progress-thread CPU in iterations with work), "
+          "thread_cpu_seconds (all of it), live_requests, staging_slots_in_use.")
       .def(
           "metrics", [](P& s) { return MetricsDict(s.Run([](Side& x) { return x.metrics(); })); },
           "The side's metrics snapshot (kvferry/metrics.h): requests started and ended by state, "

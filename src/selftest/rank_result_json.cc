@@ -19,6 +19,8 @@ std::string ResultToJson(const RankResult& r) {
   j["cpu_seconds"] = r.cpu_seconds;
   j["control_cpu_seconds"] = r.control_cpu_seconds;
   j["control_cpu_warm_seconds"] = r.control_cpu_warm_seconds;
+  j["thread_cpu_seconds"] = r.thread_cpu_seconds;
+  j["thread_cpu_warm_seconds"] = r.thread_cpu_warm_seconds;
   j["warm_requests"] = r.warm_requests;
   j["warm_at_seconds"] = r.warm_at_seconds;
   j["profile"] = r.profile;
@@ -61,6 +63,8 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.cpu_seconds = j.value("cpu_seconds", 0.0);
   r.control_cpu_seconds = j.value("control_cpu_seconds", 0.0);
   r.control_cpu_warm_seconds = j.value("control_cpu_warm_seconds", 0.0);
+  r.thread_cpu_seconds = j.value("thread_cpu_seconds", 0.0);
+  r.thread_cpu_warm_seconds = j.value("thread_cpu_warm_seconds", 0.0);
   r.warm_requests = j.value("warm_requests", 0);
   r.warm_at_seconds = j.value("warm_at_seconds", 0.0);
   using Pairs = std::vector<std::pair<std::string, double>>;

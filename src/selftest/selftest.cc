@@ -328,7 +328,9 @@ static std::optional<RequestTimeline> Slowest(const std::vector<RequestTimeline>
 // requests' cost.
 template <typename Side>
 static void NoteWarm(RankResult& res, const Side& side, int done, Clock::time_point start) {
-  res.control_cpu_warm_seconds = side.stats().busy_cpu_seconds;
+  const TransceiverStats stats = side.stats();
+  res.control_cpu_warm_seconds = stats.busy_cpu_seconds;
+  res.thread_cpu_warm_seconds = stats.thread_cpu_seconds;
   res.warm_requests = done;
   res.warm_at_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.profile_warm = side.metrics().profile;
@@ -487,6 +489,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.thread_cpu_seconds = side->stats().thread_cpu_seconds;
   res.data_path = side->metrics().data_path;
   res.profile = side->metrics().profile;
   res.slowest = Slowest(side->timelines());
@@ -656,6 +659,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   res.control_cpu_seconds = side->stats().busy_cpu_seconds;
+  res.thread_cpu_seconds = side->stats().thread_cpu_seconds;
   res.data_path = side->metrics().data_path;
   res.profile = side->metrics().profile;
   res.slowest = Slowest(side->timelines());
@@ -755,7 +759,12 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   s.p99_ms = pct(0.99);
   s.cpu_us_per_request = cpu / cfg.requests * 1e6;
   s.control_cpu_with_warmup_us_per_request = control_cpu / cfg.requests * 1e6;
-  s.control_cpu_us_per_request = MeasuredControlCpu(cfg, ranks) * 1e6;
+  s.control_cpu_us_per_request = MeasuredCpu(cfg, ranks, &RankResult::control_cpu_seconds,
+                                             &RankResult::control_cpu_warm_seconds) *
+                                 1e6;
+  s.thread_cpu_us_per_request = MeasuredCpu(cfg, ranks, &RankResult::thread_cpu_seconds,
+                                            &RankResult::thread_cpu_warm_seconds) *
+                                1e6;
   s.profile = MeasuredProfile(cfg, ranks);
   return s;
 }

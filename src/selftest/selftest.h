@@ -87,9 +87,11 @@ struct RankResult {
   double seconds = 0;              // first start to last end on this rank
   double cpu_seconds = 0;          // process CPU time over the run
   double control_cpu_seconds = 0;  // the transceiver's busy progress-thread CPU (its stats())
+  double thread_cpu_seconds = 0;   // all of its progress-thread CPU (idle polling too)
   // The same once this rank's warm-up requests (cfg.warmup) ended, how many those were, and when
   // (seconds after start): the measured requests' control CPU is the difference.
   double control_cpu_warm_seconds = 0;
+  double thread_cpu_warm_seconds = 0;
   int warm_requests = 0;
   double warm_at_seconds = 0;
   // The side's metrics().profile (transfer.profile) at the end and once warm; empty when off.
@@ -147,6 +149,9 @@ struct SelftestSummary {
   // warm-up included.
   double control_cpu_us_per_request = 0;
   double control_cpu_with_warmup_us_per_request = 0;
+  // All progress-thread CPU per measured request, all ranks: the above plus idle polling and nap
+  // wake-ups (what the transceiver costs the cores while requests are in flight).
+  double thread_cpu_us_per_request = 0;
   // transfer.profile, per side ("context", "generation"), measured requests only: "<phase>_cpu_s"
   // and counters summed over the side's ranks per request (CPU in microseconds), and on the
   // context side "copy_busy" (the copy streams' busy time over the measured wall time, mean of the
@@ -162,8 +167,10 @@ struct SelftestSummary {
 };
 SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
 // Summarize's parts for the measured requests (summary.cc): progress-thread CPU per request in
-// seconds, all ranks; SelftestSummary::profile.
-double MeasuredControlCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+// seconds, all ranks (`total` - `warm` of each rank: control_cpu_* for the busy iterations,
+// thread_cpu_* for all); SelftestSummary::profile.
+double MeasuredCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks,
+                   double RankResult::*total, double RankResult::*warm);
 std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> MeasuredProfile(
     const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
 

@@ -23,10 +23,10 @@ double MeasuredWeight(const SelftestConfig& cfg, const RankResult& r) {
 
 }  // namespace
 
-double MeasuredControlCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+double MeasuredCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ranks,
+                   double RankResult::*total, double RankResult::*warm) {
   double per_request = 0;
-  for (const RankResult& r : ranks)
-    per_request += (r.control_cpu_seconds - r.control_cpu_warm_seconds) * MeasuredWeight(cfg, r);
+  for (const RankResult& r : ranks) per_request += (r.*total - r.*warm) * MeasuredWeight(cfg, r);
   return per_request;
 }
 

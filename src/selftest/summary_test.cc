@@ -36,6 +36,21 @@ TEST(SelftestSummary, ControlCpuPerRequestLeavesOutTheWarmUp) {
   EXPECT_NEAR(s.control_cpu_with_warmup_us_per_request, 0.021 / 11 * 1e6, 1e-6);
 }
 
+// All progress-thread CPU (idle polling too) is measured the same way, from its own counters.
+TEST(SelftestSummary, ThreadCpuPerRequestLeavesOutTheWarmUp) {
+  SelftestConfig cfg;
+  cfg.requests = 11;
+  cfg.warmup = 1;
+  std::vector<RankResult> ranks = {Rank(true, 0.0105, 0.010, 1), Rank(false, 0.0105, 0.010, 1)};
+  // 0.020 s before warm, then 10 requests of 300 us (context) and 200 us (generation).
+  ranks[0].thread_cpu_warm_seconds = ranks[1].thread_cpu_warm_seconds = 0.020;
+  ranks[0].thread_cpu_seconds = 0.023;
+  ranks[1].thread_cpu_seconds = 0.022;
+  const SelftestSummary s = Summarize(cfg, ranks);
+  EXPECT_NEAR(s.thread_cpu_us_per_request, 500, 1e-6);
+  EXPECT_NEAR(s.control_cpu_us_per_request, 100, 1e-6);
+}
+
 TEST(SelftestSummary, ProfileIsPerMeasuredRequestAndCopyBusyPerWallTime) {
   SelftestConfig cfg;
   cfg.requests = 11;

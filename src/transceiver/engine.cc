@@ -218,6 +218,7 @@ void Engine::Run() {
   };
   while (true) {
     const int64_t cpu0 = ThreadCpuNs();
+    thread_cpu_ns_.store(cpu0, std::memory_order_relaxed);
     lap = cpu0;
     phase_ns.fill(0);
     bool busy = false;
@@ -308,6 +309,7 @@ void Engine::Run() {
     rest.swap(commands_);
   }
   for (auto& c : rest) c();
+  thread_cpu_ns_.store(ThreadCpuNs(), std::memory_order_relaxed);
 }
 
 void Engine::SetStatus(const TransferStatus& status) {

@@ -80,8 +80,8 @@ class Engine {
 
   std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
   TransceiverStats Stats() const {
-    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9, live_.load(),
-                            slots_.in_use()};
+    return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9, live_.load(), slots_.in_use(),
+                            thread_cpu_ns_.load() / 1e9};
   }
   StatusOr<TransferStatus> QueryStatus(uint64_t request_id) const;
   // Metrics (kvferry/metrics.h): `side` is "context" or "generation".
@@ -217,7 +217,8 @@ class Engine {
   std::condition_variable cmd_cv_;
   std::deque<std::function<void()>> commands_ GUARDED_BY(cmd_mu_);
   std::atomic<bool> stop_{false};
-  std::atomic<int64_t> busy_cpu_ns_{0};  // progress-thread CPU in iterations that did work
+  std::atomic<int64_t> busy_cpu_ns_{0};    // progress-thread CPU in iterations that did work
+  std::atomic<int64_t> thread_cpu_ns_{0};  // all progress-thread CPU, as of its latest iteration
   ProgressProfile profile_;
   std::atomic<int64_t> ended_{0};
   std::atomic<int64_t> live_{0};  // requests whose last status is not terminal

@@ -150,6 +150,17 @@ TEST(Transceiver, ManyRequestsInFlightWithSmallStaging) {
   }
   ExpectAllComplete(cl.Drain(0, 0, kRequests, milliseconds(30000)), kRequests * 6);
   for (int i = 0; i < kRequests; ++i) cl.Verify(1000 + i, {255 - 2 * i, 254 - 2 * i}, 7);
+  // Every side's progress thread did work, and all of its CPU is at least its busy part.
+  auto check = [&](const auto& sides) {
+    for (const auto& side : sides) {
+      const TransceiverStats s = side->stats();
+      EXPECT_EQ(s.requests_ended, kRequests);
+      EXPECT_GT(s.busy_cpu_seconds, 0);
+      EXPECT_GE(s.thread_cpu_seconds, s.busy_cpu_seconds);
+    }
+  };
+  check(cl.ctx_);
+  check(cl.gen_);
 }
 
 TEST(Transceiver, MismatchedShapesAreRefusedNamingBothValues) {

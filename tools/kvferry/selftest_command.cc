@@ -145,6 +145,7 @@ nlohmann::json SummaryJson(const SelftestSummary& s) {
           {"cpu_us_per_request", s.cpu_us_per_request},
           {"control_cpu_us_per_request", s.control_cpu_us_per_request},
           {"control_cpu_with_warmup_us_per_request", s.control_cpu_with_warmup_us_per_request},
+          {"thread_cpu_us_per_request", s.thread_cpu_us_per_request},
           {"data_path", s.data_path},
           {"errors", s.errors}};
 }
@@ -282,12 +283,13 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
 
 void PrintBenchRow(const nlohmann::json& row, const SelftestSummary& s, bool verify) {
   fmt::print(
-      "{:>8} {:>6} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>10.2f} {:>7.2f} {:>10.2f} "
-      "{:>7.2f}  {}: {} | {}{}{}\n",
+      "{:>8} {:>6} {:>10.1f} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.0f} {:>9.0f} {:>10.2f} {:>7.2f} "
+      "{:>10.2f} {:>7.2f}  {}: {} | {}{}{}\n",
       row["tokens"].get<int64_t>(), row["concurrency"].get<int>(), s.bytes / 1e6, s.gbps, s.p50_ms,
-      s.p99_ms, s.control_cpu_us_per_request, s.baseline_gbps, row["ratio"].get<double>(),
-      s.copy_gbps, row["copy_ratio"].get<double>(), s.data_path, s.baseline_name, s.copy_name,
-      s.failed ? "  FAILED" : "", verify || s.failed ? "" : "  (not verified: --no-verify)");
+      s.p99_ms, s.control_cpu_us_per_request, s.thread_cpu_us_per_request, s.baseline_gbps,
+      row["ratio"].get<double>(), s.copy_gbps, row["copy_ratio"].get<double>(), s.data_path,
+      s.baseline_name, s.copy_name, s.failed ? "  FAILED" : "",
+      verify || s.failed ? "" : "  (not verified: --no-verify)");
   // transfer.profile: where each side's progress-thread CPU went, per measured request.
   for (const auto& [side, values] : s.profile) {
     std::string line;
@@ -341,12 +343,13 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
         f.gen.pp, f.gen_layout, f.transport);
     if (f.warmup > 0)
       fmt::print(
-          "  GB/s, latencies and ctl us/r leave out the first {} request(s) of each generation "
-          "rank, which end before the others start\n",
+          "  GB/s, latencies and us/r leave out the first {} request(s) of each generation "
+          "rank, which end before the others start; ctl us/r: progress-thread CPU per request in "
+          "iterations that did work, all us/r: all of it (idle polling too), all ranks\n",
           f.warmup);
-    fmt::print("{:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n",
-               "tokens", "in flt", "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "raw GB/s",
-               "ratio", "copy GB/s", "ratio", "data path: raw | copy baselines");
+    fmt::print("{:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10} {:>7}  {}\n",
+               "tokens", "in flt", "MB", "GB/s", "p50 ms", "p99 ms", "ctl us/r", "all us/r",
+               "raw GB/s", "ratio", "copy GB/s", "ratio", "data path: raw | copy baselines");
   }
   int rc = 0;
   std::string first_error;
