@@ -82,8 +82,7 @@ constexpr KnobDecl kKnobs[] = {
      "request live such a message wakes it where the transport has a wakeup fd (ucx, inproc); "
      "with several, or without that fd, it is noticed up to this late (an armed transport costs "
      "each sender a wake-up); polling every 50 us instead took the cores from the context ranks' "
-     "copying "
-     "threads (TP2->TP4: four generation ranks, two copying threads, two cores)",
+     "copying threads (TP2->TP4: four generation ranks, two copying threads, two cores)",
      50, 1000 * 1000, ""},
     {"transfer.profile", KnobType::kBool, "false",
      "progress threads time their phases with the thread CPU clock and context ranks measure how "

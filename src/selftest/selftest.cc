@@ -336,6 +336,18 @@ static void NoteWarm(RankResult& res, const Side& side, int done, Clock::time_po
   res.profile_warm = side.metrics().profile;
 }
 
+// The run ended: what its side spent and which data path it took, from one snapshot each.
+template <typename Side>
+static void NoteEnd(RankResult& res, const Side& side) {
+  const TransceiverStats stats = side.stats();
+  res.control_cpu_seconds = stats.busy_cpu_seconds;
+  res.thread_cpu_seconds = stats.thread_cpu_seconds;
+  TransceiverMetrics metrics = side.metrics();
+  res.data_path = std::move(metrics.data_path);
+  res.profile = std::move(metrics.profile);
+  res.slowest = Slowest(side.timelines());
+}
+
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
                                     const TransportMaker& make) {
   const fs::path dir(cfg.dir);
@@ -488,11 +500,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
-  res.control_cpu_seconds = side->stats().busy_cpu_seconds;
-  res.thread_cpu_seconds = side->stats().thread_cpu_seconds;
-  res.data_path = side->metrics().data_path;
-  res.profile = side->metrics().profile;
-  res.slowest = Slowest(side->timelines());
+  NoteEnd(res, *side);
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -658,11 +666,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     ? 0
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
-  res.control_cpu_seconds = side->stats().busy_cpu_seconds;
-  res.thread_cpu_seconds = side->stats().thread_cpu_seconds;
-  res.data_path = side->metrics().data_path;
-  res.profile = side->metrics().profile;
-  res.slowest = Slowest(side->timelines());
+  NoteEnd(res, *side);
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
