@@ -82,10 +82,13 @@ class RendezvousServer {
   virtual std::string address() const = 0;
   // Requests refused so far (wrong key, garbage, over a bound): for tests and operators.
   virtual int64_t refused() const = 0;
+  // Connections accepted so far (a client keeps its connections between calls).
+  virtual int64_t accepted() const = 0;
 };
 
-// A client of a RendezvousServer at `address` ("host:port"). Connects per call: a call fails with
-// kUnavailable when nothing answers there, kInvalidArgument when the server holds another key
+// A client of a RendezvousServer at `address` ("host:port"). Keeps its connections open between
+// calls (one per thread calling at once, up to 4) and connects again when the server closed one:
+// a call fails with kUnavailable when nothing answers there, kInvalidArgument when the server holds another key
 // (or the reply is not signed with ours) and kDataLoss for a garbled reply.
 StatusOr<std::unique_ptr<Rendezvous>> ConnectRendezvous(std::string_view address,
                                                         const RendezvousKey& key);

@@ -92,6 +92,9 @@ void BindRendezvous(nb::module_& m) {
       .def_prop_ro(
           "refused", [](PyServer& s) { return s.get().refused(); },
           "Requests refused so far (wrong key, garbage).")
+      .def_prop_ro(
+          "accepted", [](PyServer& s) { return s.get().accepted(); },
+          "Connections accepted so far (a client keeps its connections between calls).")
       .def("close", &PyServer::close)
       .def("__enter__", [](nb::handle self) { return self; })
       .def("__exit__", [](PyServer& s, nb::args) { s.close(); });

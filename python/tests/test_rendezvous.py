@@ -29,6 +29,7 @@ def test_rendezvous_exchanges_what_instances_need():
             assert b.fetch_instance_secret("ctx-0", 7, timeout=5.0) == secret
             a.publish_handle(42, b"\x01handle")
             assert b.fetch_handle(42, timeout=5.0) == b"\x01handle"
+            assert server.accepted == 2  # one kept connection per client, whatever the calls
         wrong = kvferry.Rendezvous(server.address, kvferry.random_key())
         with pytest.raises(kvferry.InvalidArgumentError):
             wrong.get("k", timeout=2.0)

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <atomic>
 #include <random>
 #include <thread>
 
@@ -135,6 +136,102 @@ TEST(Rendezvous, ASilentClientDoesNotHoldTheServer) {
   ASSERT_TRUE(silent.ok());
   const auto start = Clock::now();
   EXPECT_TRUE(f.client->Put("k", Bytes("v"), DeadlineIn(2s)).ok());
+  EXPECT_LT(Clock::now() - start, 1s);
+}
+
+TEST(Rendezvous, AClientKeepsItsConnectionAcrossCalls) {
+  Fixture f;
+  for (int i = 0; i < 50; ++i) {
+    const std::string key = "k" + std::to_string(i % 5);
+    ASSERT_TRUE(f.client->Put(key, Bytes("v"), DeadlineIn(2s)).ok());
+    ASSERT_TRUE(f.client->Get(key, DeadlineIn(2s)).ok());
+    ASSERT_TRUE(f.client->Erase(key, DeadlineIn(2s)).ok());
+  }
+  EXPECT_EQ(f.server->accepted(), 1);
+  // Calls from several threads at once each get a connection; later calls reuse them.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20; ++i) {
+        EXPECT_TRUE(f.client->Put("t" + std::to_string(t), Bytes("v"), DeadlineIn(2s)).ok());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_LE(f.server->accepted(), 1 + 3);
+}
+
+TEST(Rendezvous, RequestsSentTogetherAreAnsweredInOrder) {
+  Fixture f;
+  std::vector<std::byte> both = rendezvous::EncodeFrame(
+      rendezvous::Frame{rendezvous::FrameType::kPut, "p", Bytes("piped"), {}}, KeyOf(1));
+  const std::vector<std::byte> get = rendezvous::EncodeFrame(
+      rendezvous::Frame{rendezvous::FrameType::kGet, "p", {}, {}}, KeyOf(1));
+  both.insert(both.end(), get.begin(), get.end());
+  std::vector<std::byte> replies = SendRaw(f.server->address(), both);
+  ASSERT_GT(replies.size(), rendezvous::kHeaderBytes);
+  auto length = rendezvous::DecodeHeader(std::span(replies).first(rendezvous::kHeaderBytes));
+  ASSERT_TRUE(length.ok()) << length.status().ToString();
+  const size_t first = rendezvous::kHeaderBytes + *length + rendezvous::kTagBytes;
+  ASSERT_GT(replies.size(), first);
+  auto ok = rendezvous::DecodeFrame(std::span(replies).first(first), KeyOf(1));
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->type, rendezvous::FrameType::kOk);
+  auto value = rendezvous::DecodeFrame(std::span(replies).subspan(first), KeyOf(1));
+  ASSERT_TRUE(value.ok()) << value.status().ToString();
+  EXPECT_EQ(value->value, Bytes("piped"));
+}
+
+// A server of the earlier protocol: one request per connection, then it closes. A client's kept
+// connection is then closed at its next call, which goes again on a new connection.
+TEST(Rendezvous, AServerThatClosesAfterEachAnswerStillServesAKeepingClient) {
+  auto l = rendezvous::ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(l.ok());
+  std::atomic<int> served{0};
+  std::thread fake([&] {
+    for (int i = 0; i < 3; ++i) {
+      pollfd p{l->fd.get(), POLLIN, 0};
+      if (poll(&p, 1, 5000) != 1) return;
+      rendezvous::Fd conn(accept(l->fd.get(), nullptr, nullptr));
+      std::vector<std::byte> in(rendezvous::kHeaderBytes);
+      if (!rendezvous::ReadExactly(conn.get(), in, DeadlineIn(2s)).ok()) return;
+      auto length = rendezvous::DecodeHeader(in);
+      if (!length.ok()) return;
+      in.resize(rendezvous::kHeaderBytes + *length + rendezvous::kTagBytes);
+      auto rest = std::span(in).subspan(rendezvous::kHeaderBytes);
+      if (!rendezvous::ReadExactly(conn.get(), rest, DeadlineIn(2s)).ok()) return;
+      const auto reply = rendezvous::EncodeFrame(
+          rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes("old"), {}}, KeyOf(1));
+      (void)rendezvous::WriteAll(conn.get(), reply, DeadlineIn(1s));
+      ++served;
+    }  // conn closes here, as the earlier server did after each answer
+  });
+  auto c = ConnectRendezvous(l->address, KeyOf(1));
+  ASSERT_TRUE(c.ok());
+  for (int i = 0; i < 3; ++i) {
+    auto got = (*c)->Get("k", DeadlineIn(3s));
+    ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
+    EXPECT_EQ(*got, Bytes("old"));
+  }
+  fake.join();
+  EXPECT_EQ(served.load(), 3);
+}
+
+TEST(Rendezvous, IdleConnectionsMakeRoomForANewClient) {
+  Fixture f;
+  const std::string a = f.server->address();
+  const size_t colon = a.rfind(':');
+  std::vector<rendezvous::Fd> idle;
+  for (int i = 0; i < 256; ++i) {  // the server's bound: every slot taken by a silent client
+    auto fd = rendezvous::ConnectTcp(a.substr(0, colon), a.substr(colon + 1), DeadlineIn(2s));
+    ASSERT_TRUE(fd.ok());
+    idle.push_back(std::move(*fd));
+  }
+  while (f.server->accepted() < 256) std::this_thread::sleep_for(1ms);
+  const auto start = Clock::now();
+  auto c = ConnectRendezvous(a, KeyOf(1));
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE((*c)->Put("k", Bytes("v"), DeadlineIn(3s)).ok());
   EXPECT_LT(Clock::now() - start, 1s);
 }
 

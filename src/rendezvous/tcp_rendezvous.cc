@@ -1,10 +1,16 @@
-// The default rendezvous: a one-thread TCP server holding keys in memory, and a client that
-// connects once per call (calls are rare: a few per rank at start, one per request for handles).
+// The default rendezvous: a one-thread TCP server holding keys in memory, and a client that keeps
+// its connections open between calls (a call is one request and its reply; a deployment makes a
+// few per rank at start, then several per request: the handle's publication, each generation
+// rank's fetch, its erasure).
 //
 // The server polls its listening socket, its connections and a wake pipe. A connection carries
-// one request: the server reads it (at most one frame, bounded), answers and closes. A connection
-// that has not delivered a whole frame within kConnectionTimeout is dropped, and at most
-// kMaxConnections are open, so a stray or hostile client can't hold the server.
+// requests one after another: the server answers each whole frame (bounded) as it arrives. A
+// connection silent for kConnectionTimeout since it opened or since its last answer is closed, a
+// connection that sent a bad frame is answered REFUSED and closed, and at most kMaxConnections
+// are open (an idle one is closed to let a new client in), so a stray or hostile client can't
+// hold the server. A client whose kept connection was closed (the server's idle bound, or a
+// server that closes after each answer) connects again and repeats the request: every request
+// is idempotent.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -53,12 +59,13 @@ class Server final : public RendezvousServer {
   }
   std::string address() const override { return address_; }
   int64_t refused() const override { return refused_.load(); }
+  int64_t accepted() const override { return accepted_.load(); }
 
  private:
   struct Conn {
     Fd fd;
-    std::vector<std::byte> in;
-    Clock::time_point started;
+    std::vector<std::byte> in;  // bytes of the next request, not yet a whole frame
+    Clock::time_point since;    // opened, or last answered
   };
 
   void Run() {
@@ -75,34 +82,53 @@ class Server final : public RendezvousServer {
       const auto now = Clock::now();
       for (size_t i = conns.size(); i-- > 0;) {
         const pollfd& p = fds[2 + i];
-        bool close = now - conns[i].started > kConnectionTimeout;
+        bool close = now - conns[i].since > kConnectionTimeout;
         if (!close && (p.revents & (POLLIN | POLLHUP | POLLERR))) close = ReadFrom(conns[i]);
         if (close) conns.erase(conns.begin() + static_cast<ptrdiff_t>(i));
       }
-      if ((fds[0].revents & POLLIN) && conns.size() < kMaxConnections) {
+      if ((fds[0].revents & POLLIN) && HasRoom(conns)) {
         int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd >= 0) conns.push_back(Conn{Fd(fd), {}, now});
+        if (fd >= 0) {
+          conns.push_back(Conn{Fd(fd), {}, now});
+          ++accepted_;
+        }
       }
     }
   }
 
-  // Reads what arrived; answers once a whole frame is in. True when the connection is done.
+  // Room for one more connection: below the bound, or by closing the connection idle longest
+  // (no request under way); none when every connection is mid-request.
+  static bool HasRoom(std::vector<Conn>& conns) {
+    if (conns.size() < kMaxConnections) return true;
+    auto idle = conns.end();
+    for (auto it = conns.begin(); it != conns.end(); ++it) {
+      if (it->in.empty() && (idle == conns.end() || it->since < idle->since)) idle = it;
+    }
+    if (idle == conns.end()) return false;
+    conns.erase(idle);
+    return true;
+  }
+
+  // Reads what arrived and answers every whole frame in it, in order. True when the connection
+  // is done (closed by the client, failed, or refused).
   bool ReadFrom(Conn& c) {
     std::byte buf[65536];
     ssize_t n = read(c.fd.get(), buf, sizeof buf);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
     if (n < 0) return false;
     c.in.insert(c.in.end(), buf, buf + n);
-    if (c.in.size() < kHeaderBytes) return false;
-    StatusOr<size_t> length = DecodeHeader(c.in);
-    if (!length.ok()) return Refuse(c, length.status().message(), false);
-    const size_t total = kHeaderBytes + *length + kTagBytes;
-    if (c.in.size() < total) return false;
-    if (c.in.size() > total) return Refuse(c, "bytes after the frame", true);
-    StatusOr<Frame> request = DecodeFrame(c.in, key_);
-    if (!request.ok()) return Refuse(c, request.status().message(), false);
-    Reply(c, Handle(*request));
-    return true;
+    while (c.in.size() >= kHeaderBytes) {
+      StatusOr<size_t> length = DecodeHeader(c.in);
+      if (!length.ok()) return Refuse(c, length.status().message(), false);
+      const size_t total = kHeaderBytes + *length + kTagBytes;
+      if (c.in.size() < total) return false;
+      StatusOr<Frame> request = DecodeFrame(std::span(c.in).first(total), key_);
+      if (!request.ok()) return Refuse(c, request.status().message(), false);
+      Reply(c, Handle(*request));
+      c.in.erase(c.in.begin(), c.in.begin() + static_cast<ptrdiff_t>(total));
+      c.since = Clock::now();
+    }
+    return false;
   }
 
   Frame Handle(const Frame& request) {
@@ -163,6 +189,7 @@ class Server final : public RendezvousServer {
   const RendezvousKey key_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> refused_{0};
+  std::atomic<int64_t> accepted_{0};
   std::mutex mu_;
   std::map<std::string, std::vector<std::byte>> store_;  // guarded by mu_
   size_t store_bytes_ = 0;                               // guarded by mu_
@@ -209,13 +236,30 @@ class Client final : public Rendezvous {
   }
 
  private:
+  // One request and its reply, on a kept connection when there is one. A kept connection the
+  // server has closed since (its idle bound, or a server that answers once per connection) fails
+  // with kUnavailable; the request then goes again on a new connection (requests are idempotent).
   StatusOr<Frame> Call(const Frame& request, Deadline deadline) {
     if (request.key.empty() || request.key.size() > kMaxRendezvousKeyBytes) {
       return Status::InvalidArgument(fmt::format("rendezvous key of {} bytes: must be 1..{}",
                                                  request.key.size(), kMaxRendezvousKeyBytes));
     }
+    const std::vector<std::byte> bytes = EncodeFrame(request, key_);
+    if (Fd kept = TakeKept(); kept.get() >= 0) {
+      StatusOr<Frame> reply = Exchange(kept, bytes, deadline);
+      KeepAfter(reply, std::move(kept));
+      if (reply.ok() || reply.status().code() != StatusCode::kUnavailable) return reply;
+    }
     KVF_ASSIGN_OR_RETURN(Fd fd, ConnectTcp(host_, port_, deadline));
-    KVF_RETURN_IF_ERROR(WriteAll(fd.get(), EncodeFrame(request, key_), deadline));
+    StatusOr<Frame> reply = Exchange(fd, bytes, deadline);
+    KeepAfter(reply, std::move(fd));
+    return reply;
+  }
+
+  // Sends a request and reads its reply. Any failure leaves the connection unusable (a reply may
+  // still be on its way), so the caller keeps it only after a success.
+  StatusOr<Frame> Exchange(const Fd& fd, std::span<const std::byte> bytes, Deadline deadline) {
+    KVF_RETURN_IF_ERROR(WriteAll(fd.get(), bytes, deadline));
     std::vector<std::byte> in(kHeaderBytes);
     KVF_RETURN_IF_ERROR(ReadExactly(fd.get(), in, deadline));
     StatusOr<size_t> length = DecodeHeader(in);
@@ -233,6 +277,22 @@ class Client final : public Rendezvous {
     return reply;
   }
 
+  Fd TakeKept() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kept_.empty()) return Fd();
+    Fd fd = std::move(kept_.back());
+    kept_.pop_back();
+    return fd;
+  }
+
+  // Keeps a connection for later calls after a whole answer (the server closes after refusing a
+  // request): as many as threads have called at once, at most kKept.
+  void KeepAfter(const StatusOr<Frame>& reply, Fd fd) {
+    if (!reply.ok() || reply->type == FrameType::kRefused) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kept_.size() < kKept) kept_.push_back(std::move(fd));
+  }
+
   Status Expect(const Frame& reply, FrameType type, std::string_view key) const {
     if (reply.type == type) return Status::Ok();
     if (reply.type == FrameType::kRefused) {
@@ -243,8 +303,11 @@ class Client final : public Rendezvous {
                                         port_, static_cast<int>(reply.type), key));
   }
 
+  static constexpr size_t kKept = 4;
   const std::string host_, port_;
   const RendezvousKey key_;
+  std::mutex mu_;
+  std::vector<Fd> kept_;  // guarded by mu_: open connections no call is using
 };
 
 }  // namespace

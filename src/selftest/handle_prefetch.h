@@ -1,10 +1,10 @@
 // HandlePrefetch: a generation rank's handles fetched from the run's rendezvous in order and
 // ahead of need, on a thread of their own with a rendezvous client of their own. In a deployment
 // the router hands the generation instance a context handle; the self-test plays the router
-// through the rendezvous, whose Get polls (a TCP connection per call, sleeping while the key is
-// absent). Fetching inline, in the loop that starts requests and takes their completions, put
-// those round trips and sleeps between one request's end and the next one's start; the
-// prefetcher keeps them off that loop, so requests stay in flight back to back.
+// through the rendezvous, whose Get polls (a round trip per call on a kept TCP connection,
+// sleeping while the key is absent). Fetching inline, in the loop that starts requests and takes
+// their completions, put those round trips and sleeps between one request's end and the next
+// one's start; the prefetcher keeps them off that loop, so requests stay in flight back to back.
 //
 // Thread-safety: Take and the destructor are called by one thread (the rank's loop); the fetching
 // thread is internal.

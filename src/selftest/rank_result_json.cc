@@ -4,6 +4,29 @@
 #include "selftest/selftest.h"
 
 namespace kvferry {
+namespace {
+
+nlohmann::json TimelineToJson(const RequestTimeline& t) {
+  return {{"request_id", t.request_id}, {"state", t.state},           {"code", t.code},
+          {"bytes", t.bytes},           {"chunks", t.chunks},         {"fetch_s", t.fetch},
+          {"first_byte_s", t.first_byte}, {"last_byte_s", t.last_byte}, {"end_s", t.end}};
+}
+
+RequestTimeline TimelineFromJson(const nlohmann::json& s) {
+  RequestTimeline t;
+  t.request_id = s.value("request_id", uint64_t{0});
+  t.state = s.value("state", std::string());
+  t.code = s.value("code", std::string());
+  t.bytes = s.value("bytes", int64_t{0});
+  t.chunks = s.value("chunks", int64_t{0});
+  t.fetch = s.value("fetch_s", -1.0);
+  t.first_byte = s.value("first_byte_s", -1.0);
+  t.last_byte = s.value("last_byte_s", -1.0);
+  t.end = s.value("end_s", -1.0);
+  return t;
+}
+
+}  // namespace
 
 std::string ResultToJson(const RankResult& r) {
   nlohmann::json j;
@@ -32,18 +55,8 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
   j["data_path"] = r.data_path;
-  if (r.slowest) {
-    const RequestTimeline& t = *r.slowest;
-    j["slowest"] = {{"request_id", t.request_id},
-                    {"state", t.state},
-                    {"code", t.code},
-                    {"bytes", t.bytes},
-                    {"chunks", t.chunks},
-                    {"fetch_s", t.fetch},
-                    {"first_byte_s", t.first_byte},
-                    {"last_byte_s", t.last_byte},
-                    {"end_s", t.end}};
-  }
+  if (r.slowest) j["slowest"] = TimelineToJson(*r.slowest);
+  if (r.median) j["median"] = TimelineToJson(*r.median);
   return j.dump();
 }
 
@@ -77,20 +90,8 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
   r.data_path = j.value("data_path", std::string());
-  if (j.contains("slowest")) {
-    const auto& s = j["slowest"];
-    RequestTimeline t;
-    t.request_id = s.value("request_id", uint64_t{0});
-    t.state = s.value("state", std::string());
-    t.code = s.value("code", std::string());
-    t.bytes = s.value("bytes", int64_t{0});
-    t.chunks = s.value("chunks", int64_t{0});
-    t.fetch = s.value("fetch_s", -1.0);
-    t.first_byte = s.value("first_byte_s", -1.0);
-    t.last_byte = s.value("last_byte_s", -1.0);
-    t.end = s.value("end_s", -1.0);
-    r.slowest = t;
-  }
+  if (j.contains("slowest")) r.slowest = TimelineFromJson(j["slowest"]);
+  if (j.contains("median")) r.median = TimelineFromJson(j["median"]);
   return r;
 }
 

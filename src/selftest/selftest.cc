@@ -345,7 +345,9 @@ static void NoteEnd(RankResult& res, const Side& side) {
   TransceiverMetrics metrics = side.metrics();
   res.data_path = std::move(metrics.data_path);
   res.profile = std::move(metrics.profile);
-  res.slowest = Slowest(side.timelines());
+  const std::vector<RequestTimeline> timelines = side.timelines();
+  res.slowest = Slowest(timelines);
+  res.median = MedianTimeline(timelines);
 }
 
 StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,

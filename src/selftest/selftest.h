@@ -105,6 +105,8 @@ struct RankResult {
   std::string data_path;            // the transceiver's (metrics): peer-memory, one-sided, tagged
   // This rank's slowest request (the longest from start to terminal), when one ended.
   std::optional<RequestTimeline> slowest;
+  // Where a typical request of this rank spent its time: MedianTimeline of its recent requests.
+  std::optional<RequestTimeline> median;
 };
 
 std::string ResultToJson(const RankResult& r);
@@ -173,5 +175,11 @@ double MeasuredCpu(const SelftestConfig& cfg, const std::vector<RankResult>& ran
                    double RankResult::*total, double RankResult::*warm);
 std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>> MeasuredProfile(
     const SelftestConfig& cfg, const std::vector<RankResult>& ranks);
+// The median request of complete timelines, each phase counted from the fetch (the FETCH sent on
+// a generation rank, received on a context rank: a context rank's requests wait for it from
+// publication): fetch 0, then the medians of first byte, last byte and end after it, bytes and
+// chunks. Phases a timeline never reached are left out of their median (-1 when none reached
+// them); nullopt without a complete timeline that was fetched.
+std::optional<RequestTimeline> MedianTimeline(const std::vector<RequestTimeline>& timelines);
 
 }  // namespace kvferry

@@ -78,4 +78,33 @@ std::vector<std::pair<std::string, std::vector<std::pair<std::string, double>>>>
   return out;
 }
 
+std::optional<RequestTimeline> MedianTimeline(const std::vector<RequestTimeline>& timelines) {
+  std::vector<double> first, last, end, bytes, chunks;
+  for (const RequestTimeline& t : timelines) {
+    if (t.state != "complete" || t.fetch < 0) continue;
+    if (t.first_byte >= 0) first.push_back(t.first_byte - t.fetch);
+    if (t.last_byte >= 0) last.push_back(t.last_byte - t.fetch);
+    end.push_back(t.end - t.fetch);
+    bytes.push_back(static_cast<double>(t.bytes));
+    chunks.push_back(static_cast<double>(t.chunks));
+  }
+  if (end.empty()) return std::nullopt;
+  auto median = [](std::vector<double>& v) {
+    if (v.empty()) return -1.0;
+    auto mid = v.begin() + static_cast<ptrdiff_t>(v.size() / 2);
+    std::nth_element(v.begin(), mid, v.end());
+    return *mid;
+  };
+  RequestTimeline m;
+  m.state = "complete";
+  m.code = "OK";
+  m.fetch = 0;
+  m.first_byte = median(first);
+  m.last_byte = median(last);
+  m.end = median(end);
+  m.bytes = static_cast<int64_t>(median(bytes));
+  m.chunks = static_cast<int64_t>(median(chunks));
+  return m;
+}
+
 }  // namespace kvferry

@@ -74,5 +74,38 @@ TEST(SelftestSummary, ProfileIsPerMeasuredRequestAndCopyBusyPerWallTime) {
   EXPECT_NEAR(get(s.profile[1].second, "commands_cpu_us"), 50, 1e-6);
 }
 
+RequestTimeline Timeline(std::string state, double fetch, double first, double last, double end) {
+  RequestTimeline t;
+  t.state = std::move(state);
+  t.fetch = fetch;
+  t.first_byte = first;
+  t.last_byte = last;
+  t.end = end;
+  t.bytes = 100;
+  t.chunks = 2;
+  return t;
+}
+
+TEST(SelftestSummary, MedianTimelineCountsEachPhaseFromTheFetch) {
+  EXPECT_FALSE(MedianTimeline({}).has_value());
+  // Only complete, fetched timelines count; a phase never reached is left out of its median.
+  auto m = MedianTimeline({Timeline("complete", 1.0, 1.2, 1.3, 1.5),
+                           Timeline("complete", 5.0, 5.1, 5.4, 5.6),
+                           Timeline("complete", 0.0, -1, -1, 0.9),
+                           Timeline("error", 0.0, 0.1, 0.2, 9.0),
+                           Timeline("complete", -1, -1, -1, 9.0)});
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->fetch, 0);
+  EXPECT_NEAR(m->first_byte, 0.2, 1e-9);  // of 0.2, 0.1
+  EXPECT_NEAR(m->last_byte, 0.4, 1e-9);   // of 0.3, 0.4
+  EXPECT_NEAR(m->end, 0.6, 1e-9);         // of 0.5, 0.6, 0.9
+  EXPECT_EQ(m->bytes, 100);
+  EXPECT_EQ(m->chunks, 2);
+  EXPECT_FALSE(MedianTimeline({Timeline("complete", -1, -1, -1, 1)}).has_value());
+  auto none = MedianTimeline({Timeline("complete", 0, -1, -1, 1)});
+  ASSERT_TRUE(none.has_value());
+  EXPECT_EQ(none->first_byte, -1);
+}
+
 }  // namespace
 }  // namespace kvferry

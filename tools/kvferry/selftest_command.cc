@@ -196,6 +196,55 @@ void PrintSlowest(const std::vector<RankResult>& ranks) {
   }
 }
 
+// A typical request on each side: the medians over the side's ranks of each rank's median
+// timeline (MedianTimeline: phases counted from the fetch).
+std::optional<RequestTimeline> MedianOf(const std::vector<RankResult>& ranks, bool context) {
+  std::vector<RequestTimeline> medians;
+  for (const RankResult& r : ranks) {
+    if (r.context == context && r.median) medians.push_back(*r.median);
+  }
+  if (medians.empty()) return std::nullopt;
+  auto median = [&](double RequestTimeline::*field) {
+    std::vector<double> v;
+    for (const RequestTimeline& t : medians) {
+      if (t.*field >= 0) v.push_back(t.*field);
+    }
+    if (v.empty()) return -1.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  RequestTimeline m = medians.front();
+  m.first_byte = median(&RequestTimeline::first_byte);
+  m.last_byte = median(&RequestTimeline::last_byte);
+  m.end = median(&RequestTimeline::end);
+  return m;
+}
+
+nlohmann::json MedianJson(const std::vector<RankResult>& ranks) {
+  nlohmann::json j = nlohmann::json::object();
+  for (bool context : {true, false}) {
+    if (auto m = MedianOf(ranks, context)) {
+      nlohmann::json t = TimelineJson(*m);
+      t.erase("request_id");
+      j[context ? "context" : "generation"] = std::move(t);
+    }
+  }
+  return j;
+}
+
+void PrintMedian(const std::vector<RankResult>& ranks) {
+  auto at = [](double s) { return s < 0 ? std::string("never") : fmt::format("{:.3f}", s * 1e3); };
+  std::string line;
+  for (bool context : {true, false}) {
+    if (auto m = MedianOf(ranks, context)) {
+      line += fmt::format("{}{}: first byte {}, last byte {}, complete {}", line.empty() ? "" : " | ",
+                          context ? "context" : "generation", at(m->first_byte),
+                          at(m->last_byte), at(m->end));
+    }
+  }
+  if (!line.empty()) fmt::print("  median request, ms after its fetch: {}\n", line);
+}
+
 int RunSelftest(const Flags& f) {
   Document doc("selftest");
   auto cfg = ToConfig(f);
@@ -217,6 +266,7 @@ int RunSelftest(const Flags& f) {
   if (f.out.machine()) {
     doc.summary() = SummaryJson(s);
     doc.summary()["slowest"] = SlowestJson(*ranks);
+    doc.summary()["median"] = MedianJson(*ranks);
     doc.SetResult(pass, s.errors.empty() ? "" : s.errors.front());
     doc.Print(f.out.format());
   } else {
@@ -230,6 +280,7 @@ int RunSelftest(const Flags& f) {
         "transfer measures transfers alone)\n  latency p50 {:.2f} ms p90 {:.2f} ms p99 {:.2f} "
         "ms\n",
         s.bytes / 1e6, s.seconds, s.gbps, s.p50_ms, s.p90_ms, s.p99_ms);
+    PrintMedian(*ranks);
     PrintSlowest(*ranks);
     for (const auto& e : s.errors) fmt::print("  error: {}\n", e);
     fmt::print("{}\n", pass ? "PASS" : "FAIL");
@@ -271,6 +322,7 @@ nlohmann::json BenchRow(const SelftestSummary& s, int64_t tokens, const Selftest
   row["ratio"] = s.baseline_gbps > 0 ? s.gbps / s.baseline_gbps : 0;
   row["verified_all"] = cfg.verify && s.failed == 0;  // --no-verify checks nothing
   row["slowest"] = SlowestJson(ranks);
+  row["median"] = MedianJson(ranks);
   if (!s.profile.empty()) {
     nlohmann::json profile = nlohmann::json::object();
     for (const auto& [side, values] : s.profile) {
@@ -382,6 +434,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     nlohmann::json row = BenchRow(s, tokens, *cfg, *ranks);
     if (!f.out.machine()) {
       PrintBenchRow(row, s, cfg->verify);
+      PrintMedian(*ranks);
       if (sweep.size() == 1) PrintSlowest(*ranks);
     }
     doc.AddRow(std::move(row));
