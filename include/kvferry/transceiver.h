@@ -152,7 +152,9 @@ class GenerationSide {
   // Starts fetching the request named in `handle` into `blocks` (block ids on this instance, the
   // same on every rank). The first `reused_blocks` blocks are already held (a reused prefix) and
   // are not moved. Errors here are about the arguments (malformed handle, incompatible shapes,
-  // too few blocks); later failures arrive through Poll.
+  // too few blocks, a request of this id live on this rank); later failures (a context rank
+  // unreachable) arrive through Poll. Returns without waiting for the progress thread: the
+  // request is kInit until its FETCH messages are sent, then kInProgress.
   virtual Status Fetch(std::span<const std::byte> handle, std::span<const int64_t> blocks,
                        int64_t reused_blocks) = 0;
   virtual std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) = 0;

@@ -216,9 +216,14 @@ void Engine::Run() {
     phase_ns[static_cast<int>(p)] += t - lap;
     lap = t;
   };
+  // The thread's CPU clock is a system call (no vDSO): read once per iteration. A busy iteration
+  // does not nap, so its CPU is what the clock gained by the next iteration's start.
+  int64_t busy_since = -1;  // the start of the previous iteration when it was busy
   while (true) {
     const int64_t cpu0 = ThreadCpuNs();
     thread_cpu_ns_.store(cpu0, std::memory_order_relaxed);
+    if (busy_since >= 0) busy_cpu_ns_ += cpu0 - busy_since;
+    busy_since = -1;
     lap = cpu0;
     phase_ns.fill(0);
     bool busy = false;
@@ -266,7 +271,11 @@ void Engine::Run() {
       }
     }
     if (busy) {
-      busy_cpu_ns_ += (profiling ? lap : ThreadCpuNs()) - cpu0;
+      if (profiling) {
+        busy_cpu_ns_ += lap - cpu0;
+      } else {
+        busy_since = cpu0;
+      }
       last_busy = now;
     }
     // Nothing to do and nothing to drive (QuietNap): no spinning, one long nap. On the CPU
@@ -324,6 +333,17 @@ void Engine::SetStatus(const TransferStatus& status) {
   }
   if (IsTerminal(status.state)) ++ended_;
   if (IsTerminal(status.state)) status_cv_.notify_all();
+}
+
+Status Engine::Reserve(uint64_t request_id, std::string_view what) {
+  MutexLock lock(status_mu_);
+  auto [it, fresh] = statuses_.try_emplace(request_id);
+  if (!fresh && !IsTerminal(it->second.state)) {
+    return Status::InvalidArgument(fmt::format("request {} {}", request_id, what));
+  }
+  it->second = TransferStatus{request_id, TransferState::kInit, Status::Ok(), 0, 0};
+  ++live_;
+  return Status::Ok();
 }
 
 std::vector<TransferStatus> Engine::PollStatuses(size_t at_least, Deadline deadline) {

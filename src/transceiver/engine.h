@@ -79,6 +79,10 @@ class Engine {
   void Stop();
 
   std::vector<TransferStatus> PollStatuses(size_t at_least, Deadline deadline);
+  // Claims `request_id` for a request a public call starts asynchronously (its first status,
+  // kInit, set here on the caller's thread; the progress thread's SetStatus calls follow):
+  // kInvalidArgument with `what` when a request of that id is live on this side.
+  Status Reserve(uint64_t request_id, std::string_view what);
   TransceiverStats Stats() const {
     return TransceiverStats{ended_.load(), busy_cpu_ns_.load() / 1e9, live_.load(), slots_.in_use(),
                             thread_cpu_ns_.load() / 1e9};

@@ -96,78 +96,86 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.max_chunks = plan_chunk_cap();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
-    return Call([&]() -> Status {
-      if (requests_.count(h.request_id)) {
-        return Status::InvalidArgument(
-            fmt::format("request {} is already being fetched on this rank", h.request_id));
+    // The rest runs on the progress thread, and this call does not wait for it (a blocking call
+    // cost a wake-up of the caller per request); what fails there (a context rank unreachable)
+    // ends the request through Poll.
+    KVF_RETURN_IF_ERROR(Reserve(h.request_id, "is already being fetched on this rank"));
+    Post([this, h = std::move(h), in = std::move(in), plan = std::move(plan), reused_blocks,
+          start = Clock::now()] { StartFetch(h, in, plan, reused_blocks, start); });
+    return Status::Ok();
+  }
+
+  // Fetch's part on the progress thread: the request's pairs, a FETCH to every context rank of
+  // the serving DP group.
+  void StartFetch(const ContextHandle& h, const PlanInput& in, const std::vector<PairPlan>& plan,
+                  int64_t reused_blocks, Clock::time_point start) {
+    GenRequest r;
+    r.id = h.request_id;
+    r.start = start;
+    r.deadline = r.start + options_.timeout;
+    FetchMsg f;
+    f.request_id = h.request_id;
+    f.token = h.token;
+    f.gen_instance = options_.instance_id;
+    f.gen_rank = pool_.slice().rank;
+    f.shape = in.gen.shape;
+    f.parallel = in.gen.parallel;
+    f.layout = in.gen.layout;
+    f.pool_blocks = in.gen.pool_blocks;
+    f.prompt_tokens = h.prompt_tokens;
+    f.reused_blocks = reused_blocks;
+    f.chunk_bytes = in.chunk_bytes;
+    f.direct_min_bytes = in.direct_min_bytes;
+    f.blocks = in.gen_blocks;
+    f.reply_address = address_;
+    f.checksum = options_.checksum;
+    f.rma = rma_ok();
+    if (f.rma) {
+      f.rma_target =
+          DescribeTarget(local_rma(), options_.chunk_bytes,
+                         static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct));
+      f.rma_target.peer_pool = exported_pool();
+    }
+    // Every context rank of the serving DP group hears from us, even those with nothing to
+    // send us: that is how each knows when all generation ranks are done.
+    for (int32_t c = 0; c < h.parallel.world_size(); ++c) {
+      auto slice = SliceOf(h.shape, h.parallel, c);
+      if (!slice.ok() || slice->dp_group != h.parallel.dp_rank) continue;
+      RecvPair p;
+      p.ctx_rank = c;
+      p.transfer_id = NextTransferId();
+      p.rma = f.rma;
+      p.peer_offered = f.rma && !f.rma_target.peer_pool.empty();
+      p.row_min = f.rma_target.row_min_bytes;
+      p.checksum = f.checksum;
+      for (const PairPlan& pp : plan) {
+        if (pp.ctx_rank == c) p.plan = pp;
       }
-      GenRequest r;
-      r.id = h.request_id;
-      r.start = Clock::now();
-      r.deadline = r.start + options_.timeout;
-      FetchMsg f;
-      f.request_id = h.request_id;
-      f.token = h.token;
-      f.gen_instance = options_.instance_id;
-      f.gen_rank = pool_.slice().rank;
-      f.shape = in.gen.shape;
-      f.parallel = in.gen.parallel;
-      f.layout = in.gen.layout;
-      f.pool_blocks = in.gen.pool_blocks;
-      f.prompt_tokens = h.prompt_tokens;
-      f.reused_blocks = reused_blocks;
-      f.chunk_bytes = in.chunk_bytes;
-      f.direct_min_bytes = in.direct_min_bytes;
-      f.blocks = in.gen_blocks;
-      f.reply_address = address_;
-      f.checksum = options_.checksum;
-      f.rma = rma_ok();
-      if (f.rma) {
-        f.rma_target =
-            DescribeTarget(local_rma(), options_.chunk_bytes,
-                           static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct));
-        f.rma_target.peer_pool = exported_pool();
-      }
-      // Every context rank of the serving DP group hears from us, even those with nothing to
-      // send us: that is how each knows when all generation ranks are done.
-      for (int32_t c = 0; c < h.parallel.world_size(); ++c) {
-        auto slice = SliceOf(h.shape, h.parallel, c);
-        if (!slice.ok() || slice->dp_group != h.parallel.dp_rank) continue;
-        RecvPair p;
-        p.ctx_rank = c;
-        p.transfer_id = NextTransferId();
-        p.rma = f.rma;
-        p.peer_offered = f.rma && !f.rma_target.peer_pool.empty();
-        p.row_min = f.rma_target.row_min_bytes;
-        p.checksum = f.checksum;
-        for (const PairPlan& pp : plan) {
-          if (pp.ctx_rank == c) p.plan = pp;
+      auto peer = [&] {
+        ProfileScope timed(profile(), ProfilePhase::kConnect);
+        return transport_->Connect(h.addresses[c], r.deadline);
+      }();
+      if (!peer.ok()) {
+        Status why = peer.status().WithContext(
+            fmt::format("request {}: context rank {}", h.request_id, c));
+        // The context ranks already asked would hold the request's blocks leased until their
+        // deadline: tell them it is off.
+        for (const RecvPair& sent : r.pairs) {
+          SendMsg(sent.peer, AbortMsg{r.id, sent.transfer_id, static_cast<uint8_t>(why.code()),
+                                      std::string(why.message())});
         }
-        auto peer = [&] {
-          ProfileScope timed(profile(), ProfilePhase::kConnect);
-          return transport_->Connect(h.addresses[c], r.deadline);
-        }();
-        if (!peer.ok()) {
-          Status why = peer.status().WithContext(
-              fmt::format("request {}: context rank {}", h.request_id, c));
-          // The context ranks already asked would hold the request's blocks leased until their
-          // deadline: tell them it is off.
-          for (const RecvPair& sent : r.pairs) {
-            SendMsg(sent.peer, AbortMsg{r.id, sent.transfer_id, static_cast<uint8_t>(why.code()),
-                                        std::string(why.message())});
-          }
-          return why;
-        }
-        p.peer = *peer;
-        f.transfer_id = p.transfer_id;
-        SendMsg(p.peer, f);
-        r.pairs.push_back(std::move(p));
+        SetStatus(TransferStatus{r.id, TransferState::kError, std::move(why), 0,
+                                 std::chrono::duration<double>(Clock::now() - start).count()});
+        return;
       }
-      r.state = TransferState::kInProgress;
-      SetStatus(TransferStatus{r.id, r.state, Status::Ok(), 0, 0});
-      requests_.emplace(r.id, std::move(r));
-      return Status::Ok();
-    });
+      p.peer = *peer;
+      f.transfer_id = p.transfer_id;
+      SendMsg(p.peer, f);
+      r.pairs.push_back(std::move(p));
+    }
+    r.state = TransferState::kInProgress;
+    SetStatus(TransferStatus{r.id, r.state, Status::Ok(), 0, 0});
+    requests_.emplace(r.id, std::move(r));
   }
 
   std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) override {
