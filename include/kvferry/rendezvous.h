@@ -88,8 +88,8 @@ class RendezvousServer {
 
 // A client of a RendezvousServer at `address` ("host:port"). Keeps its connections open between
 // calls (one per thread calling at once, up to 4) and connects again when the server closed one:
-// a call fails with kUnavailable when nothing answers there, kInvalidArgument when the server holds another key
-// (or the reply is not signed with ours) and kDataLoss for a garbled reply.
+// a call fails with kUnavailable when nothing answers there, kInvalidArgument when the server holds
+// another key (or the reply is not signed with ours) and kDataLoss for a garbled reply.
 StatusOr<std::unique_ptr<Rendezvous>> ConnectRendezvous(std::string_view address,
                                                         const RendezvousKey& key);
 

@@ -7,9 +7,15 @@ namespace kvferry {
 namespace {
 
 nlohmann::json TimelineToJson(const RequestTimeline& t) {
-  return {{"request_id", t.request_id}, {"state", t.state},           {"code", t.code},
-          {"bytes", t.bytes},           {"chunks", t.chunks},         {"fetch_s", t.fetch},
-          {"first_byte_s", t.first_byte}, {"last_byte_s", t.last_byte}, {"end_s", t.end}};
+  return {{"request_id", t.request_id},
+          {"state", t.state},
+          {"code", t.code},
+          {"bytes", t.bytes},
+          {"chunks", t.chunks},
+          {"fetch_s", t.fetch},
+          {"first_byte_s", t.first_byte},
+          {"last_byte_s", t.last_byte},
+          {"end_s", t.end}};
 }
 
 RequestTimeline TimelineFromJson(const nlohmann::json& s) {

@@ -89,11 +89,10 @@ RequestTimeline Timeline(std::string state, double fetch, double first, double l
 TEST(SelftestSummary, MedianTimelineCountsEachPhaseFromTheFetch) {
   EXPECT_FALSE(MedianTimeline({}).has_value());
   // Only complete, fetched timelines count; a phase never reached is left out of its median.
-  auto m = MedianTimeline({Timeline("complete", 1.0, 1.2, 1.3, 1.5),
-                           Timeline("complete", 5.0, 5.1, 5.4, 5.6),
-                           Timeline("complete", 0.0, -1, -1, 0.9),
-                           Timeline("error", 0.0, 0.1, 0.2, 9.0),
-                           Timeline("complete", -1, -1, -1, 9.0)});
+  auto m = MedianTimeline(
+      {Timeline("complete", 1.0, 1.2, 1.3, 1.5), Timeline("complete", 5.0, 5.1, 5.4, 5.6),
+       Timeline("complete", 0.0, -1, -1, 0.9), Timeline("error", 0.0, 0.1, 0.2, 9.0),
+       Timeline("complete", -1, -1, -1, 9.0)});
   ASSERT_TRUE(m.has_value());
   EXPECT_EQ(m->fetch, 0);
   EXPECT_NEAR(m->first_byte, 0.2, 1e-9);  // of 0.2, 0.1

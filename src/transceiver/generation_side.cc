@@ -156,8 +156,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         return transport_->Connect(h.addresses[c], r.deadline);
       }();
       if (!peer.ok()) {
-        Status why = peer.status().WithContext(
-            fmt::format("request {}: context rank {}", h.request_id, c));
+        Status why =
+            peer.status().WithContext(fmt::format("request {}: context rank {}", h.request_id, c));
         // The context ranks already asked would hold the request's blocks leased until their
         // deadline: tell them it is off.
         for (const RecvPair& sent : r.pairs) {

@@ -237,9 +237,9 @@ void PrintMedian(const std::vector<RankResult>& ranks) {
   std::string line;
   for (bool context : {true, false}) {
     if (auto m = MedianOf(ranks, context)) {
-      line += fmt::format("{}{}: first byte {}, last byte {}, complete {}", line.empty() ? "" : " | ",
-                          context ? "context" : "generation", at(m->first_byte),
-                          at(m->last_byte), at(m->end));
+      line += fmt::format("{}{}: first byte {}, last byte {}, complete {}",
+                          line.empty() ? "" : " | ", context ? "context" : "generation",
+                          at(m->first_byte), at(m->last_byte), at(m->end));
     }
   }
   if (!line.empty()) fmt::print("  median request, ms after its fetch: {}\n", line);
