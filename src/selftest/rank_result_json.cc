@@ -2,9 +2,9 @@
 #include <nlohmann/json.hpp>
 
 #include "selftest/selftest.h"
+#include "selftest/timeline_json.h"
 
 namespace kvferry {
-namespace {
 
 nlohmann::json TimelineToJson(const RequestTimeline& t) {
   return {{"request_id", t.request_id},
@@ -31,8 +31,6 @@ RequestTimeline TimelineFromJson(const nlohmann::json& s) {
   t.end = s.value("end_s", -1.0);
   return t;
 }
-
-}  // namespace
 
 std::string ResultToJson(const RankResult& r) {
   nlohmann::json j;

@@ -171,18 +171,6 @@ nlohmann::json MetricsJson(const TieringMetrics& m) {
           {"file_read_errors", m.file_read_errors}};
 }
 
-nlohmann::json TimelineJson(const RequestTimeline& t) {
-  return {{"request_id", t.request_id},
-          {"state", t.state},
-          {"code", t.code},
-          {"bytes", t.bytes},
-          {"chunks", t.chunks},
-          {"fetch_s", t.fetch},
-          {"first_byte_s", t.first_byte},
-          {"last_byte_s", t.last_byte},
-          {"end_s", t.end}};
-}
-
 std::string TimelineText(const RequestTimeline& t) {
   auto at = [](double s) {
     return s < 0 ? std::string("never") : fmt::format("+{:.3f} ms", s * 1e3);

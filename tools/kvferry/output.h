@@ -46,7 +46,6 @@ nlohmann::json ShapeJson(const KvShape& shape);
 nlohmann::json ParallelJson(const ParallelConfig& parallel);
 nlohmann::json MetricsJson(const TransceiverMetrics& m);
 nlohmann::json MetricsJson(const TieringMetrics& m);
-nlohmann::json TimelineJson(const RequestTimeline& t);
 // One line: "request 7 (generation rank 0): fetch +0.01 ms, first byte +0.20 ms, ..."
 std::string TimelineText(const RequestTimeline& t);
 

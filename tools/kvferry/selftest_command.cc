@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvferry/config.h"
+#include "selftest/timeline_json.h"
 #include "tools/kvferry/cluster.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
@@ -183,7 +184,7 @@ std::optional<std::pair<const RankResult*, RequestTimeline>> SlowestOf(
 nlohmann::json SlowestJson(const std::vector<RankResult>& ranks) {
   auto s = SlowestOf(ranks);
   if (!s) return nullptr;
-  nlohmann::json j = TimelineJson(s->second);
+  nlohmann::json j = TimelineToJson(s->second);
   j["side"] = s->first->context ? "context" : "generation";
   j["rank"] = s->first->rank;
   return j;
@@ -224,7 +225,7 @@ nlohmann::json MedianJson(const std::vector<RankResult>& ranks) {
   nlohmann::json j = nlohmann::json::object();
   for (bool context : {true, false}) {
     if (auto m = MedianOf(ranks, context)) {
-      nlohmann::json t = TimelineJson(*m);
+      nlohmann::json t = TimelineToJson(*m);
       t.erase("request_id");
       j[context ? "context" : "generation"] = std::move(t);
     }
