@@ -198,27 +198,13 @@ void PrintSlowest(const std::vector<RankResult>& ranks) {
 }
 
 // A typical request on each side: the medians over the side's ranks of each rank's median
-// timeline (MedianTimeline: phases counted from the fetch).
+// timeline (MedianTimeline: phases counted from the fetch, so the ranks' medians have fetch 0).
 std::optional<RequestTimeline> MedianOf(const std::vector<RankResult>& ranks, bool context) {
   std::vector<RequestTimeline> medians;
   for (const RankResult& r : ranks) {
     if (r.context == context && r.median) medians.push_back(*r.median);
   }
-  if (medians.empty()) return std::nullopt;
-  auto median = [&](double RequestTimeline::*field) {
-    std::vector<double> v;
-    for (const RequestTimeline& t : medians) {
-      if (t.*field >= 0) v.push_back(t.*field);
-    }
-    if (v.empty()) return -1.0;
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  RequestTimeline m = medians.front();
-  m.first_byte = median(&RequestTimeline::first_byte);
-  m.last_byte = median(&RequestTimeline::last_byte);
-  m.end = median(&RequestTimeline::end);
-  return m;
+  return MedianTimeline(medians);
 }
 
 nlohmann::json MedianJson(const std::vector<RankResult>& ranks) {
