@@ -232,13 +232,16 @@ TEST(PeerMemory, PairsReadyTogetherGoOutAsOneLaunch) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
   auto h = cl.Publish(36, {2, 3, 4, 5}, 15, 0, /*layer_wise=*/true);
   ASSERT_TRUE(cl.Fetch(h, {4, 5, 6, 7}).ok());
-  // Both FETCHes in on each context rank before any layer is ready.
+  // All four generation ranks' FETCHes in on each context rank before any layer is ready: each
+  // hears from every generation rank (two have nothing to get from it), and nothing else comes
+  // before the first layer. Fetch only posts its FETCHes, so waiting for two of them raced.
   const auto deadline = Clock::now() + milliseconds(10000);
   for (int r = 0; r < 2; ++r) {
-    while (Counter(cl.ctx_[r]->metrics().profile, "control_received") < 2 &&
+    while (Counter(cl.ctx_[r]->metrics().profile, "control_received") < 4 &&
            Clock::now() < deadline) {
       std::this_thread::sleep_for(milliseconds(1));
     }
+    ASSERT_EQ(Counter(cl.ctx_[r]->metrics().profile, "control_received"), 4) << "rank " << r;
   }
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(cl.ctx_[r]->MarkLayersReady(36, 6).ok());
   ExpectAllComplete(cl.Drain(0, 0, 1), 6);
