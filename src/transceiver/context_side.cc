@@ -28,10 +28,20 @@ Status ContextSideImpl::SetInstanceAddresses(std::vector<std::string> addresses)
                                                addresses.size(),
                                                pool_.spec().parallel.world_size()));
   }
-  return Call([&] {
-    addresses_ = std::move(addresses);
-    return Status::Ok();
-  });
+  MutexLock lock(ids_mu_);
+  addresses_ = std::move(addresses);
+  return Status::Ok();
+}
+
+void ContextSideImpl::Release(uint64_t id) {
+  MutexLock lock(ids_mu_);
+  live_ids_.erase(id);
+  recent_.push_back(id);
+  recent_set_.insert(id);
+  if (recent_.size() > 4096) {
+    recent_set_.erase(recent_.front());
+    recent_.pop_front();
+  }
 }
 
 Status ContextSideImpl::MarkLayersReady(uint64_t id, int32_t local_layers) {
@@ -122,12 +132,7 @@ bool ContextSideImpl::Advance() {
     FoldComplete(r);
     if (Finished(r)) {
       Finish(r);
-      recent_.push_back(r.id);
-      recent_set_.insert(r.id);
-      if (recent_.size() > 4096) {
-        recent_set_.erase(recent_.front());
-        recent_.pop_front();
-      }
+      Release(r.id);
       it = requests_.erase(it);
       busy = true;
     } else {
@@ -206,49 +211,65 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
           fmt::format("block id {} is outside the pool's [0, {})", b, pool_.blocks()));
     }
   }
-  return Call([&]() -> StatusOr<std::vector<std::byte>> {
+  CtxRequest r;
+  r.id = id;
+  r.blocks.assign(blocks.begin(), blocks.begin() + needed);
+  r.tokens = tokens;
+  r.token = MakeAccessToken(options_.secret, id, r.blocks, tokens);
+  r.ready_end = all_ready ? shape.layers : 0;
+  r.layer_wise = !all_ready;
+  r.start = Clock::now();
+  r.deadline = r.start + options_.timeout;
+  ContextHandle h;
+  h.request_id = id;
+  h.token = r.token;
+  h.shape = shape;
+  h.parallel = SelfDesc().parallel;
+  h.layout = pool_.spec().layout;
+  h.pool_blocks = pool_.blocks();
+  h.prompt_tokens = tokens;
+  h.layer_wise = !all_ready;
+  h.ctx_direct = direct_ok();
+  h.chunk_bytes = options_.chunk_bytes;
+  h.blocks = r.blocks;
+  {
+    MutexLock lock(ids_mu_);
     if (addresses_.empty())
       return Status::InvalidArgument("SetInstanceAddresses must be called before MarkReady");
-    if (requests_.count(id) || recent_set_.count(id)) {
+    if (live_ids_.count(id) || recent_set_.count(id)) {
       return Status::InvalidArgument(
           fmt::format("request {} was already marked ready on this rank", id));
     }
-    CtxRequest r;
-    r.id = id;
-    r.blocks.assign(blocks.begin(), blocks.begin() + needed);
-    r.tokens = tokens;
-    r.token = MakeAccessToken(options_.secret, id, r.blocks, tokens);
-    r.ready_end = all_ready ? pool_.shape().layers : 0;
-    r.layer_wise = !all_ready;
-    r.start = Clock::now();
-    r.deadline = r.start + options_.timeout;
-    ContextHandle h;
-    h.request_id = id;
-    h.token = r.token;
-    h.shape = pool_.shape();
-    h.parallel = SelfDesc().parallel;
-    h.layout = pool_.spec().layout;
-    h.pool_blocks = pool_.blocks();
-    h.prompt_tokens = tokens;
-    h.layer_wise = !all_ready;
-    h.ctx_direct = direct_ok();
-    h.chunk_bytes = options_.chunk_bytes;
-    h.blocks = r.blocks;
+    live_ids_.insert(id);
     h.addresses = addresses_;
-    requests_.emplace(id, std::move(r));
-    SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});
-    // Fetches that arrived before this rank knew the request.
-    for (PendingFetch& pf : pending_.Take(id))
-      OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits), pf.done);
-    return EncodeHandle(h);
-  });
+  }
+  // Can't fail: an id not claimed above is not live in the status table either.
+  if (Status st = Reserve(id, "is live on this rank"); !st.ok()) {
+    MutexLock lock(ids_mu_);
+    live_ids_.erase(id);
+    return st;
+  }
+  // The rest runs on the progress thread, and this call does not wait for it (a blocking call
+  // cost a wake-up of the caller per request). Public calls about the request reach the progress
+  // thread after it, and a FETCH that overtakes it waits with the pending ones.
+  Post([this, r = std::make_shared<CtxRequest>(std::move(r))] { Open(std::move(*r)); });
+  return EncodeHandle(h);
+}
+
+void ContextSideImpl::Open(CtxRequest r) {
+  const uint64_t id = r.id;
+  requests_.emplace(id, std::move(r));
+  SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});  // the metrics' start
+  // Fetches that arrived before this rank knew the request.
+  for (PendingFetch& pf : pending_.Take(id))
+    OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits), pf.done);
 }
 
 void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits, bool done) {
   const PeerId peer = from;  // the transport connects back to a control sender by itself
   CtxRequest* r = Find(f.request_id);
   if (!r) {
-    if (recent_set_.count(f.request_id)) {
+    if (Released(f.request_id)) {
       return Reject(
           peer, f,
           Status::InvalidArgument(fmt::format(

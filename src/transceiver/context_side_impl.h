@@ -82,7 +82,8 @@ struct CtxRequest {
   Clock::time_point ended_at;
 };
 
-// Runs on the engine's progress thread except the public calls, which reach it through Call.
+// Runs on the engine's progress thread except the public calls, which reach it through Call, and
+// MarkReady, which claims its id and builds the handle on the caller's thread and posts the rest.
 class ContextSideImpl final : public ContextSide, public Engine {
  public:
   using Engine::Engine;
@@ -132,6 +133,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Requests, FETCH, credits and ending (context_side.cc).
   StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks,
                                          int64_t tokens, bool all_ready);
+  // Begin's part on the progress thread: the request goes live and takes the FETCHes that came
+  // before it.
+  void Open(CtxRequest r);
   // `done`: the generation rank's DONE for this pair came before the request was known (a pair
   // with no chunks says DONE without waiting for an answer).
   void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits, bool done = false);
@@ -166,14 +170,24 @@ class ContextSideImpl final : public ContextSide, public Engine {
   bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
 
   std::string address_;
-  std::vector<std::string> addresses_;       // progress thread
+  // The ids a public call may start: MarkReady claims one on its caller's thread (no wait for the
+  // progress thread); it stays taken while the request lives and for the next 4096 requests
+  // after it ended (a replayed handle, a reused id).
+  mutable Mutex ids_mu_;
+  std::vector<std::string> addresses_ GUARDED_BY(ids_mu_);
+  std::set<uint64_t> live_ids_ GUARDED_BY(ids_mu_);  // claimed, not yet released
+  std::deque<uint64_t> recent_ GUARDED_BY(ids_mu_);  // released, newest last
+  std::set<uint64_t> recent_set_ GUARDED_BY(ids_mu_);
+  bool Released(uint64_t id) const {
+    MutexLock lock(ids_mu_);
+    return recent_set_.count(id) > 0;
+  }
+  void Release(uint64_t id);
   std::map<uint64_t, CtxRequest> requests_;  // progress thread
   PendingFetches pending_;                   // progress thread
-  std::deque<uint64_t> recent_;              // recently finished ids, for replay detection
-  std::set<uint64_t> recent_set_;
-  std::vector<CopyDesc> descs_;             // reused
-  std::vector<PeerSender::Landed> landed_;  // reused
-  PeerCompletions peer_copies_{profile()};  // every PeerSender's batches on stream_
+  std::vector<CopyDesc> descs_;              // reused
+  std::vector<PeerSender::Landed> landed_;   // reused
+  PeerCompletions peer_copies_{profile()};   // every PeerSender's batches on stream_
   // The pairs' batches found ready, launched together (transfer.peer_merge_pairs, PeerLaunch).
   PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile(),
                           options_.peer_hold_launches};

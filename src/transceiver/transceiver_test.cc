@@ -189,6 +189,31 @@ TEST(Transceiver, FetchOfARequestLiveOnThisRankIsRefusedAtOnce) {
   EXPECT_EQ(cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(5000))).size(), 1u);
 }
 
+TEST(Transceiver, MarkReadyOfAnIdLiveOrRecentlyEndedIsRefusedAtOnce) {
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
+  auto h = cl.Publish(5, {0, 1}, 8);
+  // MarkReady claims its id before it returns, whether or not the progress thread took the
+  // request yet: the status is there at once, and a second MarkReady is refused.
+  auto q = cl.ctx_[0]->Query(5);
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_FALSE(IsTerminal(q->state));
+  auto again = cl.ctx_[0]->MarkReady(5, std::vector<int64_t>{2, 3}, 8);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(again.status().message().find("already marked ready"), std::string_view::npos)
+      << again.status().ToString();
+  // Layers marked right after MarkReady reach the request (the calls are ordered after it).
+  ASSERT_TRUE(cl.ctx_[0]->MarkLayersReady(5, 1).ok());
+  ASSERT_TRUE(cl.Fetch(h, {0, 1}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(5, {0, 1}, 8);
+  // Ended and released: the id stays taken (a replayed handle must not find new blocks).
+  again = cl.ctx_[0]->MarkReady(5, std::vector<int64_t>{2, 3}, 8);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("already marked ready"), std::string_view::npos)
+      << again.status().ToString();
+}
+
 TEST(Transceiver, MalformedTruncatedAndForgedHandlesAreRefused) {
   TransceiverOptions o;
   o.timeout = milliseconds(3000);
