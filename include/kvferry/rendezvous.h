@@ -16,7 +16,7 @@
 // docs/wire_format.md, "Rendezvous").
 //
 // Completion: every call returns when the server answered or the deadline passed; Get waits for
-// a key to appear (polling the server) until its deadline. Thread-safety: a Rendezvous and a
+// a key to appear until its deadline (the server holds the request until a Put brings the key). Thread-safety: a Rendezvous and a
 // RendezvousServer are thread-safe.
 #pragma once
 

@@ -33,6 +33,7 @@ bool KnownType(uint8_t t) {
     case FrameType::kPut:
     case FrameType::kGet:
     case FrameType::kErase:
+    case FrameType::kWait:
     case FrameType::kOk:
     case FrameType::kNotFound:
     case FrameType::kRefused:
@@ -42,7 +43,8 @@ bool KnownType(uint8_t t) {
 }
 
 bool HasKey(FrameType t) {
-  return t == FrameType::kPut || t == FrameType::kGet || t == FrameType::kErase;
+  return t == FrameType::kPut || t == FrameType::kGet || t == FrameType::kErase ||
+         t == FrameType::kWait;
 }
 
 Status CheckKey(const std::string& key) {
@@ -67,6 +69,7 @@ std::vector<std::byte> EncodeFrame(const Frame& frame, const RendezvousKey& key,
   if (HasKey(frame.type)) body.Str(frame.key);
   if (frame.type == FrameType::kPut || frame.type == FrameType::kOk) body.Bytes(frame.value);
   if (frame.type == FrameType::kRefused) body.Str(frame.reason);
+  if (frame.type == FrameType::kWait) body.U32(frame.wait_ms);
   WireWriter w;
   w.U32(kFrameMagic);
   w.U16(kFrameVersion);
@@ -148,6 +151,13 @@ StatusOr<Frame> DecodeFrame(std::span<const std::byte> bytes, const RendezvousKe
   }
   if (r.ok() && frame.type == FrameType::kRefused) {
     frame.reason = r.Str("reason", kMaxBodyBytes);
+    end = r.position();
+  }
+  if (r.ok() && frame.type == FrameType::kWait) {
+    frame.wait_ms = r.U32("wait_ms");
+    if (r.ok() && frame.wait_ms > kMaxWaitMs) {
+      r.Fail(fmt::format("wait of {} ms exceeds {}", frame.wait_ms, kMaxWaitMs));
+    }
     end = r.position();
   }
   if (!r.ok()) return r.status();

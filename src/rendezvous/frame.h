@@ -18,12 +18,14 @@ inline constexpr uint32_t kFrameMagic = 0x5246564B;  // "KVFR" little-endian
 inline constexpr uint16_t kFrameVersion = 1;
 inline constexpr size_t kHeaderBytes = 12;  // magic, version, type, reserved, body length
 inline constexpr size_t kTagBytes = 16;
+inline constexpr uint32_t kMaxWaitMs = 2000;  // below the server's 5 s idle bound
 inline constexpr size_t kMaxBodyBytes = kMaxRendezvousValueBytes + kMaxRendezvousKeyBytes + 64;
 
 enum class FrameType : uint8_t {
   kPut = 1,
   kGet = 2,
   kErase = 3,
+  kWait = 4,  // GET that the server holds until the key appears or wait_ms passed
   kOk = 0x81,
   kNotFound = 0x82,
   kRefused = 0x83,  // body: the reason; unsigned when the request's tag did not verify
@@ -34,6 +36,7 @@ struct Frame {
   std::string key;               // kPut, kGet, kErase
   std::vector<std::byte> value;  // kPut; kOk answering kGet
   std::string reason;            // kRefused
+  uint32_t wait_ms = 0;          // kWait: at most kMaxWaitMs
 
   bool operator==(const Frame&) const = default;
 };

@@ -182,6 +182,108 @@ TEST(Rendezvous, RequestsSentTogetherAreAnsweredInOrder) {
   EXPECT_EQ(value->value, Bytes("piped"));
 }
 
+// Reads one whole reply frame from a raw connection.
+StatusOr<rendezvous::Frame> ReadReply(const rendezvous::Fd& fd) {
+  std::vector<std::byte> in(rendezvous::kHeaderBytes);
+  KVF_RETURN_IF_ERROR(rendezvous::ReadExactly(fd.get(), in, DeadlineIn(3s)));
+  KVF_ASSIGN_OR_RETURN(size_t length, rendezvous::DecodeHeader(in));
+  in.resize(rendezvous::kHeaderBytes + length + rendezvous::kTagBytes);
+  KVF_RETURN_IF_ERROR(rendezvous::ReadExactly(
+      fd.get(), std::span(in).subspan(rendezvous::kHeaderBytes), DeadlineIn(3s)));
+  return rendezvous::DecodeFrame(in, KeyOf(1));
+}
+
+// WAIT: the server holds the request until a PUT brings its key (one round trip where GET polls),
+// answers NOT_FOUND when its time is up, and answers the frames sent behind it after it.
+TEST(Rendezvous, WaitIsAnsweredByThePutAndFramesBehindItAfterIt) {
+  Fixture f;
+  const std::string a = f.server->address();
+  const size_t colon = a.rfind(':');
+  auto fd = rendezvous::ConnectTcp(a.substr(0, colon), a.substr(colon + 1), DeadlineIn(2s));
+  ASSERT_TRUE(fd.ok());
+  rendezvous::Frame wait{rendezvous::FrameType::kWait, "w", {}, {}};
+  wait.wait_ms = rendezvous::kMaxWaitMs;
+  std::vector<std::byte> both = rendezvous::EncodeFrame(wait, KeyOf(1));
+  const std::vector<std::byte> get = rendezvous::EncodeFrame(
+      rendezvous::Frame{rendezvous::FrameType::kGet, "other", {}, {}}, KeyOf(1));
+  both.insert(both.end(), get.begin(), get.end());
+  ASSERT_TRUE(rendezvous::WriteAll(fd->get(), both, DeadlineIn(2s)).ok());
+  pollfd p{fd->get(), POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 150), 0) << "answered before the key existed";
+  ASSERT_TRUE(f.client->Put("w", Bytes("now"), DeadlineIn(2s)).ok());
+  auto first = ReadReply(*fd);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->type, rendezvous::FrameType::kOk);
+  EXPECT_EQ(first->value, Bytes("now"));
+  auto second = ReadReply(*fd);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->type, rendezvous::FrameType::kNotFound);
+  // A key that never comes: NOT_FOUND once the wait is over, not before.
+  wait.key = "never";
+  wait.wait_ms = 100;
+  const auto start = Clock::now();
+  ASSERT_TRUE(
+      rendezvous::WriteAll(fd->get(), rendezvous::EncodeFrame(wait, KeyOf(1)), DeadlineIn(2s))
+          .ok());
+  auto late = ReadReply(*fd);
+  ASSERT_TRUE(late.ok()) << late.status().ToString();
+  EXPECT_EQ(late->type, rendezvous::FrameType::kNotFound);
+  EXPECT_GE(Clock::now() - start, 100ms);
+  // More than the bound is refused.
+  wait.wait_ms = rendezvous::kMaxWaitMs + 1;
+  EXPECT_FALSE(rendezvous::DecodeFrame(rendezvous::EncodeFrame(wait, KeyOf(1)), KeyOf(1)).ok());
+  // The client's Get is one WAIT: it sees a later Put at once, on its one connection.
+  const int64_t before = f.server->accepted();
+  std::thread writer([&] {
+    std::this_thread::sleep_for(200ms);
+    EXPECT_TRUE(f.client->Put("later", Bytes("x"), DeadlineIn(2s)).ok());
+  });
+  auto got = f.client->Get("later", DeadlineIn(5s));
+  writer.join();
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, Bytes("x"));
+  EXPECT_LE(f.server->accepted() - before, 1);  // the writer's thread may open its own
+}
+
+// A server from before WAIT refuses the frame type (unsigned, as any frame it can't read) and
+// closes; the client then asks it with GET, and keeps doing so.
+TEST(Rendezvous, AClientAsksAServerWithoutWaitByGet) {
+  auto l = rendezvous::ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(l.ok());
+  std::atomic<int> waits{0}, gets{0};
+  std::thread fake([&] {
+    for (int i = 0; i < 3; ++i) {
+      pollfd p{l->fd.get(), POLLIN, 0};
+      if (poll(&p, 1, 5000) != 1) return;
+      rendezvous::Fd conn(accept(l->fd.get(), nullptr, nullptr));
+      std::vector<std::byte> in(rendezvous::kHeaderBytes);
+      if (!rendezvous::ReadExactly(conn.get(), in, DeadlineIn(2s)).ok()) return;
+      auto length = rendezvous::DecodeHeader(in);
+      if (!length.ok()) return;
+      in.resize(rendezvous::kHeaderBytes + *length + rendezvous::kTagBytes);
+      auto rest = std::span(in).subspan(rendezvous::kHeaderBytes);
+      if (!rendezvous::ReadExactly(conn.get(), rest, DeadlineIn(2s)).ok()) return;
+      const bool wait = in[6] == static_cast<std::byte>(rendezvous::FrameType::kWait);
+      ++(wait ? waits : gets);
+      const auto reply = rendezvous::EncodeFrame(
+          wait ? rendezvous::Frame{rendezvous::FrameType::kRefused, {}, {}, "type 0x04 unknown"}
+               : rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes("old"), {}},
+          KeyOf(1), /*sign=*/!wait);
+      (void)rendezvous::WriteAll(conn.get(), reply, DeadlineIn(1s));
+    }
+  });
+  auto c = ConnectRendezvous(l->address, KeyOf(1));
+  ASSERT_TRUE(c.ok());
+  for (int i = 0; i < 2; ++i) {
+    auto got = (*c)->Get("k", DeadlineIn(3s));
+    ASSERT_TRUE(got.ok()) << i << ": " << got.status().ToString();
+    EXPECT_EQ(*got, Bytes("old"));
+  }
+  fake.join();
+  EXPECT_EQ(waits.load(), 1);
+  EXPECT_EQ(gets.load(), 2);
+}
+
 // A server of the earlier protocol: one request per connection, then it closes. A client's kept
 // connection is then closed at its next call, which goes again on a new connection.
 TEST(Rendezvous, AServerThatClosesAfterEachAnswerStillServesAKeepingClient) {
@@ -272,6 +374,7 @@ TEST(RendezvousFrame, RoundTripAndEveryMutationIsRefusedOrDecodes) {
       {rendezvous::FrameType::kPut, "ctx/rank/0", Bytes("ucx:abcdef"), {}},
       {rendezvous::FrameType::kGet, "handle/42", {}, {}},
       {rendezvous::FrameType::kErase, "x", {}, {}},
+      {rendezvous::FrameType::kWait, "handle/43", {}, {}, 1500},
       {rendezvous::FrameType::kOk, {}, Bytes("value"), {}},
       {rendezvous::FrameType::kNotFound, {}, {}, {}},
       {rendezvous::FrameType::kRefused, {}, {}, "store full"},

@@ -21,11 +21,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "base/log.h"
@@ -66,6 +68,10 @@ class Server final : public RendezvousServer {
     Fd fd;
     std::vector<std::byte> in;  // bytes of the next request, not yet a whole frame
     Clock::time_point since;    // opened, or last answered
+    // A WAIT for a key not there yet: answered when a PUT brings it or at `until`; the frames
+    // behind it wait (answers go in request order).
+    std::optional<std::string> waiting{};
+    Clock::time_point until{};
   };
 
   void Run() {
@@ -76,15 +82,20 @@ class Server final : public RendezvousServer {
       fds.push_back({listener_.get(), POLLIN, 0});
       fds.push_back({wake_read_.get(), POLLIN, 0});
       for (const Conn& c : conns) fds.push_back({c.fd.get(), POLLIN, 0});
-      if (poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) {
+      if (poll(fds.data(), fds.size(), PollMs(conns)) < 0 && errno != EINTR) {
         Log(LogLevel::kWarn, "rendezvous: poll: {}", std::strerror(errno));
       }
       const auto now = Clock::now();
       for (size_t i = conns.size(); i-- > 0;) {
         const pollfd& p = fds[2 + i];
-        bool close = now - conns[i].since > kConnectionTimeout;
+        bool close = !conns[i].waiting && now - conns[i].since > kConnectionTimeout;
         if (!close && (p.revents & (POLLIN | POLLHUP | POLLERR))) close = ReadFrom(conns[i]);
         if (close) conns.erase(conns.begin() + static_cast<ptrdiff_t>(i));
+      }
+      // WAITs whose key came (a PUT above) or whose time is up; then the frames behind them.
+      for (size_t i = conns.size(); i-- > 0;) {
+        if (conns[i].waiting && EndWait(conns[i], Clock::now()) && Serve(conns[i]))
+          conns.erase(conns.begin() + static_cast<ptrdiff_t>(i));
       }
       if ((fds[0].revents & POLLIN) && HasRoom(conns)) {
         int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -102,10 +113,38 @@ class Server final : public RendezvousServer {
     if (conns.size() < kMaxConnections) return true;
     auto idle = conns.end();
     for (auto it = conns.begin(); it != conns.end(); ++it) {
-      if (it->in.empty() && (idle == conns.end() || it->since < idle->since)) idle = it;
+      if (it->in.empty() && !it->waiting && (idle == conns.end() || it->since < idle->since))
+        idle = it;
     }
     if (idle == conns.end()) return false;
     conns.erase(idle);
+    return true;
+  }
+
+  // The poll's timeout: 100 ms, or until the first waiting WAIT ends.
+  static int PollMs(const std::vector<Conn>& conns) {
+    auto next = Clock::now() + std::chrono::milliseconds(100);
+    for (const Conn& c : conns) {
+      if (c.waiting) next = std::min(next, c.until);
+    }
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - Clock::now()).count();
+    return static_cast<int>(std::max<int64_t>(ms, 0));
+  }
+
+  // Answers the connection's WAIT if its key is there (OK) or its time is up (NOT_FOUND): true
+  // when it did.
+  bool EndWait(Conn& c, Clock::time_point now) {
+    std::optional<std::vector<std::byte>> value;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = store_.find(*c.waiting);
+      if (it != store_.end()) value = it->second;
+    }
+    if (!value && now < c.until) return false;
+    Reply(c, value ? Frame{FrameType::kOk, {}, std::move(*value), {}}
+                   : Frame{FrameType::kNotFound, {}, {}, {}});
+    c.waiting.reset();
+    c.since = Clock::now();
     return true;
   }
 
@@ -117,15 +156,26 @@ class Server final : public RendezvousServer {
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
     if (n < 0) return false;
     c.in.insert(c.in.end(), buf, buf + n);
-    while (c.in.size() >= kHeaderBytes) {
+    return Serve(c);
+  }
+
+  // Answers the whole frames buffered on the connection, in order, until one must wait.
+  bool Serve(Conn& c) {
+    while (!c.waiting && c.in.size() >= kHeaderBytes) {
       StatusOr<size_t> length = DecodeHeader(c.in);
       if (!length.ok()) return Refuse(c, length.status().message(), false);
       const size_t total = kHeaderBytes + *length + kTagBytes;
       if (c.in.size() < total) return false;
       StatusOr<Frame> request = DecodeFrame(std::span(c.in).first(total), key_);
       if (!request.ok()) return Refuse(c, request.status().message(), false);
-      Reply(c, Handle(*request));
       c.in.erase(c.in.begin(), c.in.begin() + static_cast<ptrdiff_t>(total));
+      if (request->type == FrameType::kWait) {
+        c.waiting = request->key;
+        c.until = Clock::now() + std::chrono::milliseconds(request->wait_ms);
+        EndWait(c, Clock::now());
+        continue;
+      }
+      Reply(c, Handle(*request));
       c.since = Clock::now();
     }
     return false;
@@ -212,6 +262,31 @@ class Client final : public Rendezvous {
   }
 
   StatusOr<std::vector<std::byte>> Get(std::string_view key, Deadline deadline) override {
+    // The server holds a WAIT until the key appears (up to kMaxWaitMs per request, so the
+    // connection's idle bound never ends it): one round trip, no polling.
+    while (wait_ok_.load()) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      Frame wait{FrameType::kWait, std::string(key), {}, {}};
+      // A few ms short of the deadline, so that the server's NOT_FOUND comes before it.
+      wait.wait_ms = static_cast<uint32_t>(std::clamp<int64_t>(left - 5, 1, kMaxWaitMs));
+      StatusOr<Frame> reply = Call(wait, deadline);
+      if (!reply.ok() && reply.status().code() == StatusCode::kInvalidArgument) {
+        // A server before WAIT refuses the frame type: ask it the old way (a wrong group key
+        // is refused again there, and reported).
+        wait_ok_ = false;
+        break;
+      }
+      KVF_RETURN_IF_ERROR(reply.status());
+      if (reply->type == FrameType::kOk) return std::move(reply->value);
+      if (reply->type != FrameType::kNotFound) {
+        KVF_RETURN_IF_ERROR(Expect(*reply, FrameType::kOk, key));
+      }
+      if (Clock::now() >= deadline) {
+        return Status::DeadlineExceeded(
+            fmt::format("rendezvous {}:{}: key '{}' did not appear in time", host_, port_, key));
+      }
+    }
     auto pause = std::chrono::milliseconds(1);
     for (;;) {
       KVF_ASSIGN_OR_RETURN(Frame reply,
@@ -307,7 +382,8 @@ class Client final : public Rendezvous {
   const std::string host_, port_;
   const RendezvousKey key_;
   std::mutex mu_;
-  std::vector<Fd> kept_;  // guarded by mu_: open connections no call is using
+  std::vector<Fd> kept_;             // guarded by mu_: open connections no call is using
+  std::atomic<bool> wait_ok_{true};  // the server takes WAIT (false after it refused one)
 };
 
 }  // namespace
