@@ -16,8 +16,8 @@
 // docs/wire_format.md, "Rendezvous").
 //
 // Completion: every call returns when the server answered or the deadline passed; Get waits for
-// a key to appear until its deadline (the server holds the request until a Put brings the key). Thread-safety: a Rendezvous and a
-// RendezvousServer are thread-safe.
+// a key to appear until its deadline (the server holds the request until a Put brings the key).
+// Thread-safety: a Rendezvous and a RendezvousServer are thread-safe.
 #pragma once
 
 #include <array>

@@ -17,8 +17,8 @@
 // silent peer ends its requests with kTimedOut or kError within it. Nothing waits without one.
 //
 // Threading. Each side runs one progress thread that owns its transport. All public methods are
-// thread-safe and never block on the network; Poll blocks until its own deadline at most. MarkReady,
-// BeginLayerWise and Fetch do not wait for the progress thread either: they check their
+// thread-safe and never block on the network; Poll blocks until its own deadline at most.
+// MarkReady, BeginLayerWise and Fetch do not wait for the progress thread either: they check their
 // arguments, claim the request id and build the handle (or plan) on the caller's thread, so a
 // reused id is refused at once, and what fails later arrives through Poll.
 #pragma once

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -183,14 +184,37 @@ TEST(Rendezvous, RequestsSentTogetherAreAnsweredInOrder) {
 }
 
 // Reads one whole reply frame from a raw connection.
-StatusOr<rendezvous::Frame> ReadReply(const rendezvous::Fd& fd) {
+// One whole frame's bytes from a raw connection.
+StatusOr<std::vector<std::byte>> ReadFrameBytes(const rendezvous::Fd& fd) {
   std::vector<std::byte> in(rendezvous::kHeaderBytes);
   KVF_RETURN_IF_ERROR(rendezvous::ReadExactly(fd.get(), in, DeadlineIn(3s)));
   KVF_ASSIGN_OR_RETURN(size_t length, rendezvous::DecodeHeader(in));
   in.resize(rendezvous::kHeaderBytes + length + rendezvous::kTagBytes);
   KVF_RETURN_IF_ERROR(rendezvous::ReadExactly(
       fd.get(), std::span(in).subspan(rendezvous::kHeaderBytes), DeadlineIn(3s)));
+  return in;
+}
+
+StatusOr<rendezvous::Frame> ReadReply(const rendezvous::Fd& fd) {
+  KVF_ASSIGN_OR_RETURN(std::vector<std::byte> in, ReadFrameBytes(fd));
   return rendezvous::DecodeFrame(in, KeyOf(1));
+}
+
+// A fake server of an earlier protocol on `l`: `connections` connections, one request each,
+// answered with answer(request bytes), then closed (as servers before kept connections did).
+std::thread ServeOncePerConnection(
+    const rendezvous::Listener& l, int connections,
+    std::function<std::vector<std::byte>(const std::vector<std::byte>&)> answer) {
+  return std::thread([&l, connections, answer = std::move(answer)] {
+    for (int i = 0; i < connections; ++i) {
+      pollfd p{l.fd.get(), POLLIN, 0};
+      if (poll(&p, 1, 5000) != 1) return;
+      rendezvous::Fd conn(accept(l.fd.get(), nullptr, nullptr));
+      auto request = ReadFrameBytes(conn);
+      if (!request.ok()) return;
+      (void)rendezvous::WriteAll(conn.get(), answer(*request), DeadlineIn(1s));
+    }
+  });
 }
 
 // WAIT: the server holds the request until a PUT brings its key (one round trip where GET polls),
@@ -251,26 +275,13 @@ TEST(Rendezvous, AClientAsksAServerWithoutWaitByGet) {
   auto l = rendezvous::ListenTcp("127.0.0.1", 0);
   ASSERT_TRUE(l.ok());
   std::atomic<int> waits{0}, gets{0};
-  std::thread fake([&] {
-    for (int i = 0; i < 3; ++i) {
-      pollfd p{l->fd.get(), POLLIN, 0};
-      if (poll(&p, 1, 5000) != 1) return;
-      rendezvous::Fd conn(accept(l->fd.get(), nullptr, nullptr));
-      std::vector<std::byte> in(rendezvous::kHeaderBytes);
-      if (!rendezvous::ReadExactly(conn.get(), in, DeadlineIn(2s)).ok()) return;
-      auto length = rendezvous::DecodeHeader(in);
-      if (!length.ok()) return;
-      in.resize(rendezvous::kHeaderBytes + *length + rendezvous::kTagBytes);
-      auto rest = std::span(in).subspan(rendezvous::kHeaderBytes);
-      if (!rendezvous::ReadExactly(conn.get(), rest, DeadlineIn(2s)).ok()) return;
-      const bool wait = in[6] == static_cast<std::byte>(rendezvous::FrameType::kWait);
-      ++(wait ? waits : gets);
-      const auto reply = rendezvous::EncodeFrame(
-          wait ? rendezvous::Frame{rendezvous::FrameType::kRefused, {}, {}, "type 0x04 unknown"}
-               : rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes("old"), {}},
-          KeyOf(1), /*sign=*/!wait);
-      (void)rendezvous::WriteAll(conn.get(), reply, DeadlineIn(1s));
-    }
+  std::thread fake = ServeOncePerConnection(*l, 3, [&](const std::vector<std::byte>& request) {
+    const bool wait = request[6] == static_cast<std::byte>(rendezvous::FrameType::kWait);
+    ++(wait ? waits : gets);
+    return rendezvous::EncodeFrame(
+        wait ? rendezvous::Frame{rendezvous::FrameType::kRefused, {}, {}, "type 0x04 unknown"}
+             : rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes("old"), {}},
+        KeyOf(1), /*sign=*/!wait);
   });
   auto c = ConnectRendezvous(l->address, KeyOf(1));
   ASSERT_TRUE(c.ok());
@@ -290,23 +301,10 @@ TEST(Rendezvous, AServerThatClosesAfterEachAnswerStillServesAKeepingClient) {
   auto l = rendezvous::ListenTcp("127.0.0.1", 0);
   ASSERT_TRUE(l.ok());
   std::atomic<int> served{0};
-  std::thread fake([&] {
-    for (int i = 0; i < 3; ++i) {
-      pollfd p{l->fd.get(), POLLIN, 0};
-      if (poll(&p, 1, 5000) != 1) return;
-      rendezvous::Fd conn(accept(l->fd.get(), nullptr, nullptr));
-      std::vector<std::byte> in(rendezvous::kHeaderBytes);
-      if (!rendezvous::ReadExactly(conn.get(), in, DeadlineIn(2s)).ok()) return;
-      auto length = rendezvous::DecodeHeader(in);
-      if (!length.ok()) return;
-      in.resize(rendezvous::kHeaderBytes + *length + rendezvous::kTagBytes);
-      auto rest = std::span(in).subspan(rendezvous::kHeaderBytes);
-      if (!rendezvous::ReadExactly(conn.get(), rest, DeadlineIn(2s)).ok()) return;
-      const auto reply = rendezvous::EncodeFrame(
-          rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes("old"), {}}, KeyOf(1));
-      (void)rendezvous::WriteAll(conn.get(), reply, DeadlineIn(1s));
-      ++served;
-    }  // conn closes here, as the earlier server did after each answer
+  std::thread fake = ServeOncePerConnection(*l, 3, [&](const std::vector<std::byte>&) {
+    ++served;
+    return rendezvous::EncodeFrame(
+        rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes("old"), {}}, KeyOf(1));
   });
   auto c = ConnectRendezvous(l->address, KeyOf(1));
   ASSERT_TRUE(c.ok());
