@@ -263,13 +263,19 @@ class Client final : public Rendezvous {
 
   StatusOr<std::vector<std::byte>> Get(std::string_view key, Deadline deadline) override {
     // The server holds a WAIT until the key appears (up to kMaxWaitMs per request, so the
-    // connection's idle bound never ends it): one round trip, no polling.
+    // connection's idle bound never ends it): one round trip, no polling. Its answer is due a
+    // margin (a quarter of the wait, 2 to 50 ms) before the deadline; the last moments are polled
+    // with GET, which never starts a request due past the deadline (a reply still on its way
+    // when the deadline passes would cost the kept connection).
+    const int64_t margin = std::clamp<int64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count() / 4,
+        2, 50);
     while (wait_ok_.load()) {
       const auto left =
           std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= margin) break;
       Frame wait{FrameType::kWait, std::string(key), {}, {}};
-      // A few ms short of the deadline, so that the server's NOT_FOUND comes before it.
-      wait.wait_ms = static_cast<uint32_t>(std::clamp<int64_t>(left - 5, 1, kMaxWaitMs));
+      wait.wait_ms = static_cast<uint32_t>(std::min<int64_t>(left - margin, kMaxWaitMs));
       StatusOr<Frame> reply = Call(wait, deadline);
       if (!reply.ok() && reply.status().code() == StatusCode::kInvalidArgument) {
         // A server before WAIT refuses the frame type: ask it the old way (a wrong group key
@@ -281,10 +287,6 @@ class Client final : public Rendezvous {
       if (reply->type == FrameType::kOk) return std::move(reply->value);
       if (reply->type != FrameType::kNotFound) {
         KVF_RETURN_IF_ERROR(Expect(*reply, FrameType::kOk, key));
-      }
-      if (Clock::now() >= deadline) {
-        return Status::DeadlineExceeded(
-            fmt::format("rendezvous {}:{}: key '{}' did not appear in time", host_, port_, key));
       }
     }
     auto pause = std::chrono::milliseconds(1);

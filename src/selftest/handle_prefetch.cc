@@ -42,11 +42,10 @@ void HandlePrefetch::Run() {
       lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || i < taken_ + depth_; });
       if (stop_) return;
     }
-    // The rendezvous asks again after 1, 2, 4 and 8 ms while the key is absent, so a handle
-    // published late is seen within 8 ms, and a waiting rank costs a few calls per 15 ms. The
-    // deadline also bounds one call: on two loaded cores a round trip can take milliseconds,
-    // and a tighter one would fail calls for handles that are there.
-    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(20)));
+    // The rendezvous server holds the Get until the handle is published (WAIT), so a handle
+    // published late is seen at once, in one call; the deadline only bounds how long a stop
+    // waits for this thread.
+    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(200)));
     if (!handle.ok()) {  // not published yet (or the rendezvous is slow): ask again
       MutexLock lock(mu_);
       if (stop_) return;
