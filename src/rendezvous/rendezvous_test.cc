@@ -317,6 +317,31 @@ TEST(Rendezvous, AServerThatClosesAfterEachAnswerStillServesAKeepingClient) {
   EXPECT_EQ(served.load(), 3);
 }
 
+// A bad key refused by a server with WAIT does not make the client give WAIT up.
+TEST(Rendezvous, ABadKeyDoesNotTurnWaitOff) {
+  auto l = rendezvous::ListenTcp("127.0.0.1", 0);
+  ASSERT_TRUE(l.ok());
+  std::thread fake = ServeOncePerConnection(*l, 3, [&](const std::vector<std::byte>& request) {
+    auto frame = rendezvous::DecodeFrame(request, KeyOf(1));
+    if (!frame.ok()) {  // as the server refuses what it can't read: unsigned
+      return rendezvous::EncodeFrame(
+          rendezvous::Frame{rendezvous::FrameType::kRefused, {}, {}, "bad key"}, KeyOf(1), false);
+    }
+    const bool wait = frame->type == rendezvous::FrameType::kWait;
+    return rendezvous::EncodeFrame(
+        rendezvous::Frame{rendezvous::FrameType::kOk, {}, Bytes(wait ? "waited" : "polled"), {}},
+        KeyOf(1));
+  });
+  auto c = ConnectRendezvous(l->address, KeyOf(1));
+  ASSERT_TRUE(c.ok());
+  auto bad = (*c)->Get("a\x01b", DeadlineIn(3s));
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << bad.status().ToString();
+  auto got = (*c)->Get("k", DeadlineIn(3s));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, Bytes("waited"));
+  fake.join();
+}
+
 TEST(Rendezvous, IdleConnectionsMakeRoomForANewClient) {
   Fixture f;
   const std::string a = f.server->address();

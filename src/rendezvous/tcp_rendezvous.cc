@@ -270,6 +270,7 @@ class Client final : public Rendezvous {
     const int64_t margin = std::clamp<int64_t>(
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count() / 4,
         2, 50);
+    bool wait_refused = false;
     while (wait_ok_.load()) {
       const auto left =
           std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -278,9 +279,9 @@ class Client final : public Rendezvous {
       wait.wait_ms = static_cast<uint32_t>(std::min<int64_t>(left - margin, kMaxWaitMs));
       StatusOr<Frame> reply = Call(wait, deadline);
       if (!reply.ok() && reply.status().code() == StatusCode::kInvalidArgument) {
-        // A server before WAIT refuses the frame type: ask it the old way (a wrong group key
-        // is refused again there, and reported).
-        wait_ok_ = false;
+        // A server before WAIT refuses the frame type: ask it the old way. A wrong group key or
+        // a bad key is refused again there and reported, and the client keeps asking by WAIT.
+        wait_refused = true;
         break;
       }
       KVF_RETURN_IF_ERROR(reply.status());
@@ -293,6 +294,7 @@ class Client final : public Rendezvous {
     for (;;) {
       KVF_ASSIGN_OR_RETURN(Frame reply,
                            Call(Frame{FrameType::kGet, std::string(key), {}, {}}, deadline));
+      if (wait_refused && reply.type != FrameType::kRefused) wait_ok_ = false;  // GET, not WAIT
       if (reply.type == FrameType::kOk) return std::move(reply.value);
       if (reply.type != FrameType::kNotFound) {
         KVF_RETURN_IF_ERROR(Expect(reply, FrameType::kOk, key));
