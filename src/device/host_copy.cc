@@ -20,8 +20,9 @@ constexpr size_t kMinStreamedRow = 256;
 // Software prefetch of the source, kPrefetchAhead bytes ahead of the copy in the order the rows are
 // read (the end of a row reaches into the next row's start). The hardware prefetchers follow one
 // address stream and lose it at every jump of a pitched copy: on the 2-core CI machine (AMD EPYC)
-// streaming 16 KiB rows from a 32 KiB source pitch, a TP2->TP4 head slice, ran at 9 GB/s against
-// 23 with this prefetch, and contiguous 4 MiB copies went from 23 to 27 GB/s.
+// streaming 16 KiB rows from a 32 KiB source pitch, a TP2->TP4 head slice, ran at 7-9 GB/s against
+// 14-23 with this prefetch (CopyHostRows over 64 MiB, medians of 25); contiguous 4 MiB copies
+// stayed at 17-19 GB/s.
 constexpr size_t kPrefetchAhead = 8192;
 
 class SourcePrefetch {
