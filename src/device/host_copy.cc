@@ -28,11 +28,16 @@ constexpr size_t kPrefetchAhead = 8192;
 class SourcePrefetch {
  public:
   SourcePrefetch(const std::byte* src, size_t src_pitch, size_t bytes, size_t rows)
-      : src_(src), pitch_(src_pitch), bytes_(bytes), rows_(rows) {}
+      : src_(src),
+        pitch_(src_pitch),
+        bytes_(bytes),
+        rows_(rows),
+        ahead_rows_(kPrefetchAhead / bytes),
+        ahead_off_(kPrefetchAhead % bytes) {}
   // At the start of row r (a row's unaligned head and tail are not lines: each row starts over).
   void StartRow(size_t r) {
-    row_ = r + kPrefetchAhead / bytes_;
-    off_ = kPrefetchAhead % bytes_;
+    row_ = r + ahead_rows_;
+    off_ = ahead_off_;
   }
   // Called once per line copied: prefetches the line kPrefetchAhead bytes of rows further on.
   void Next() {
@@ -48,6 +53,7 @@ class SourcePrefetch {
  private:
   const std::byte* src_;
   size_t pitch_, bytes_, rows_;
+  size_t ahead_rows_, ahead_off_;  // kPrefetchAhead in whole rows and the rest
   size_t row_ = 0, off_ = 0;
 };
 
