@@ -80,6 +80,8 @@ void WriteAll(const std::filesystem::path& root) {
       {"done", DoneMsg{7, 1, 4096}},
       {"abort", AbortMsg{7, 1, 6, "cancelled"}},
       {"complete", CompleteMsg{7, 1}},
+      {"sibling", SiblingMsg{7, {1, 2, 3}, 1, 0, {}}},
+      {"sibling_failed", SiblingMsg{7, {1, 2, 3}, 0, 4, "timed out"}},
   };
   for (const auto& [name, m] : msgs) Write(root / "message_fuzz", name, 0, EncodeMessage(m));
   FetchMsg f = SmallFetch();

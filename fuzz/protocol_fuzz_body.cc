@@ -317,7 +317,7 @@ class Harness {
     const uint32_t tid = in.U8() % 8;  // the generation rank numbers its transfers 1, 2, ...
     const uint8_t code = in.Pick<uint8_t>({0, 1, 3, 6, 7, 200});
     ControlMsg msg;
-    switch (in.U8() % 8) {
+    switch (in.U8() % 9) {
       case 0: {
         FetchMsg f;
         f.request_id = r.id;
@@ -376,6 +376,12 @@ class Harness {
                          (flags & 2) != 0};  // says complete (in phase fetched: accepts too)
         }
         break;
+      case 8: {  // another context rank's word, forged: the peer holds no instance secret
+        SiblingMsg m{r.id, {}, in.Pick<int32_t>({0, 1, 2, -1, INT32_MAX}), code, "hostile sibling"};
+        if (!r.handle.empty()) m.token = DecodeHandle(r.handle).value().token;
+        msg = std::move(m);
+        break;
+      }
     }
     (void)hostile_->SendControl(to, EncodeMessage(msg));
   }

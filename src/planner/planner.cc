@@ -514,6 +514,20 @@ Status OverCap(const RankSlice& c, const RankSlice& g, const PlanInput& in) {
       c.rank, g.rank, in.chunk_bytes, in.direct_min_bytes, in.max_chunks, kPeerChunkSlack));
 }
 
+// Whether context rank c sends anything to generation rank g: layers and heads both hold (c is
+// the replica chosen for g when heads are duplicated), and some block is not reused.
+bool Exchanges(const PlanInput& in, int64_t needed, const RankSlice& c, const RankSlice& g) {
+  const int32_t l0 = std::max(c.layer_begin, g.layer_begin);
+  const int32_t l1 = std::min(c.layer_begin + c.layer_count, g.layer_begin + g.layer_count);
+  if (l0 >= l1) return false;
+  // When several context ranks hold a head (duplicated heads), generation rank g takes it from
+  // replica g.tp_rank % replicas.
+  if (c.head_replicas > 1 && c.replica_index != g.tp_rank % c.head_replicas) return false;
+  const int32_t h0 = std::max(c.head_begin, g.head_begin);
+  const int32_t h1 = std::min(c.head_begin + c.head_count, g.head_begin + g.head_count);
+  return h0 < h1 && in.gen_reused_blocks < needed;
+}
+
 // Plans one pair; returns false when the pair exchanges nothing. `plan_bytes`: the memory the
 // plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes);
 // `plan_chunks`: the chunks of the pairs planned before (bounded by in.max_chunks).
@@ -521,17 +535,12 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
                         int64_t& plan_bytes, int64_t plan_chunks) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
-  // Layers both hold.
+  if (!Exchanges(in, cx.needed, c, g)) return false;
+  // The layers and heads both hold.
   const int32_t l0 = std::max(c.layer_begin, g.layer_begin);
   const int32_t l1 = std::min(c.layer_begin + c.layer_count, g.layer_begin + g.layer_count);
-  if (l0 >= l1) return false;
-  // Heads both hold, if c is the sender chosen for g: when several context ranks hold a head
-  // (duplicated heads), generation rank g takes it from replica g.tp_rank % replicas.
-  if (c.head_replicas > 1 && c.replica_index != g.tp_rank % c.head_replicas) return false;
   const int32_t h0 = std::max(c.head_begin, g.head_begin);
   const int32_t h1 = std::min(c.head_begin + c.head_count, g.head_begin + g.head_count);
-  if (h0 >= h1) return false;
-  if (in.gen_reused_blocks >= cx.needed) return false;
 
   const int64_t eb = shape.ElementBytes();
   KVF_ASSIGN_OR_RETURN(
@@ -730,6 +739,53 @@ StatusOr<TransferPlan> PlanTransfer(const PlanInput& input) {
   }
   plan.pairs = std::move(pairs);
   return plan;
+}
+
+namespace {
+
+// CtxRanksToFetch (gen_rank set) and GenRanksFetching (ctx_rank set).
+StatusOr<std::vector<int32_t>> FetchPeers(const PlanInput& input, std::optional<int32_t> ctx_rank,
+                                          std::optional<int32_t> gen_rank) {
+  KVF_RETURN_IF_ERROR(CheckInput(input));
+  const int64_t needed = NeededBlocks(input);
+  KVF_ASSIGN_OR_RETURN(std::vector<RankSlice> ctx, GroupSlices(input.ctx, ctx_rank));
+  KVF_ASSIGN_OR_RETURN(std::vector<RankSlice> gen, GroupSlices(input.gen, std::nullopt));
+  const bool in_group =
+      ctx_rank ? !ctx.empty() : std::any_of(gen.begin(), gen.end(), [&](const RankSlice& g) {
+        return g.rank == *gen_rank;
+      });
+  if (!in_group) {
+    return Status::InvalidArgument(
+        ctx_rank ? fmt::format("context rank {} is not in the request's DP group", *ctx_rank)
+                 : fmt::format("generation rank {} is not in the request's DP group", *gen_rank));
+  }
+  std::vector<int32_t> out;
+  for (const RankSlice& c : ctx) {
+    bool any = false;
+    for (const RankSlice& g : gen) {
+      if (!Exchanges(input, needed, c, g)) continue;
+      any = true;
+      if (ctx_rank) {
+        out.push_back(g.rank);
+      } else if (g.rank == *gen_rank) {
+        out.push_back(c.rank);
+      }
+    }
+    // A context rank that sends nothing to anyone still hears from the group's first rank.
+    if (!any && ctx_rank) out.push_back(gen.front().rank);
+    if (!any && !ctx_rank && gen.front().rank == *gen_rank) out.push_back(c.rank);
+  }
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::vector<int32_t>> CtxRanksToFetch(const PlanInput& input, int32_t gen_rank) {
+  return FetchPeers(input, std::nullopt, gen_rank);
+}
+
+StatusOr<std::vector<int32_t>> GenRanksFetching(const PlanInput& input, int32_t ctx_rank) {
+  return FetchPeers(input, ctx_rank, std::nullopt);
 }
 
 StatusOr<std::vector<PairPlan>> PlanForCtxRank(const PlanInput& input, int32_t ctx_rank) {

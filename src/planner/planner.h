@@ -149,4 +149,12 @@ StatusOr<TransferPlan> PlanTransfer(const PlanInput& input);
 StatusOr<std::vector<PairPlan>> PlanForCtxRank(const PlanInput& input, int32_t ctx_rank);
 StatusOr<std::vector<PairPlan>> PlanForGenRank(const PlanInput& input, int32_t gen_rank);
 
+// Who talks to whom (wire version 8): generation rank g fetches from the context ranks that send it
+// something and, when g is the first rank of its DP group, also from every context rank that sends
+// nothing to any generation rank (so that each hears of the request and can release it). Pairs
+// with nothing to move otherwise exchange no message. Both ascending; a rank outside the request's
+// DP group is an error.
+StatusOr<std::vector<int32_t>> CtxRanksToFetch(const PlanInput& input, int32_t gen_rank);
+StatusOr<std::vector<int32_t>> GenRanksFetching(const PlanInput& input, int32_t ctx_rank);
+
 }  // namespace kvferry

@@ -2,6 +2,10 @@
 // byte for byte (see RunCase).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
 #include "planner/planner_test_util.h"
 
 namespace kvferry::planner_test {
@@ -48,6 +52,62 @@ TEST(PlannerMatrix, TpPpLayoutsPrompts) {
       }
     }
   }
+}
+
+// Who fetches from whom (wire version 8), over every valid split pair, with and without every
+// block reused: both sides derive the same pairs (g fetches from c exactly when c expects g);
+// every pair that moves data is on the lists; a pair on the lists that moves nothing belongs to a
+// context rank that sends nothing to anyone, and then only the group's first generation rank
+// fetches from it; every context rank hears from someone.
+TEST(PlannerMatrix, FetchListsAgreeOnBothSides) {
+  int checked = 0;
+  for (int32_t kvh : kKvHeads) {
+    KvShape shape{7, kvh, 8, DType::kBf16, 2, 4};
+    auto configs = ValidConfigs(shape);
+    for (const ParallelConfig& cp : configs) {
+      for (const ParallelConfig& gp : configs) {
+        for (int64_t reused : {0, 2}) {
+          Case c;
+          c.shape = shape;
+          c.ctx = cp;
+          c.gen = gp;
+          c.prompt = 7;
+          c.reused = reused;
+          const PlanInput in = MakeInput(c);
+          auto plan = PlanTransfer(in);
+          ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+          std::set<std::pair<int32_t, int32_t>> moving, by_gen, by_ctx;
+          for (const PairPlan& p : plan->pairs) moving.insert({p.ctx_rank, p.gen_rank});
+          for (int32_t g = 0; g < gp.world_size(); ++g) {
+            auto ctx = CtxRanksToFetch(in, g);
+            ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+            ASSERT_TRUE(std::is_sorted(ctx->begin(), ctx->end()));
+            for (int32_t r : *ctx) by_gen.insert({r, g});
+          }
+          for (int32_t r = 0; r < cp.world_size(); ++r) {
+            auto gen = GenRanksFetching(in, r);
+            ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+            ASSERT_TRUE(std::is_sorted(gen->begin(), gen->end()));
+            EXPECT_FALSE(gen->empty()) << c.Name() << " context rank " << r;
+            for (int32_t g : *gen) by_ctx.insert({r, g});
+            if (plan->gen_peers_of_ctx[r].empty()) {
+              EXPECT_EQ(*gen, std::vector<int32_t>{0}) << c.Name() << " context rank " << r;
+            }
+          }
+          EXPECT_EQ(by_gen, by_ctx) << c.Name();
+          for (const auto& pair : moving) EXPECT_TRUE(by_gen.count(pair)) << c.Name();
+          for (const auto& [r, g] : by_gen) {
+            if (!moving.count({r, g})) {
+              EXPECT_TRUE(plan->gen_peers_of_ctx[r].empty()) << c.Name() << " " << r << g;
+            }
+          }
+          ++checked;
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+  std::printf("checked %d split pairs\n", checked);
 }
 
 // Every prompt length x reuse x block pattern on a few representative splits.

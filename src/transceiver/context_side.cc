@@ -1,7 +1,9 @@
 // The context (sending) side: requests marked ready, fetches from generation ranks, chunks packed
-// and sent as credit and layer readiness allow, leases held until every peer said DONE. The
+// and sent as credit and layer readiness allow, leases held until every pair of the request, on
+// every context rank of the DP group, is done (SIBLING). The
 // class is declared in context_side_impl.h; a pair's data path is in context_side_send.cc.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -20,7 +22,20 @@ bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
          a.chunk_bytes == b.chunk_bytes && a.direct_min_bytes == b.direct_min_bytes;
 }
 
+// The chunk number of the receive that watches another context rank (a tag no rank sends).
+constexpr uint64_t kSiblingWatchChunk = (uint64_t{1} << kChunkTagBits) - 1;
+
 }  // namespace
+
+std::vector<int32_t> ContextSideImpl::SiblingRanks(const BlockPool& pool) {
+  std::vector<int32_t> out;
+  const ParallelConfig& par = pool.spec().parallel;
+  for (int32_t r = 0; r < par.world_size(); ++r) {
+    auto s = SliceOf(pool.shape(), par, r);
+    if (s.ok() && s->dp_group == pool.slice().dp_group && r != pool.slice().rank) out.push_back(r);
+  }
+  return out;
+}
 
 Status ContextSideImpl::SetInstanceAddresses(std::vector<std::string> addresses) {
   if (static_cast<int32_t>(addresses.size()) != pool_.spec().parallel.world_size()) {
@@ -93,12 +108,12 @@ void ContextSideImpl::OnControl(PeerId from, ControlMsg msg) {
     return;
   }
   if (auto* d = std::get_if<DoneMsg>(&msg)) {
+    // A DONE follows the pair's answer: one for no live pair is late (the request ended) or stray.
     if (SendPair* p = FindPair(d->request_id, from, d->transfer_id))
       Step(requests_.at(d->request_id), *p, PairEvent::kDone);
-    else
-      pending_.AddDone(from, *d);  // a pair with no chunks whose FETCH waits for MarkReady
     return;
   }
+  if (auto* b = std::get_if<SiblingMsg>(&msg)) return OnSibling(*b);
   if (auto* a = std::get_if<AbortMsg>(&msg)) {
     pending_.Drop(from, a->request_id, a->transfer_id);
     if (SendPair* p = FindPair(a->request_id, from, a->transfer_id)) {
@@ -129,7 +144,7 @@ bool ContextSideImpl::Advance() {
     std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
     for (auto& [g, p] : r.pairs) busy |= AdvancePair(r, p);
     if (r.ending) peer_launch_.Discard(r.id);  // its senders abandoned its waiting batches
-    FoldComplete(r);
+    TellSiblings(r);
     if (Finished(r)) {
       Finish(r);
       Release(r.id);
@@ -165,6 +180,7 @@ void ContextSideImpl::FlushPeerLaunch() {
 }
 
 void ContextSideImpl::OnTick(Clock::time_point now) {
+  CheckSiblingWatches();
   for (const PendingFetch& pf : pending_.Expired(now)) {
     Reject(pf.from, pf.fetch,
            Status::NotFound(fmt::format(
@@ -176,8 +192,10 @@ void ContextSideImpl::OnTick(Clock::time_point now) {
     if (!r.ending && now >= r.deadline) {
       End(r, TransferState::kTimedOut,
           Status::DeadlineExceeded(
-              fmt::format("request {}: not delivered within {} ms ({} of {} generation ranks done)",
-                          id, options_.timeout.count(), DoneCount(r), r.expected_gen)),
+              fmt::format("request {}: not delivered within {} ms ({} of {} generation ranks "
+                          "done here, {} of {} other context ranks done)",
+                          id, options_.timeout.count(), DoneCount(r), r.expected.size(),
+                          r.siblings_done.size(), siblings_.size())),
           true);
     }
   }
@@ -189,7 +207,15 @@ bool ContextSideImpl::OnStop() {
       End(r, TransferState::kCancelled, Status::Cancelled("context side shutting down"), true);
   }
   Advance();
-  return requests_.empty();
+  if (!requests_.empty()) return false;
+  bool watched = false;
+  for (auto& [rank, link] : sibling_links_) {
+    if (link.watch && !link.watch->Done()) {
+      transport_->Cancel(*link.watch);
+      watched = true;
+    }
+  }
+  return !watched;
 }
 
 StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
@@ -262,10 +288,86 @@ void ContextSideImpl::Open(CtxRequest r) {
   SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});  // the metrics' start
   // Fetches that arrived before this rank knew the request.
   for (PendingFetch& pf : pending_.Take(id))
-    OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits), pf.done);
+    OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits));
+  for (const SiblingMsg& m : pending_.TakeSiblings(id)) OnSibling(m);
 }
 
-void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits, bool done) {
+void ContextSideImpl::OnSibling(const SiblingMsg& m) {
+  CtxRequest* r = Find(m.request_id);
+  if (!r) {
+    // Another rank may be done before this one's MarkReady: keep it as long as a FETCH waits.
+    if (!Released(m.request_id))
+      pending_.AddSibling(m, Clock::now() + options_.unknown_request_wait);
+    return;
+  }
+  const bool sibling = std::binary_search(siblings_.begin(), siblings_.end(), m.ctx_rank);
+  if (!sibling || m.token != MakeSiblingToken(options_.secret, r->token, m.ctx_rank, m.code)) {
+    Log(LogLevel::kWarn,
+        "context side: dropped a SIBLING for request {} claiming context rank {}: {}", m.request_id,
+        m.ctx_rank, sibling ? "its token does not match" : "not another rank of this DP group");
+    return;
+  }
+  if (m.code == 0) {
+    r->siblings_done.insert(m.ctx_rank);
+    return;
+  }
+  End(*r, TransferState::kError,
+      PeerStatus(m.code, fmt::format("context rank {} ended it: {}", m.ctx_rank, m.reason)), true,
+      false);
+}
+
+StatusOr<PeerId> ContextSideImpl::SiblingPeer(int32_t rank, Deadline deadline) {
+  if (auto it = sibling_links_.find(rank); it != sibling_links_.end()) return it->second.peer;
+  std::string address;
+  {
+    MutexLock lock(ids_mu_);
+    address = addresses_.at(static_cast<size_t>(rank));
+  }
+  auto peer = [&] {
+    ProfileScope timed(profile(), ProfilePhase::kConnect);
+    return transport_->Connect(address, deadline);
+  }();
+  if (!peer.ok()) return peer.status().WithContext(fmt::format("context rank {}", rank));
+  SiblingLink& link = sibling_links_[rank];
+  link.peer = *peer;
+  if (transport_->caps().detects_crashed_peers) {
+    // Context ranks send each other control messages only: no data tag is ever sent here.
+    auto watch = transport_->Recv(*peer, DataTag(0, kSiblingWatchChunk), link.watch_buf,
+                                  sizeof(link.watch_buf), MemoryKind::kHost);
+    if (watch.ok()) link.watch = std::move(watch).value();
+  }
+  return *peer;
+}
+
+void ContextSideImpl::CheckSiblingWatches() {
+  for (auto it = sibling_links_.begin(); it != sibling_links_.end();) {
+    const TransportOp* w = it->second.watch.get();
+    if (!w || !w->Done() || w->status().ok() || w->status().code() == StatusCode::kCancelled) {
+      ++it;
+      continue;
+    }
+    const int32_t rank = it->first;
+    const Status why = Status::Unavailable(
+        fmt::format("context rank {} is unreachable: {}", rank, w->status().message()));
+    it = sibling_links_.erase(it);
+    for (auto& [id, r] : requests_) {
+      if (!r.ending && !r.siblings_done.count(rank)) End(r, TransferState::kError, why, true);
+    }
+  }
+}
+
+void ContextSideImpl::TellSiblings(CtxRequest& r) {
+  if (r.ending || r.told_siblings || !LocalDone(r)) return;
+  r.told_siblings = true;
+  for (int32_t s : siblings_) {
+    auto peer = SiblingPeer(s, r.deadline);
+    if (!peer.ok()) return Fail(r, peer.status());
+    const int32_t me = pool_.slice().rank;
+    SendMsg(*peer, SiblingMsg{r.id, MakeSiblingToken(options_.secret, r.token, me, 0), me, 0, {}});
+  }
+}
+
+void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits) {
   const PeerId peer = from;  // the transport connects back to a control sender by itself
   CtxRequest* r = Find(f.request_id);
   if (!r) {
@@ -284,7 +386,7 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
                         "requests are already waiting (the limit)",
                         f.request_id, pool_.slice().rank, PendingFetches::kMaxFetches)));
     }
-    pending_.Add(PendingFetch{peer, std::move(f), std::move(credits), done,
+    pending_.Add(PendingFetch{peer, std::move(f), std::move(credits),
                               Clock::now() + options_.unknown_request_wait});
     return;
   }
@@ -298,7 +400,7 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
         Status::InvalidArgument(fmt::format(
             "request {}: the access token does not match (forged or altered handle)", r->id)));
   }
-  if (r->expected_gen >= 0 && f.gen_instance != r->gen_instance) {
+  if (r->heard && f.gen_instance != r->gen_instance) {
     return Reject(
         peer, f,
         Status::InvalidArgument(fmt::format("request {} is already being fetched by another "
@@ -360,6 +462,11 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
     in.layer_wise = r->layer_wise;
     in.max_plan_bytes = plan_budget();
     in.max_chunks = plan_chunk_cap();
+    if (!r->heard) {
+      auto expected = GenRanksFetching(in, pool_.slice().rank);
+      if (!expected.ok()) return Reject(peer, f, expected.status());
+      r->expected = std::move(expected).value();
+    }
     auto plan = [&] {
       ProfileScope timed(profile(), ProfilePhase::kPlan);
       return PlanForCtxRank(in, pool_.slice().rank);
@@ -369,9 +476,17 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
     r->plan_key = f;
     r->planned = true;
   }
-  if (r->expected_gen < 0) {
+  // Wire version 8: only the generation ranks with something to fetch from this rank ask.
+  if (!std::binary_search(r->expected.begin(), r->expected.end(), f.gen_rank)) {
+    return Reject(peer, f,
+                  Status::InvalidArgument(fmt::format(
+                      "request {}: generation rank {} has nothing to fetch from context rank {} "
+                      "(it fetches from generation ranks {})",
+                      r->id, f.gen_rank, pool_.slice().rank, fmt::join(r->expected, ","))));
+  }
+  if (!r->heard) {
+    r->heard = true;
     r->gen_instance = f.gen_instance;
-    r->expected_gen = (f.parallel.tp / f.parallel.dp_size) * f.parallel.pp;
   }
   SendPair p;
   p.gen_rank = f.gen_rank;
@@ -390,13 +505,11 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   r->state = TransferState::kInProgress;
   SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
   // ACCEPT says which data path the pair takes (wire version 7): a peer-memory pair's first
-  // CHUNK says it instead, and a pair with no chunks needs no answer (its generation rank says
-  // DONE once its other pairs' chunks are in place).
+  // CHUNK says it instead, and a pair with no chunks is answered by COMPLETE alone.
   if (!p.mapped && !p.plan.chunks.empty())
     SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, false});
   SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
   for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
-  if (done) Step(*r, added, PairEvent::kDone);
 }
 
 // Tagged credits count posted receives; one-sided ones name the staging slot of each newly
@@ -437,42 +550,22 @@ void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) 
                           std::string(why.message())});
 }
 
-void ContextSideImpl::FoldComplete(CtxRequest& r) {
-  if (r.ending || r.folded || !lone_rank_) return;
-  bool foldable = true, landed = true;
-  for (const auto& [g, p] : r.pairs) {
-    foldable &= Foldable(p);
-    landed &= p.last_report.has_value() && p.drained() && p.state.Is(PairPhase::kAccepted);
-  }
-  if (!foldable) {  // a pair without peer memory (or with checksums) says DONE: COMPLETE as usual
-    for (auto& [g, p] : r.pairs) {
-      if (!p.last_report) continue;
-      SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.last_report->first),
-                               p.last_report->count, false, 0});
-      p.last_report.reset();
-    }
-    return;
-  }
-  if (!landed || static_cast<int>(r.pairs.size()) != r.expected_gen) return;
-  r.folded = true;
-  for (auto& [g, p] : r.pairs) {
-    ChunkMsg last{r.id,
-                  p.transfer_id,
-                  static_cast<uint32_t>(p.last_report->first),
-                  p.last_report->count,
-                  false,
-                  0};
-    last.complete = true;
-    SendMsg(p.peer, last);
-    p.last_report.reset();
-    Step(r, p, PairEvent::kCompleteFolded);
-  }
+bool ContextSideImpl::PairDone(const SendPair& p) const {
+  if (!p.drained()) return false;
+  if (p.state.Is(PairPhase::kDone)) return true;
+  return p.state.Is(PairPhase::kAccepted) &&
+         (p.plan.chunks.empty() || (Foldable(p) && p.last_report.has_value()));
 }
 
 int ContextSideImpl::DoneCount(const CtxRequest& r) const {
   int n = 0;
-  for (const auto& [g, p] : r.pairs) n += p.state.Is(PairPhase::kDone) && p.drained();
+  for (const auto& [g, p] : r.pairs) n += PairDone(p);
   return n;
+}
+
+bool ContextSideImpl::LocalDone(const CtxRequest& r) const {
+  return r.heard && r.pairs.size() == r.expected.size() &&
+         DoneCount(r) == static_cast<int>(r.expected.size());
 }
 
 bool ContextSideImpl::Finished(CtxRequest& r) {
@@ -495,8 +588,7 @@ bool ContextSideImpl::Finished(CtxRequest& r) {
     }
     return true;
   }
-  return r.expected_gen >= 0 && static_cast<int>(r.pairs.size()) == r.expected_gen &&
-         DoneCount(r) == r.expected_gen;
+  return LocalDone(r) && r.siblings_done.size() == siblings_.size();
 }
 
 void ContextSideImpl::Finish(CtxRequest& r) {
@@ -504,8 +596,21 @@ void ContextSideImpl::Finish(CtxRequest& r) {
   if (!r.ending) {
     r.state = TransferState::kComplete;
     r.reason = Status::Ok();
-    if (!r.folded) {
-      for (auto& [g, p] : r.pairs) SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
+    for (auto& [g, p] : r.pairs) {
+      if (!p.last_report) {
+        SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
+        continue;
+      }
+      ChunkMsg last{r.id,
+                    p.transfer_id,
+                    static_cast<uint32_t>(p.last_report->first),
+                    p.last_report->count,
+                    false,
+                    0};
+      last.complete = true;
+      SendMsg(p.peer, last);
+      p.last_report.reset();
+      Step(r, p, PairEvent::kCompleteFolded);
     }
   } else {
     // One-sided pairs: no more puts from here; the generation rank may reuse its slots.
@@ -521,12 +626,23 @@ void ContextSideImpl::Finish(CtxRequest& r) {
 
 // Decides the terminal state; operations still in flight are cancelled and drained before the
 // request is reported (its blocks stay leased until then).
-void ContextSideImpl::End(CtxRequest& r, TransferState state, Status why, bool tell_peers) {
+void ContextSideImpl::End(CtxRequest& r, TransferState state, Status why, bool tell_peers,
+                          bool tell_siblings) {
   if (r.ending) return;
   r.ending = true;
   r.ended_at = Clock::now();
   r.state = state;
   r.reason = std::move(why);
+  if (tell_peers && tell_siblings) {
+    // The other context ranks' generation ranks can't complete without this one's: they end too.
+    const int32_t me = pool_.slice().rank;
+    const auto code = static_cast<uint8_t>(r.reason.code());
+    const SiblingMsg m{r.id, MakeSiblingToken(options_.secret, r.token, me, code), me, code,
+                       std::string(r.reason.message())};
+    for (int32_t s : siblings_) {
+      if (auto peer = SiblingPeer(s, Clock::now() + options_.timeout); peer.ok()) SendMsg(*peer, m);
+    }
+  }
   for (auto& [g, p] : r.pairs) {
     for (SendOp& s : p.inflight) {
       if (s.op && !s.op->Done()) transport_->Cancel(*s.op);

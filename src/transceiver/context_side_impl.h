@@ -50,8 +50,8 @@ struct SendPair {
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
   std::deque<SendOp> inflight;
-  // Peer memory on a lone context rank (FoldComplete): the pair's last CHUNK, held until every
-  // pair's copies landed so that it can say complete.
+  // Peer memory without checksums (Foldable): the pair's last CHUNK, held until the request is
+  // complete on every rank, so that it can say so (Finish).
   std::optional<LandedChunks> last_report;
   bool drained() const {
     return next == plan.chunks.size() && inflight.empty() && (!mapped || mapped->copying() == 0);
@@ -69,7 +69,9 @@ struct CtxRequest {
   Clock::time_point start;
   Deadline deadline;
   uint64_t gen_instance = 0;
-  int expected_gen = -1;              // generation ranks that will FETCH (known at the first FETCH)
+  bool heard = false;  // a FETCH was accepted: gen_instance and expected are known
+  // The generation ranks that FETCH from this rank (planner.h GenRanksFetching), ascending.
+  std::vector<int32_t> expected;
   std::vector<PairPlan> plan;         // this rank's pairs, cached from the first FETCH
   bool planned = false;               // an empty plan (this rank sends nothing) is a plan too
   FetchMsg plan_key;                  // the FETCH the cached plan was made for (blocks, split)
@@ -77,8 +79,10 @@ struct CtxRequest {
   int64_t bytes = 0;
   TransferState state = TransferState::kInit;
   Status reason;
-  bool ending = false;  // a terminal state is decided; waiting for operations to finish
-  bool folded = false;  // the last CHUNKs said complete (FoldComplete): no COMPLETE to send
+  // The other context ranks of the DP group that said their part is done (SIBLING, code 0).
+  std::set<int32_t> siblings_done;
+  bool told_siblings = false;  // this rank's SIBLING "done" went out
+  bool ending = false;         // a terminal state is decided; waiting for operations to finish
   Clock::time_point ended_at;
 };
 
@@ -136,27 +140,38 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Begin's part on the progress thread: the request goes live and takes the FETCHes that came
   // before it.
   void Open(CtxRequest r);
-  // `done`: the generation rank's DONE for this pair came before the request was known (a pair
-  // with no chunks says DONE without waiting for an answer).
-  void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits, bool done = false);
+  void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits);
+  // Another context rank of the DP group is done with the request, or ended it.
+  void OnSibling(const SiblingMsg& m);
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c);
   void Reject(PeerId peer, const FetchMsg& f, const Status& why);
   // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
   // event the protocol has no step for fails the request, naming the event and the phase.
   bool Step(CtxRequest& r, SendPair& p, PairEvent event);
+  // A pair is done when its generation rank holds every chunk: DONE received, or (Foldable) every
+  // copy landed; a pair with no chunks is done once its FETCH is taken.
+  bool PairDone(const SendPair& p) const;
   int DoneCount(const CtxRequest& r) const;
-  // This rank alone serves its DP group and every pair is a peer-memory pair without checksums:
-  // once every pair's copies landed, the whole generation instance holds the request, so the
-  // pairs' last CHUNKs say complete (wire version 6) and neither DONE nor COMPLETE is exchanged.
-  // Holds each pair's last CHUNK until then; releases them as plain CHUNKs when a pair can't fold.
-  void FoldComplete(CtxRequest& r);
+  // Every expected generation rank fetched and every pair is done: this rank's part.
+  bool LocalDone(const CtxRequest& r) const;
+  // Sends SIBLING "done" to the other context ranks of the DP group once LocalDone.
+  void TellSiblings(CtxRequest& r);
+  // The other context rank `rank`'s connection (made on first use); an error ends the request.
+  StatusOr<PeerId> SiblingPeer(int32_t rank, Deadline deadline);
+  // A peer-memory pair without checksums ends with its last CHUNK saying complete (wire version
+  // 6, 8): neither DONE nor COMPLETE is exchanged for it.
   bool Foldable(const SendPair& p) const {
-    return lone_rank_ && p.mapped && !p.checksum && !p.plan.chunks.empty();
+    return p.mapped && !p.checksum && !p.plan.chunks.empty();
   }
   bool Finished(CtxRequest& r);
+  // Reports the terminal state; a complete request's pairs get their last CHUNK saying complete
+  // (Foldable) or COMPLETE.
   void Finish(CtxRequest& r);
   void Fail(CtxRequest& r, const Status& why) { End(r, TransferState::kError, why, true); }
-  void End(CtxRequest& r, TransferState state, Status why, bool tell_peers);
+  // `tell_peers`: ABORT to the pairs and SIBLING to the other context ranks (not to them when
+  // `tell_siblings` is false: a SIBLING ended it, and its sender told every rank).
+  void End(CtxRequest& r, TransferState state, Status why, bool tell_peers,
+           bool tell_siblings = true);
   CtxRequest* Find(uint64_t id);
   SendPair* FindPair(uint64_t id, PeerId from, uint32_t transfer_id);
 
@@ -194,9 +209,20 @@ class ContextSideImpl final : public ContextSide, public Engine {
   bool peer_launched_ = false;  // this Advance pass launched peer-memory copies
   bool rma_said_ = false;       // logged once why a one-sided fetch is served tagged
   bool peer_said_ = false;      // logged once why offered peer memory is not used
-  // The only context rank of its DP group (every generation rank hears from this one alone).
-  const bool lone_rank_ =
-      pool_.spec().parallel.tp / pool_.spec().parallel.dp_size * pool_.spec().parallel.pp == 1;
+  // The other context ranks of this rank's DP group, ascending, and their connections.
+  const std::vector<int32_t> siblings_ = SiblingRanks(pool_);
+  static std::vector<int32_t> SiblingRanks(const BlockPool& pool);
+  struct SiblingLink {
+    PeerId peer = kAnyPeer;
+    // One-sided transports: a receive the sibling never matches, failed by the transport when it
+    // loses the sibling (as a generation rank watches its context ranks): the requests still
+    // waiting for that rank's SIBLING end at once rather than at their deadlines.
+    std::unique_ptr<TransportOp> watch;
+    std::byte watch_buf[1];
+  };
+  std::map<int32_t, SiblingLink> sibling_links_;
+  // Ends the live requests that wait for a sibling whose watch failed, and forgets its link.
+  void CheckSiblingWatches();
 };
 
 }  // namespace kvferry

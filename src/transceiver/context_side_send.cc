@@ -129,7 +129,7 @@ bool ContextSideImpl::AdvancePeerPair(CtxRequest& r, SendPair& p) {
   }
   if (auto report = p.mapped->TakeReport(); report && !r.ending) {
     if (Foldable(p) && report->first + report->count == p.plan.chunks.size()) {
-      p.last_report = report;  // FoldComplete sends it
+      p.last_report = report;  // Finish sends it, saying complete
     } else {
       SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(report->first),
                                report->count, false, 0});

@@ -1,6 +1,7 @@
-// The generation (receiving) side: a handle and destination blocks in; FETCH to every context rank
-// of the serving DP group; receives posted (and credited) within the staging bound; packed chunks
-// unpacked into the pool; DONE to each context rank once its chunks are in place.
+// The generation (receiving) side: a handle and destination blocks in; FETCH to the context ranks
+// that send this rank something (planner.h CtxRanksToFetch); receives posted (and credited) within
+// the staging bound; packed chunks unpacked into the pool; DONE to each context rank once its
+// chunks are in place (none where its last CHUNK says complete).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -96,19 +97,21 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     in.max_chunks = plan_chunk_cap();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
+    KVF_ASSIGN_OR_RETURN(std::vector<int32_t> ctx_ranks, CtxRanksToFetch(in, pool_.slice().rank));
     // The rest runs on the progress thread, and this call does not wait for it (a blocking call
     // cost a wake-up of the caller per request); what fails there (a context rank unreachable)
     // ends the request through Poll.
     KVF_RETURN_IF_ERROR(Reserve(h.request_id, "is already being fetched on this rank"));
-    Post([this, h = std::move(h), in = std::move(in), plan = std::move(plan), reused_blocks,
-          start = Clock::now()] { StartFetch(h, in, plan, reused_blocks, start); });
+    Post([this, h = std::move(h), in = std::move(in), plan = std::move(plan),
+          ctx_ranks = std::move(ctx_ranks), reused_blocks,
+          start = Clock::now()] { StartFetch(h, in, plan, ctx_ranks, reused_blocks, start); });
     return Status::Ok();
   }
 
-  // Fetch's part on the progress thread: the request's pairs, a FETCH to every context rank of
-  // the serving DP group.
+  // Fetch's part on the progress thread: the request's pairs, a FETCH to each of `ctx_ranks`.
   void StartFetch(const ContextHandle& h, const PlanInput& in, const std::vector<PairPlan>& plan,
-                  int64_t reused_blocks, Clock::time_point start) {
+                  const std::vector<int32_t>& ctx_ranks, int64_t reused_blocks,
+                  Clock::time_point start) {
     GenRequest r;
     r.id = h.request_id;
     r.start = start;
@@ -136,11 +139,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
                          static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct));
       f.rma_target.peer_pool = exported_pool();
     }
-    // Every context rank of the serving DP group hears from us, even those with nothing to
-    // send us: that is how each knows when all generation ranks are done.
-    for (int32_t c = 0; c < h.parallel.world_size(); ++c) {
-      auto slice = SliceOf(h.shape, h.parallel, c);
-      if (!slice.ok() || slice->dp_group != h.parallel.dp_rank) continue;
+    // Only the context ranks with something to send us hear from us (wire version 8), and, from
+    // the group's first rank, those with nothing to send anyone (planner.h CtxRanksToFetch): the
+    // context ranks learn from each other when every pair is done.
+    for (int32_t c : ctx_ranks) {
       RecvPair p;
       p.ctx_rank = c;
       p.transfer_id = NextTransferId();
@@ -227,8 +229,19 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         }
       }
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
-      // COMPLETE answers every generation rank's DONE, ours included: one before it is an error.
-      if (auto [r, p] = find(c->request_id, c->transfer_id); p) Step(*r, *p, PairEvent::kComplete);
+      // COMPLETE answers every pair's DONE, ours included: one before it is an error (a pair with
+      // no chunks sends none, and takes COMPLETE as its only answer).
+      if (auto [r, p] = find(c->request_id, c->transfer_id); p) {
+        if (p->state.Is(PairPhase::kFetched) && !p->plan.chunks.empty()) {
+          End(*r, TransferState::kError,
+              Status::InvalidArgument(fmt::format(
+                  "request {}: context rank {} said COMPLETE before any of its {} chunks", r->id,
+                  p->ctx_rank, p->plan.chunks.size())),
+              true);
+        } else {
+          Step(*r, *p, PairEvent::kComplete);
+        }
+      }
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
       if (auto [r, p] = find(j->request_id, j->transfer_id);
           p && Step(*r, *p, PairEvent::kReject)) {
@@ -254,25 +267,22 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         busy |= AdvancePair(r, p);
         // (A closed pair ended the request: local_done counts only while it is not ending.) A
         // pair with no chunks is not answered by ACCEPT: it is done from the start.
-        local_done &= (!p.state.Is(PairPhase::kFetched) || p.plan.chunks.empty()) &&
-                      p.completed == p.plan.chunks.size();
+        const bool in_place = (!p.state.Is(PairPhase::kFetched) || p.plan.chunks.empty()) &&
+                              p.completed == p.plan.chunks.size();
+        local_done &= in_place;
+        // Every chunk of the pair is in place: DONE, unless its last CHUNK says complete (peer
+        // memory without checksums) or it has none (COMPLETE answers it alone).
+        if (!r.ending && in_place && p.state.Is(PairPhase::kAccepted) && !Folds(p) &&
+            Step(r, p, PairEvent::kDoneSent)) {
+          SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
+          busy = true;
+        }
         all_done &= p.state.Is(PairPhase::kCompleted);
         // The watch stays until nothing of ours waits for this context rank to stop putting.
         if (p.watch && !p.watch->Done() &&
             (p.state.Is(PairPhase::kCompleted) || (r.ending && p.inflight.empty())))
           transport_->Cancel(*p.watch);
         drained &= p.inflight.empty() && (!p.watch || p.watch->Done());
-      }
-      // Every chunk from every context rank is in place: tell them all.
-      if (!r.ending && local_done) {
-        for (RecvPair& p : r.pairs) {
-          const bool owes = p.state.Is(PairPhase::kAccepted) ||
-                            (p.state.Is(PairPhase::kFetched) && p.plan.chunks.empty());
-          if (owes && Step(r, p, PairEvent::kDoneSent)) {
-            SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
-            busy = true;
-          }
-        }
       }
       if ((r.ending && drained) || (!r.ending && all_done && local_done)) {
         double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
@@ -354,6 +364,12 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     const uint64_t mask = bits >= 32 ? 0xFFFFFFFFull : ((1ull << bits) - 1);
     next_transfer_ = static_cast<uint32_t>((next_transfer_ + 1) & mask);
     return next_transfer_;
+  }
+
+  // The pair's last CHUNK says complete: peer-memory copies without checksums (the context side's
+  // Foldable).
+  static bool Folds(const RecvPair& p) {
+    return p.peer_mem && !p.checksum && !p.plan.chunks.empty();
   }
 
   int64_t RowMin(bool ctx_direct) const {

@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include <initializer_list>
+#include <span>
+
 #include "base/wire.h"
 
 namespace kvferry {
@@ -168,14 +171,15 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   return h;
 }
 
-AccessToken MakeAccessToken(const std::array<uint8_t, 16>& secret, uint64_t request_id,
-                            std::span<const int64_t> blocks, int64_t prompt_tokens) {
+namespace {
+
+// XXH3-128 with `seed` over secret || each part || secret.
+AccessToken KeyedToken(const std::array<uint8_t, 16>& secret, uint64_t seed,
+                       std::initializer_list<std::span<const std::byte>> parts) {
   XXH3_state_t* state = XXH3_createState();
-  XXH3_128bits_reset_withSeed(state, 0x6b76666572727931ULL);
+  XXH3_128bits_reset_withSeed(state, seed);
   XXH3_128bits_update(state, secret.data(), secret.size());
-  XXH3_128bits_update(state, &request_id, sizeof(request_id));
-  XXH3_128bits_update(state, &prompt_tokens, sizeof(prompt_tokens));
-  XXH3_128bits_update(state, blocks.data(), blocks.size_bytes());
+  for (std::span<const std::byte> p : parts) XXH3_128bits_update(state, p.data(), p.size());
   XXH3_128bits_update(state, secret.data(), secret.size());
   XXH128_hash_t h = XXH3_128bits_digest(state);
   XXH3_freeState(state);
@@ -185,6 +189,25 @@ AccessToken MakeAccessToken(const std::array<uint8_t, 16>& secret, uint64_t requ
     t[8 + i] = static_cast<uint8_t>(h.high64 >> (8 * i));
   }
   return t;
+}
+
+template <typename T>
+std::span<const std::byte> Bytes(const T& v) {
+  return std::as_bytes(std::span(&v, 1));
+}
+
+}  // namespace
+
+AccessToken MakeAccessToken(const std::array<uint8_t, 16>& secret, uint64_t request_id,
+                            std::span<const int64_t> blocks, int64_t prompt_tokens) {
+  return KeyedToken(secret, 0x6b76666572727931ULL,
+                    {Bytes(request_id), Bytes(prompt_tokens), std::as_bytes(blocks)});
+}
+
+AccessToken MakeSiblingToken(const std::array<uint8_t, 16>& secret, const AccessToken& request,
+                             int32_t ctx_rank, uint8_t code) {
+  return KeyedToken(secret, 0x6b76666572736962ULL,
+                    {std::as_bytes(std::span(request)), Bytes(ctx_rank), Bytes(code)});
 }
 
 }  // namespace kvferry

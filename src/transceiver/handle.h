@@ -44,6 +44,11 @@ StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes);
 // promises (request id, blocks, tokens), so a handle altered or made up elsewhere is refused.
 AccessToken MakeAccessToken(const std::array<uint8_t, 16>& secret, uint64_t request_id,
                             std::span<const int64_t> blocks, int64_t prompt_tokens);
+// A SIBLING's token (messages.h): XXH3-128 keyed by the instance secret over the request's access
+// token, the sending context rank and its code. Only a rank holding the secret can make it; a
+// generation instance holds the access token, not the secret.
+AccessToken MakeSiblingToken(const std::array<uint8_t, 16>& secret, const AccessToken& request,
+                             int32_t ctx_rank, uint8_t code);
 
 class WireWriter;
 class WireReader;

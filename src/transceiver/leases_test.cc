@@ -150,14 +150,14 @@ constexpr E kEvents[] = {E::kAccept,   E::kCredit,        E::kChunk,         E::
 TEST(PairState, GenerationWalksForwardOnly) {
   PairState s(PairSide::kGeneration);
   EXPECT_TRUE(s.Is(P::kFetched));
+  EXPECT_FALSE(s.On(E::kCredit).ok());  // a context-side event
+  EXPECT_EQ(*s.On(E::kAccept), PairStep::kMove);
   auto early = s.On(E::kComplete);  // COMPLETE before our DONE
   ASSERT_FALSE(early.ok());
   EXPECT_EQ(early.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(early.status().message(),
-            "COMPLETE in phase fetched of a generation pair: the protocol has no such step");
-  EXPECT_TRUE(s.Is(P::kFetched)) << "an illegal event changed the phase";
-  EXPECT_FALSE(s.On(E::kCredit).ok());  // a context-side event
-  EXPECT_EQ(*s.On(E::kAccept), PairStep::kMove);
+            "COMPLETE in phase accepted of a generation pair: the protocol has no such step");
+  EXPECT_TRUE(s.Is(P::kAccepted)) << "an illegal event changed the phase";
   EXPECT_EQ(*s.On(E::kAccept), PairStep::kIgnore);  // the transport delivered it twice
   EXPECT_EQ(*s.On(E::kChunk), PairStep::kWithin);
   EXPECT_FALSE(s.On(E::kReject).ok());  // a FETCH once accepted is not refused
@@ -171,9 +171,8 @@ TEST(PairState, GenerationWalksForwardOnly) {
   EXPECT_TRUE(s.Is(P::kCompleted));
 }
 
-// Wire version 7: a peer-memory pair's first CHUNK stands for its ACCEPT, and a pair with no
-// chunks is never answered by ACCEPT: its DONE goes out from phase fetched, and a REJECT may
-// still follow it.
+// Wire version 7: a peer-memory pair's first CHUNK stands for its ACCEPT. Version 8: a pair with
+// no chunks is answered by COMPLETE alone (it sends no DONE), or by REJECT.
 TEST(PairState, GenerationSkipsAcceptWhenNoneIsSent) {
   PairState peer(PairSide::kGeneration);
   EXPECT_EQ(*peer.On(E::kChunk), PairStep::kMove);
@@ -184,12 +183,14 @@ TEST(PairState, GenerationSkipsAcceptWhenNoneIsSent) {
   EXPECT_TRUE(peer.Is(P::kCompleted));
 
   PairState empty(PairSide::kGeneration);
-  EXPECT_EQ(*empty.On(E::kDoneSent), PairStep::kMove);
-  EXPECT_TRUE(empty.Is(P::kDone));
-  EXPECT_FALSE(empty.On(E::kChunk).ok());   // no chunk after DONE
-  EXPECT_FALSE(empty.On(E::kAccept).ok());  // nor an ACCEPT
-  EXPECT_EQ(*empty.On(E::kReject), PairStep::kMove);
-  EXPECT_TRUE(empty.Is(P::kClosed));
+  EXPECT_FALSE(empty.On(E::kDoneSent).ok());  // DONE follows an answer
+  EXPECT_EQ(*empty.On(E::kComplete), PairStep::kMove);
+  EXPECT_TRUE(empty.Is(P::kCompleted));
+  EXPECT_FALSE(empty.On(E::kReject).ok());  // no REJECT after COMPLETE
+
+  PairState refused(PairSide::kGeneration);
+  EXPECT_EQ(*refused.On(E::kReject), PairStep::kMove);
+  EXPECT_TRUE(refused.Is(P::kClosed));
 }
 
 TEST(PairState, ClosedIsFinalFromAnyOpenPhase) {
@@ -246,8 +247,7 @@ TEST(PairState, TransitionTable) {
       {{P::kFetched, E::kPeerLost}, {PairStep::kMove, P::kClosed}},
       {{P::kFetched, E::kChunkComplete}, {PairStep::kMove, P::kCompleted}},
       {{P::kFetched, E::kChunk}, {PairStep::kMove, P::kAccepted}},
-      {{P::kFetched, E::kDoneSent}, {PairStep::kMove, P::kDone}},
-      {{P::kDone, E::kReject}, {PairStep::kMove, P::kClosed}},
+      {{P::kFetched, E::kComplete}, {PairStep::kMove, P::kCompleted}},
       {{P::kAccepted, E::kAccept}, {PairStep::kIgnore, P::kAccepted}},
       {{P::kAccepted, E::kChunk}, {PairStep::kWithin, P::kAccepted}},
       {{P::kAccepted, E::kDoneSent}, {PairStep::kMove, P::kDone}},

@@ -8,7 +8,17 @@
 namespace kvferry {
 namespace {
 
-enum MsgType : uint8_t { kFetch = 1, kAccept, kReject, kCredit, kDone, kAbort, kComplete, kChunk };
+enum MsgType : uint8_t {
+  kFetch = 1,
+  kAccept,
+  kReject,
+  kCredit,
+  kDone,
+  kAbort,
+  kComplete,
+  kChunk,
+  kSibling
+};
 // CHUNK flags.
 constexpr uint8_t kChunkHasChecksum = 1;
 constexpr uint8_t kChunkComplete = 2;
@@ -125,6 +135,14 @@ struct Encoder {
     Header(w, kComplete);
     w.U64(m.request_id);
     w.U32(m.transfer_id);
+  }
+  void operator()(const SiblingMsg& m) {
+    Header(w, kSibling);
+    w.U64(m.request_id);
+    for (auto b : m.token) w.U8(b);
+    w.I32(m.ctx_rank);
+    w.U8(m.code);
+    w.Str(m.reason);
   }
   void operator()(const AbortMsg& m) {
     Header(w, kAbort);
@@ -264,6 +282,17 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
       m.request_id = r.U64("request_id");
       m.transfer_id = r.U32("transfer_id");
       out = m;
+      break;
+    }
+    case kSibling: {
+      SiblingMsg m;
+      m.request_id = r.U64("request_id");
+      for (auto& b : m.token) b = r.U8("token");
+      m.ctx_rank = r.I32("ctx_rank");
+      m.code = r.U8("code");
+      m.reason = r.Str("reason", 1 << 16);
+      if (r.ok() && m.ctx_rank < 0) r.Fail(fmt::format("ctx_rank {} is negative", m.ctx_rank));
+      out = std::move(m);
       break;
     }
     case kCredit: {

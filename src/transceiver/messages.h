@@ -8,14 +8,18 @@
 //                       or, one-sided (RMA), puts into the generation pool and staging then
 //   ctx -> gen  CHUNK   chunks [k, k + n) are in place (flushed), with the payload checksum when
 //                       asked (one chunk per message then); the last one may say COMPLETE too
-//                       (a lone context rank whose peer-memory copies all landed: no DONE)
-//   gen -> ctx  DONE    every chunk from every context rank is in place on this generation rank
-//   ctx -> gen  COMPLETE every generation rank said DONE: the whole generation instance holds the
-//                        request (the context rank releases its lease; the generation rank reports
-//                        complete once every context rank said COMPLETE)
+//                       (peer-memory copies without checksums: no DONE, no COMPLETE)
+//   gen -> ctx  DONE    every chunk of the pair is in place (not sent for a pair whose last CHUNK
+//                       says complete)
+//   ctx -> ctx  SIBLING this context rank's pairs are all done (or the request failed here), to
+//                       every other context rank of the DP group
+//   ctx -> gen  COMPLETE every pair of the request, on every context rank, is done: the whole
+//                        generation instance holds the request (the context rank releases its
+//                        lease; the generation rank reports complete once every context rank it
+//                        fetched from said COMPLETE, or a CHUNK saying complete)
 //   either      ABORT   the request ended on this side (timeout, cancel, error); stop
-// Completion is thus known on every rank of both instances from per-request acknowledgements,
-// without any collective among the ranks of an instance.
+// Only pairs with something to move exchange messages (version 8). Completion is thus known on
+// every rank of both instances from per-request acknowledgements, without any collective.
 #pragma once
 
 #include <cstdint>
@@ -44,7 +48,12 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // pair's first CHUNK stands for ACCEPT mode 2, and a pair with no chunks gets no answer (its
 // generation rank sends DONE once its other pairs' chunks are in place). TP2->TP4: 28 messages
 // per request instead of 36.
-inline constexpr uint8_t kMessageVersion = 7;
+// Version 8: only pairs with something to move exchange messages (planner.h CtxRanksToFetch; a
+// context rank that sends nothing to anyone hears from the group's first generation rank). The
+// context ranks of a DP group tell each other when their part is done (SIBLING) and every pair's
+// last CHUNK says complete once all are (peer memory; other pairs: DONE, then COMPLETE).
+// TP2->TP4 with peer memory: 10 messages per request instead of 28.
+inline constexpr uint8_t kMessageVersion = 8;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -129,9 +138,9 @@ struct ChunkMsg {
   bool has_checksum = false;
   uint64_t checksum = 0;  // the chunk digest of its bytes in plan order (rma.h)
   // The last CHUNK of the pair, and the request is complete on every rank of both instances: the
-  // context rank, the only one of its DP group, saw every chunk of every generation rank land in
-  // their pools (peer memory), so neither DONE nor COMPLETE follows. Never with a checksum (the
-  // generation rank could still refuse the chunk).
+  // context rank saw its every chunk land in the generation pools (peer memory), and every other
+  // context rank of its DP group said the same (SIBLING), so neither DONE nor COMPLETE follows.
+  // Never with a checksum (the generation rank could still refuse the chunk).
   bool complete = false;
   bool operator==(const ChunkMsg&) const = default;
 };
@@ -155,8 +164,22 @@ struct CompleteMsg {
   bool operator==(const CompleteMsg&) const = default;
 };
 
+// Between the context ranks of one DP group (wire version 8): this rank's part of the request is
+// done (code 0: every generation rank it serves holds its bytes), or the request ended here (the
+// failure's code and reason). A rank completes a request once it and every other rank of its
+// group are done. A rank takes the message only when its token is MakeSiblingToken (handle.h) of
+// the request's access token, the sender and the code under the instance secret.
+struct SiblingMsg {
+  uint64_t request_id = 0;
+  AccessToken token{};  // MakeSiblingToken
+  int32_t ctx_rank = 0;
+  uint8_t code = 0;  // 0: done; else the StatusCode the request ended with
+  std::string reason;
+  bool operator==(const SiblingMsg&) const = default;
+};
+
 using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg,
-                                CompleteMsg, ChunkMsg>;
+                                CompleteMsg, ChunkMsg, SiblingMsg>;
 
 std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
 StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);

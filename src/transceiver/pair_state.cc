@@ -68,13 +68,13 @@ PairTransition GenerationNext(PairPhase from, PairEvent event) {
     case E::kChunkComplete:  // in phase fetched it stands for ACCEPT (peer memory) too
       if (from == P::kFetched || from == P::kAccepted) return Move(P::kCompleted);
       return from == P::kCompleted ? ignore : illegal;
-    case E::kDoneSent:  // from fetched: a pair with no chunks, which no ACCEPT answers
-      return from == P::kAccepted || from == P::kFetched ? Move(P::kDone) : illegal;
-    case E::kComplete:
-      if (from == P::kDone) return Move(P::kCompleted);
+    case E::kDoneSent:
+      return from == P::kAccepted ? Move(P::kDone) : illegal;
+    case E::kComplete:  // in phase fetched: a pair with no chunks, which only COMPLETE answers
+      if (from == P::kDone || from == P::kFetched) return Move(P::kCompleted);
       return from == P::kCompleted ? ignore : illegal;
-    case E::kReject:  // in phase done: a pair with no chunks said DONE before the answer
-      if (from == P::kFetched || from == P::kDone) return Move(P::kClosed);
+    case E::kReject:
+      if (from == P::kFetched) return Move(P::kClosed);
       return from == P::kClosed ? ignore : illegal;
     case E::kAbort:
       if (from == P::kFetched || from == P::kAccepted || from == P::kDone) return Move(P::kClosed);

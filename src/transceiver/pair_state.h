@@ -9,10 +9,10 @@
 //   generation side (pair made by FETCH):
 //     fetched   --ACCEPT--> accepted --DONE sent--> done --COMPLETE--> completed
 //     fetched   --CHUNK--> accepted  (peer memory: the first CHUNK stands for ACCEPT)
-//     fetched   --DONE sent--> done  (a pair with no chunks: no ACCEPT answers it)
-//     fetched, accepted --CHUNK saying complete--> completed  (a lone context rank's peer copies:
+//     fetched   --COMPLETE--> completed  (a pair with no chunks: nothing else answers it)
+//     fetched, accepted --CHUNK saying complete--> completed  (peer copies without checksums:
 //                          no DONE; in fetched it stands for ACCEPT with peer memory too)
-//     fetched, done --REJECT--> closed  (done: a pair with no chunks said DONE first)
+//     fetched   --REJECT--> closed
 //     fetched, accepted, done --ABORT / context rank lost--> closed
 //     within accepted: CHUNK
 //   context side (pair made when this rank accepts a FETCH):

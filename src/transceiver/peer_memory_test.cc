@@ -232,16 +232,16 @@ TEST(PeerMemory, PairsReadyTogetherGoOutAsOneLaunch) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}, o);
   auto h = cl.Publish(36, {2, 3, 4, 5}, 15, 0, /*layer_wise=*/true);
   ASSERT_TRUE(cl.Fetch(h, {4, 5, 6, 7}).ok());
-  // All four generation ranks' FETCHes in on each context rank before any layer is ready: each
-  // hears from every generation rank (two have nothing to get from it), and nothing else comes
-  // before the first layer. Fetch only posts its FETCHes, so waiting for two of them raced.
+  // Both FETCHes in on each context rank before any layer is ready: each hears from the two
+  // generation ranks whose heads it holds (wire version 8), and nothing else comes before the
+  // first layer.
   const auto deadline = Clock::now() + milliseconds(10000);
   for (int r = 0; r < 2; ++r) {
-    while (Counter(cl.ctx_[r]->metrics().profile, "control_received") < 4 &&
+    while (Counter(cl.ctx_[r]->metrics().profile, "control_received") < 2 &&
            Clock::now() < deadline) {
       std::this_thread::sleep_for(milliseconds(1));
     }
-    ASSERT_EQ(Counter(cl.ctx_[r]->metrics().profile, "control_received"), 4) << "rank " << r;
+    ASSERT_EQ(Counter(cl.ctx_[r]->metrics().profile, "control_received"), 2) << "rank " << r;
   }
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(cl.ctx_[r]->MarkLayersReady(36, 6).ok());
   ExpectAllComplete(cl.Drain(0, 0, 1), 6);
@@ -249,6 +249,42 @@ TEST(PeerMemory, PairsReadyTogetherGoOutAsOneLaunch) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(Counter(cl.ctx_[r]->metrics().profile, "batches"), 1) << "context rank " << r;
   }
+}
+
+// A context rank whose part is done waits for the other context ranks of its DP group (SIBLING,
+// wire version 8). When one of them dies first, the transport fails the receive that watches it:
+// the survivor and its generation rank end at once, naming the dead rank, not at their deadline.
+TEST(PeerMemory, ContextRankWaitingForADeadSiblingEndsAtOnce) {
+  PeerMemoryOn on;
+  Knob profile("transfer.profile", "true");
+  TransceiverOptions o;
+  o.checksum = false;
+  o.timeout = milliseconds(20000);
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(37, {2, 3}, 7, 0, /*layer_wise=*/true);  // nothing ready
+  ASSERT_TRUE(cl.Fetch(h, {4, 5}).ok());
+  ASSERT_TRUE(cl.ctx_[0]->MarkLayersReady(37, 6).ok());  // rank 0's part moves, rank 1's never
+  // Rank 1 heard generation rank 1's FETCH and rank 0's SIBLING: rank 0 is done and watches it.
+  const auto deadline = Clock::now() + milliseconds(10000);
+  while (Counter(cl.ctx_[1]->metrics().profile, "control_received") < 2 && Clock::now() < deadline)
+    std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_EQ(Counter(cl.ctx_[1]->metrics().profile, "control_received"), 2);
+  ASSERT_TRUE(cl.fabric_->Kill(cl.ctx_[1]->address()).ok());
+  const auto start = Clock::now();
+  auto ctx = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+  auto gen = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
+  ASSERT_EQ(ctx.size(), 1u) << "the surviving context rank still waits";
+  ASSERT_EQ(gen.size(), 1u) << "its generation rank still waits";
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  EXPECT_EQ(ctx[0].state, TransferState::kError) << ctx[0].reason.ToString();
+  EXPECT_EQ(ctx[0].reason.code(), StatusCode::kUnavailable) << ctx[0].reason.ToString();
+  EXPECT_NE(ctx[0].reason.message().find("context rank 1 is unreachable"), std::string_view::npos)
+      << ctx[0].reason.ToString();
+  EXPECT_EQ(gen[0].state, TransferState::kError) << gen[0].reason.ToString();
+  EXPECT_NE(gen[0].reason.message().find("context rank 1 is unreachable"), std::string_view::npos)
+      << gen[0].reason.ToString();
+  EXPECT_EQ(cl.ctx_[0]->stats().live_requests, 0);
+  EXPECT_EQ(cl.gen_[0]->stats().live_requests, 0);
 }
 
 // What the gather kernel gets for bench transfer's Llama-3-8B TP2 -> TP4 (block-major at both
@@ -425,21 +461,19 @@ class MessageTally final : public TestTransport {
   std::shared_ptr<Tally> tally_;
 };
 
-// Messages per request. A context rank alone in its DP group that copies every chunk into the
-// mapped generation pools knows when every generation rank holds the request: each pair takes a
-// FETCH and one CHUNK saying complete (standing for ACCEPT too), not FETCH, ACCEPT, CHUNK, DONE
-// and COMPLETE (each message costs a send and a receive on the control transport: 114-163 us of
-// progress-thread CPU per TP1->TP1 request on the H200, most of it those five). With two context
-// ranks a generation rank must still say DONE to each and hear COMPLETE, but no pair is answered
-// by ACCEPT (wire version 7): a pair with chunks takes its first CHUNK for it, a pair with none
-// (head slices held by the other context rank) needs no answer. TP2->TP4: 28 messages a request,
-// 36 before.
-TEST(PeerMemory, LoneContextRankEndsEachPairByOneCompleteChunk) {
+// Messages per request. A context rank that copies every chunk into the mapped generation pools
+// knows when its generation ranks hold the request; once every other context rank of its DP group
+// said the same (SIBLING, wire version 8), each pair takes a FETCH and one CHUNK saying complete
+// (standing for ACCEPT too), not FETCH, ACCEPT, CHUNK, DONE and COMPLETE (each message costs a
+// send and a receive on the control transport: 114-163 us of progress-thread CPU per TP1->TP1
+// request on the H200, most of it those five). Pairs with nothing to move exchange nothing.
+// TP2->TP4: 10 messages a request (4 FETCH, 4 CHUNK, 2 SIBLING); 28 in version 7, 36 before.
+TEST(PeerMemory, EachPairEndsByOneCompleteChunk) {
   PeerMemoryOn on;
   TransceiverOptions o;
   o.checksum = false;
   constexpr int kRequests = 3;
-  constexpr size_t kFetch = 0, kAccept = 1, kDone = 4, kComplete = 6, kChunk = 7;
+  constexpr size_t kFetch = 0, kAccept = 1, kDone = 4, kComplete = 6, kChunk = 7, kSibling = 8;
   for (const auto& [ctx_tp, gen_tp] : {std::pair{1, 2}, {2, 2}, {2, 4}}) {
     auto tally = std::make_shared<Tally>();
     auto hook = [&](std::unique_ptr<Transport> t) -> std::unique_ptr<Transport> {
@@ -454,20 +488,14 @@ TEST(PeerMemory, LoneContextRankEndsEachPairByOneCompleteChunk) {
       ExpectAllComplete(cl.Drain(0, 0, 1), ctx_tp + gen_tp);
       cl.Verify(700 + i, gb, 7);
     }
-    const int pairs = kRequests * ctx_tp * gen_tp;
     const int with_chunks = kRequests * gen_tp;  // each generation rank's heads: one context rank
     SCOPED_TRACE(fmt::format("TP{} -> TP{}", ctx_tp, gen_tp));
-    EXPECT_EQ(tally->Of(kFetch), pairs);
+    EXPECT_EQ(tally->Of(kFetch), with_chunks);
     EXPECT_EQ(tally->Of(kAccept), 0);
     EXPECT_EQ(tally->Of(kChunk), with_chunks);  // the copies of a pair land in one batch here
-    if (ctx_tp == 1) {
-      EXPECT_EQ(tally->complete_chunks.load(), pairs);
-      EXPECT_EQ(tally->Of(kDone) + tally->Of(kComplete), 0);
-    } else {
-      EXPECT_EQ(tally->complete_chunks.load(), 0);
-      EXPECT_EQ(tally->Of(kDone), pairs);
-      EXPECT_EQ(tally->Of(kComplete), pairs);
-    }
+    EXPECT_EQ(tally->complete_chunks.load(), with_chunks);
+    EXPECT_EQ(tally->Of(kDone) + tally->Of(kComplete), 0);
+    EXPECT_EQ(tally->Of(kSibling), kRequests * ctx_tp * (ctx_tp - 1));
     for (auto& g : cl.gen_) EXPECT_EQ(g->stats().live_requests, 0);
     for (auto& c : cl.ctx_) EXPECT_EQ(c->stats().live_requests, 0);
   }

@@ -13,12 +13,19 @@ void PendingFetches::AddCredit(PeerId from, const CreditMsg& c) {
   }
 }
 
-void PendingFetches::AddDone(PeerId from, const DoneMsg& d) {
-  for (PendingFetch& pf : list_) {
-    if (pf.from == from && pf.fetch.request_id == d.request_id &&
-        pf.fetch.transfer_id == d.transfer_id)
-      pf.done = true;
-  }
+void PendingFetches::AddSibling(const SiblingMsg& m, Deadline give_up) {
+  std::erase_if(siblings_, [&](const PendingSibling& ps) { return ps.give_up <= Clock::now(); });
+  if (siblings_.size() < kMaxSiblings) siblings_.push_back(PendingSibling{m, give_up});
+}
+
+std::vector<SiblingMsg> PendingFetches::TakeSiblings(uint64_t request_id) {
+  std::vector<SiblingMsg> out;
+  std::erase_if(siblings_, [&](PendingSibling& ps) {
+    if (ps.msg.request_id != request_id) return false;
+    out.push_back(std::move(ps.msg));
+    return true;
+  });
+  return out;
 }
 
 void PendingFetches::Drop(PeerId from, uint64_t request_id, uint32_t transfer_id) {

@@ -664,7 +664,8 @@ TEST(Transceiver, FetchCannotMakeAPlanLargerThanThePoolAndStaging) {
 }
 
 // A Fetch that fails part-way (the second context rank is unreachable) tells the context rank it
-// already asked: that rank ends the request (and releases its blocks) at once, not at its deadline.
+// already asked: that rank ends the request (and releases its blocks) at once, not at its deadline,
+// and tells the other context rank of its DP group, which ends it too.
 TEST(Transceiver, PartialFetchAbortsTheContextRanksAlreadyContacted) {
   TransceiverOptions o;
   o.timeout = milliseconds(20000);
@@ -689,8 +690,13 @@ TEST(Transceiver, PartialFetchAbortsTheContextRanksAlreadyContacted) {
   EXPECT_EQ(cs[0].state, TransferState::kError);
   EXPECT_NE(cs[0].reason.message().find("aborted"), std::string_view::npos)
       << cs[0].reason.ToString();
+  // Context rank 1, never reached, is told by context rank 0 (SIBLING, wire version 8).
+  auto other = cl.ctx_[1]->Poll(1, DeadlineIn(milliseconds(3000)));
+  ASSERT_EQ(other.size(), 1u) << "context rank 1 still holds request 24";
+  EXPECT_EQ(other[0].state, TransferState::kError);
+  EXPECT_NE(other[0].reason.message().find("context rank 0 ended it"), std::string_view::npos)
+      << other[0].reason.ToString();
   EXPECT_LT(Clock::now() - t0, milliseconds(3000));
-  ASSERT_TRUE(cl.ctx_[1]->Cancel(24).ok());
 }
 
 // Another peer of the fabric forges COMPLETE (and ACCEPT) for the generation rank's transfers

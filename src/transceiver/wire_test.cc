@@ -167,7 +167,8 @@ TEST(Messages, EveryTypeRoundTrips) {
            CreditMsg{1, 2, 9, {}}, CreditMsg{1, 2, 9, {3, kNoSlot, 0}}, DoneMsg{1, 2, 99},
            AbortMsg{1, 2, 4, "late"}, CompleteMsg{5, 6}, ChunkMsg{1, 2, 3, 1, true, 0xfeedbeef},
            ChunkMsg{1, 2, 3, 1, false, 0}, ChunkMsg{1, 2, 3, 40, false, 0}, peer,
-           AcceptMsg{1, 2, true, true}, ChunkMsg{1, 2, 3, 40, false, 0, true}}) {
+           AcceptMsg{1, 2, true, true}, ChunkMsg{1, 2, 3, 40, false, 0, true},
+           SiblingMsg{1, {9, 8, 7}, 3, 0, {}}, SiblingMsg{1, {1}, 0, 4, "timed out"}}) {
     auto bytes = EncodeMessage(m);
     auto back = DecodeMessage(bytes);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -199,7 +200,8 @@ TEST(WireFuzz, MutatedInputsAreRefusedOrRoundTrip) {
                                                EncodeMessage(ChunkMsg{1, 2, 3, 1, true, 4}),
                                                EncodeMessage(PeerFetch()),
                                                EncodeMessage(AcceptMsg{1, 2, true, true}),
-                                               EncodeMessage(ChunkMsg{1, 2, 0, 3, false, 0, true})};
+                                               EncodeMessage(ChunkMsg{1, 2, 0, 3, false, 0, true}),
+                                               EncodeMessage(SiblingMsg{1, {2}, 3, 4, "why"})};
   for (int i = 0; i < 50000; ++i) {
     std::vector<std::byte> in = seeds[rng() % seeds.size()];
     int flips = 1 + rng() % 4;
