@@ -108,7 +108,8 @@ if [ "$victim" = rank ]; then
   else
     want="error: context rank 0: no result (its process, pid $victim_pid: killed by signal 9"
   fi
-  grep -qF "$want" "$tmp.out" || { echo "FAIL: the killed rank is not named: $want"; exit 1; }
+  grep -qF "$want" "$tmp.out" ||
+    { echo "FAIL: the killed rank is not named: $want"; echo "--- the run's output:"; cat "$tmp.out"; exit 1; }
 fi
 rm -f "$tmp.out"
 echo PASS
