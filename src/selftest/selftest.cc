@@ -751,7 +751,9 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
   s.completed =
       (verified_pairs == expected_pairs && failed_pairs == 0)
           ? cfg.requests
-          : std::min(cfg.requests, verified_pairs * cfg.requests / std::max(1, expected_pairs));
+          : static_cast<int>(std::min<int64_t>(
+                cfg.requests, int64_t{verified_pairs} * cfg.requests /
+                                  std::max(1, expected_pairs)));  // --requests 1000000: 64 bits
   s.verified = cfg.verify ? s.completed : 0;
   s.failed = std::max(s.failed, cfg.requests - s.completed);
   s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
