@@ -36,6 +36,23 @@ TEST(SelftestSummary, ControlCpuPerRequestLeavesOutTheWarmUp) {
   EXPECT_NEAR(s.control_cpu_with_warmup_us_per_request, 0.021 / 11 * 1e6, 1e-6);
 }
 
+// A stopped long run (`--requests 1000000`, as cli.no_orphans_* start) counts its completed
+// requests without overflowing: verified pairs x requests passes 2^31 (UBSan found it in CI).
+TEST(SelftestSummary, CompletedRequestsOfALongStoppedRunDoNotOverflow) {
+  SelftestConfig cfg;
+  cfg.shape = KvShape{2, 2, 16, DType::kBf16, 2, 8};  // a valid split: one generation rank
+  cfg.ctx = ParallelConfig{2, 1, {}, 1, 0};
+  cfg.gen = ParallelConfig{1, 1, {}, 1, 0};
+  cfg.requests = 1000000;
+  RankResult gen = Rank(false, 0, 0, 1);
+  gen.requests = 2513;
+  gen.verified = 2513;
+  gen.failed = 1;
+  const SelftestSummary s = Summarize(cfg, {Rank(true, 0, 0, 1), gen});
+  EXPECT_EQ(s.completed, 2513);
+  EXPECT_EQ(s.failed, 1000000 - 2513);
+}
+
 // All progress-thread CPU (idle polling too) is measured the same way, from its own counters.
 TEST(SelftestSummary, ThreadCpuPerRequestLeavesOutTheWarmUp) {
   SelftestConfig cfg;
