@@ -214,9 +214,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   static std::vector<int32_t> SiblingRanks(const BlockPool& pool);
   struct SiblingLink {
     PeerId peer = kAnyPeer;
-    // One-sided transports: a receive the sibling never matches, failed by the transport when it
-    // loses the sibling (as a generation rank watches its context ranks): the requests still
-    // waiting for that rank's SIBLING end at once rather than at their deadlines.
+    // Transports that detect crashed peers: a receive the sibling never matches, failed by the
+    // transport when it loses the sibling (as a generation rank watches its context ranks): the
+    // requests still waiting for that rank's SIBLING end at once rather than at their deadlines.
     std::unique_ptr<TransportOp> watch;
     std::byte watch_buf[1];
   };
