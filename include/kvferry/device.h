@@ -118,9 +118,10 @@ class Stream {
 
   // Copies `bytes` from src to dst; both may be any memory kind of this device.
   virtual Status Copy(void* dst, const void* src, size_t bytes) = 0;
-  // Copies every descriptor; the descriptor array itself is consumed before the call returns.
-  // Implementations pick the fastest path (copy engine for large ones, a gather kernel for many
-  // small ones).
+  // Copies every descriptor, in no particular order (destinations must not overlap); the
+  // descriptor array itself is consumed before the call returns. Implementations pick the fastest
+  // path (copy engine for large ones, a gather kernel for many small ones, one pass over source
+  // rows that several descriptors slice).
   virtual Status CopyBatch(std::span<const CopyDesc> copies) = 0;
   // `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` bytes apart.
   virtual Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,

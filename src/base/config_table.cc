@@ -199,12 +199,13 @@ constexpr KnobDecl kKnobs[] = {
      "one progress iteration go out as one CopyBatch (one gather-kernel launch, up to "
      "transfer.peer_batch_bytes)",
      0, 0, ""},
-    {"transfer.peer_hold_launches", KnobType::kInt, "0",
+    {"transfer.peer_hold_launches", KnobType::kInt, "-1",
      "peer-memory sends with transfer.peer_merge_pairs: while this many launches are on the "
      "context rank's copy stream, newly ready batches wait and go out as one launch when it "
-     "drains below (long launches for ranks sharing one GPU; 2 = one copying, one queued); "
-     "0 = the batches found in each progress iteration go out at once",
-     0, 64, ""},
+     "drains below (2 = one copying, one queued); 0 = the batches found in each progress "
+     "iteration go out at once; -1 = by device: 2 on the CPU device (one pass over the source "
+     "rows that several generation ranks' head slices share), 0 on CUDA (no gain measured)",
+     -1, 64, ""},
 };
 
 }  // namespace

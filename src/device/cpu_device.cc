@@ -124,15 +124,8 @@ class CpuStream final : public Stream {
   }
 
   Status CopyBatch(std::span<const CopyDesc> copies) override {
-    size_t total = 0;
-    for (const CopyDesc& c : copies) total += c.bytes * std::max<size_t>(c.rows, 1);
-    return Enqueue(
-        [v = std::vector<CopyDesc>(copies.begin(), copies.end()), total, min = streaming_min_] {
-          for (const CopyDesc& c : v) {
-            CopyHostRows(c.dst, c.dst_pitch, c.src, c.src_pitch, c.bytes,
-                         std::max<size_t>(c.rows, 1), UseStreamingStores(total, c.bytes, min));
-          }
-        });
+    return Enqueue([v = std::vector<CopyDesc>(copies.begin(), copies.end()),
+                    min = streaming_min_]() mutable { CopyHostBatch(v, min); });
   }
 
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,

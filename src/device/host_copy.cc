@@ -1,6 +1,9 @@
 #include "device/host_copy.h"
 
+#include <algorithm>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -77,21 +80,31 @@ void StreamLines(std::byte* dst, const std::byte* src, size_t bytes, SourcePrefe
 
 }  // namespace
 
-void CopyHostRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t bytes,
-                  size_t rows, bool streaming) {
-  auto* d = static_cast<std::byte*>(dst);
+void CopyHostRowPieces(std::span<const RowPiece> pieces, const void* src, size_t src_pitch,
+                       size_t rows, bool streaming) {
   const auto* s = static_cast<const std::byte*>(src);
+  size_t width = 0;
+  for (const RowPiece& p : pieces) width += p.bytes;
 #if KVFERRY_HOST_COPY_STREAMS
-  if (streaming && bytes >= kMinStreamedRow) {
-    SourcePrefetch ahead(s, src_pitch, bytes, rows);
-    for (size_t r = 0; r < rows; ++r, d += dst_pitch, s += src_pitch) {
+  if (streaming && width >= kMinStreamedRow) {
+    SourcePrefetch ahead(s, src_pitch, width, rows);
+    for (size_t r = 0; r < rows; ++r, s += src_pitch) {
       ahead.StartRow(r);
-      // Head: up to the destination's next line boundary; then whole lines; then the tail.
-      const size_t head = (kLine - reinterpret_cast<uintptr_t>(d) % kLine) % kLine;
-      std::memcpy(d, s, head);
-      const size_t body = (bytes - head) / kLine * kLine;
-      StreamLines(d + head, s + head, body, ahead);
-      std::memcpy(d + head + body, s + head + body, bytes - head - body);
+      const std::byte* from = s;
+      for (const RowPiece& p : pieces) {
+        auto* d = static_cast<std::byte*>(p.dst) + r * p.dst_pitch;
+        if (p.bytes < kMinStreamedRow) {  // would flush partial write-combining buffers
+          std::memcpy(d, from, p.bytes);
+        } else {
+          // Head: up to the destination's next line boundary; then whole lines; then the tail.
+          const size_t head = (kLine - reinterpret_cast<uintptr_t>(d) % kLine) % kLine;
+          std::memcpy(d, from, head);
+          const size_t body = (p.bytes - head) / kLine * kLine;
+          StreamLines(d + head, from + head, body, ahead);
+          std::memcpy(d + head + body, from + head + body, p.bytes - head - body);
+        }
+        from += p.bytes;
+      }
     }
     _mm_sfence();  // streaming stores are weakly ordered: make them visible like a memcpy's
     return;
@@ -99,7 +112,54 @@ void CopyHostRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch
 #else
   (void)streaming;
 #endif
-  for (size_t r = 0; r < rows; ++r, d += dst_pitch, s += src_pitch) std::memcpy(d, s, bytes);
+  for (size_t r = 0; r < rows; ++r, s += src_pitch) {
+    const std::byte* from = s;
+    for (const RowPiece& p : pieces) {
+      std::memcpy(static_cast<std::byte*>(p.dst) + r * p.dst_pitch, from, p.bytes);
+      from += p.bytes;
+    }
+  }
+}
+
+void CopyHostRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t bytes,
+                  size_t rows, bool streaming) {
+  const RowPiece piece{dst, dst_pitch, bytes};
+  CopyHostRowPieces({&piece, 1}, src, src_pitch, rows, streaming);
+}
+
+void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes) {
+  size_t total = 0;
+  for (const CopyDesc& c : copies) total += c.bytes * std::max<size_t>(c.rows, 1);
+  // Pitched descriptors (a slice of each source row) first, sorted so that the slices of the same
+  // rows sit next to each other in source order; the rest keep their order at the end.
+  const auto pitched = [](const CopyDesc& c) {
+    return c.rows > 1 && c.bytes > 0 && c.bytes < c.src_pitch;
+  };
+  const auto rest = std::stable_partition(copies.begin(), copies.end(), pitched);
+  std::sort(copies.begin(), rest, [](const CopyDesc& a, const CopyDesc& b) {
+    return std::tie(a.rows, a.src_pitch, a.src) < std::tie(b.rows, b.src_pitch, b.src);
+  });
+  std::vector<RowPiece> pieces;
+  for (auto it = copies.begin(); it != rest;) {
+    // A group: descriptors whose slices follow each other within one source row.
+    const CopyDesc& first = *it;
+    size_t width = 0;
+    pieces.clear();
+    for (; it != rest && it->rows == first.rows && it->src_pitch == first.src_pitch &&
+           it->src == static_cast<const std::byte*>(first.src) + width &&
+           width + it->bytes <= first.src_pitch;
+         ++it) {
+      pieces.push_back({it->dst, it->dst_pitch, it->bytes});
+      width += it->bytes;
+    }
+    CopyHostRowPieces(pieces, first.src, first.src_pitch, first.rows,
+                      UseStreamingStores(total, width, streaming_min_bytes));
+  }
+  for (auto it = rest; it != copies.end(); ++it) {
+    CopyHostRows(it->dst, it->dst_pitch, it->src, it->src_pitch, it->bytes,
+                 std::max<size_t>(it->rows, 1),
+                 UseStreamingStores(total, it->bytes, streaming_min_bytes));
+  }
 }
 
 bool UseStreamingStores(size_t total_bytes, size_t row_bytes, int64_t min_total_bytes) {

@@ -20,6 +20,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+
+#include "kvferry/device.h"
 
 namespace kvferry {
 
@@ -36,6 +39,27 @@ inline void CopyHostBytes(void* dst, const void* src, size_t bytes, bool streami
   CopyHostRows(dst, bytes, src, bytes, bytes, 1, streaming);
 }
 
+// One destination of CopyHostRowPieces: `bytes` of each source row to `dst + r * dst_pitch`.
+struct RowPiece {
+  void* dst;
+  size_t dst_pitch;
+  size_t bytes;
+};
+
+// CopyHostRows for source rows cut into pieces that go to different places: each row of `src`
+// (row r at `src + r * src_pitch`) is read once, front to back, its first pieces[0].bytes to
+// pieces[0], the next pieces[1].bytes to pieces[1], and so on. One pass with one prefetch stream
+// over the whole width, where a copy per piece would read each row's pieces as separate strided
+// streams. Pieces shorter than 256 bytes go through memcpy.
+void CopyHostRowPieces(std::span<const RowPiece> pieces, const void* src, size_t src_pitch,
+                       size_t rows, bool streaming);
+
+// Copies every descriptor of a Stream::CopyBatch, in no particular order (destinations must not
+// overlap; `copies` is reordered). Pitched descriptors that take adjacent slices of the same
+// source rows (a TP2->TP4 peer batch takes a request's two 16 KiB head slices of every 32 KiB row
+// as two descriptors when their ranges are fetched together) become one CopyHostRowPieces. The
+// whole batch streams when it writes at least `streaming_min_bytes` (UseStreamingStores).
+void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes);
 // Whether an operation that writes `total_bytes` in rows of `row_bytes` streams: the total is at
 // least `min_total_bytes` (0: never) and a row is long enough to fill whole cache lines (256
 // bytes; shorter rows would flush partial write-combining buffers).

@@ -77,6 +77,54 @@ TEST(HostCopy, StreamsOnlyLargeOperationsOfLongRows) {
   EXPECT_EQ(UseStreamingStores(size_t{4} << 20, 16384, knob), can) << knob;
 }
 
+// CopyHostBatch lands every piece of source rows sliced by several descriptors, whatever their
+// order, with duplicated slices, another pitch, pieces under 256 bytes and contiguous copies in
+// the same batch, streaming or not, and writes nothing between the pieces.
+TEST(HostCopy, BatchOfPiecesOfTheSameRowsLandsEveryPiece) {
+  const size_t rows = 29, pitch = 4096, other_pitch = 3000;
+  const std::vector<std::byte> src = Pattern(rows * pitch, 5);
+  const std::vector<std::byte> other = Pattern(rows * other_pitch, 6);
+  for (int64_t min : {0, 1}) {
+    std::vector<std::byte> dst(1 << 20, std::byte{0x77});
+    std::byte* d = dst.data();
+    const std::byte* s = src.data();
+    struct Expect {
+      size_t dst_off, dst_pitch;
+      const std::byte* src;
+      size_t src_pitch, bytes, rows;
+    };
+    // Halves and quarters of the same rows out of order, one slice twice, a short piece, a slice
+    // of rows of another pitch, and a contiguous copy.
+    const std::vector<Expect> want = {
+        {0, 2048, s + 2048, pitch, 2048, rows},
+        {70000, 1024, s + 1024, pitch, 1024, rows},
+        {110000, 1100, s, pitch, 1024, rows},
+        {150000, 2048, s + 2048, pitch, 2048, rows},
+        {220000, 200, s + 100, pitch, 100, rows},
+        {230000, 1600, other.data() + 1400, other_pitch, 1600, rows},
+        {300001, 0, s + 5, 0, 50000, 1},
+    };
+    std::vector<CopyDesc> descs;
+    for (const Expect& e : want) {
+      descs.push_back({d + e.dst_off, e.src, e.bytes, e.rows, e.dst_pitch, e.src_pitch});
+    }
+    CopyHostBatch(descs, min);
+    std::vector<bool> written(dst.size());
+    for (const Expect& e : want) {
+      for (size_t r = 0; r < e.rows; ++r) {
+        ASSERT_EQ(std::memcmp(d + e.dst_off + r * e.dst_pitch, e.src + r * e.src_pitch, e.bytes), 0)
+            << "piece at " << e.dst_off << " row " << r << " min " << min;
+        for (size_t i = 0; i < e.bytes; ++i) written[e.dst_off + r * e.dst_pitch + i] = true;
+      }
+    }
+    for (size_t i = 0; i < dst.size(); ++i) {
+      if (!written[i]) {
+        ASSERT_EQ(dst[i], std::byte{0x77}) << "byte " << i << " min " << min;
+      }
+    }
+  }
+}
+
 // A CPU stream copies every way it is asked (Copy, CopyBatch with 1-D and 2-D descriptors,
 // Copy2D) above and below the streaming threshold; the bytes match either way.
 TEST(HostCopy, CpuStreamCopiesAboveAndBelowTheThreshold) {

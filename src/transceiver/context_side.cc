@@ -686,7 +686,7 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
         "from its dims (PoolLayout presets)",
         pool.layout().ToString()));
   }
-  auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options),
+  auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options, device),
                                                 std::move(transport));
   side->InitAddress();
   KVF_RETURN_IF_ERROR(side->Start());

@@ -115,12 +115,14 @@ class PeerCompletions {
 // (transfer.peer_merge_pairs): a context rank of TP2 -> TP4 feeds two generation ranks, and ranks
 // sharing one GPU time-slice it, each switch costing (kPeerBatchBytes), so launches are made long:
 // - across pairs and requests: everything found ready in one progress iteration goes together;
-// - across iterations (transfer.peer_hold_launches, off by default): while that many launches are
-//   on the stream
-//   (one copying, the next queued behind it), new batches wait and join one launch, which goes
-//   out once the stream is down to fewer (it is never idle: the queued one still copies). In
-//   steady state a launch's requests end together and come back together, so launches stay as
-//   long as the work in flight allows, not one pair each as FETCHes trickle in.
+// - across iterations (transfer.peer_hold_launches; by default 2 on the CPU device, off on CUDA):
+//   while that many launches are on the stream (one copying, the next queued behind it), new
+//   batches wait and join one launch, which goes out once the stream is down to fewer (it is
+//   never idle: the queued one still copies). In steady state a launch's requests end together
+//   and come back together, so launches stay as long as the work in flight allows, not one pair
+//   each as FETCHes trickle in. On the CPU device that puts the head slices several generation
+//   ranks take of the same source rows into one CopyBatch, which reads each row once
+//   (CopyHostBatch).
 // Batches added carry the ticket of the Flush that copies them; Discard drops a request's (it
 // ended before they went out: its senders abandoned them). Progress thread only.
 class PeerLaunch {

@@ -59,9 +59,10 @@ struct EngineOptions {
   bool profile = false;  // transfer.profile: time the progress thread's phases
   int64_t peer_batch_bytes = int64_t{1} << 30;  // transfer.peer_batch_bytes
   bool peer_merge_pairs = true;                 // transfer.peer_merge_pairs
-  int64_t peer_hold_launches = 0;               // transfer.peer_hold_launches
+  int64_t peer_hold_launches = 0;               // transfer.peer_hold_launches (-1 resolved)
 };
-EngineOptions ResolveOptions(const TransceiverOptions& options);
+// The options of a side on `device`: `options` where set, else the transfer.* knobs.
+EngineOptions ResolveOptions(const TransceiverOptions& options, const Device& device);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
                                                    const Device& device);
 

@@ -71,7 +71,7 @@ TEST(Engine, DestructionWaitsForCopiesQueuedOnItsStreamBeforeFreeingStaging) {
   ASSERT_TRUE(pool.ok()) << pool.status().ToString();
   TransceiverOptions topt;
   topt.transport = "inproc";
-  EngineOptions opt = ResolveOptions(topt);
+  EngineOptions opt = ResolveOptions(topt, device);
   opt.rma = false;
   opt.chunk_bytes = 4096;
   opt.staging_chunks = 2;

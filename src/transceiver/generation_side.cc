@@ -681,7 +681,7 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
                     "from its dims (PoolLayout presets)",
                     pool.layout().ToString()));
   }
-  auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options),
+  auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options, device),
                                                    std::move(transport));
   side->InitAddress();
   KVF_RETURN_IF_ERROR(side->Start());
