@@ -10,7 +10,7 @@
 // into one tall descriptor (ExtendRows), scattered blocks stay one descriptor of 64 rows each.
 // TP1 -> TP2: 32 KiB of 64 KiB rows. Narrow: 256-byte rows (a partial-token copy).
 //
-// Both tests skip without a GPU; they assert that every launch succeeded and that timings are
+// The tests skip without a GPU; they assert that every launch succeeded and that timings are
 // positive, and print the numbers (docs/design.md's GPU section quotes them).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -170,6 +170,7 @@ int64_t MonoNs() {
 struct ChildResult {
   int ok = 0;
   double bytes = 0;
+  double p50_us = 0;  // Work::one_at_a_time: the median launch, from its call to its end
   int64_t t0 = 0, t1 = 0;
   char err[160] = {};
 };
@@ -179,11 +180,15 @@ struct Work {
   bool kernel;          // else cudaMemcpyAsync of contiguous bytes (the copy engine)
   uint64_t launch;      // bytes per launch
   uint32_t cap_per_sm;  // gather blocks per SM
+  // Each launch waited for alone, as a 128-token request's copy is: the child reports the median
+  // from the launch call to the synchronize's return (the latency, not the rate, of sharing).
+  bool one_at_a_time = false;
 };
 
-// One process's share: `launch` bytes per launch, launches queued back to back (two in flight
-// at a time per event pair) until `run_ms` passed. Runs in a forked child; never returns.
-[[noreturn]] void Child(const Work& w, int ready_fd, int go_fd, int out_fd, int run_ms) {
+// One process's share: `launch` bytes per launch, launches queued back to back (eight, then a
+// synchronize) or one at a time, until `run_ms` passed; `idle`: it sets up the same context and
+// buffers, then launches nothing. Runs in a forked child; never returns.
+[[noreturn]] void Child(const Work& w, bool idle, int ready_fd, int go_fd, int out_fd, int run_ms) {
   ChildResult r;
   auto fail = [&](const char* what, cudaError_t e) {
     std::snprintf(r.err, sizeof(r.err), "%s: %s", what, cudaGetErrorString(e));
@@ -220,7 +225,17 @@ struct Work {
   r.t0 = MonoNs();
   const int64_t end = r.t0 + int64_t{run_ms} * 1000000;
   uint64_t n = 0;
-  while (MonoNs() < end) {
+  std::vector<double> waited_us;
+  while (idle && MonoNs() < end) usleep(1000);
+  while (!idle && w.one_at_a_time && MonoNs() < end) {
+    const int64_t t = MonoNs();
+    if ((e = launch()) != cudaSuccess) fail("launch", e);
+    if ((e = cudaStreamSynchronize(s)) != cudaSuccess) fail("synchronize", e);
+    waited_us.push_back(static_cast<double>(MonoNs() - t) * 1e-3);
+    ++n;
+  }
+  if (!waited_us.empty()) r.p50_us = Median(waited_us);
+  while (!idle && !w.one_at_a_time && MonoNs() < end) {
     for (int i = 0; i < 8; ++i, ++n) {
       if ((e = launch()) != cudaSuccess) fail("launch", e);
     }
@@ -233,16 +248,18 @@ struct Work {
   _exit(0);
 }
 
-// Runs `procs` children on `w` at once; aggregate GB/s over the span from the first start to the
-// last end, or a negative value with the error in `err`.
-double RunProcs(const Work& w, int procs, std::string& err) {
+// Runs `procs` children on `w` at once, the last `idle` of them idle; aggregate GB/s over the
+// span from the first start to the last end, or a negative value with the error in `err`.
+// `p50_us`: the largest of the children's median launch latencies (Work::one_at_a_time).
+double RunProcs(const Work& w, int procs, std::string& err, int idle = 0,
+                double* p50_us = nullptr) {
   constexpr int kRunMs = 400;
   int ready[2], go[2], out[2];
   if (pipe(ready) != 0 || pipe(go) != 0 || pipe(out) != 0) return -1;
   std::vector<pid_t> kids;
   for (int i = 0; i < procs; ++i) {
     pid_t p = fork();
-    if (p == 0) Child(w, ready[1], go[0], out[1], kRunMs);
+    if (p == 0) Child(w, i >= procs - idle, ready[1], go[0], out[1], kRunMs);
     kids.push_back(p);
   }
   for (int i = 0; i < procs; ++i) {
@@ -267,6 +284,7 @@ double RunProcs(const Work& w, int procs, std::string& err) {
       continue;
     }
     bytes += r.bytes;
+    if (p50_us != nullptr) *p50_us = std::max(*p50_us, r.p50_us);
     t0 = std::min(t0, r.t0);
     t1 = std::max(t1, r.t1);
   }
@@ -275,12 +293,11 @@ double RunProcs(const Work& w, int procs, std::string& err) {
   return ok ? bytes / ((t1 - t0) * 1e-9) / 1e9 : -1;
 }
 
-// Two processes (two CUDA contexts, time-sliced without MPS) beside one process with the same
-// per-launch work: the aggregate each gets, kernel vs copy engine, short vs long launches. The
-// parent never touches CUDA (children fork from a CUDA-free process).
-TEST(GatherKernelBench, TwoProcessesBesideOne) {
+// Whether a forked child can use CUDA (the parent itself must not: children fork from a
+// CUDA-free process).
+bool ChildHasCuda() {
   int probe[2];
-  ASSERT_EQ(pipe(probe), 0);
+  if (pipe(probe) != 0) return false;
   pid_t p = fork();
   if (p == 0) {
     int n = 0;
@@ -293,7 +310,13 @@ TEST(GatherKernelBench, TwoProcessesBesideOne) {
   waitpid(p, nullptr, 0);
   close(probe[0]);
   close(probe[1]);
-  if (!has) {
+  return has != 0;
+}
+
+// Two processes (two CUDA contexts, time-sliced without MPS) beside one process with the same
+// per-launch work: the aggregate each gets, kernel vs copy engine, short vs long launches.
+TEST(GatherKernelBench, TwoProcessesBesideOne) {
+  if (!ChildHasCuda()) {
     GTEST_SKIP() << "no CUDA in a forked child: no GPU, or this process used CUDA before (run the "
                     "test alone, as ctest does)";
   }
@@ -317,6 +340,29 @@ TEST(GatherKernelBench, TwoProcessesBesideOne) {
     ASSERT_GT(two, 0) << w.name << ": " << err;
     std::printf("  %-50s one %6.0f  two %6.0f GB/s  ratio %.2f\n", w.name.c_str(), one, two,
                 two / one);
+  }
+}
+
+// The latency side of sharing one GPU: a 128-token TP2->TP4 request makes each of two context
+// ranks launch one small gather (8 MiB of 16 KiB head slices) and wait for it. The median wait
+// of one process alone, of two launching at once (time-sliced contexts), and of one launching
+// beside a second context that holds memory but launches nothing.
+TEST(GatherKernelBench, SmallLaunchesOfTwoProcessesWaitForEachOther) {
+  if (!ChildHasCuda()) {
+    GTEST_SKIP() << "no CUDA in a forked child: no GPU, or this process used CUDA before (run the "
+                    "test alone, as ctest does)";
+  }
+  std::printf("one launch at a time, median wait from launch to synchronize (us), 400 ms each\n");
+  for (const Work& w : {Work{"kernel, 8 MiB of 16 KiB rows", true, 8 << 20, 2, true},
+                        Work{"copy engine, 8 MiB contiguous", false, 8 << 20, 0, true}}) {
+    std::string err;
+    double alone = 0, both = 0, beside_idle = 0;
+    ASSERT_GT(RunProcs(w, 1, err, 0, &alone), 0) << w.name << ": " << err;
+    ASSERT_GT(RunProcs(w, 2, err, 0, &both), 0) << w.name << ": " << err;
+    ASSERT_GT(RunProcs(w, 2, err, 1, &beside_idle), 0) << w.name << ": " << err;
+    ASSERT_GT(alone, 0);
+    std::printf("  %-34s alone %7.1f  two launching %7.1f  beside an idle context %7.1f\n",
+                w.name.c_str(), alone, both, beside_idle);
   }
 }
 
