@@ -185,10 +185,18 @@ struct Work {
   bool one_at_a_time = false;
 };
 
+// What one child does besides its Work: nothing after its set-up (idle), or one-at-a-time
+// launches in turns with the other child: it waits for a byte on `turn_in` before each launch and
+// writes one to `turn_out` after it (0 instead once its time is up: the turns end).
+struct Role {
+  bool idle = false;
+  int turn_in = -1, turn_out = -1;
+};
+
 // One process's share: `launch` bytes per launch, launches queued back to back (eight, then a
-// synchronize) or one at a time, until `run_ms` passed; `idle`: it sets up the same context and
-// buffers, then launches nothing. Runs in a forked child; never returns.
-[[noreturn]] void Child(const Work& w, bool idle, int ready_fd, int go_fd, int out_fd, int run_ms) {
+// synchronize) or one at a time, until `run_ms` passed. Runs in a forked child; never returns.
+[[noreturn]] void Child(const Work& w, Role role, int ready_fd, int go_fd, int out_fd, int run_ms) {
+  const bool idle = role.idle;
   ChildResult r;
   auto fail = [&](const char* what, cudaError_t e) {
     std::snprintf(r.err, sizeof(r.err), "%s: %s", what, cudaGetErrorString(e));
@@ -228,12 +236,17 @@ struct Work {
   std::vector<double> waited_us;
   while (idle && MonoNs() < end) usleep(1000);
   while (!idle && w.one_at_a_time && MonoNs() < end) {
+    if (role.turn_in >= 0 && (read(role.turn_in, &c, 1) != 1 || c == 0)) break;
     const int64_t t = MonoNs();
     if ((e = launch()) != cudaSuccess) fail("launch", e);
     if ((e = cudaStreamSynchronize(s)) != cudaSuccess) fail("synchronize", e);
     waited_us.push_back(static_cast<double>(MonoNs() - t) * 1e-3);
     ++n;
+    c = 1;
+    if (role.turn_out >= 0) (void)!write(role.turn_out, &c, 1);
   }
+  c = 0;
+  if (role.turn_out >= 0) (void)!write(role.turn_out, &c, 1);
   if (!waited_us.empty()) r.p50_us = Median(waited_us);
   while (!idle && !w.one_at_a_time && MonoNs() < end) {
     for (int i = 0; i < 8; ++i, ++n) {
@@ -248,18 +261,24 @@ struct Work {
   _exit(0);
 }
 
-// Runs `procs` children on `w` at once, the last `idle` of them idle; aggregate GB/s over the
-// span from the first start to the last end, or a negative value with the error in `err`.
-// `p50_us`: the largest of the children's median launch latencies (Work::one_at_a_time).
-double RunProcs(const Work& w, int procs, std::string& err, int idle = 0,
-                double* p50_us = nullptr) {
+// Runs `procs` children on `w` at once, the last `idle` of them idle, or (`take_turns`, two
+// children) launching in turns; aggregate GB/s over the span from the first start to the last
+// end, or a negative value with the error in `err`. `p50_us`: the largest of the children's
+// median launch latencies (Work::one_at_a_time).
+double RunProcs(const Work& w, int procs, std::string& err, int idle = 0, double* p50_us = nullptr,
+                bool take_turns = false) {
   constexpr int kRunMs = 400;
-  int ready[2], go[2], out[2];
-  if (pipe(ready) != 0 || pipe(go) != 0 || pipe(out) != 0) return -1;
+  int ready[2], go[2], out[2], turns[2][2];
+  if (pipe(ready) != 0 || pipe(go) != 0 || pipe(out) != 0 || pipe(turns[0]) != 0 ||
+      pipe(turns[1]) != 0) {
+    return -1;
+  }
   std::vector<pid_t> kids;
   for (int i = 0; i < procs; ++i) {
+    Role role{i >= procs - idle};
+    if (take_turns) role = Role{false, turns[i % 2][0], turns[(i + 1) % 2][1]};
     pid_t p = fork();
-    if (p == 0) Child(w, i >= procs - idle, ready[1], go[0], out[1], kRunMs);
+    if (p == 0) Child(w, role, ready[1], go[0], out[1], kRunMs);
     kids.push_back(p);
   }
   for (int i = 0; i < procs; ++i) {
@@ -268,6 +287,8 @@ double RunProcs(const Work& w, int procs, std::string& err, int idle = 0,
   }
   const char go_bytes[8] = {};
   (void)!write(go[1], go_bytes, procs);
+  const char first_turn = 1;
+  if (take_turns) (void)!write(turns[0][1], &first_turn, 1);
   double bytes = 0;
   int64_t t0 = INT64_MAX, t1 = 0;
   bool ok = true;
@@ -289,7 +310,10 @@ double RunProcs(const Work& w, int procs, std::string& err, int idle = 0,
     t1 = std::max(t1, r.t1);
   }
   for (pid_t p : kids) waitpid(p, nullptr, 0);
-  for (int fd : {ready[0], ready[1], go[0], go[1], out[0], out[1]}) close(fd);
+  for (int fd : {ready[0], ready[1], go[0], go[1], out[0], out[1], turns[0][0], turns[0][1],
+                 turns[1][0], turns[1][1]}) {
+    close(fd);
+  }
   return ok ? bytes / ((t1 - t0) * 1e-9) / 1e9 : -1;
 }
 
@@ -345,8 +369,10 @@ TEST(GatherKernelBench, TwoProcessesBesideOne) {
 
 // The latency side of sharing one GPU: a 128-token TP2->TP4 request makes each of two context
 // ranks launch one small gather (8 MiB of 16 KiB head slices) and wait for it. The median wait
-// of one process alone, of two launching at once (time-sliced contexts), and of one launching
-// beside a second context that holds memory but launches nothing.
+// of one process alone, of two launching at once (time-sliced contexts), of two taking turns (one
+// launches only once the other's launch ended: is it the switch, or only work queued in both
+// contexts at once, that costs?), and of one launching beside a second context that holds memory
+// but launches nothing.
 TEST(GatherKernelBench, SmallLaunchesOfTwoProcessesWaitForEachOther) {
   if (!ChildHasCuda()) {
     GTEST_SKIP() << "no CUDA in a forked child: no GPU, or this process used CUDA before (run the "
@@ -356,13 +382,16 @@ TEST(GatherKernelBench, SmallLaunchesOfTwoProcessesWaitForEachOther) {
   for (const Work& w : {Work{"kernel, 8 MiB of 16 KiB rows", true, 8 << 20, 2, true},
                         Work{"copy engine, 8 MiB contiguous", false, 8 << 20, 0, true}}) {
     std::string err;
-    double alone = 0, both = 0, beside_idle = 0;
+    double alone = 0, both = 0, turns = 0, beside_idle = 0;
     ASSERT_GT(RunProcs(w, 1, err, 0, &alone), 0) << w.name << ": " << err;
     ASSERT_GT(RunProcs(w, 2, err, 0, &both), 0) << w.name << ": " << err;
     ASSERT_GT(RunProcs(w, 2, err, 1, &beside_idle), 0) << w.name << ": " << err;
+    ASSERT_GT(RunProcs(w, 2, err, 0, &turns, /*take_turns=*/true), 0) << w.name << ": " << err;
     ASSERT_GT(alone, 0);
-    std::printf("  %-34s alone %7.1f  two launching %7.1f  beside an idle context %7.1f\n",
-                w.name.c_str(), alone, both, beside_idle);
+    std::printf(
+        "  %-34s alone %7.1f  two launching %7.1f  two in turns %7.1f  beside an idle context "
+        "%7.1f\n",
+        w.name.c_str(), alone, both, turns, beside_idle);
   }
 }
 
