@@ -149,7 +149,8 @@ class PoolAccess {
 std::vector<int> GroupRanks(const KvShape& shape, const ParallelConfig& p, int group) {
   std::vector<int> out;
   for (int r = 0; r < p.world_size(); ++r) {
-    if (SliceOf(shape, p, r)->dp_group == group) out.push_back(r);
+    const auto slice = SliceOf(shape, p, r);  // fails only for a config Validate refuses
+    if (slice.ok() && slice->dp_group == group) out.push_back(r);
   }
   return out;
 }

@@ -155,8 +155,9 @@ bool ContextSideImpl::Advance() {
     }
   }
   // The batches found ready in this iteration (all pairs, all requests) go out together, or wait
-  // for the stream to drain to fewer than transfer.peer_hold_launches launches (PeerLaunch).
-  if (peer_launch_.due()) {
+  // for the stream to drain to fewer than transfer.peer_hold_launches launches, or for the other
+  // pairs of their requests (PeerLaunch::due).
+  if (peer_launch_.due(OwnersAwaitPairs())) {
     FlushPeerLaunch();
     busy = true;
   }
@@ -165,6 +166,17 @@ bool ContextSideImpl::Advance() {
     WakeAtStreamEnd();
   }
   return busy;
+}
+
+bool ContextSideImpl::OwnersAwaitPairs() const {
+  if (peer_launch_.empty()) return false;
+  for (uint64_t id : peer_launch_.owners()) {
+    auto it = requests_.find(id);
+    if (it == requests_.end() || it->second.pairs.size() >= it->second.expected.size()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 void ContextSideImpl::FlushPeerLaunch() {

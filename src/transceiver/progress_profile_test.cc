@@ -198,6 +198,37 @@ TEST(PeerLaunch, BatchesOfManyRequestsWaitWhileTwoLaunchesAreQueuedThenGoAsOne) 
   EXPECT_TRUE(eager.due());
 }
 
+// With hold_launches > 0, a launch whose every request still awaits another pair's FETCH waits
+// while anything copies, and goes once the stream is idle, once it is full, or once some request
+// in it has all its pairs; hold_launches 0 never waits.
+TEST(PeerLaunch, BatchesOfRequestsAwaitingPairsWaitWhileTheStreamCopies) {
+  FakeEventPool fake;
+  auto& [queries, events, pool] = fake;
+  CountingStream stream;
+  PeerCompletions c(nullptr);
+  PeerLaunch launch(c, /*max_bytes=*/1000, nullptr, /*hold_launches=*/2);
+  const std::vector<CopyDesc> one(1);
+  launch.Add(1, one, 100);
+  EXPECT_TRUE(launch.due(/*owners_await_pairs=*/true)) << "an idle stream: nothing to wait for";
+  ASSERT_TRUE(launch.Flush(stream, pool).ok());
+  ASSERT_EQ(c.copying(), 1u);
+  launch.Add(2, one, 100);
+  EXPECT_FALSE(launch.due(true)) << "request 2 awaits its other pair while request 1 copies";
+  EXPECT_TRUE(launch.due(false)) << "a request with all its pairs here goes";
+  events[0]->done = true;
+  EXPECT_TRUE(c.Poll());
+  ASSERT_EQ(c.copying(), 0u);
+  EXPECT_TRUE(launch.due(true)) << "the stream went idle";
+  ASSERT_TRUE(launch.Flush(stream, pool).ok());
+  ASSERT_EQ(c.copying(), 1u);
+  launch.Add(3, one, 1000);
+  EXPECT_TRUE(launch.due(true)) << "a full launch goes";
+  PeerLaunch eager(c, 1000, nullptr, /*hold_launches=*/0);
+  eager.Add(4, one, 1);
+  EXPECT_TRUE(eager.due(true));
+  EXPECT_EQ(stream.launches, (std::vector<size_t>{1, 1}));
+}
+
 class KnobOn {
  public:
   KnobOn(const char* name, const char* value) : name_(name) {
