@@ -137,7 +137,8 @@ void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes) {
   };
   const auto rest = std::stable_partition(copies.begin(), copies.end(), pitched);
   std::sort(copies.begin(), rest, [](const CopyDesc& a, const CopyDesc& b) {
-    return std::tie(a.rows, a.src_pitch, a.src) < std::tie(b.rows, b.src_pitch, b.src);
+    return std::tuple(a.rows, a.src_pitch, reinterpret_cast<uintptr_t>(a.src)) <
+           std::tuple(b.rows, b.src_pitch, reinterpret_cast<uintptr_t>(b.src));
   });
   std::vector<RowPiece> pieces;
   for (auto it = copies.begin(); it != rest;) {

@@ -60,6 +60,7 @@ void CopyHostRowPieces(std::span<const RowPiece> pieces, const void* src, size_t
 // as two descriptors when their ranges are fetched together) become one CopyHostRowPieces. The
 // whole batch streams when it writes at least `streaming_min_bytes` (UseStreamingStores).
 void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes);
+
 // Whether an operation that writes `total_bytes` in rows of `row_bytes` streams: the total is at
 // least `min_total_bytes` (0: never) and a row is long enough to fill whole cache lines (256
 // bytes; shorter rows would flush partial write-combining buffers).

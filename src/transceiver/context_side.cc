@@ -157,7 +157,7 @@ bool ContextSideImpl::Advance() {
   // The batches found ready in this iteration (all pairs, all requests) go out together, or wait
   // for the stream to drain to fewer than transfer.peer_hold_launches launches, or for the other
   // pairs of their requests (PeerLaunch::due).
-  if (peer_launch_.due(OwnersAwaitPairs())) {
+  if (peer_launch_.due([this](uint64_t id) { return AwaitsPairs(id); })) {
     FlushPeerLaunch();
     busy = true;
   }
@@ -168,15 +168,9 @@ bool ContextSideImpl::Advance() {
   return busy;
 }
 
-bool ContextSideImpl::OwnersAwaitPairs() const {
-  if (peer_launch_.empty()) return false;
-  for (uint64_t id : peer_launch_.owners()) {
-    auto it = requests_.find(id);
-    if (it == requests_.end() || it->second.pairs.size() >= it->second.expected.size()) {
-      return false;
-    }
-  }
-  return true;
+bool ContextSideImpl::AwaitsPairs(uint64_t id) const {
+  auto it = requests_.find(id);
+  return it != requests_.end() && it->second.pairs.size() < it->second.expected.size();
 }
 
 void ContextSideImpl::FlushPeerLaunch() {

@@ -182,8 +182,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   bool AdvancePeerPair(CtxRequest& r, SendPair& p);
   // Copies the waiting batches of peer_launch_; a failure ends the requests they belong to.
   void FlushPeerLaunch();
-  // Every request with batches in peer_launch_ still awaits the FETCH of another pair here.
-  bool OwnersAwaitPairs() const;
+  // Request `id` still awaits the FETCH of another pair here (PeerLaunch::due).
+  bool AwaitsPairs(uint64_t id) const;
   bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
 
   std::string address_;

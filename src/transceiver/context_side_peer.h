@@ -11,6 +11,7 @@
 // PeerSender keeps a pair's state; the other helpers are pure. All run on the progress thread.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -139,15 +140,22 @@ class PeerLaunch {
   bool empty() const { return descs_.empty(); }
   // Batches wait, and they should go out now: the launch is full, or fewer than hold_launches
   // launches are on the stream, except that with hold_launches > 0 a launch whose every request
-  // still awaits FETCHes of other pairs on this rank (`owners_await_pairs`) waits while anything
-  // copies: the pairs of one request then share a launch (on the CPU device, one pass over the
-  // source rows their head slices share). A request ends only when all its pairs did, so the
-  // wait costs the request nothing while the stream is busy, and an idle stream ends it.
-  bool due(bool owners_await_pairs = false) const {
+  // still awaits FETCHes of other pairs on this rank (`awaits_pairs(request)`, asked only then)
+  // waits while anything copies: the pairs of one request then share a launch (on the CPU
+  // device, one pass over the source rows their head slices share). A request ends only when all
+  // its pairs did, so the wait costs the request nothing while the stream is busy, and an idle
+  // stream ends it.
+  template <class AwaitsPairs>
+  bool due(AwaitsPairs awaits_pairs) const {
     if (empty()) return false;
     if (full() || hold_launches_ <= 0) return true;
     const int64_t copying = static_cast<int64_t>(completions_.copying());
-    return copying < hold_launches_ && (copying == 0 || !owners_await_pairs);
+    if (copying >= hold_launches_) return false;
+    return copying == 0 || !std::all_of(parts_.begin(), parts_.end(),
+                                        [&](const Part& p) { return awaits_pairs(p.owner); });
+  }
+  bool due() const {
+    return due([](uint64_t) { return false; });
   }
   // Adds a batch of request `owner` of `bytes` copied by `copies`; returns the ticket the next
   // Flush carries.

@@ -208,24 +208,26 @@ TEST(PeerLaunch, BatchesOfRequestsAwaitingPairsWaitWhileTheStreamCopies) {
   PeerCompletions c(nullptr);
   PeerLaunch launch(c, /*max_bytes=*/1000, nullptr, /*hold_launches=*/2);
   const std::vector<CopyDesc> one(1);
+  const auto awaiting = [](uint64_t) { return true; };  // every request awaits another pair
+  const auto complete = [](uint64_t) { return false; };
   launch.Add(1, one, 100);
-  EXPECT_TRUE(launch.due(/*owners_await_pairs=*/true)) << "an idle stream: nothing to wait for";
+  EXPECT_TRUE(launch.due(awaiting)) << "an idle stream: nothing to wait for";
   ASSERT_TRUE(launch.Flush(stream, pool).ok());
   ASSERT_EQ(c.copying(), 1u);
   launch.Add(2, one, 100);
-  EXPECT_FALSE(launch.due(true)) << "request 2 awaits its other pair while request 1 copies";
-  EXPECT_TRUE(launch.due(false)) << "a request with all its pairs here goes";
+  EXPECT_FALSE(launch.due(awaiting)) << "request 2 awaits its other pair while request 1 copies";
+  EXPECT_TRUE(launch.due(complete)) << "a request with all its pairs here goes";
   events[0]->done = true;
   EXPECT_TRUE(c.Poll());
   ASSERT_EQ(c.copying(), 0u);
-  EXPECT_TRUE(launch.due(true)) << "the stream went idle";
+  EXPECT_TRUE(launch.due(awaiting)) << "the stream went idle";
   ASSERT_TRUE(launch.Flush(stream, pool).ok());
   ASSERT_EQ(c.copying(), 1u);
   launch.Add(3, one, 1000);
-  EXPECT_TRUE(launch.due(true)) << "a full launch goes";
+  EXPECT_TRUE(launch.due(awaiting)) << "a full launch goes";
   PeerLaunch eager(c, 1000, nullptr, /*hold_launches=*/0);
   eager.Add(4, one, 1);
-  EXPECT_TRUE(eager.due(true));
+  EXPECT_TRUE(eager.due(awaiting));
   EXPECT_EQ(stream.launches, (std::vector<size_t>{1, 1}));
 }
 

@@ -318,10 +318,10 @@ double RunProcs(const Work& w, int procs, std::string& err, int idle = 0, double
 }
 
 // Whether a forked child can use CUDA (the parent itself must not: children fork from a
-// CUDA-free process).
-bool ChildHasCuda() {
+// CUDA-free process), in `*has`.
+void ProbeChildCuda(bool* has_cuda) {
   int probe[2];
-  if (pipe(probe) != 0) return false;
+  ASSERT_EQ(pipe(probe), 0);
   pid_t p = fork();
   if (p == 0) {
     int n = 0;
@@ -334,13 +334,15 @@ bool ChildHasCuda() {
   waitpid(p, nullptr, 0);
   close(probe[0]);
   close(probe[1]);
-  return has != 0;
+  *has_cuda = has != 0;
 }
 
 // Two processes (two CUDA contexts, time-sliced without MPS) beside one process with the same
 // per-launch work: the aggregate each gets, kernel vs copy engine, short vs long launches.
 TEST(GatherKernelBench, TwoProcessesBesideOne) {
-  if (!ChildHasCuda()) {
+  bool has_cuda = false;
+  ASSERT_NO_FATAL_FAILURE(ProbeChildCuda(&has_cuda));
+  if (!has_cuda) {
     GTEST_SKIP() << "no CUDA in a forked child: no GPU, or this process used CUDA before (run the "
                     "test alone, as ctest does)";
   }
@@ -374,7 +376,9 @@ TEST(GatherKernelBench, TwoProcessesBesideOne) {
 // contexts at once, that costs?), and of one launching beside a second context that holds memory
 // but launches nothing.
 TEST(GatherKernelBench, SmallLaunchesOfTwoProcessesWaitForEachOther) {
-  if (!ChildHasCuda()) {
+  bool has_cuda = false;
+  ASSERT_NO_FATAL_FAILURE(ProbeChildCuda(&has_cuda));
+  if (!has_cuda) {
     GTEST_SKIP() << "no CUDA in a forked child: no GPU, or this process used CUDA before (run the "
                     "test alone, as ctest does)";
   }
