@@ -5,7 +5,9 @@
 
 #include "kvferry/block_manager.h"
 
+#ifndef XXH_INLINE_ALL  // the wheel's build defines it for the whole library
 #define XXH_INLINE_ALL
+#endif
 #include <xxhash.h>
 
 namespace kvferry {
