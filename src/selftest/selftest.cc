@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -245,7 +246,30 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
         "--metrics-port {}: the {} ranks serve on ports {} to {}; the last must be at most 65535",
         cfg.metrics_port, ranks, cfg.metrics_port, int64_t{cfg.metrics_port} + ranks - 1));
   }
+  if (cfg.concurrency > kSelftestMaxConcurrency || cfg.ctx_ahead > kSelftestMaxConcurrency) {
+    return Status::InvalidArgument(fmt::format("--concurrency {} must be at most {}",
+                                               std::max(cfg.concurrency, cfg.ctx_ahead),
+                                               kSelftestMaxConcurrency));
+  }
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
+  // The pools hold every request in flight: bounded before any is allocated (in doubles: the
+  // product of absurd flags overflows int64).
+  for (int64_t t : cfg.prompt_tokens) {
+    for (bool context : {true, false}) {
+      const double blocks =
+          std::ceil(static_cast<double>(t) / cfg.shape.tokens_per_block) * SlotsOf(cfg, context) +
+          std::max(0, cfg.shared_prefix_blocks);
+      const double bytes =
+          blocks * cfg.shape.tokens_per_block * static_cast<double>(cfg.shape.BytesPerToken());
+      if (bytes > static_cast<double>(kSelftestMaxPoolBytes)) {
+        return Status::InvalidArgument(fmt::format(
+            "{}-token requests, {} in flight: the {} instance's pools would hold {:.1f} GiB; at "
+            "most {} GiB (fewer or shorter requests, or a smaller shape)",
+            t, SlotsOf(cfg, context), context ? "context" : "generation", bytes / (1 << 30),
+            kSelftestMaxPoolBytes >> 30));
+      }
+    }
+  }
   KVF_RETURN_IF_ERROR(cfg.ctx.Validate(cfg.shape).WithContext("context split"));
   KVF_RETURN_IF_ERROR(cfg.gen.Validate(cfg.shape).WithContext("generation split"));
   if (cfg.requests < 1) return Status::InvalidArgument("--requests must be at least 1");

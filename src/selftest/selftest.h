@@ -74,9 +74,14 @@ struct SelftestConfig {
 };
 
 // Bounds of a selftest run (ValidateSelftest): ranks of both instances together (all on this
-// host), and requests (every rank keeps a few words per request of its group).
+// host), requests (every rank keeps a few words per request of its group), and what the pools
+// must hold.
 inline constexpr int kSelftestMaxRanks = 64;
 inline constexpr int kSelftestMaxRequests = 1'000'000;
+// Requests in flight per rank, and the pool bytes of one instance (all its ranks) that the
+// requests in flight need: a selftest's pools are sized for tests and benchmarks.
+inline constexpr int kSelftestMaxConcurrency = 4096;
+inline constexpr int64_t kSelftestMaxPoolBytes = int64_t{64} << 30;
 
 struct RankResult {
   bool context = false;
