@@ -21,7 +21,7 @@ endif()
 
 if(BUILD_TESTING)
   kvferry_test(files_test SOURCES files/slot_header_test.cc files/file_backend_test.cc
-               files/slab_store_test.cc files/slab_recovery_test.cc
+               files/slab_store_test.cc files/slab_recovery_test.cc files/slab_store_security_test.cc
                "${PROJECT_SOURCE_DIR}/fuzz/slot_header_fuzz_body.cc")
 endif()
 

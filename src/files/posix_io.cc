@@ -71,7 +71,9 @@ StatusOr<DirProbe> ProbeDir(const std::string& dir, bool want_direct) {
   if (fd < 0 && errno != EINVAL) {
     // EOPNOTSUPP/EISDIR: no O_TMPFILE here; try a named file.
     std::string probe_path = dir + "/.kvferry-direct-probe";
-    fd = ::open(probe_path.c_str(), O_CREAT | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
+    ::unlink(probe_path.c_str());  // a leftover of a killed probe
+    fd = ::open(probe_path.c_str(), O_CREAT | O_EXCL | O_NOFOLLOW | O_RDWR | O_DIRECT | O_CLOEXEC,
+                0600);
     int err = errno;
     ::unlink(probe_path.c_str());  // a refused O_DIRECT open may still have created it
     errno = err;
@@ -86,18 +88,89 @@ StatusOr<DirProbe> ProbeDir(const std::string& dir, bool want_direct) {
   return probe;
 }
 
-StatusOr<std::unique_ptr<PosixFile>> OpenPosixFile(const std::string& path, int64_t size,
-                                                   bool direct) {
-  int flags = O_RDWR | O_CREAT | O_CLOEXEC | (direct ? O_DIRECT : 0);
-  ScopedFd fd(::open(path.c_str(), flags, 0644));
+Status CheckPrivateDir(const std::string& dir) {
+  struct stat link;
+  if (::lstat(dir.c_str(), &link) != 0) {
+    int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return Status::NotFound(fmt::format("file tier directory {} does not exist", dir));
+    }
+    return ErrnoStatus(err, "lstat", dir, -1);
+  }
+  const uid_t me = ::geteuid();
+  if (S_ISLNK(link.st_mode) && link.st_uid != me && link.st_uid != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "file tier directory {} is a symbolic link owned by uid {} (not you, uid {}, nor root): "
+        "refusing to follow it",
+        dir, link.st_uid, me));
+  }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) return ErrnoStatus(errno, "stat", dir, -1);
+  if (!S_ISDIR(st.st_mode)) {
+    return Status::InvalidArgument(fmt::format("file tier path {} is not a directory", dir));
+  }
+  if (st.st_uid != me) {
+    return Status::InvalidArgument(fmt::format(
+        "file tier directory {} is owned by uid {}, not by you (uid {}): another user could "
+        "replace its files; use a directory of your own (mkdir -m 700)",
+        dir, st.st_uid, me));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "file tier directory {} is writable by {} (mode {:04o}): another user could replace "
+        "its files; make it private (chmod go-w, or 700)",
+        dir, (st.st_mode & S_IWOTH) ? "others" : "its group", st.st_mode & 07777));
+  }
+  return Status::Ok();
+}
+
+StatusOr<ScopedFd> OpenPrivateFile(const std::string& path, int flags) {
+  // An existing file is opened as it is; a missing one is created exclusively, 0600. Neither
+  // follows a symbolic link (O_NOFOLLOW), and O_EXCL makes a name planted between the two
+  // attempts an error rather than a file we write.
+  flags |= O_CLOEXEC | O_NOFOLLOW;
+  ScopedFd fd(::open(path.c_str(), flags));
+  for (int attempt = 0; !fd.valid() && errno == ENOENT && attempt < 2; ++attempt) {
+    fd = ScopedFd(::open(path.c_str(), flags | O_CREAT | O_EXCL, 0600));
+    if (!fd.valid() && errno == EEXIST) fd = ScopedFd(::open(path.c_str(), flags));
+  }
   if (!fd.valid()) {
     int err = errno;
+    if (err == ELOOP) {
+      return Status::InvalidArgument(
+          fmt::format("{} is a symbolic link: refusing to follow it", path));
+    }
     if (err == ENOENT) {
       return Status::NotFound(
           fmt::format("file tier directory {} does not exist (opening {})", DirName(path), path));
     }
     return ErrnoStatus(err, "open", path, -1);
   }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat", path, -1);
+  if (!S_ISREG(st.st_mode)) {
+    return Status::InvalidArgument(fmt::format("{} is not a regular file", path));
+  }
+  if (st.st_uid != ::geteuid()) {
+    return Status::InvalidArgument(fmt::format(
+        "{} is owned by uid {}, not by you (uid {}): refusing to use a file another user made",
+        path, st.st_uid, ::geteuid()));
+  }
+  if (st.st_nlink != 1) {
+    return Status::InvalidArgument(
+        fmt::format("{} has {} hard links: refusing to write through a link to another file", path,
+                    st.st_nlink));
+  }
+  // Files of earlier versions were made 0644: nobody else reads the cache.
+  if ((st.st_mode & 077) != 0 && ::fchmod(fd.get(), 0600) != 0) {
+    return ErrnoStatus(errno, "fchmod", path, -1);
+  }
+  return fd;
+}
+
+StatusOr<std::unique_ptr<PosixFile>> OpenPosixFile(const std::string& path, int64_t size,
+                                                   bool direct) {
+  KVF_ASSIGN_OR_RETURN(ScopedFd fd, OpenPrivateFile(path, O_RDWR | (direct ? O_DIRECT : 0)));
   int rc;
   do {
     rc = ::fallocate(fd.get(), 0, 0, size);

@@ -79,7 +79,18 @@ struct DirProbe {
 // whether files in it can be opened with O_DIRECT (when want_direct).
 StatusOr<DirProbe> ProbeDir(const std::string& dir, bool want_direct);
 
-// Opens/creates `path` and allocates `size` bytes (fallocate; ftruncate where unsupported).
+// The file tier's directory must be private to this user: kNotFound when it does not exist;
+// kInvalidArgument when it is not a directory, is not owned by the effective user, is writable by
+// group or others, or is reached through a symbolic link owned by another user (not root).
+Status CheckPrivateDir(const std::string& dir);
+
+// Opens `path` (flags: O_RDWR and the like) without following a symbolic link, creating it
+// exclusively with mode 0600 when it does not exist. Refuses (kInvalidArgument) anything but a
+// regular file owned by the effective user with one link; narrows an existing file's mode to 0600.
+StatusOr<ScopedFd> OpenPrivateFile(const std::string& path, int flags);
+
+// Opens/creates `path` (OpenPrivateFile) and allocates `size` bytes (fallocate; ftruncate where
+// unsupported).
 StatusOr<std::unique_ptr<PosixFile>> OpenPosixFile(const std::string& path, int64_t size,
                                                    bool direct);
 

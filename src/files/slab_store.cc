@@ -243,8 +243,22 @@ Status SlabStoreImpl::Recover() {
 
 StatusOr<bool> SlabStoreImpl::ScanFile(int64_t index, std::vector<bool>& kept) {
   const std::string path = FilePath(index);
+  // The size of the file itself (fstat): a symbolic link in its place is refused, not followed.
   struct stat sb;
-  if (::stat(path.c_str(), &sb) != 0) return false;
+  {
+    ScopedFd probe(::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+    if (!probe.valid()) {
+      if (errno == ENOENT) return false;
+      if (errno == ELOOP) {
+        return Status::InvalidArgument(
+            fmt::format("{} is a symbolic link: refusing to follow it", path));
+      }
+      return files_internal::ErrnoStatus(errno, "open", path, -1);
+    }
+    if (::fstat(probe.get(), &sb) != 0) {
+      return files_internal::ErrnoStatus(errno, "fstat", path, -1);
+    }
+  }
   const int64_t first = index * options_.slots_per_file;
   const int64_t nslots = std::min(options_.slots_per_file, options_.max_slots - first);
   if (sb.st_size != nslots * stride_) {
@@ -665,6 +679,9 @@ StatusOr<std::unique_ptr<SlabStore>> SlabStore::Open(const SlabStoreOptions& o) 
         "max_in_flight={}, io_timeout_ms={} must all be > 0",
         o.slot_payload_bytes, o.slots_per_file, o.max_slots, o.max_in_flight, o.io_timeout_ms));
   }
+  // Private to this user: nobody else can plant a link or a file of theirs among the slabs
+  // (docs/security.md).
+  KVF_RETURN_IF_ERROR(files_internal::CheckPrivateDir(o.dir));
   KVF_ASSIGN_OR_RETURN(files_internal::DirProbe probe, files_internal::ProbeDir(o.dir, false));
   (void)probe;
   std::unique_ptr<FileBackend> owned;
@@ -678,8 +695,7 @@ StatusOr<std::unique_ptr<SlabStore>> SlabStore::Open(const SlabStoreOptions& o) 
     backend = owned.get();
   }
   std::string lock_path = o.dir + "/kvferry-slab.lock";
-  ScopedFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  if (!lock.valid()) return files_internal::ErrnoStatus(errno, "open", lock_path, -1);
+  KVF_ASSIGN_OR_RETURN(ScopedFd lock, files_internal::OpenPrivateFile(lock_path, O_RDWR));
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     return Status::Unavailable(fmt::format(
         "file tier directory {} is in use by another SlabStore ({} is locked)", o.dir, lock_path));

@@ -582,7 +582,7 @@ TEST_P(SlabStoreConformance, ConcurrentBatches) {
 // A real full disk: a 1 MiB tmpfs. Needs root and mount(2); skipped where the sandbox forbids it.
 TEST_P(SlabStoreConformance, RealEnospcOnSmallTmpfs) {
   ScratchDir mnt;
-  if (::mount("tmpfs", mnt.path().c_str(), "tmpfs", 0, "size=1m") != 0) {
+  if (::mount("tmpfs", mnt.path().c_str(), "tmpfs", 0, "size=1m,mode=0700") != 0) {
     GTEST_SKIP() << "can't mount a 1 MiB tmpfs here (" << std::strerror(errno)
                  << "); the real-ENOSPC test needs root and mount(2)";
   }

@@ -58,6 +58,7 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_gbps"] = r.copy_gbps;
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
+  j["fault_missed"] = r.fault_missed;
   j["data_path"] = r.data_path;
   if (r.slowest) j["slowest"] = TimelineToJson(*r.slowest);
   if (r.median) j["median"] = TimelineToJson(*r.median);
@@ -93,6 +94,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_gbps = j.value("copy_gbps", 0.0);
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
+  r.fault_missed = j.value("fault_missed", false);
   r.data_path = j.value("data_path", std::string());
   if (j.contains("slowest")) r.slowest = TimelineFromJson(j["slowest"]);
   if (j.contains("median")) r.median = TimelineFromJson(j["median"]);

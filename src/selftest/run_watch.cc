@@ -29,13 +29,15 @@ RunWatch::RunWatch(const SelftestConfig& cfg, std::filesystem::path progress_fil
 
 void RunWatch::Started() {
   ++started_;
-  last_ = Clock::now();
   Write(started_ == 1);
 }
 
-void RunWatch::Ended() {
+void RunWatch::Ended(bool progress) {
   ++done_;
-  last_ = Clock::now();
+  if (progress) {
+    ++progressed_;
+    last_ = Clock::now();
+  }
   Write(done_ == total_);
 }
 
@@ -61,7 +63,7 @@ void RunWatch::Write(bool force) {
   tmp += ".tmp";
   {
     std::ofstream f(tmp);
-    f << fmt::format("{} {} {}\n", done_, total_, started_);
+    f << fmt::format("{} {} {} {}\n", done_, total_, started_, progressed_);
   }
   std::error_code ec;
   std::filesystem::rename(tmp, file_, ec);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -160,7 +161,10 @@ void AddError(RankResult& r, std::string e) {
 }
 
 std::string StallMessage(const RunWatch& w) {
-  return fmt::format("gave up after {} ms without a request starting or ending", w.limit().count());
+  return fmt::format(
+      "gave up after {} ms without a request completing or failing (ends by the deadline don't "
+      "count: a peer may be stopped)",
+      w.limit().count());
 }
 
 // The rank stopped (RunWatch::Stalled or Stopped): what it gave up on, and why, counted as
@@ -215,7 +219,57 @@ std::string RankDevice(const SelftestConfig& cfg, bool context, int rank) {
 }
 
 Status ValidateSelftest(const SelftestConfig& cfg) {
+  // Bounds first, so that nothing below sizes anything by an absurd value.
+  for (const auto& [side, p] : {std::pair{"ctx", &cfg.ctx}, std::pair{"gen", &cfg.gen}}) {
+    for (const auto& [name, v] :
+         {std::pair{"tp", p->tp}, std::pair{"pp", p->pp}, std::pair{"dp", p->dp_size}}) {
+      if (v < 1 || v > kSelftestMaxRanks) {
+        return Status::InvalidArgument(
+            fmt::format("--{}-{} {} must be in [1, {}]", side, name, v, kSelftestMaxRanks));
+      }
+    }
+  }
+  const int ranks = cfg.ctx.world_size() + cfg.gen.world_size();
+  if (ranks > kSelftestMaxRanks) {
+    return Status::InvalidArgument(fmt::format(
+        "{} context + {} generation ranks: a run on one host has at most {} ranks (processes, "
+        "or threads with --transport inproc)",
+        cfg.ctx.world_size(), cfg.gen.world_size(), kSelftestMaxRanks));
+  }
+  if (cfg.requests > kSelftestMaxRequests) {
+    return Status::InvalidArgument(
+        fmt::format("--requests {} is more than {}", cfg.requests, kSelftestMaxRequests));
+  }
+  if (cfg.metrics_port < -1 || cfg.metrics_port > 65535 ||
+      (cfg.metrics_port > 0 && cfg.metrics_port + ranks - 1 > 65535)) {
+    return Status::InvalidArgument(fmt::format(
+        "--metrics-port {}: the {} ranks serve on ports {} to {}; the last must be at most 65535",
+        cfg.metrics_port, ranks, cfg.metrics_port, int64_t{cfg.metrics_port} + ranks - 1));
+  }
+  if (cfg.concurrency > kSelftestMaxConcurrency || cfg.ctx_ahead > kSelftestMaxConcurrency) {
+    return Status::InvalidArgument(fmt::format("--concurrency {} must be at most {}",
+                                               std::max(cfg.concurrency, cfg.ctx_ahead),
+                                               kSelftestMaxConcurrency));
+  }
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
+  // The pools hold every request in flight: bounded before any is allocated (in doubles: the
+  // product of absurd flags overflows int64).
+  for (int64_t t : cfg.prompt_tokens) {
+    for (bool context : {true, false}) {
+      const double blocks =
+          std::ceil(static_cast<double>(t) / cfg.shape.tokens_per_block) * SlotsOf(cfg, context) +
+          std::max(0, cfg.shared_prefix_blocks);
+      const double bytes =
+          blocks * cfg.shape.tokens_per_block * static_cast<double>(cfg.shape.BytesPerToken());
+      if (bytes > static_cast<double>(kSelftestMaxPoolBytes)) {
+        return Status::InvalidArgument(fmt::format(
+            "{}-token requests, {} in flight: the {} instance's pools would hold {:.1f} GiB; at "
+            "most {} GiB (fewer or shorter requests, or a smaller shape)",
+            t, SlotsOf(cfg, context), context ? "context" : "generation", bytes / (1 << 30),
+            kSelftestMaxPoolBytes >> 30));
+      }
+    }
+  }
   KVF_RETURN_IF_ERROR(cfg.ctx.Validate(cfg.shape).WithContext("context split"));
   KVF_RETURN_IF_ERROR(cfg.gen.Validate(cfg.shape).WithContext("generation split"));
   if (cfg.requests < 1) return Status::InvalidArgument("--requests must be at least 1");
@@ -274,16 +328,31 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   return Status::Ok();
 }
 
-// The rank's transport, wrapped in a FaultyTransport when cfg.fault names this rank. A crash
-// fault ends the process abruptly, as a crashed rank would.
-StatusOr<std::unique_ptr<Transport>> RankTransport(const SelftestConfig& cfg, bool context,
-                                                   int rank, const TransportMaker& make) {
+// The rank's transport, wrapped in a FaultyTransport when cfg.fault names this rank (`fault`
+// points at it; the side that owns the transport keeps it alive). A crash fault ends the process
+// abruptly, as a crashed rank would.
+struct RankTransportParts {
+  std::unique_ptr<Transport> transport;
+  const FaultyTransport* fault = nullptr;
+};
+StatusOr<RankTransportParts> RankTransport(const SelftestConfig& cfg, bool context, int rank,
+                                           const TransportMaker& make) {
   KVF_ASSIGN_OR_RETURN(auto transport, make());
-  if (cfg.fault.empty()) return transport;
+  if (cfg.fault.empty()) return RankTransportParts{std::move(transport)};
   KVF_ASSIGN_OR_RETURN(FaultPoint f, ParseFaultPoint(cfg.fault));
-  if (f.context != context || f.rank != rank) return transport;
-  return std::unique_ptr<Transport>(
-      std::make_unique<FaultyTransport>(std::move(transport), f.spec, [] { std::_Exit(3); }));
+  if (f.context != context || f.rank != rank) return RankTransportParts{std::move(transport)};
+  auto faulty =
+      std::make_unique<FaultyTransport>(std::move(transport), f.spec, [] { std::_Exit(3); });
+  const FaultyTransport* fault = faulty.get();
+  return RankTransportParts{std::move(faulty), fault};
+}
+
+// A fault injected at a step the run never took tested nothing: the run fails, saying so.
+void NoteFaultMissed(RankResult& res, const SelftestConfig& cfg, const FaultyTransport* fault) {
+  if (fault == nullptr || fault->fired() > 0) return;
+  res.fault_missed = true;
+  res.errors.push_back(fmt::format(
+      "--fault {} never fired: this rank did not reach that step that many times", cfg.fault));
 }
 
 // What a rank's run stands on: its device, its pool (on the heap: the side and the access keep
@@ -363,7 +432,8 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, true, rank, make));
+  KVF_ASSIGN_OR_RETURN(RankTransportParts parts, RankTransport(cfg, true, rank, make));
+  std::unique_ptr<Transport> transport = std::move(parts.transport);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   // Set-up waits for the other ranks of the instance, which start when the machine lets them:
   // bounded like any stretch without progress (StallLimit), not by one request's deadline (under
@@ -475,7 +545,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     }
     for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
       ++done;
-      watch.Ended();
+      watch.Ended(s.state != TransferState::kTimedOut);
       std::erase(live, s.request_id);
       busy[slot_of[s.request_id]] = false;
       events.erase(s.request_id);
@@ -504,6 +574,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   NoteEnd(res, *side);
+  NoteFaultMissed(res, cfg, parts.fault);
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -539,7 +610,8 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg);
-  KVF_ASSIGN_OR_RETURN(auto transport, RankTransport(cfg, false, rank, make));
+  KVF_ASSIGN_OR_RETURN(RankTransportParts parts, RankTransport(cfg, false, rank, make));
+  std::unique_ptr<Transport> transport = std::move(parts.transport);
   KVF_ASSIGN_OR_RETURN(auto side,
                        GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
@@ -607,7 +679,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       if (reused > 0) ++res.prefix_hits;
       if (!st.ok()) {
         ++done;
-        watch.Ended();
+        watch.Ended(/*progress=*/true);
         ++res.failed;
         busy[slot] = false;
         warming.erase(RequestId(i));
@@ -621,7 +693,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                                                       : std::chrono::microseconds(20000);
     for (const TransferStatus& s : side->Poll(1, Clock::now() + wait)) {
       ++done;
-      watch.Ended();
+      watch.Ended(s.state != TransferState::kTimedOut);
       auto [i, slot] = inflight[s.request_id];
       inflight.erase(s.request_id);
       if (warming.erase(s.request_id) == 0) {
@@ -670,6 +742,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
   NoteEnd(res, *side);
+  NoteFaultMissed(res, cfg, parts.fault);
   if (cfg.baseline && rank == 0) {
     Status b = BaselineReceiver(cfg, make, dev);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
@@ -723,6 +796,7 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     control_cpu += r.control_cpu_seconds;
     // Every rank is heard: its first errors, and its last (why it stopped, when it gave up).
     const char* side = r.context ? "context" : "generation";
+    s.fault_missed |= r.fault_missed;
     for (size_t i = 0; i < r.errors.size(); ++i) {
       if (i < 3 || i + 1 == r.errors.size())
         s.errors.push_back(fmt::format("{} rank {}: {}", side, r.rank, r.errors[i]));

@@ -73,6 +73,16 @@ struct SelftestConfig {
   int metrics_port = -1;
 };
 
+// Bounds of a selftest run (ValidateSelftest): ranks of both instances together (all on this
+// host), requests (every rank keeps a few words per request of its group), and what the pools
+// must hold.
+inline constexpr int kSelftestMaxRanks = 64;
+inline constexpr int kSelftestMaxRequests = 1'000'000;
+// Requests in flight per rank, and the pool bytes of one instance (all its ranks) that the
+// requests in flight need: a selftest's pools are sized for tests and benchmarks.
+inline constexpr int kSelftestMaxConcurrency = 4096;
+inline constexpr int64_t kSelftestMaxPoolBytes = int64_t{64} << 30;
+
 struct RankResult {
   bool context = false;
   int rank = 0;
@@ -102,7 +112,9 @@ struct RankResult {
   double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
   std::string copy_name;
   std::vector<std::string> errors;  // the first few
-  std::string data_path;            // the transceiver's (metrics): peer-memory, one-sided, tagged
+  // cfg.fault names this rank and it never fired (its step was not reached): the run fails.
+  bool fault_missed = false;
+  std::string data_path;  // the transceiver's (metrics): peer-memory, one-sided, tagged
   // This rank's slowest request (the longest from start to terminal), when one ended.
   std::optional<RequestTimeline> slowest;
   // Where a typical request of this rank spent its time: MedianTimeline of its recent requests.
@@ -164,6 +176,8 @@ struct SelftestSummary {
   double copy_gbps = 0;
   std::string copy_name;
   std::vector<std::string> errors;
+  // A rank's RankResult::fault_missed: the injected fault never fired, so the run tested nothing.
+  bool fault_missed = false;
   // The generation ranks' data paths (peer-memory, one-sided, tagged), distinct ones joined by +.
   std::string data_path;
 };

@@ -1,10 +1,13 @@
 #include "tools/kvferry/cluster.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -76,7 +79,10 @@ std::string ConfigToJson(const SelftestConfig& c) {
   return j.dump();
 }
 
-SelftestConfig ConfigFromJson(const std::string& s) {
+// The config a rank process was given: any JSON error (syntax, a missing field, a wrong type) is
+// an error naming it, never an exception that aborts the rank; the values are then validated as
+// the command line's are.
+StatusOr<SelftestConfig> ConfigFromJson(const std::string& s) try {
   json j = json::parse(s);
   SelftestConfig c;
   auto sh = j["shape"];
@@ -105,7 +111,38 @@ SelftestConfig ConfigFromJson(const std::string& s) {
   c.warmup = j.value("warmup", 0);
   c.ctx_ahead = j.value("ctx_ahead", 0);
   c.metrics_port = j.value("metrics_port", -1);
+  KVF_RETURN_IF_ERROR(ValidateSelftest(c));
   return c;
+} catch (const json::exception& e) {
+  return Status::InvalidArgument(fmt::format("malformed: {}", e.what()));
+}
+
+// A fresh directory from a mkdtemp template: mode 0700, a name nobody could have planted.
+StatusOr<fs::path> MakePrivateDir(const fs::path& tmpl) {
+  std::string name = tmpl.string();
+  if (::mkdtemp(name.data()) == nullptr) {
+    return Status::Unavailable(fmt::format("cannot make {}: {}", name, std::strerror(errno)));
+  }
+  return fs::path(name);
+}
+
+// A new file only this user can read (it holds the group key): 0600, never through a link.
+Status WritePrivateFile(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::Unavailable(fmt::format("create {}: {}", path, std::strerror(errno)));
+  size_t at = 0;
+  while (at < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      return Status::Unavailable(fmt::format("write {}: {}", path, std::strerror(err)));
+    }
+    at += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return Status::Ok();
 }
 
 TransportMaker MakerFor(const SelftestConfig& cfg) {
@@ -139,7 +176,8 @@ int RunRank(const SelftestConfig& cfg, bool context, int rank) {
 }
 
 // The parent's patience, from the ranks' progress files (run_watch.h): every rank's last request
-// start or end, plus a rank's stall limit and kParentGrace. Files are read at most every 250 ms.
+// that made progress, plus a rank's stall limit and kParentGrace. Files are read at most every 250
+// ms.
 class ProgressDeadline {
  public:
   ProgressDeadline(fs::path dir, const SelftestConfig& cfg)
@@ -148,13 +186,15 @@ class ProgressDeadline {
     auto now = Clock::now();
     if (now >= next_read_) {
       next_read_ = now + std::chrono::milliseconds(250);
+      // Each file says "done total started progressed"; only the last is progress.
       std::string all;
       std::error_code ec;
       for (const auto& e : fs::directory_iterator(dir_, ec)) {
         if (e.path().filename().string().rfind("progress-", 0) != 0) continue;
         std::ifstream f(e.path());
-        all += e.path().filename().string() + ":" +
-               std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+        int64_t done = 0, total = 0, started = 0, progressed = 0;
+        f >> done >> total >> started >> progressed;
+        all += fmt::format("{}:{} ", e.path().filename().string(), progressed);
       }
       if (all != seen_) {
         seen_ = std::move(all);
@@ -190,6 +230,18 @@ std::string WhyStop(const std::vector<RankGroup::Rank>& procs, int nc, int ng) {
   return {};
 }
 
+// A rank number in [0, limit), all digits; nullopt otherwise.
+std::optional<int> ParseRankNumber(std::string_view text, int limit) {
+  if (text.empty() || text.size() > 9) return std::nullopt;
+  int v = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + (c - '0');
+  }
+  if (v >= limit) return std::nullopt;
+  return v;
+}
+
 }  // namespace
 
 // "12/32 requests done (generation ranks: 12 14)" from the ranks' progress files.
@@ -208,17 +260,20 @@ void PrintProgress(const fs::path& dir, const SelftestConfig& cfg, Clock::time_p
 
 StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool progress) {
   SelftestConfig cfg = in;
-  fs::path dir =
-      fs::temp_directory_path() / fmt::format("kvferry-{}-{}", getpid(), std::random_device{}());
-  fs::create_directories(dir);
+  // The run's directory holds the group key (config.json): private to this user.
+  std::error_code tmp_ec;
+  const fs::path tmp = fs::temp_directory_path(tmp_ec);
+  if (tmp_ec)
+    return Status::Unavailable(fmt::format("no temporary directory: {}", tmp_ec.message()));
+  KVF_ASSIGN_OR_RETURN(fs::path dir, MakePrivateDir(tmp / "kvferry-XXXXXX"));
   cfg.dir = dir.string();
   struct Cleanup {
-    fs::path d;
+    std::vector<fs::path> dirs;
     ~Cleanup() {
       std::error_code ec;
-      fs::remove_all(d, ec);
+      for (const fs::path& d : dirs) fs::remove_all(d, ec);
     }
-  } cleanup{dir};
+  } cleanup{{dir}};
   KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
   // The ranks meet through a rendezvous this process serves (loopback, a fresh group key), as
   // the instances of a deployment would through theirs.
@@ -239,17 +294,26 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   }
   // The config travels in a file: mpirun mangles long JSON arguments.
   std::string conf = (dir / "config.json").string();
-  {
-    std::ofstream f(conf);
-    f << ConfigToJson(cfg);
-  }
-  // Ranks, their process group and the directory: gone however this process ends.
-  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RankGroup> group, RankGroup::Create(dir));
+  KVF_RETURN_IF_ERROR(WritePrivateFile(conf, ConfigToJson(cfg)));
+  // OpenMPI's shared-memory transport (vader) keeps one segment file per rank in /dev/shm, and
+  // its session directory (PMIx's store) in TMPDIR; both are removed by MPI_Finalize and mpirun,
+  // so a killed job left them behind (4 MiB a rank). They go in a directory of this run instead,
+  // which the janitor removes however the run ends.
+  fs::path mpi_shm;
   if (cfg.transport == "mpi") {
-    KVF_RETURN_IF_ERROR(
-        group->Spawn("mpirun", {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                                std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", exe,
-                                "--rank-of-cluster", "mpi", "--cluster-config", conf}));
+    const bool dev_shm = fs::is_directory("/dev/shm", tmp_ec);
+    KVF_ASSIGN_OR_RETURN(
+        mpi_shm, MakePrivateDir((dev_shm ? fs::path("/dev/shm") : dir) / "kvferry-mpi-XXXXXX"));
+    if (dev_shm) cleanup.dirs.push_back(mpi_shm);
+  }
+  // Ranks, their process group and the directories: gone however this process ends.
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RankGroup> group, RankGroup::Create(cleanup.dirs));
+  if (cfg.transport == "mpi") {
+    KVF_RETURN_IF_ERROR(group->Spawn(
+        "mpirun", {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                   std::to_string(nc + ng), "--mca", "btl", "self,vader,tcp", "--mca",
+                   "orte_tmpdir_base", mpi_shm.string(), "--mca", "btl_vader_backing_directory",
+                   mpi_shm.string(), exe, "--rank-of-cluster", "mpi", "--cluster-config", conf}));
   } else {
     for (int r = 0; r < nc; ++r) {
       KVF_RETURN_IF_ERROR(group->Spawn(
@@ -327,8 +391,15 @@ int MaybeRunRank(int argc, char** argv) {
     std::cerr << "kvferry: cannot read cluster config " << argv[4] << "\n";
     return 2;
   }
-  SelftestConfig cfg = ConfigFromJson(text);
-  std::string who = argv[2];
+  StatusOr<SelftestConfig> parsed = ConfigFromJson(text);
+  if (!parsed.ok()) {
+    std::cerr << fmt::format("kvferry: cluster config {}: {}\n", argv[4],
+                             parsed.status().ToString());
+    return 2;
+  }
+  const SelftestConfig& cfg = *parsed;
+  const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
+  const std::string who = argv[2];
   if (who == "mpi") {
     // OpenMPI tells each process its rank; context ranks come first.
     const char* r = std::getenv("OMPI_COMM_WORLD_RANK");
@@ -337,11 +408,24 @@ int MaybeRunRank(int argc, char** argv) {
       std::cerr << "kvferry: --rank-of-cluster mpi outside mpirun\n";
       return 2;
     }
-    int world = std::atoi(r), nc = cfg.ctx.world_size();
-    return world < nc ? RunRank(cfg, true, world) : RunRank(cfg, false, world - nc);
+    const std::optional<int> world = ParseRankNumber(r, nc + ng);
+    if (!world) {
+      std::cerr << fmt::format("kvferry: MPI rank '{}' is not in [0, {})\n", r, nc + ng);
+      return 2;
+    }
+    return *world < nc ? RunRank(cfg, true, *world) : RunRank(cfg, false, *world - nc);
   }
-  bool context = who.rfind("ctx:", 0) == 0;
-  return RunRank(cfg, context, std::atoi(who.c_str() + 4));
+  const bool context = who.starts_with("ctx:");
+  const std::optional<int> rank = context || who.starts_with("gen:")
+                                      ? ParseRankNumber(who.substr(4), context ? nc : ng)
+                                      : std::nullopt;
+  if (!rank) {
+    std::cerr << fmt::format(
+        "kvferry: --rank-of-cluster '{}': expected mpi, ctx:N (N < {}) or gen:N (N < {})\n", who,
+        nc, ng);
+    return 2;
+  }
+  return RunRank(cfg, context, *rank);
 }
 
 }  // namespace kvferry::tools

@@ -63,7 +63,8 @@ void RemoveEntries(int dirfd, int depth) {
   }
 }
 
-[[noreturn]] void JanitorMain(int fd, const char* dir) {
+// `dirs`: null-terminated.
+[[noreturn]] void JanitorMain(int fd, const char* const* dirs) {
   struct sigaction ignore {};
   ignore.sa_handler = SIG_IGN;
   for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE}) sigaction(s, &ignore, nullptr);
@@ -103,14 +104,16 @@ void RemoveEntries(int dirfd, int depth) {
     // removed. Members that are zombies of a non-reaping init keep it "alive": stop at 2 s.
     for (int i = 0; i < 200 && kill(-pgid, 0) == 0; ++i) SleepMs(10);
   }
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    int d = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (d >= 0) {
-      RemoveEntries(d, 4);
-      close(d);
+  for (; *dirs != nullptr; ++dirs) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      int d = open(*dirs, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (d >= 0) {
+        RemoveEntries(d, 8);  // OpenMPI's session directory nests deep
+        close(d);
+      }
+      if (rmdir(*dirs) == 0 || errno == ENOENT) break;
+      SleepMs(100);
     }
-    if (rmdir(dir) == 0 || errno == ENOENT) break;
-    SleepMs(100);
   }
   _exit(0);
 }
@@ -136,9 +139,10 @@ std::string RankGroup::Rank::Describe() const {
   return fmt::format("{} (pid {}): {}", label, pid, How());
 }
 
-StatusOr<std::unique_ptr<RankGroup>> RankGroup::Create(std::filesystem::path dir, ForkFn fork_fn) {
+StatusOr<std::unique_ptr<RankGroup>> RankGroup::Create(std::vector<std::filesystem::path> dirs,
+                                                       ForkFn fork_fn) {
   if (!fork_fn) fork_fn = [] { return fork(); };
-  std::unique_ptr<RankGroup> g(new RankGroup(std::move(dir), std::move(fork_fn)));
+  std::unique_ptr<RankGroup> g(new RankGroup(std::move(dirs), std::move(fork_fn)));
   KVF_RETURN_IF_ERROR(g->StartJanitor());
   return g;
 }
@@ -147,7 +151,13 @@ Status RankGroup::StartJanitor() {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
     return Status::Unavailable(fmt::format("janitor socketpair: {}", std::strerror(errno)));
-  const std::string dir = dir_.string();  // the child reads it without allocating
+  // The child reads these without allocating.
+  std::vector<std::string> dir_names;
+  for (const auto& d : dirs_) dir_names.push_back(d.string());
+  std::vector<const char*> dirs;
+  for (const auto& d : dir_names) dirs.push_back(d.c_str());
+  dirs.push_back(nullptr);
+  const std::string dir = dir_names.empty() ? std::string() : dir_names.front();
   pid_t pid = fork();
   if (pid < 0) {
     int e = errno;
@@ -158,7 +168,7 @@ Status RankGroup::StartJanitor() {
   }
   if (pid == 0) {
     close(sv[1]);
-    JanitorMain(sv[0], dir.c_str());
+    JanitorMain(sv[0], dirs.data());
   }
   close(sv[0]);
   janitor_ = pid;

@@ -12,7 +12,8 @@
 // - A janitor process outlives this one: it holds the read end of a pipe whose write end only
 //   this process has. When the pipe reads end-of-file (this process exited, by any means), the
 //   janitor kills the rank group unless it was told the group was reaped, and removes the
-//   rendezvous directory.
+//   rendezvous directory (and any other directory of the run, e.g. MPI's shared-memory segments,
+//   which a killed MPI job leaves in /dev/shm otherwise).
 //
 // Not thread-safe: one thread owns a RankGroup, and it must be the thread that outlives the
 // ranks (PR_SET_PDEATHSIG fires when the forking thread ends).
@@ -36,10 +37,14 @@ class RankGroup {
   // fork() by default. Tests pass one that fails (returns -1 with errno set) on the Nth call.
   using ForkFn = std::function<pid_t()>;
 
-  // Starts the janitor for `dir` (which must exist; it is removed when the group ends, whatever
-  // ends it).
-  static StatusOr<std::unique_ptr<RankGroup>> Create(std::filesystem::path dir,
+  // Starts the janitor for `dirs` (which must exist; they are removed when the group ends,
+  // whatever ends it).
+  static StatusOr<std::unique_ptr<RankGroup>> Create(std::vector<std::filesystem::path> dirs,
                                                      ForkFn fork_fn = {});
+  static StatusOr<std::unique_ptr<RankGroup>> Create(std::filesystem::path dir,
+                                                     ForkFn fork_fn = {}) {
+    return Create(std::vector<std::filesystem::path>{std::move(dir)}, std::move(fork_fn));
+  }
   // Kills and reaps every rank still running, then has the janitor remove the directory and
   // waits for it.
   ~RankGroup();
@@ -75,13 +80,14 @@ class RankGroup {
   pid_t janitor_pid() const { return janitor_; }
 
  private:
-  RankGroup(std::filesystem::path dir, ForkFn fork_fn) : dir_(std::move(dir)), fork_(fork_fn) {}
+  RankGroup(std::vector<std::filesystem::path> dirs, ForkFn fork_fn)
+      : dirs_(std::move(dirs)), fork_(fork_fn) {}
   Status StartJanitor();
   void TellJanitor(char what, pid_t pgid);
   bool AnyRunning() const;
   void ReapAll();
 
-  const std::filesystem::path dir_;
+  const std::vector<std::filesystem::path> dirs_;
   const ForkFn fork_;
   std::vector<Rank> ranks_;
   pid_t pgid_ = 0;

@@ -70,7 +70,9 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       "flashinfer|flashinfer-hnd|block-major-nhd";
   cmd->add_option("--ctx-layout", f.ctx_layout, layouts)->capture_default_str();
   cmd->add_option("--gen-layout", f.gen_layout, layouts)->capture_default_str();
-  cmd->add_option("--requests", f.requests)->capture_default_str();
+  cmd->add_option("--requests", f.requests,
+                  fmt::format("requests to transfer (at most {})", kSelftestMaxRequests))
+      ->capture_default_str();
   cmd->add_option("--prompt-tokens", f.prompt_tokens, "prompt lengths, cycled over requests")
       ->delimiter(',');
   cmd->add_option("--concurrency", f.concurrency, "requests in flight per rank")
@@ -249,7 +251,7 @@ int RunSelftest(const Flags& f) {
     return 1;
   }
   SelftestSummary s = Summarize(*cfg, *ranks);
-  const bool pass = s.failed == 0 && s.verified == s.requests;
+  const bool pass = s.failed == 0 && s.verified == s.requests && !s.fault_missed;
   if (f.out.machine()) {
     doc.summary() = SummaryJson(s);
     doc.summary()["slowest"] = SlowestJson(*ranks);
@@ -416,8 +418,8 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       continue;
     }
     SelftestSummary s = Summarize(*cfg, *ranks);
-    if (s.failed) rc = 1;
-    if (s.failed && first_error.empty() && !s.errors.empty()) first_error = s.errors.front();
+    if (s.failed || s.fault_missed) rc = 1;
+    if (rc != 0 && first_error.empty() && !s.errors.empty()) first_error = s.errors.front();
     nlohmann::json row = BenchRow(s, tokens, *cfg, *ranks);
     if (!f.out.machine()) {
       PrintBenchRow(row, s, cfg->verify);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Kills the parent or one rank of a running kvferry command and checks that, within the request
 # deadline + 5 s, no process of the run and no temporary file is left.
-# Usage: no_orphans.sh KVFERRY selftest|bench-transfer|soak|demo parent|rank SIGNAL
+# Usage: no_orphans.sh KVFERRY selftest|bench-transfer|soak|demo parent|rank|gen-rank SIGNAL
+#   rank: context rank 0; gen-rank: generation rank 0.
 #   selftest, bench-transfer: ranks are processes (UCX) beside the parent and a janitor;
 #   soak (UCX workers in one process), demo (tiering with a file tier in a temp dir): the parent
 #   (and the demo's janitor) only, so the victim is the parent.
@@ -72,14 +73,20 @@ fi
 start=$(date +%s.%N)
 if [ "$victim" = parent ]; then
   kill -s "$sig" "$parent"
+elif [ "$victim" = gen-rank ]; then
+  victim_pid=$(pgrep -f -- "--rank-of-cluster gen:0 --cluster-config $tmp/" | head -1)
+  victim_name="generation rank 0"
+  kill -s "$sig" "$victim_pid"
 else
   victim_pid=$(echo "$ranks" | head -1)  # context rank 0: ranks start in order
+  victim_name="context rank 0"
   kill -s "$sig" "$victim_pid"
 fi
 limit=$(calc "($timeout_ms / 1000 + 5) * $scale")
-# A stopped rank is not dead: the generation rank gives up after a request deadline (+ the
-# context side's abort grace, 1 s, + 1 s) without progress; then the other context rank gets one
-# more deadline + 3 s to end its requests (run_watch.h); + 8 s for a loaded machine.
+# A stopped rank is not dead: the ranks waiting on it give up after a request deadline (+ the
+# context side's abort grace, 1 s, + 1 s) without progress (requests that end by their deadline
+# are not progress); then the others get one more deadline + 3 s to end their requests
+# (run_watch.h); + 8 s for a loaded machine.
 [ "$sig" = STOP ] && limit=$(calc "(2 * $timeout_ms / 1000 + 1 + 1 + 3 + 8) * $scale")
 while :; do
   left=$(run_pids)
@@ -100,13 +107,13 @@ rc=$?
 took=$(calc "$(date +%s.%N) - $start")
 echo "nothing left after ${took} s (limit ${limit} s, load scale $scale); parent exit code $rc"
 tail -n 5 "$tmp.out"
-if [ "$victim" = rank ]; then
+if [ "$victim" != parent ]; then
   # The run ends, failed, with a summary that names the killed rank's process and how it ended.
   [ "$rc" != 0 ] || { echo "FAIL: run passed"; exit 1; }
   if [ "$sig" = STOP ]; then
-    want="error: context rank 0: no result (its process, pid $victim_pid: killed at the run deadline)"
+    want="error: $victim_name: no result (its process, pid $victim_pid: killed at the run deadline)"
   else
-    want="error: context rank 0: no result (its process, pid $victim_pid: killed by signal 9"
+    want="error: $victim_name: no result (its process, pid $victim_pid: killed by signal 9"
   fi
   grep -qF "$want" "$tmp.out" ||
     { echo "FAIL: the killed rank is not named: $want"; echo "--- the run's output:"; cat "$tmp.out"; exit 1; }
