@@ -131,8 +131,9 @@ TEST(Transceiver, ContextSideRefusesTheAllZeroSecret) {
       << zero.status().ToString();
   EXPECT_TRUE(GenerationSide::Create(*dev, pool, o, transport()).ok());
 
-  const std::array<uint8_t, 16> a = NewInstanceSecret(), b = NewInstanceSecret();
-  EXPECT_NE(a, std::array<uint8_t, 16>{});
+  using Secret = std::array<uint8_t, 16>;
+  const Secret a = NewInstanceSecret(), b = NewInstanceSecret();
+  EXPECT_NE(a, Secret{});
   EXPECT_NE(a, b);
   o.instance_secret = a;
   auto side = ContextSide::Create(*dev, pool, o, transport());
