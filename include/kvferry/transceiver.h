@@ -85,7 +85,7 @@ struct TransceiverOptions {
   // Shared by every rank of a context instance and by no one else: rank 0 makes it with
   // NewInstanceSecret() and the engine distributes it with the addresses (PublishInstanceSecret /
   // FetchInstanceSecret, kvferry/rendezvous.h). Handles' access tokens are keyed by it, so a handle
-  // forged or altered without it is refused. ContextSide::Create refuses the all-zero default
+  // forged without it is refused. ContextSide::Create refuses the all-zero default
   // (anyone could key tokens with it); the generation side does not use it.
   std::array<uint8_t, 16> instance_secret{};
   // Distinguishes generation instances (the same on all of an instance's ranks).
