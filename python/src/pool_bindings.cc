@@ -126,10 +126,10 @@ MemoryKind KindOf(const nb::ndarray<>& a, const DeviceCore& dev, size_t i) {
   return MemoryKind::kHost;
 }
 
-// Host memory the process may not write: the [start, end) ranges of this process's mappings
-// without 'w' (/proc/self/maps), in address order. kvferry writes into a wrapped pool (a generation
-// side fetches into it, tiering onboards into it), so such memory is refused at wrap time: a
-// tensor over a read-only mmap or buffer would otherwise crash the progress thread.
+// This process's mappings (/proc/self/maps: [start, end) in address order, writable or not).
+// kvferry writes into a wrapped pool (a generation side fetches into it, tiering onboards into
+// it), so host memory outside writable mappings is refused at wrap time: a tensor over a
+// read-only mmap would otherwise crash the progress thread.
 struct Mapping {
   uintptr_t start, end;
   bool writable;
