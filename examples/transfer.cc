@@ -180,7 +180,7 @@ int Context(const char* self, const std::string& transport) {
   kvferry::TransceiverOptions options;
   options.transport = transport;
   options.instance_id = kContextId;
-  options.instance_secret = kvferry::RandomKey();  // rank 0 would publish it for the others
+  options.instance_secret = kvferry::NewInstanceSecret();  // rank 0 would publish it for the others
   auto side = kvferry::ContextSide::Create(*device, *pool, options);
   if (!side.ok()) return Fail("context side", side.status());
   // Every rank publishes its address; each gathers all of them (one rank here).

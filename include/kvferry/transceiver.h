@@ -82,8 +82,11 @@ struct TransceiverOptions {
   int64_t chunk_bytes = 0;               // 0: knob transfer.chunk_bytes
   int64_t staging_chunks = 0;    // 0: knob transfer.staging_chunks (staging = chunks * bytes)
   int64_t direct_min_bytes = 0;  // 0: knob transfer.direct_min_bytes
-  // Shared by every rank of a context instance (the engine distributes it with the addresses);
-  // handles' access tokens are derived from it, so a forged handle is refused.
+  // Shared by every rank of a context instance and by no one else: rank 0 makes it with
+  // NewInstanceSecret() and the engine distributes it with the addresses (PublishInstanceSecret /
+  // FetchInstanceSecret, kvferry/rendezvous.h). Handles' access tokens are keyed by it, so a handle
+  // forged without it is refused. ContextSide::Create refuses the all-zero default
+  // (anyone could key tokens with it); the generation side does not use it.
   std::array<uint8_t, 16> instance_secret{};
   // Distinguishes generation instances (the same on all of an instance's ranks).
   uint64_t instance_id = 0;
@@ -93,11 +96,15 @@ struct TransceiverOptions {
   std::optional<bool> checksum;
 };
 
+// 16 bytes from the OS's random source (getrandom), never all zero: a context instance's secret.
+std::array<uint8_t, 16> NewInstanceSecret();
+
 // The sending side, one per context rank.
 class ContextSide {
  public:
   // `pool` is this rank's KV pool (its spec names the instance's split and this rank). The device
-  // and pool must outlive the ContextSide.
+  // and pool must outlive the ContextSide. kInvalidArgument when options.instance_secret is all
+  // zero (the default): every rank of the instance needs the same NewInstanceSecret().
   static StatusOr<std::unique_ptr<ContextSide>> Create(Device& device, const BlockPool& pool,
                                                        const TransceiverOptions& options);
   // For tests and custom transports (kvferry/transport.h; TransportWrapper forwards, for fault

@@ -10,9 +10,18 @@
 // last user is gone: closing in any order never frees memory still in use. Cores that hold
 // Python objects (wrapped arrays) are only ever released with the GIL held.
 //
-// Threads and the GIL. Calls that wait (poll, wait, synchronize, close) release the GIL. Methods
-// of a side run under a shared lock and close() takes it exclusively, so closing from one thread
-// while another thread polls waits for that poll instead of pulling the object from under it.
+// Wrapped memory. Pool.wrap keeps the memory under each tensor, not only the tensor object, which
+// the engine may point elsewhere: a torch tensor's storage (set_() or del leave it alive), every
+// numpy array of a base chain under a weak reference (numpy refuses to resize such an array, even
+// with refcheck=False). resize_() growing a torch tensor moves its bytes within the storage we
+// hold, which we cannot prevent: PoolCore::CheckWrapped refuses such a pool before every call that
+// starts a copy (its data_ptr differs from the wrapped address).
+//
+// Threads and the GIL. Calls that wait (poll, wait, synchronize, drain, close) release the GIL.
+// Those of a side and of a TransferManager run under a shared lock that close() takes
+// exclusively, so closing from one thread while another thread polls or drains waits for that
+// call instead of pulling the object from under it. Calls that keep the GIL hold a copy of the
+// core while they use it.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -29,6 +38,7 @@
 #include "kvferry/device.h"
 #include "kvferry/metrics.h"
 #include "kvferry/pool.h"
+#include "kvferry/rendezvous.h"
 #include "kvferry/status.h"
 
 namespace kvferry::py {
@@ -84,11 +94,22 @@ struct DeviceCore {
   bool is_cuda() const { return device->info().platform == "cuda"; }
 };
 
+// One tensor of a wrapped pool and what keeps its memory (see "Wrapped memory" above).
+struct WrappedTensor {
+  nb::object object;    // the tensor as given
+  nb::object keep;      // its torch storage, or weak references to its numpy arrays
+  nb::object data_ptr;  // torch: the tensor's bound data_ptr method, checked before each use
+  uintptr_t address = 0;
+};
+
 struct PoolCore {
   std::shared_ptr<DeviceCore> device;
   std::optional<BlockPool> pool;
-  // Python objects whose memory the pool wraps (kept alive as long as the pool).
-  std::vector<nb::object> owners;
+  // The Python objects whose memory the pool wraps (kept alive as long as the pool).
+  std::vector<WrappedTensor> wrapped;
+  // Raises InvalidArgument when a wrapped torch tensor no longer points at the memory wrapped
+  // (resize_() past its storage, set_()): nothing may copy through such a pool. Needs the GIL.
+  void CheckWrapped() const;
 };
 
 struct EventCore {
@@ -179,5 +200,20 @@ void BindPool(nb::module_& m);
 void BindTransceiver(nb::module_& m);
 void BindTiering(nb::module_& m);
 void BindRendezvous(nb::module_& m);
+
+// A rendezvous client (rendezvous_bindings.cc): thread-safe in C++, so calls run without the GIL;
+// close waits for none (a call in flight holds its own reference through the shared_ptr).
+class PyRendezvous {
+ public:
+  explicit PyRendezvous(std::shared_ptr<Rendezvous> r) : rv_(std::move(r)) {}
+  std::shared_ptr<Rendezvous> get() const {
+    if (!rv_) throw ClosedError("Rendezvous");
+    return rv_;
+  }
+  void close() { rv_.reset(); }
+
+ private:
+  std::shared_ptr<Rendezvous> rv_;
+};
 
 }  // namespace kvferry::py

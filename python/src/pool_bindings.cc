@@ -6,6 +6,9 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdio>
+#include <fstream>
+
 #include "bindings.h"
 #include "kvferry/kv_model.h"
 
@@ -123,6 +126,71 @@ MemoryKind KindOf(const nb::ndarray<>& a, const DeviceCore& dev, size_t i) {
   return MemoryKind::kHost;
 }
 
+// This process's mappings (/proc/self/maps: [start, end) in address order, writable or not).
+// kvferry writes into a wrapped pool (a generation side fetches into it, tiering onboards into
+// it), so host memory outside writable mappings is refused at wrap time: a tensor over a
+// read-only mmap would otherwise crash the progress thread.
+struct Mapping {
+  uintptr_t start, end;
+  bool writable;
+};
+std::vector<Mapping> ReadMappings() {
+  std::vector<Mapping> out;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    unsigned long start = 0, end = 0;  // NOLINT(runtime/int): sscanf's %lx
+    char perms[5] = {};
+    if (std::sscanf(line.c_str(), "%lx-%lx %4s", &start, &end, perms) == 3) {
+      out.push_back({start, end, perms[1] == 'w'});
+    }
+  }
+  return out;
+}
+
+// Whether [base, base + bytes) lies wholly in writable mappings (an unmapped gap is not).
+bool Writable(const std::vector<Mapping>& maps, uintptr_t base, uintptr_t bytes) {
+  uintptr_t at = base;
+  const uintptr_t end = base + bytes;
+  for (const Mapping& m : maps) {
+    if (m.end <= at) continue;
+    if (m.start > at || !m.writable) return false;
+    at = m.end;
+    if (at >= end) return true;
+  }
+  return false;
+}
+
+// Keeps the memory under tensor `i` where the pool points (bindings.h, "Wrapped memory").
+WrappedTensor Pin(nb::object obj, const void* base, size_t i) {
+  WrappedTensor w;
+  w.address = reinterpret_cast<uintptr_t>(base);
+  if (nb::hasattr(obj, "untyped_storage") && nb::hasattr(obj, "data_ptr")) {  // torch
+    w.keep = obj.attr("untyped_storage")();
+    w.data_ptr = obj.attr("data_ptr");
+    const auto at = nb::cast<uintptr_t>(w.data_ptr());
+    if (at != w.address) {
+      ThrowInvalid("tensor " + std::to_string(i) + ": data_ptr() " + std::to_string(at) +
+                   " differs from its DLPack address " + std::to_string(w.address));
+    }
+  } else {
+    // numpy, if loaded: a weak reference to every array of the base chain keeps numpy from
+    // resizing (reallocating) any of them.
+    nb::object np = nb::module_::import_("sys").attr("modules").attr("get")("numpy");
+    if (!np.is_none()) {
+      nb::handle ndarray = np.attr("ndarray");
+      nb::object weakref = nb::module_::import_("weakref").attr("ref");
+      nb::list refs;
+      for (nb::object a = obj; nb::isinstance(a, ndarray); a = a.attr("base")) {
+        refs.append(weakref(a));
+      }
+      w.keep = std::move(refs);
+    }
+  }
+  w.object = std::move(obj);
+  return w;
+}
+
 RegionSplit ParseSplit(const std::string& s) {
   if (s == "one") return RegionSplit::kNone;
   if (s == "per-layer") return RegionSplit::kPerLayer;
@@ -146,9 +214,16 @@ PyPool WrapTensors(PyDevice& device, const KvShape& shape, nb::handle tensors,
   if (objects.empty()) ThrowInvalid("wrap needs at least one tensor");
   std::vector<nb::ndarray<>> arrays;
   std::vector<ExternalRegion> regions;
+  std::vector<Mapping> maps;
   for (size_t i = 0; i < objects.size(); ++i) {
     nb::ndarray<> a;
     if (!nb::try_cast(objects[i], a)) {
+      nb::ndarray<nb::ro> ro;
+      if (nb::try_cast(objects[i], ro)) {
+        ThrowInvalid("tensor " + std::to_string(i) +
+                     " is read-only (numpy: flags.writeable is False); kvferry writes into a "
+                     "wrapped pool (fetches, onboarding): wrap writable memory");
+      }
       ThrowInvalid("tensor " + std::to_string(i) + " (" +
                    nb::cast<std::string>(nb::str(nb::type_name(objects[i].type()))) +
                    ") does not export DLPack (a torch tensor or numpy array is needed)");
@@ -163,6 +238,15 @@ PyPool WrapTensors(PyDevice& device, const KvShape& shape, nb::handle tensors,
     if (i > 0 && r.memory != regions[0].memory) {
       ThrowInvalid("tensor " + std::to_string(i) + " is " + std::string(MemoryKindName(r.memory)) +
                    " memory, tensor 0 is " + std::string(MemoryKindName(regions[0].memory)));
+    }
+    if (a.device_type() != nb::device::cuda::value) {
+      if (maps.empty()) maps = ReadMappings();
+      if (!Writable(maps, reinterpret_cast<uintptr_t>(r.base), static_cast<uintptr_t>(r.bytes))) {
+        ThrowInvalid("tensor " + std::to_string(i) +
+                     " lies in memory this process may not write (a read-only mapping or "
+                     "buffer); kvferry writes into a wrapped pool (fetches, onboarding): wrap "
+                     "writable memory");
+      }
     }
     regions.push_back(r);
     arrays.push_back(std::move(a));
@@ -185,11 +269,32 @@ PyPool WrapTensors(PyDevice& device, const KvShape& shape, nb::handle tensors,
     spec.layout = Take(ParseLayoutKind(layout));
     core->pool.emplace(Take(BlockPool::Wrap(*dev->device, spec, regions)));
   }
-  core->owners = std::move(objects);
+  for (size_t i = 0; i < objects.size(); ++i) {
+    core->wrapped.push_back(Pin(std::move(objects[i]), regions[i].base, i));
+  }
   return PyPool(std::move(core));
 }
 
 }  // namespace
+
+void PoolCore::CheckWrapped() const {
+  for (size_t i = 0; i < wrapped.size(); ++i) {
+    const WrappedTensor& w = wrapped[i];
+    if (!w.data_ptr.is_valid()) continue;
+    std::string now;
+    try {
+      const auto at = nb::cast<uintptr_t>(w.data_ptr());
+      if (at == w.address) continue;
+      now = "now points at " + std::to_string(at);
+    } catch (const nb::python_error& e) {
+      now = "now fails data_ptr() (" + std::string(e.what()) + ")";
+    }
+    ThrowInvalid("wrapped tensor " + std::to_string(i) + " moved: it " + now + ", the pool wraps " +
+                 std::to_string(w.address) +
+                 " (resize_() or set_() after Pool.wrap). kvferry keeps the wrapped storage "
+                 "alive but copies nothing through a pool whose tensors moved: wrap them again");
+  }
+}
 
 void BindPool(nb::module_& m) {
   nb::class_<KvShape>(m, "KvShape", "The shape of a model's KV cache, independent of its split.")
@@ -292,7 +397,11 @@ void BindPool(nb::module_& m) {
           "'flashinfer', 'flashinfer-hnd', 'block-major', 'block-major-nhd'); dense tensors are "
           "needed then. Or give byte_strides over (block, layer, kv, head, token, dim) and the "
           "region split ('one', 'per-layer', 'per-kv', 'per-layer-kv') for any strides (such a "
-          "custom pool serves tiering, not transfers). The pool keeps the tensors alive.")
+          "custom pool serves tiering, not transfers). The pool keeps the tensors' memory alive (a "
+          "torch "
+          "tensor's storage; numpy arrays cannot be resized while wrapped); a torch tensor "
+          "resize_()d or set_() after wrap is refused by every later transfer. Read-only memory "
+          "is refused.")
       .def_prop_ro("blocks", [](PyPool& p) { return p.pool().blocks(); })
       .def_prop_ro("num_regions", [](PyPool& p) { return p.pool().num_regions(); })
       .def_prop_ro("region_bytes", [](PyPool& p) { return p.pool().layout().region_bytes(); })
@@ -331,6 +440,7 @@ void BindPool(nb::module_& m) {
               ThrowInvalid("region " + std::to_string(i) + " outside [0, " +
                            std::to_string(c->pool->num_regions()) + ")");
             }
+            c->CheckWrapped();
             return View(c, c->pool->region(i),
                         static_cast<size_t>(c->pool->layout().region_bytes()));
           },

@@ -44,21 +44,6 @@ class PyServer {
   std::unique_ptr<RendezvousServer> server_;
 };
 
-// A client: thread-safe in C++, so calls run without the GIL; close waits for none (a call in
-// flight holds its own reference through the shared_ptr).
-class PyRendezvous {
- public:
-  explicit PyRendezvous(std::shared_ptr<Rendezvous> r) : rv_(std::move(r)) {}
-  std::shared_ptr<Rendezvous> get() const {
-    if (!rv_) throw ClosedError("Rendezvous");
-    return rv_;
-  }
-  void close() { rv_.reset(); }
-
- private:
-  std::shared_ptr<Rendezvous> rv_;
-};
-
 template <typename F>
 auto NoGil(F&& f) {
   nb::gil_scoped_release nogil;

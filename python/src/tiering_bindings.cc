@@ -4,6 +4,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <mutex>
+#include <shared_mutex>
+
 #include "bindings.h"
 #include "kvferry/block_manager.h"
 #include "kvferry/prometheus.h"
@@ -21,28 +24,50 @@ struct ManagerCore {
     // Queued copies finish before the pools can go (the manager's streams drain on destruction).
     manager.reset();
   }
+  // Before queuing copies: neither pool's wrapped tensors moved (with the GIL).
+  void CheckPools() const {
+    primary->CheckWrapped();
+    if (host) host->CheckWrapped();
+  }
 };
 
+// The manager's calls that wait (drain) run without the GIL under a shared lock, which close()
+// takes exclusively: close waits for them (bindings.h). Calls that keep the GIL hold a copy of
+// the core, so close() leaves the manager to the last of them.
 class PyTransferManager {
  public:
   explicit PyTransferManager(std::shared_ptr<ManagerCore> core) : core_(std::move(core)) {}
-  const std::shared_ptr<ManagerCore>& core() const {
+  // A reference for the caller's whole call (with the GIL).
+  std::shared_ptr<ManagerCore> core() const {
+    std::shared_lock lock(mu_);
     if (!core_) throw ClosedError("TransferManager");
     return core_;
   }
-  TransferManager& get() const { return *core()->manager; }
-  void close() {
-    std::shared_ptr<ManagerCore> c = std::move(core_);
-    if (c && c.use_count() == 1) {
-      {
-        nb::gil_scoped_release nogil;
-        c->manager.reset();
-      }
-    }
+  // Runs f(manager) without the GIL, under the shared lock.
+  template <typename F>
+  auto Run(F&& f) {
+    nb::gil_scoped_release nogil;
+    std::shared_lock lock(mu_);
+    if (!core_) throw ClosedError("TransferManager");
+    return f(*core_->manager);
   }
-  bool closed() const { return core_ == nullptr; }
+  void close() {
+    std::shared_ptr<ManagerCore> c;
+    {
+      nb::gil_scoped_release nogil;
+      std::unique_lock lock(mu_);  // waits for calls running without the GIL
+      c = std::move(core_);
+      if (c && c.use_count() == 1) c->manager.reset();  // drains the streams
+    }
+    // c (whose pools may hold Python objects) goes with the GIL held.
+  }
+  bool closed() const {
+    std::shared_lock lock(mu_);
+    return core_ == nullptr;
+  }
 
  private:
+  mutable std::shared_mutex mu_;
   std::shared_ptr<ManagerCore> core_;
 };
 
@@ -58,6 +83,12 @@ class PyBlockManager {
   BlockManager& get() const {
     if (!blocks_) throw ClosedError("BlockManager");
     return *blocks_;
+  }
+  // For calls that may offload or onboard: the pools' wrapped tensors have not moved.
+  BlockManager& copying() const {
+    BlockManager& b = get();
+    manager_->CheckPools();
+    return b;
   }
   void close() {
     blocks_.reset();
@@ -182,6 +213,7 @@ void BindTiering(nb::module_& m) {
             core->device = device.core();
             core->primary = primary.core();
             if (host) core->host = host->core();
+            core->CheckPools();
             TransferOptions o;
             o.file_staging_blocks = file_staging_blocks;
             core->manager = Take(
@@ -194,59 +226,63 @@ void BindTiering(nb::module_& m) {
       .def(
           "move",
           [](PyTransferManager& t, Tier from, Tier to, nb::handle moves) {
+            std::shared_ptr<ManagerCore> c = t.core();
+            c->CheckPools();
             std::vector<BlockMove> mv = ParseMoves(moves);
-            return PyBatch{Take(t.get().Move(from, to, mv)), t.core()};
+            return PyBatch{Take(c->manager->Move(from, to, mv)), c};
           },
           nb::arg("from_tier"), nb::arg("to_tier"), nb::arg("moves"),
           "Queues one batch; moves are (src, dst) or (src, dst, tokens) block ids.")
       .def(
           "offload",
           [](PyTransferManager& t, nb::handle moves, Tier to) {
+            std::shared_ptr<ManagerCore> c = t.core();
+            c->CheckPools();
             std::vector<BlockMove> mv = ParseMoves(moves);
-            return PyBatch{Take(t.get().Offload(to, mv)), t.core()};
+            return PyBatch{Take(c->manager->Offload(to, mv)), c};
           },
           nb::arg("moves"), nb::arg("to_tier") = Tier::kHost)
       .def(
           "onboard",
           [](PyTransferManager& t, nb::handle moves, Tier from) {
+            std::shared_ptr<ManagerCore> c = t.core();
+            c->CheckPools();
             std::vector<BlockMove> mv = ParseMoves(moves);
-            return PyBatch{Take(t.get().Onboard(from, mv)), t.core()};
+            return PyBatch{Take(c->manager->Onboard(from, mv)), c};
           },
           nb::arg("moves"), nb::arg("from_tier") = Tier::kHost)
       .def(
           "drain",
           [](PyTransferManager& t, double timeout) {
             Deadline d = DeadlineAfter(timeout);
-            TransferManager& tm = t.get();
-            Status s;
-            {
-              nb::gil_scoped_release nogil;
-              s = tm.Drain(d);
-            }
-            Check(s);
+            Check(t.Run([&](TransferManager& tm) { return tm.Drain(d); }));
           },
-          nb::arg("timeout"), "Waits for every queued batch.")
+          nb::arg("timeout"),
+          "Waits for every queued batch; close() in another thread waits for it.")
       .def(
           "sync_with_compute",
           [](PyTransferManager& t, PyStream& s) {
-            Check(t.get().SyncWithCompute(*s.core()->stream));
+            Check(t.core()->manager->SyncWithCompute(*s.core()->stream));
           },
           nb::arg("compute"), "Later work on `compute` waits for every copy queued so far.")
       .def(
           "wait_for_compute",
           [](PyTransferManager& t, PyStream& s) {
-            Check(t.get().WaitForCompute(*s.core()->stream));
+            Check(t.core()->manager->WaitForCompute(*s.core()->stream));
           },
           nb::arg("compute"), "Later copies wait for the work queued on `compute` so far.")
-      .def("tier_blocks", [](PyTransferManager& t, Tier tier) { return t.get().tier_blocks(tier); })
-      .def_prop_ro("stats", [](PyTransferManager& t) { return TransferStatsDict(t.get().stats()); })
+      .def("tier_blocks",
+           [](PyTransferManager& t, Tier tier) { return t.core()->manager->tier_blocks(tier); })
+      .def_prop_ro(
+          "stats",
+          [](PyTransferManager& t) { return TransferStatsDict(t.core()->manager->stats()); })
       .def(
-          "metrics", [](PyTransferManager& t) { return MetricsDict(t.get().metrics()); },
+          "metrics", [](PyTransferManager& t) { return MetricsDict(t.core()->manager->metrics()); },
           "Bytes, batches, blocks and copy latency per direction (from, to), file I/O counts.")
       .def(
           "_metrics_source",
           [](PyTransferManager& t, std::string name) {
-            return MetricsSource{std::move(name), t.get().metrics()};
+            return MetricsSource{std::move(name), t.core()->manager->metrics()};
           },
           nb::arg("name"))
       .def_prop_ro("closed", &PyTransferManager::closed)
@@ -275,7 +311,7 @@ void BindTiering(nb::module_& m) {
       .def(
           "add_sequence",
           [](PyBlockManager& b, uint64_t id, std::vector<int32_t> prompt, int32_t priority) {
-            Admission a = Take(b.get().AddSequence(id, prompt, priority));
+            Admission a = Take(b.copying().AddSequence(id, prompt, priority));
             nb::dict d;
             d["blocks"] = a.blocks;
             d["reused_tokens"] = a.reused_tokens;
@@ -290,12 +326,13 @@ void BindTiering(nb::module_& m) {
       .def(
           "append_tokens",
           [](PyBlockManager& b, uint64_t id, std::vector<int32_t> t) {
-            Check(b.get().AppendTokens(id, t));
+            Check(b.copying().AppendTokens(id, t));
           },
           nb::arg("id"), nb::arg("tokens"))
       .def(
           "remove_sequence",
-          [](PyBlockManager& b, uint64_t id) { Check(b.get().RemoveSequence(id)); }, nb::arg("id"))
+          [](PyBlockManager& b, uint64_t id) { Check(b.copying().RemoveSequence(id)); },
+          nb::arg("id"))
       .def(
           "blocks", [](PyBlockManager& b, uint64_t id) { return Take(b.get().Blocks(id)); },
           nb::arg("id"))

@@ -60,9 +60,67 @@ nb::dict StatsDict(const TransceiverStats& s) {
   return d;
 }
 
+using Secret = std::array<uint8_t, 16>;
+
+// A secret given by the caller: exactly 16 bytes, not all zero.
+Secret SecretFrom(const nb::bytes& b) {
+  Secret s{};
+  if (b.size() != s.size()) {
+    ThrowInvalid("instance_secret has " + std::to_string(b.size()) + " bytes; exactly " +
+                 std::to_string(s.size()) +
+                 " are needed, the same on every context rank (kvferry.random_key() on one rank, "
+                 "or leave it out and give rendezvous=)");
+  }
+  std::memcpy(s.data(), b.c_str(), s.size());
+  if (s == Secret{}) {
+    ThrowInvalid(
+        "instance_secret is all zero: anyone could forge handles with it; use "
+        "kvferry.random_key()");
+  }
+  return s;
+}
+
+// The context instance's secret: the caller's; or, with a rendezvous, rank 0 makes one and
+// publishes it under `instance` and the other ranks wait for it; or, for an instance of one rank,
+// a new one (ContextSide.instance_secret shows it).
+Secret ContextSecret(const std::optional<nb::bytes>& given, PyRendezvous* rendezvous,
+                     const std::string& instance, uint64_t instance_id, double timeout,
+                     const BlockPool& pool) {
+  if (given.has_value() && rendezvous != nullptr) {
+    ThrowInvalid(
+        "give instance_secret or rendezvous, not both (with a rendezvous, rank 0 makes "
+        "the secret and the other ranks fetch it)");
+  }
+  if (given.has_value()) return SecretFrom(*given);
+  const int32_t ranks = pool.spec().parallel.world_size();
+  if (rendezvous == nullptr) {
+    if (ranks > 1) {
+      ThrowInvalid("a context instance of " + std::to_string(ranks) +
+                   " ranks needs one secret on every rank: give rendezvous= (rank 0 makes it and "
+                   "publishes it, the others fetch it) or the same instance_secret= on every "
+                   "rank (kvferry.random_key() on one of them)");
+    }
+    return NewInstanceSecret();
+  }
+  if (instance_id == 0) {
+    ThrowInvalid(
+        "rendezvous= needs instance_id: the same on every rank of the instance and new "
+        "each time it starts, so a rank never takes an earlier run's secret");
+  }
+  std::shared_ptr<Rendezvous> rv = rendezvous->get();
+  const Deadline d = DeadlineAfter(timeout);
+  nb::gil_scoped_release nogil;
+  if (pool.spec().rank == 0) {
+    const Secret s = NewInstanceSecret();
+    Check(PublishInstanceSecret(*rv, instance, instance_id, s, d));
+    return s;
+  }
+  return Take(FetchInstanceSecret(*rv, instance, instance_id, d));
+}
+
 TransceiverOptions MakeOptions(const std::string& transport, double timeout, int64_t chunk_bytes,
                                int64_t staging_chunks, int64_t direct_min_bytes,
-                               const nb::bytes& secret, uint64_t instance_id) {
+                               uint64_t instance_id) {
   TransceiverOptions o;
   o.transport = transport;
   if (!(timeout >= 0)) ThrowInvalid("timeout must be >= 0 seconds (0: knob transfer.timeout_ms)");
@@ -71,11 +129,6 @@ TransceiverOptions MakeOptions(const std::string& transport, double timeout, int
   o.chunk_bytes = chunk_bytes;
   o.staging_chunks = staging_chunks;
   o.direct_min_bytes = direct_min_bytes;
-  if (secret.size() > o.instance_secret.size()) {
-    ThrowInvalid("instance_secret has " + std::to_string(secret.size()) + " bytes; at most " +
-                 std::to_string(o.instance_secret.size()));
-  }
-  std::memcpy(o.instance_secret.data(), secret.c_str(), secret.size());
   o.instance_id = instance_id;
   return o;
 }
@@ -106,9 +159,19 @@ template <typename Side>
 class PySide {
  public:
   PySide(const char* name, std::shared_ptr<DeviceCore> dev, std::shared_ptr<PoolCore> pool,
-         std::unique_ptr<Side> side)
-      : name_(name), dev_(std::move(dev)), pool_(std::move(pool)), side_(std::move(side)) {}
+         std::unique_ptr<Side> side, Secret secret = {})
+      : name_(name),
+        dev_(std::move(dev)),
+        pool_(std::move(pool)),
+        side_(std::move(side)),
+        secret_(secret) {}
   ~PySide() { close(); }
+
+  // Before a call that starts copies: the pool's wrapped tensors have not moved (with the GIL).
+  void CheckPool() const {
+    if (pool_) pool_->CheckWrapped();
+  }
+  const Secret& secret() const { return secret_; }
 
   // Runs f(side) without the GIL, under the shared lock.
   template <typename F>
@@ -148,6 +211,7 @@ class PySide {
   std::shared_ptr<PoolCore> pool_;
   std::shared_mutex mu_;
   std::unique_ptr<Side> side_;
+  const Secret secret_;  // ContextSide only
 };
 
 using PyContext = PySide<ContextSide>;
@@ -249,12 +313,19 @@ void BindTransceiver(nb::module_& m) {
          "__init__",
          [](PyContext* self, PyDevice& device, PyPool& pool, const std::string& transport,
             double timeout, int64_t chunk_bytes, int64_t staging_chunks, int64_t direct_min_bytes,
-            const nb::bytes& secret, uint64_t instance_id, std::optional<PyFabric*> fabric) {
+            const std::optional<nb::bytes>& secret, uint64_t instance_id,
+            std::optional<PyFabric*> fabric, std::optional<PyRendezvous*> rendezvous,
+            const std::string& instance, double rendezvous_timeout) {
            std::shared_ptr<DeviceCore> dev = device.core();
            std::shared_ptr<PoolCore> pc = pool.core();
+           pc->CheckWrapped();
            TransceiverOptions o = MakeOptions(transport, timeout, chunk_bytes, staging_chunks,
-                                              direct_min_bytes, secret, instance_id);
+                                              direct_min_bytes, instance_id);
            std::unique_ptr<Transport> t = MakeInProc(fabric, transport, *dev);
+           // Last of the checks: with a rendezvous, this waits for rank 0.
+           const Secret s = ContextSecret(secret, rendezvous.value_or(nullptr), instance,
+                                          instance_id, rendezvous_timeout, *pc->pool);
+           o.instance_secret = s;
            std::unique_ptr<ContextSide> side;
            {
              nb::gil_scoped_release nogil;
@@ -262,12 +333,22 @@ void BindTransceiver(nb::module_& m) {
                         : ContextSide::Create(*dev->device, *pc->pool, o);
              side = Take(std::move(r));
            }
-           new (self) PyContext("ContextSide", dev, pc, std::move(side));
+           new (self) PyContext("ContextSide", dev, pc, std::move(side), s);
          },
          nb::arg("device"), nb::arg("pool"), nb::arg("transport") = "ucx", nb::arg("timeout") = 0.0,
          nb::arg("chunk_bytes") = 0, nb::arg("staging_chunks") = 0, nb::arg("direct_min_bytes") = 0,
-         nb::arg("instance_secret") = nb::bytes("", 0), nb::arg("instance_id") = 0,
-         nb::arg("fabric") = nb::none())
+         nb::arg("instance_secret") = nb::none(), nb::arg("instance_id") = 0,
+         nb::arg("fabric") = nb::none(), nb::arg("rendezvous") = nb::none(),
+         nb::arg("instance") = "context", nb::arg("rendezvous_timeout") = 60.0,
+         "instance_secret: 16 bytes shared by every rank of the context instance and no one else "
+         "(it keys the handles' tokens). Left out: with `rendezvous` (and a non-zero "
+         "instance_id), rank 0 makes one and publishes it under `instance` and the other ranks "
+         "fetch it (waiting up to rendezvous_timeout s); without, an instance of one rank makes "
+         "its own. Never all zero; `instance_secret` (the property) shows the one in use.")
+      .def_prop_ro(
+          "instance_secret",
+          [](PyContext& s) { return nb::bytes(s.secret().data(), s.secret().size()); },
+          "The instance secret in use (16 bytes): what other ranks of this instance need.")
       .def(
           "set_instance_addresses",
           [](PyContext& s, std::vector<std::string> a) {
@@ -277,6 +358,7 @@ void BindTransceiver(nb::module_& m) {
       .def(
           "mark_ready",
           [](PyContext& s, uint64_t id, std::vector<int64_t> blocks, int64_t tokens) {
+            s.CheckPool();
             std::vector<std::byte> h =
                 Take(s.Run([&](ContextSide& x) { return x.MarkReady(id, blocks, tokens); }));
             return nb::bytes(h.data(), h.size());
@@ -287,6 +369,7 @@ void BindTransceiver(nb::module_& m) {
       .def(
           "begin_layer_wise",
           [](PyContext& s, uint64_t id, std::vector<int64_t> blocks, int64_t tokens) {
+            s.CheckPool();
             std::vector<std::byte> h =
                 Take(s.Run([&](ContextSide& x) { return x.BeginLayerWise(id, blocks, tokens); }));
             return nb::bytes(h.data(), h.size());
@@ -323,11 +406,16 @@ void BindTransceiver(nb::module_& m) {
          "__init__",
          [](PyGeneration* self, PyDevice& device, PyPool& pool, const std::string& transport,
             double timeout, int64_t chunk_bytes, int64_t staging_chunks, int64_t direct_min_bytes,
-            const nb::bytes& secret, uint64_t instance_id, std::optional<PyFabric*> fabric) {
+            const std::optional<nb::bytes>& secret, uint64_t instance_id,
+            std::optional<PyFabric*> fabric) {
            std::shared_ptr<DeviceCore> dev = device.core();
            std::shared_ptr<PoolCore> pc = pool.core();
+           pc->CheckWrapped();
+           // The generation side holds no secret (a handle carries its token); one given is
+           // checked like the context side's, then not used.
+           if (secret.has_value()) SecretFrom(*secret);
            TransceiverOptions o = MakeOptions(transport, timeout, chunk_bytes, staging_chunks,
-                                              direct_min_bytes, secret, instance_id);
+                                              direct_min_bytes, instance_id);
            std::unique_ptr<Transport> t = MakeInProc(fabric, transport, *dev);
            std::unique_ptr<GenerationSide> side;
            {
@@ -340,12 +428,15 @@ void BindTransceiver(nb::module_& m) {
          },
          nb::arg("device"), nb::arg("pool"), nb::arg("transport") = "ucx", nb::arg("timeout") = 0.0,
          nb::arg("chunk_bytes") = 0, nb::arg("staging_chunks") = 0, nb::arg("direct_min_bytes") = 0,
-         nb::arg("instance_secret") = nb::bytes("", 0), nb::arg("instance_id") = 0,
-         nb::arg("fabric") = nb::none())
+         nb::arg("instance_secret") = nb::none(), nb::arg("instance_id") = 0,
+         nb::arg("fabric") = nb::none(),
+         "instance_secret is not needed here (a handle carries its token); one given must still "
+         "be 16 bytes, not all zero.")
       .def(
           "fetch",
           [](PyGeneration& s, const nb::bytes& handle, std::vector<int64_t> blocks,
              int64_t reused_blocks) {
+            s.CheckPool();
             std::span<const std::byte> h = Bytes(handle);
             Check(s.Run([&](GenerationSide& x) { return x.Fetch(h, blocks, reused_blocks); }));
           },

@@ -48,6 +48,7 @@ struct Pair {
     o.timeout = 5000ms;
     o.chunk_bytes = 4096;  // several chunks per request
     o.direct_min_bytes = int64_t{1} << 40;
+    o.instance_secret = NewInstanceSecret();
     ctx = std::move(ContextSide::Create(*dev, *ctx_pool, o, Make()).value());
     EXPECT_TRUE(ctx->SetInstanceAddresses({ctx->address()}).ok());
     gen = std::move(GenerationSide::Create(*dev, *gen_pool, o, Make()).value());

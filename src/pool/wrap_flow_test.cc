@@ -221,6 +221,7 @@ TEST(WrappedTransferRefusal, ACustomLayoutPoolIsRefusedAtCreate) {
   ASSERT_TRUE(pool.ok()) << pool.status().ToString();
   TransceiverOptions o;
   o.transport = "inproc";
+  o.instance_secret = NewInstanceSecret();
   TransportOptions t;
   t.fabric = InProcFabric::Create();
   auto side = ContextSide::Create(*dev, *pool, o, std::move(CreateTransport(t).value()));

@@ -18,7 +18,7 @@ StatusOr<std::unique_ptr<FaultRig>> FaultRig::Create(const RigInstance& ctx, con
   rig->gen_spec_ = gen;
   options.transport = transport;
   const bool inproc = transport == "inproc";
-  options.instance_secret[0] = 42;
+  options.instance_secret = NewInstanceSecret();
   auto make = [&](std::vector<FaultyTransport*>& list,
                   std::vector<std::string>& addrs) -> StatusOr<std::unique_ptr<Transport>> {
     TransportOptions t;

@@ -77,17 +77,6 @@ int64_t PoolBlocks(const SelftestConfig& cfg, bool context) {
   return MaxBlocksPerRequest(cfg) * SlotsOf(cfg, context) + cfg.shared_prefix_blocks;
 }
 
-std::array<uint8_t, 16> SecretFor(const SelftestConfig& cfg) {
-  std::array<uint8_t, 16> s{};
-  std::hash<std::string> h;
-  uint64_t a = h(cfg.dir), b = h(cfg.dir + "#");
-  for (int i = 0; i < 8; ++i) {
-    s[i] = static_cast<uint8_t>(a >> (8 * i));
-    s[8 + i] = static_cast<uint8_t>(b >> (8 * i));
-  }
-  return s;
-}
-
 // Fills and checks blocks of a pool that may live in GPU memory, through a host mirror.
 class PoolAccess {
  public:
@@ -182,11 +171,11 @@ void GiveUp(RankResult& r, std::string msg, const std::vector<uint64_t>& live, s
   r.failed += static_cast<int>(live.size() + never_started);
 }
 
+// The context ranks add the instance secret (RunContextRank); the generation side needs none.
 TransceiverOptions SideOptions(const SelftestConfig& cfg) {
   TransceiverOptions o;
   o.transport = cfg.transport;
   o.timeout = cfg.timeout;
-  o.instance_secret = SecretFor(cfg);
   o.instance_id = 0xD0D0;
   o.checksum = cfg.checksum;
   return o;
@@ -442,7 +431,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   // Rank 0 makes the instance's secret; the other ranks take it from the rendezvous.
   TransceiverOptions options = SideOptions(cfg);
   if (rank == 0) {
-    options.instance_secret = RandomKey();
+    options.instance_secret = NewInstanceSecret();
     KVF_RETURN_IF_ERROR(PublishInstanceSecret(*rv, kContextInstance, options.instance_id,
                                               options.instance_secret, deadline));
   } else {

@@ -686,6 +686,13 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
+  if (std::all_of(options.instance_secret.begin(), options.instance_secret.end(),
+                  [](uint8_t b) { return b == 0; })) {
+    return Status::InvalidArgument(
+        "ContextSide: instance_secret is all zero (the default), which anyone could use to forge "
+        "handles: rank 0 of the context instance makes one with NewInstanceSecret() and the other "
+        "ranks take it (PublishInstanceSecret / FetchInstanceSecret, kvferry/rendezvous.h)");
+  }
   if (pool.spec().layout == LayoutKind::kCustom) {
     return Status::InvalidArgument(fmt::format(
         "ContextSide: pool layout {} is custom: a transfer needs a named layout every rank derives "

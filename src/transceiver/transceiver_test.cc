@@ -108,6 +108,38 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
     LayoutCaseName);
 
+// Issue 29: the all-zero default secret keyed every instance's tokens alike, so a handle forged
+// with it fetched another request. A context side now refuses it; the generation side, which
+// holds no secret, does not need one.
+TEST(Transceiver, ContextSideRefusesTheAllZeroSecret) {
+  auto dev = OpenCpuDevice();
+  const KvShape shape = Shape();
+  const PoolSpec spec{shape, ParallelConfig{}, 0, LayoutKind::kBlockMajor, MemoryKind::kHost, 8};
+  auto pool = std::move(BlockPool::Create(*dev, spec).value());
+  auto fabric = InProcFabric::Create();
+  auto transport = [&] {
+    TransportOptions t;
+    t.fabric = fabric;
+    return std::move(CreateTransport(t).value());
+  };
+  TransceiverOptions o;
+  o.transport = "inproc";
+  auto zero = ContextSide::Create(*dev, pool, o, transport());
+  ASSERT_FALSE(zero.ok());
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("NewInstanceSecret"), std::string_view::npos)
+      << zero.status().ToString();
+  EXPECT_TRUE(GenerationSide::Create(*dev, pool, o, transport()).ok());
+
+  using Secret = std::array<uint8_t, 16>;
+  const Secret a = NewInstanceSecret(), b = NewInstanceSecret();
+  EXPECT_NE(a, Secret{});
+  EXPECT_NE(a, b);
+  o.instance_secret = a;
+  auto side = ContextSide::Create(*dev, pool, o, transport());
+  EXPECT_TRUE(side.ok()) << side.status().ToString();
+}
+
 TEST(Transceiver, ReusedPrefixMovesOnlyMissingBlocks) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
   std::vector<int64_t> cb{0, 1, 2, 3}, gb{4, 5, 6, 7};
