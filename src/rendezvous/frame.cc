@@ -181,9 +181,13 @@ StatusOr<Header> ParseHeader(std::span<const std::byte> header) {
   r.U32("magic");
   r.U16("version");
   const uint8_t type = r.U8("type");
-  r.U8("reserved");
+  const uint8_t reserved = r.U8("reserved");
   const uint32_t length = r.U32("body length");
   const uint64_t sequence = r.U64("sequence");
+  if (reserved != 0) {
+    return Status::InvalidArgument(
+        fmt::format("rendezvous frame reserved byte is 0x{:02x}, not 0", reserved));
+  }
   if (!KnownType(type)) {
     return Status::InvalidArgument(fmt::format("rendezvous frame type 0x{:02x} is unknown", type));
   }
