@@ -32,11 +32,11 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 
 #include "base/log.h"
+#include "base/thread_annotations.h"
 #include "rendezvous/frame.h"
 
 namespace kvferry::rendezvous {
@@ -110,7 +110,7 @@ class Server final : public RendezvousServer {
   int64_t refused() const override { return refused_.load(); }
   int64_t accepted() const override { return accepted_.load(); }
   RendezvousServerStats stats() const override {
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     return stats_;
   }
 
@@ -136,6 +136,9 @@ class Server final : public RendezvousServer {
         if (revents & (POLLERR | POLLNVAL)) c.dead = true;
         if (!c.dead && (revents & POLLOUT)) Flush(c);
         if (!c.dead && Readable(c) && (c.parked || (revents & (POLLIN | POLLHUP)))) Advance(c);
+        // Hung up while not read (behind a WAIT): no one is left to answer, and poll would
+        // report it at once on every turn.
+        if (!c.dead && (revents & POLLHUP) && !Readable(c)) c.dead = true;
       }
       const auto now = Clock::now();
       for (auto& c : conns_) {
@@ -159,6 +162,7 @@ class Server final : public RendezvousServer {
   // waiting WAIT ends.
   int PollMs() const {
     auto next = Clock::now() + std::chrono::milliseconds(100);
+    if (accept_paused_until_ > Clock::now()) next = std::min(next, accept_paused_until_);
     for (const auto& c : conns_) {
       if (c->waiting) next = std::min(next, c->until);
       if (c->parked && Readable(*c)) {
@@ -179,6 +183,7 @@ class Server final : public RendezvousServer {
   // ---- connections ----------------------------------------------------------------------
 
   bool CanAccept() const {
+    if (Clock::now() < accept_paused_until_) return false;
     if (conns_.size() < kMaxConnections) return true;
     return std::any_of(conns_.begin(), conns_.end(),
                        [](const auto& c) { return !c->verified || Idle(*c); });
@@ -190,9 +195,17 @@ class Server final : public RendezvousServer {
 
   void Accept() {
     for (int i = 0; i < kAcceptsPerTurn; ++i) {
-      if (!MakeRoom()) return;
+      pollfd pending{listener_.get(), POLLIN, 0};  // close no one for a connection not there
+      if (poll(&pending, 1, 0) != 1 || !MakeRoom()) return;
       const int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
+      if (fd < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED) {
+          // Out of descriptors or memory: the listener stays readable, so pause rather than spin.
+          Log(LogLevel::kWarn, "rendezvous: accept: {}", std::strerror(errno));
+          accept_paused_until_ = Clock::now() + std::chrono::milliseconds(100);
+        }
+        return;
+      }
       auto c = std::make_unique<Conn>();
       c->fd = Fd(fd);
       c->opened = c->since = Clock::now();
@@ -469,7 +482,7 @@ class Server final : public RendezvousServer {
     s.output_bytes = static_cast<int64_t>(output_bytes_);
     s.peak_input_bytes = static_cast<int64_t>(peak_input_bytes_);
     s.peak_output_bytes = static_cast<int64_t>(peak_output_bytes_);
-    std::lock_guard<std::mutex> lock(stats_mu_);
+    MutexLock lock(stats_mu_);
     stats_ = s;
   }
 
@@ -479,8 +492,8 @@ class Server final : public RendezvousServer {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> refused_{0};
   std::atomic<int64_t> accepted_{0};
-  mutable std::mutex stats_mu_;
-  RendezvousServerStats stats_;  // guarded by stats_mu_
+  mutable Mutex stats_mu_;
+  RendezvousServerStats stats_ GUARDED_BY(stats_mu_);
   // The server thread's own:
   std::vector<std::unique_ptr<Conn>> conns_;
   std::map<std::string, std::vector<std::byte>> store_;
@@ -489,6 +502,7 @@ class Server final : public RendezvousServer {
   size_t output_bytes_ = 0, peak_output_bytes_ = 0;  // queued replies
   int64_t peak_unverified_bytes_ = 0;
   Clock::time_point last_log_{};
+  Clock::time_point accept_paused_until_{};
   int64_t unlogged_ = 0;
   std::thread thread_;
 };
