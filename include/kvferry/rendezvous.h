@@ -79,7 +79,7 @@ struct RendezvousServerStats {
   int64_t unverified = 0;        // of those, unverified
   int64_t unverified_bytes = 0;  // input and output buffered for unverified connections
   int64_t peak_unverified_bytes = 0;
-  int64_t input_bytes = 0;   // request bytes buffered for verified connections (at most 32 MiB)
+  int64_t input_bytes = 0;   // request bytes buffered for verified connections (at most 64 MiB)
   int64_t output_bytes = 0;  // reply bytes queued, not yet taken by the kernel
   int64_t peak_input_bytes = 0;
   int64_t peak_output_bytes = 0;

@@ -8,12 +8,16 @@
 //     not yet sent a request verifying under its own context is "unverified": at most
 //     kMaxUnverified of them, each closed kUnverifiedTimeout after it opened, the oldest closed to
 //     let a new one in. They hold at most kMaxUnverifiedBytes each.
-//   - Verified connections read a body only within a total input budget (kMaxInputBytes,
-//     reserved whole when the header verifies, so no two bodies starve each other), and process
-//     the next request only when their previous reply is in the kernel and the total queued
-//     output leaves room for a largest reply (kMaxOutputBytes). Replies go out when poll says
-//     POLLOUT: a client that never reads stops being read (TCP pushes back on it) and is closed
-//     kConnectionTimeout after its last progress; it never delays another client.
+//   - Verified connections read a frame over kSmallFrameBytes only within a total budget
+//     (kMaxInputBytes, reserved whole when the header verifies, so no two bodies starve each
+//     other); smaller frames (handles, addresses) are always read, so keyed peers sending large
+//     values slowly do not hold up the small requests of a deployment. A connection's next
+//     request is read only when its previous reply is in the kernel, so it has one reply queued
+//     at most; a reply over kSmallFrameBytes (a GET or WAIT of a large value) is queued only
+//     within a total budget (kMaxOutputBytes), the request waiting as a WAIT does meanwhile.
+//     Replies go out when poll says POLLOUT: a client that never reads stops being read (TCP
+//     pushes back on it) and is closed kConnectionTimeout after its last progress; it never
+//     delays another client.
 //   - Behind a pending WAIT nothing is read: the frames queued behind it wait in the kernel.
 //   - The listening socket is polled only while a connection can be taken (room, or one to
 //     close for it), so a full table never spins the thread.
@@ -47,12 +51,17 @@ constexpr auto kConnectionTimeout = std::chrono::seconds(5);
 constexpr auto kClosingTimeout = std::chrono::seconds(1);
 constexpr size_t kMaxConnections = 512;
 constexpr size_t kMaxUnverified = 256;
-constexpr size_t kMaxInputBytes = size_t{32} << 20;
+constexpr size_t kMaxInputBytes = size_t{32} << 20;    // frames over kSmallFrameBytes
+constexpr size_t kSmallFrameBytes = size_t{64} << 10;  // at most 512 × 64 KiB = 32 MiB more
 constexpr size_t kMaxOutputBytes = size_t{32} << 20;
 constexpr size_t kMaxStoreBytes = size_t{64} << 20;
 constexpr size_t kMaxStoreKeys = 65536;
 constexpr int kFramesPerTurn = 16;  // fairness: a pipelining client yields after this many
 constexpr int kAcceptsPerTurn = 64;
+// Large frames verified or large replies tagged per turn over all connections (a MiB costs a few
+// milliseconds of SipHash and copies on a slow core): the bound on how long one turn, and so a
+// small request behind it, takes.
+constexpr int kLargePerTurn = 2;
 
 // An unverified connection's input is its greeting (kGreetingBytes) and its output a CHALLENGE
 // or a refusal, whose reason is cut to fit.
@@ -78,8 +87,9 @@ struct Conn {
   size_t reserved = 0;           // input budget held (verified connections' bodies)
   std::vector<std::byte> out;    // reply bytes not yet in the kernel, from `sent`
   size_t sent = 0;
+  bool out_large = false;           // `out` is a reply over kSmallFrameBytes
   Clock::time_point opened, since;  // since: opened, last answered or last output progress
-  bool parked = false;              // waits for the input budget: tried every turn, not polled
+  bool parked = false;  // waits for the input budget or a large turn: tried every turn, not polled
   bool dead = false;
   // A WAIT for a key not there yet: answered when a PUT brings it or at `until`.
   std::optional<std::string> waiting{};
@@ -130,7 +140,10 @@ class Server final : public RendezvousServer {
       if (poll(fds.data(), fds.size(), PollMs()) < 0 && errno != EINTR) {
         Log(LogLevel::kWarn, "rendezvous: poll: {}", std::strerror(errno));
       }
-      for (size_t i = 0; i < conns_.size(); ++i) {
+      large_this_turn_ = 0;
+      const size_t first = conns_.empty() ? 0 : turn_++ % conns_.size();  // fair to late ones
+      for (size_t k = 0; k < conns_.size(); ++k) {
+        const size_t i = (first + k) % conns_.size();
         Conn& c = *conns_[i];
         const short revents = fds[2 + i].revents;
         if (revents & (POLLERR | POLLNVAL)) c.dead = true;
@@ -151,23 +164,32 @@ class Server final : public RendezvousServer {
     }
   }
 
-  // Reading a connection's next frame is allowed (not behind a WAIT, a reply still queued, a
-  // refusal, or for a verified connection a full output budget).
-  bool Readable(const Conn& c) const {
-    if (c.dead || c.phase == Phase::kClosing || c.waiting || c.pending() > 0) return false;
-    return c.phase == Phase::kHello || output_bytes_ + kMaxFrameBytes <= kMaxOutputBytes;
+  // Reading a connection's next frame is allowed: not behind a WAIT (or a GET whose large reply
+  // waits for the output budget), a reply still queued or a refusal.
+  static bool Readable(const Conn& c) {
+    return !c.dead && c.phase != Phase::kClosing && !c.waiting && c.pending() == 0;
+  }
+
+  // A reply of `bytes` may be queued now: small ones always (each connection has one at most),
+  // large ones within the budget.
+  bool Fits(size_t bytes) const {
+    if (bytes <= kSmallFrameBytes) return true;
+    return large_this_turn_ < kLargePerTurn &&
+           (large_output_bytes_ == 0 || large_output_bytes_ + bytes <= kMaxOutputBytes);
   }
 
   // The poll's timeout: 100 ms, 5 ms while a connection waits for a budget, or until the first
   // waiting WAIT ends.
   int PollMs() const {
-    auto next = Clock::now() + std::chrono::milliseconds(100);
-    if (accept_paused_until_ > Clock::now()) next = std::min(next, accept_paused_until_);
+    const auto now = Clock::now();
+    const auto soon = now + std::chrono::milliseconds(5);
+    auto next = now + std::chrono::milliseconds(100);
+    if (accept_paused_until_ > now) next = std::min(next, accept_paused_until_);
     for (const auto& c : conns_) {
-      if (c->waiting) next = std::min(next, c->until);
-      if (c->parked && Readable(*c)) {
-        next = std::min(next, Clock::now() + std::chrono::milliseconds(5));
-      }
+      // A wait past its end waits for the output budget: checked on every turn, and at least
+      // every 5 ms.
+      if (c->waiting) next = std::min(next, c->until > now ? c->until : soon);
+      if (c->parked && Readable(*c)) next = std::min(next, soon);
     }
     const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - Clock::now()).count();
     return static_cast<int>(std::max<int64_t>(ms, 0));
@@ -242,8 +264,9 @@ class Server final : public RendezvousServer {
   void Sweep() {
     for (auto& c : conns_) {
       if (c->dead) {
-        input_bytes_ -= c->reserved;
+        Release(*c);
         output_bytes_ -= c->pending();
+        if (c->out_large) large_output_bytes_ -= c->pending();
       }
     }
     std::erase_if(conns_, [](const auto& c) { return c->dead; });
@@ -252,31 +275,41 @@ class Server final : public RendezvousServer {
   // ---- input ------------------------------------------------------------------------------
 
   // Reads what the connection sent, frame by frame, and answers each whole one, until the
-  // socket is drained, a frame must wait, or the connection has had its turn.
+  // socket is drained, a frame must wait, or the connection has had its turn: kFramesPerTurn
+  // frames, or one large frame or reply (copying, tagging and sending 1 MiB is a millisecond).
   void Advance(Conn& c) {
     c.parked = false;
     for (int frames = 0; frames < kFramesPerTurn && Readable(c);) {
       const size_t want = c.header ? c.header->frame_bytes() : kSealedHeaderBytes;
-      if (c.in.size() < want && !Reserve(c, want)) return;
-      const ssize_t n = recv(c.fd.get(), c.in.data() + c.filled, want - c.filled, 0);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-        c.dead = true;
-        return;
+      if (c.filled < want) {
+        if (c.in.size() < want && !Reserve(c, want)) return;
+        const ssize_t n = recv(c.fd.get(), c.in.data() + c.filled, want - c.filled, 0);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+          c.dead = true;
+          return;
+        }
+        if (n < 0) return;
+        const size_t before = c.filled;
+        c.filled += static_cast<size_t>(n);
+        if (before < kVersionBytes) {
+          Status version = CheckVersion(std::span(c.in).first(c.filled));
+          if (!version.ok()) return Refuse(c, version.message(), false);
+        }
+        if (c.filled < want) continue;
       }
-      if (n < 0) return;
-      const size_t before = c.filled;
-      c.filled += static_cast<size_t>(n);
-      if (before < kVersionBytes) {
-        Status version = CheckVersion(std::span(c.in).first(c.filled));
-        if (!version.ok()) return Refuse(c, version.message(), false);
-      }
-      if (c.filled < want) continue;
       if (!c.header) {
         OnHeader(c);
-      } else {
-        OnFrame(c);
-        ++frames;
+        continue;
       }
+      if (want > kSmallFrameBytes && large_this_turn_ >= kLargePerTurn) {
+        c.parked = true;  // whole in `in`: verified and answered on a later turn
+        return;
+      }
+      if (want > kSmallFrameBytes) ++large_this_turn_;
+      const uint64_t output_before = output_total_;
+      OnFrame(c);
+      ++frames;
+      if (want > kSmallFrameBytes || output_total_ - output_before > kSmallFrameBytes) return;
     }
   }
 
@@ -284,16 +317,25 @@ class Server final : public RendezvousServer {
   // within the input budget (false: not now; the connection is tried again on the next turns).
   bool Reserve(Conn& c, size_t want) {
     if (c.phase == Phase::kOpen) {
-      if (input_bytes_ > 0 && input_bytes_ + want > kMaxInputBytes) {
+      const bool large = want > kSmallFrameBytes;
+      if (large && large_input_bytes_ > 0 && large_input_bytes_ + want > kMaxInputBytes) {
         c.parked = true;
         return false;
       }
-      input_bytes_ += want - c.reserved;
+      Release(c);
+      input_bytes_ += want;
+      if (large) large_input_bytes_ += want;
       c.reserved = want;
     }
     c.in.resize(want);
     peak_input_bytes_ = std::max(peak_input_bytes_, input_bytes_);
     return true;
+  }
+
+  void Release(Conn& c) {
+    input_bytes_ -= c.reserved;
+    if (c.reserved > kSmallFrameBytes) large_input_bytes_ -= c.reserved;
+    c.reserved = 0;
   }
 
   // The sealed header is in: authenticate it before any body is read.
@@ -325,8 +367,7 @@ class Server final : public RendezvousServer {
     const bool hello = c.phase == Phase::kHello;
     StatusOr<rendezvous::Frame> f = DecodeFrame(c.in, key_, hello ? Context{} : c.context);
     if (!f.ok()) return Refuse(c, f.status().message(), !hello);
-    input_bytes_ -= c.reserved;
-    c.reserved = 0;
+    Release(c);
     c.header.reset();
     c.filled = 0;
     if (c.in.capacity() > 4096) std::vector<std::byte>().swap(c.in);
@@ -342,7 +383,7 @@ class Server final : public RendezvousServer {
       return;
     }
     ++c.next_sequence;
-    if (f->type == FrameType::kWait) {
+    if (f->type == FrameType::kWait || f->type == FrameType::kGet) {  // a GET waits 0 ms
       c.waiting = f->key;
       c.wait_sequence = f->sequence;
       c.until = Clock::now() + std::chrono::milliseconds(f->wait_ms);
@@ -355,14 +396,14 @@ class Server final : public RendezvousServer {
     c.since = Clock::now();
   }
 
-  // Answers the connection's WAIT if its key is there (OK; once the output budget has room) or
-  // its time is up (NOT_FOUND).
+  // Answers the connection's WAIT or GET if its key is there (OK; a large value once the output
+  // budget has room) or its time is up (NOT_FOUND).
   void EndWait(Conn& c, Clock::time_point now) {
     auto it = store_.find(*c.waiting);
     if (it == store_.end() && now < c.until) return;
     rendezvous::Frame reply{.type = FrameType::kNotFound, .sequence = c.wait_sequence};
     if (it != store_.end()) {
-      if (output_bytes_ > 0 && output_bytes_ + kMaxFrameBytes > kMaxOutputBytes) return;
+      if (!Fits(kSealedHeaderBytes + 4 + it->second.size() + kTagBytes)) return;
       reply.type = FrameType::kOk;
       reply.value = it->second;
     }
@@ -388,12 +429,6 @@ class Server final : public RendezvousServer {
         }
         store_bytes_ = store_bytes_ - old + added;
         store_[request.key] = request.value;
-        return reply;
-      }
-      case FrameType::kGet: {
-        auto it = store_.find(request.key);
-        if (it == store_.end()) return rendezvous::Frame{.type = FrameType::kNotFound};
-        reply.value = it->second;
         return reply;
       }
       case FrameType::kErase: {
@@ -438,6 +473,12 @@ class Server final : public RendezvousServer {
 
   void Queue(Conn& c, std::vector<std::byte> bytes) {
     output_bytes_ += bytes.size();
+    output_total_ += bytes.size();
+    if (bytes.size() > kSmallFrameBytes) {
+      c.out_large = true;
+      large_output_bytes_ += bytes.size();
+      ++large_this_turn_;
+    }
     peak_output_bytes_ = std::max(peak_output_bytes_, output_bytes_);
     if (c.pending() == 0) {
       c.out = std::move(bytes);
@@ -460,11 +501,13 @@ class Server final : public RendezvousServer {
       }
       c.sent += static_cast<size_t>(n);
       output_bytes_ -= static_cast<size_t>(n);
+      if (c.out_large) large_output_bytes_ -= static_cast<size_t>(n);
       c.since = Clock::now();
     }
     if (c.out.capacity() > 4096) std::vector<std::byte>().swap(c.out);
     c.out.clear();
     c.sent = 0;
+    c.out_large = false;
     if (c.phase == Phase::kClosing) c.dead = true;
   }
 
@@ -499,7 +542,12 @@ class Server final : public RendezvousServer {
   std::map<std::string, std::vector<std::byte>> store_;
   size_t store_bytes_ = 0;
   size_t input_bytes_ = 0, peak_input_bytes_ = 0;    // reserved for verified connections' frames
+  size_t large_input_bytes_ = 0;                     // of which frames over kSmallFrameBytes
   size_t output_bytes_ = 0, peak_output_bytes_ = 0;  // queued replies
+  size_t large_output_bytes_ = 0;                    // of which replies over kSmallFrameBytes
+  uint64_t output_total_ = 0;                        // reply bytes ever queued
+  int large_this_turn_ = 0;  // large frames and replies handled in this turn
+  size_t turn_ = 0;
   int64_t peak_unverified_bytes_ = 0;
   Clock::time_point last_log_{};
   Clock::time_point accept_paused_until_{};
