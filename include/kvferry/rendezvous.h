@@ -79,7 +79,7 @@ struct RendezvousServerStats {
   int64_t unverified = 0;        // of those, unverified
   int64_t unverified_bytes = 0;  // input and output buffered for unverified connections
   int64_t peak_unverified_bytes = 0;
-  int64_t input_bytes = 0;   // request bytes buffered for verified connections (at most 64 MiB)
+  int64_t input_bytes = 0;   // request bytes buffered for verified connections
   int64_t output_bytes = 0;  // reply bytes queued, not yet taken by the kernel
   int64_t peak_input_bytes = 0;
   int64_t peak_output_bytes = 0;
@@ -87,8 +87,9 @@ struct RendezvousServerStats {
 
 // The default server: one thread, in-memory store (at most 64 MiB, 65536 keys), TCP. Peers
 // without the key hold at most 128 KiB of it (256 unverified connections, 512 bytes each, each
-// closed 2 s after it opened); keyed peers at most 32 MiB of requests and 32 MiB of replies; a
-// peer that does not read its replies delays no one (docs/security.md).
+// closed 2 s after it opened); keyed peers at most 32 MiB each of large (over 64 KiB) requests
+// and replies plus 64 KiB of each per connection; a peer that does not read its replies delays
+// no one (docs/wire_format.md, "Rendezvous").
 class RendezvousServer {
  public:
   // Listens on `host` ("127.0.0.1", "0.0.0.0", a host name) and `port` (0: any free port).
