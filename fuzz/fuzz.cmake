@@ -3,7 +3,8 @@
 # Included from src/CMakeLists.txt after the kvferry library is declared.
 
 set(KVFERRY_FUZZ_DIR "${PROJECT_SOURCE_DIR}/fuzz")
-set(kvferry_fuzz_bodies "${KVFERRY_FUZZ_DIR}/wire_fuzz_bodies.cc" "${KVFERRY_FUZZ_DIR}/protocol_fuzz_body.cc")
+set(kvferry_fuzz_bodies "${KVFERRY_FUZZ_DIR}/wire_fuzz_bodies.cc" "${KVFERRY_FUZZ_DIR}/protocol_fuzz_body.cc"
+                        "${KVFERRY_FUZZ_DIR}/rendezvous_frame_fuzz_body.cc")
 if(NOT KVFERRY_HAVE_UCX)
   # The UCX address codec has no UCX dependency; the library only builds it with UCX.
   list(APPEND kvferry_fuzz_bodies "${CMAKE_CURRENT_SOURCE_DIR}/transport/ucx_address.cc")
@@ -26,7 +27,7 @@ target_link_libraries(make_seeds PRIVATE kvferry_internal)
 if(KVFERRY_FUZZ)
   # The library itself is instrumented (coverage, ASan, UBSan) by the top-level KVFERRY_FUZZ
   # flags; each target links libFuzzer's main.
-  foreach(t handle message ucx_address protocol)
+  foreach(t handle message ucx_address protocol rendezvous_frame)
     add_executable(${t}_fuzz "${KVFERRY_FUZZ_DIR}/${t}_fuzz.cc" ${kvferry_fuzz_bodies})
     target_compile_options(${t}_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)
     target_link_options(${t}_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "protocol_fuzz_body.h"
+#include "rendezvous_frame_fuzz_body.h"
 #include "wire_fuzz_bodies.h"
 
 namespace kvferry {
@@ -84,6 +85,9 @@ TEST(FuzzBodies, Handle) { RunBody("handle_fuzz", HandleFuzzOne, 20000); }
 TEST(FuzzBodies, Message) { RunBody("message_fuzz", MessageFuzzOne, 20000); }
 TEST(FuzzBodies, UcxAddress) { RunBody("ucx_address_fuzz", UcxAddressFuzzOne, 20000); }
 TEST(FuzzBodies, Protocol) { RunBody("protocol_fuzz", ProtocolFuzzOne, 16); }
+TEST(FuzzBodies, RendezvousFrame) {
+  RunBody("rendezvous_frame_fuzz", RendezvousFrameFuzzOne, 20000);
+}
 
 }  // namespace
 }  // namespace kvferry

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "rendezvous/frame.h"
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
 #include "transport/ucx_address.h"
@@ -117,6 +118,29 @@ void WriteAll(const std::filesystem::path& root) {
         Raw({0x08, 11, 0x01, 0, 0x05, 2, 0x1f, 0x0c, 0x04}));
   Write(root / "protocol_fuzz", "mutated_handle_abort", 0,
         Raw({0x00, 10, 0x09, 0, 3, 1, 0x03, 1, 3, 3, 0x06, 4, 1, 2, 3, 4}));
+
+  // Rendezvous frames, re-sealed by the body under its key (mode bit 0), with the length set
+  // (bit 1), in an open connection's context (bit 2) except the greetings.
+  using rendezvous::FrameType;
+  const std::pair<const char*, rendezvous::Frame> frames[] = {
+      {"hello", {.type = FrameType::kHello}},
+      {"challenge", {.type = FrameType::kChallenge}},
+      {"put",
+       {.type = FrameType::kPut, .key = "ctx/rank/0", .value = Raw({1, 2, 3}), .sequence = 1}},
+      {"get", {.type = FrameType::kGet, .key = "handle/42", .sequence = 2}},
+      {"erase", {.type = FrameType::kErase, .key = "handle/42", .sequence = 3}},
+      {"wait", {.type = FrameType::kWait, .key = "handle/43", .wait_ms = 1500, .sequence = 4}},
+      {"ok", {.type = FrameType::kOk, .value = Raw({7, 7}), .sequence = 4}},
+      {"not_found", {.type = FrameType::kNotFound, .sequence = 5}},
+      {"refused", {.type = FrameType::kRefused, .reason = "store full", .sequence = 6}},
+  };
+  for (const auto& [name, f] : frames) {
+    const bool greeting = f.type == FrameType::kHello || f.type == FrameType::kChallenge;
+    Write(root / "rendezvous_frame_fuzz", name, greeting ? 3 : 7,
+          rendezvous::EncodeFrame(f, RendezvousKey{}, {}, /*sign=*/false));
+  }
+  Write(root / "rendezvous_frame_fuzz", "version1_get", 0,
+        Raw({0x4B, 0x56, 0x46, 0x52, 1, 0, 2, 0, 5, 0, 0, 0, 1, 0, 0, 0, 'k'}));
 }
 
 }  // namespace

@@ -29,10 +29,13 @@ struct MetricsSource {
 // Every source's samples, grouped by metric family (HELP and TYPE once per family).
 std::string PrometheusText(std::span<const MetricsSource> sources);
 
-// Serves `render()` at http://HOST:PORT/metrics (and /) from one thread: one connection at a
-// time, each answered and closed (a scraper's pattern). `render` runs on that thread and must be
-// thread-safe against the caller's own use of the objects it reads (snapshots are). Port 0 picks a
-// free port (port()). Loopback unless the host says otherwise. The destructor stops the thread.
+// Serves `render()` at http://HOST:PORT/metrics (and /) from one thread that polls every open
+// connection without blocking on any: each is answered and closed (a scraper's pattern), closed
+// 2 s after it opened whatever it sent, and at most 64 are open (the oldest closed to let a new
+// one in), so silent or slow peers neither delay a scrape nor hold memory. `render` runs on that
+// thread and must be thread-safe against the caller's own use of the objects it reads (snapshots
+// are). Port 0 picks a free port (port()). Loopback unless the host says otherwise. The destructor
+// stops the thread.
 class MetricsServer {
  public:
   static StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& host, uint16_t port,

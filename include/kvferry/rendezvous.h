@@ -9,11 +9,12 @@
 // `RendezvousServer` in any one process (the router, or context rank 0) and connects with
 // `ConnectRendezvous` from every rank, across hosts, over plain TCP.
 //
-// Trust: every request and reply carries a keyed XXH3-128 tag over its bytes under the group key
-// that all participants share. A peer without the key (or with a stale one), an altered message
-// or garbage is refused with a clear error. This stops mistakes and stray clients, not an
-// attacker on the network: XXH3 is not a cryptographic MAC and nothing is encrypted (see
-// docs/wire_format.md, "Rendezvous").
+// Trust: every request and reply carries SipHash-2-4-128 tags under the group key that all
+// participants share, over its bytes and its connection's two random nonces, and requests are
+// numbered on their connection. A peer without the key (or with a stale one), an altered
+// message, a message replayed from another connection or garbage is refused with a clear error.
+// Nothing is encrypted: whoever reads the network reads the values (see docs/wire_format.md,
+// "Rendezvous", and docs/security.md).
 //
 // Completion: every call returns when the server answered or the deadline passed; Get waits for
 // a key to appear until its deadline (the server holds the request until a Put brings the key).
@@ -71,7 +72,24 @@ class RendezvousWrapper : public Rendezvous {
   Rendezvous& target_;
 };
 
-// The default server: one thread, in-memory store (at most 64 MiB, 65536 keys), TCP.
+// What a RendezvousServer holds now, and the most it held so far: for tests and operators.
+// "Unverified" connections have not yet sent a request whose tags verify under the group key.
+struct RendezvousServerStats {
+  int64_t connections = 0;       // open now
+  int64_t unverified = 0;        // of those, unverified
+  int64_t unverified_bytes = 0;  // input and output buffered for unverified connections
+  int64_t peak_unverified_bytes = 0;
+  int64_t input_bytes = 0;   // request bytes buffered for verified connections
+  int64_t output_bytes = 0;  // reply bytes queued, not yet taken by the kernel
+  int64_t peak_input_bytes = 0;
+  int64_t peak_output_bytes = 0;
+};
+
+// The default server: one thread, in-memory store (at most 64 MiB, 65536 keys), TCP. Peers
+// without the key hold at most 128 KiB of it (256 unverified connections, 512 bytes each, each
+// closed 2 s after it opened); keyed peers at most 32 MiB each of large (over 64 KiB) requests
+// and replies plus 64 KiB of each per connection; a peer that does not read its replies delays
+// no one (docs/wire_format.md, "Rendezvous").
 class RendezvousServer {
  public:
   // Listens on `host` ("127.0.0.1", "0.0.0.0", a host name) and `port` (0: any free port).
@@ -84,6 +102,8 @@ class RendezvousServer {
   virtual int64_t refused() const = 0;
   // Connections accepted so far (a client keeps its connections between calls).
   virtual int64_t accepted() const = 0;
+  // What the server buffers now and at most so far.
+  virtual RendezvousServerStats stats() const = 0;
 };
 
 // A client of a RendezvousServer at `address` ("host:port"). Keeps its connections open between

@@ -17,13 +17,16 @@ serve :func:`prometheus_text` from its own handler.
 
 from __future__ import annotations
 
-import http.server
+import socket
+import socketserver
 import threading
+import time
 from typing import Any, Mapping
 
 from . import _kvferry
 
 _SIDES = (_kvferry.ContextSide, _kvferry.GenerationSide)
+_MAX_HEAD_BYTES = 8192
 
 
 def snapshot(sources: Mapping[str, Any]) -> dict[str, dict]:
@@ -77,42 +80,87 @@ def format_timeline(t: Mapping[str, Any]) -> str:
 class MetricsServer:
     """Serves :func:`prometheus_text` of `sources` at ``http://HOST:PORT/metrics`` from a daemon
     thread (port 0 picks a free one: see ``.port``). Loopback by default. Close it (or use it as a
-    context manager) to stop."""
+    context manager) to stop.
 
-    def __init__(self, sources: Mapping[str, Any], port: int = 0, host: str = "127.0.0.1"):
+    Each connection has a thread of its own, at most `max_connections` at once (a connection
+    beyond them is closed at once, counted in ``.refused``), and `timeout` seconds in all to send
+    its request head (at most 8 KiB) and take the reply: silent or slow peers neither delay a
+    scrape nor pile up threads."""
+
+    def __init__(self, sources: Mapping[str, Any], port: int = 0, host: str = "127.0.0.1",
+                 max_connections: int = 16, timeout: float = 2.0):
         self._sources = sources
-
+        self._timeout = timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404)
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                outer._serve(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            request_queue_size = 128
+
+            def process_request(self, request, client_address):
+                if not outer._slots.acquire(blocking=False):
+                    outer.refused += 1
+                    self.shutdown_request(request)
                     return
                 try:
-                    body = prometheus_text(outer._sources).encode()
-                except Exception as e:  # noqa: BLE001 - report, don't kill the server
-                    self.send_error(500, str(e))
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    super().process_request(request, client_address)
+                except BaseException:
+                    outer._slots.release()
+                    raise
 
-            def log_message(self, *args):
-                pass
+            def process_request_thread(self, request, client_address):
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    outer._slots.release()
 
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True,
+        self._server = Server((host, port), Handler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="kvferry-metrics")
         self._thread.start()
 
+    def _serve(self, sock: socket.socket) -> None:
+        deadline = time.monotonic() + self._timeout
+        head = b""
+        try:
+            while b"\r\n\r\n" not in head and len(head) < _MAX_HEAD_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                sock.settimeout(left)
+                chunk = sock.recv(_MAX_HEAD_BYTES - len(head))
+                if not chunk:
+                    return
+                head += chunk
+            words = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            status, body = "200 OK", b""
+            if words[0] != "GET" or len(words) < 2:
+                status, body = "405 Method Not Allowed", b"GET only\n"
+            elif words[1].split("?")[0] not in ("/metrics", "/"):
+                status, body = "404 Not Found", b"try /metrics\n"
+            else:
+                try:
+                    body = prometheus_text(self._sources).encode()
+                except Exception as e:  # noqa: BLE001 - report, don't kill the server
+                    status, body = "500 Internal Server Error", f"{e}\n".encode()
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))  # sendall: in all
+            sock.sendall(f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; "
+                         f"charset=utf-8\r\nContent-Length: {len(body)}\r\n"
+                         f"Connection: close\r\n\r\n".encode() + body)
+        except OSError:
+            return
+
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._server.shutdown()
+        self._server.server_close()
         self._thread.join(timeout=5)
 
     def __enter__(self) -> "MetricsServer":

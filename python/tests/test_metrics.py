@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import socket
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -126,3 +129,31 @@ def test_transfer_manager_metrics_per_direction(cpu, small_shape):
         assert by[("host", "primary")]["latency_seconds"]["count"] == 1
         text = metrics.prometheus_text({"tiers": tm})
         assert 'kvferry_tier_copy_blocks_total{source="tiers",from="primary",to="host"} 2' in text
+
+
+def test_metrics_server_bounds_silent_connections():
+    """Silent peers neither delay a scrape nor pile up threads: each has `timeout` seconds in
+    all, and beyond `max_connections` at once a connection is closed at once."""
+    def scrape(port):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+
+    threads_before = threading.active_count()
+    with metrics.MetricsServer({}, max_connections=16, timeout=1.0) as server:
+        silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
+        for s in silent:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # half a request head
+        start = time.monotonic()
+        scrape(server.port)
+        took = time.monotonic() - start
+        print(f"scrape behind 10 silent connections: {took * 1e3:.1f} ms")
+        assert took < 0.5
+        silent += [socket.create_connection(("127.0.0.1", server.port)) for _ in range(100)]
+        time.sleep(0.3)
+        assert threading.active_count() <= threads_before + 1 + 16  # serve_forever + the bound
+        assert server.refused >= 100 - 16
+        time.sleep(1.0)  # the silent ones' time is up: their threads end
+        assert threading.active_count() <= threads_before + 1
+        scrape(server.port)
+        for s in silent:
+            s.close()

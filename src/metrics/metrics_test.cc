@@ -255,5 +255,38 @@ TEST(MetricsServer, ServesTheRenderedTextAndRefusesOtherPaths) {
   EXPECT_NE(again.status().ToString().find("metrics endpoint on 127.0.0.1"), std::string::npos);
 }
 
+// Silent connections (a port scanner, a stuck scraper) neither delay a scrape nor pile up: each
+// is closed 2 s after it opened, and beyond 64 open the oldest silent one is closed.
+TEST(MetricsServer, SilentConnectionsDoNotDelayAScrape) {
+  auto s = MetricsServer::Start("127.0.0.1", 0, [] { return std::string("kvferry_up 1\n"); });
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  std::vector<rendezvous::Fd> silent;
+  for (int i = 0; i < 10; ++i) {
+    auto fd = rendezvous::ConnectTcp("127.0.0.1", std::to_string((*s)->port()), DeadlineIn(2s));
+    ASSERT_TRUE(fd.ok());
+    // Half a request head: the server has started reading it.
+    const std::string part = "GET /metrics HTTP/1.1\r\n";
+    ASSERT_TRUE(rendezvous::WriteAll(fd->get(), std::as_bytes(std::span(part.data(), part.size())),
+                                     DeadlineIn(1s))
+                    .ok());
+    silent.push_back(std::move(*fd));
+  }
+  const auto start = Clock::now();
+  const std::string ok = Get((*s)->port(), "/metrics");
+  const auto took = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  printf("scrape behind 10 silent connections: %.1f ms\n", took);
+  EXPECT_TRUE(ok.ends_with("kvferry_up 1\n")) << ok;
+  EXPECT_LT(took, 500);
+  // Many more than the bound: a scrape still gets in.
+  for (int i = 0; i < 100; ++i) {
+    auto fd = rendezvous::ConnectTcp("127.0.0.1", std::to_string((*s)->port()), DeadlineIn(2s));
+    ASSERT_TRUE(fd.ok());
+    silent.push_back(std::move(*fd));
+  }
+  const auto again = Clock::now();
+  EXPECT_TRUE(Get((*s)->port(), "/metrics").ends_with("kvferry_up 1\n"));
+  EXPECT_LT(Clock::now() - again, 500ms);
+}
+
 }  // namespace
 }  // namespace kvferry
