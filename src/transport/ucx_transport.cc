@@ -60,6 +60,11 @@ namespace {
 
 constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
 
+// libucs takes SIGHUP when it loads, before any transport exists: kvferry gives it back as soon
+// as it loads too (libucs, a dependency, was initialized before), so a process that never makes
+// a UCX transport still dies of a hangup. Create calls it again (once per process in all).
+[[maybe_unused]] const bool kSighupKept = (KeepSighup(), true);
+
 }  // namespace
 
 namespace {
