@@ -5,6 +5,9 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
@@ -13,6 +16,7 @@
 #include <thread>
 
 #include "transceiver/context_side_peer.h"
+#include "transceiver/engine.h"
 #include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {
@@ -728,6 +732,118 @@ TEST(PeerMemory, AnArmThatFindsEventsIsFollowedByAShortLook) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
              {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
   ExpectRequestsEndWithinANap(cl, 60, "a refused arm was followed by the whole nap");
+}
+
+// Issue 29: an importer in the exporting process itself used the handle's raw address and length.
+// Now only a region this process exported, exactly, under the handle's token, and not revoked.
+TEST(PeerMemory, OwnProcessImportsOnlyWhatItExported) {
+  auto dev = OpenCpuDevice();
+  std::vector<std::byte> pool(8192), victim(8192);
+  auto h = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  ASSERT_TRUE(dev->ImportMemory(*h).ok());
+  const PeerHandle good = DecodePeerHandle(*h).value();
+  std::vector<PeerHandle> forged(4, good);
+  forged[0].address = reinterpret_cast<uintptr_t>(victim.data());  // elsewhere in this process
+  forged[1].bytes = good.bytes * 2;                                // past the exported region
+  forged[2].address += 64;                                         // inside, but not the export
+  forged[3].export_token ^= 1;                                     // a made-up token
+  for (const PeerHandle& f : forged) {
+    auto st = dev->ImportMemory(EncodePeerHandle(f)).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find("did not export"), std::string_view::npos) << st.ToString();
+  }
+  RevokePeerExport(*h);
+  EXPECT_EQ(dev->ImportMemory(*h).status().code(), StatusCode::kInvalidArgument);
+  // Export tokens are random: two exports of one region share nothing.
+  auto again = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
+  auto third = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
+  ASSERT_TRUE(again.ok() && third.ok());
+  EXPECT_NE(DecodePeerHandle(*again)->export_token, DecodePeerHandle(*third)->export_token);
+}
+
+// Issue 29, through the protocol: a generation rank holding one valid handle offered a peer
+// "pool" that was another buffer of the context rank's own process, and the context rank copied
+// KV into it (8,192 bytes). Now the handle does not map, the context rank puts through the
+// transport instead, the buffer is untouched and the destination blocks are right.
+TEST(PeerMemory, OwnProcessHandleNamingAnotherBufferIsNotWritten) {
+  PeerMemoryOn on;
+  auto victim = std::make_shared<std::vector<std::byte>>();
+  auto aim_at_victim = [victim](FetchMsg& f) {
+    PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
+    if (victim->empty()) victim->assign(h.bytes, std::byte{0x5a});
+    h.address = reinterpret_cast<uintptr_t>(victim->data());
+    f.rma_target.peer_pool[0] = EncodePeerHandle(h);
+  };
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, SmallChunks(true), {},
+             [&](auto t) { return std::make_unique<FetchTamperer>(std::move(t), aim_at_victim); });
+  auto h = cl.Publish(36, {3, 4, 9}, 11);
+  ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
+  cl.Verify(36, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
+  ASSERT_FALSE(victim->empty());
+  size_t written = 0;
+  for (std::byte b : *victim) written += b != std::byte{0x5a};
+  EXPECT_EQ(written, 0u) << "bytes of a buffer outside any pool were written";
+}
+
+// The exporter of a mapped region is watched: another process by its pidfd (a reused pid does
+// not count), this process by its export registry.
+TEST(PeerMemory, ExporterWatchSeesAProcessEndAndARevokedExport) {
+  auto dev = OpenCpuDevice();
+  std::vector<std::byte> pool(4096);
+  auto h = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
+  ASSERT_TRUE(h.ok());
+  PeerHandle own = DecodePeerHandle(*h).value();
+  ExporterWatch mine(own);
+  EXPECT_TRUE(mine.alive());
+  RevokePeerExport(*h);
+  EXPECT_FALSE(mine.alive());
+
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  PeerHandle other = own;
+  other.pid = static_cast<uint32_t>(child);
+  ExporterWatch watch(other);
+  EXPECT_TRUE(watch.alive());
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_FALSE(watch.alive());
+  other.pid = NoSuchPid();
+  EXPECT_FALSE(ExporterWatch(other).alive());
+}
+
+// Mapped peer pools were kept until the side was destroyed. A context rank now keeps at most
+// transfer.peer_max_mapped regions no pair copies into (the least recently used go first), and
+// unmaps those whose exporter went (here: the generation side destroyed, its exports revoked).
+TEST(PeerMemory, MappedRegionsAreBoundedAndThoseOfAGoneExporterReleased) {
+  PeerMemoryOn on;
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_max_mapped", "1").ok());
+  TransceiverOptions o = SmallChunks(true);
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}, o);
+  auto* engine = dynamic_cast<Engine*>(cl.ctx_[0].get());
+  ASSERT_NE(engine, nullptr);
+  auto settles_at = [&](size_t want) {
+    for (auto end = DeadlineIn(milliseconds(4000)); Clock::now() < end;) {
+      if (engine->mapped_peer_regions() == want) return true;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    return false;
+  };
+  for (uint64_t id : {41, 42}) {
+    auto h = cl.Publish(id, {3, 4, 9}, 11);
+    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
+    ExpectAllComplete(cl.Drain(0, 0, 1), 3);
+    cl.Verify(id, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
+    EXPECT_TRUE(settles_at(1)) << engine->mapped_peer_regions() << " regions mapped, bound 1";
+  }
+  cl.gen_.clear();  // the exporters go: their exports are revoked
+  EXPECT_TRUE(settles_at(0)) << engine->mapped_peer_regions() << " regions still mapped";
+  ASSERT_TRUE(Config::Global().Reset("transfer.peer_max_mapped").ok());
 }
 
 }  // namespace
