@@ -112,6 +112,9 @@ class Engine {
     return result.get();
   }
 
+  // Regions mapped now, as of the progress thread's last change (any thread; tests).
+  size_t mapped_peer_regions() const { return mapped_count_.load(std::memory_order_relaxed); }
+
  protected:
   // Progress-thread hooks.
   virtual void OnControl(PeerId from, ControlMsg msg) = 0;
@@ -185,8 +188,6 @@ class Engine {
   const std::vector<std::vector<std::byte>>& exported_pool() const { return exported_pool_; }
   // The mappings of `handles` (one per region), or why they can't be mapped.
   StatusOr<MappedPeerPool> MapPeerPool(const std::vector<std::vector<std::byte>>& handles);
-  // Regions mapped now, as of the progress thread's last change (any thread; tests).
-  size_t mapped_peer_regions() const { return mapped_count_.load(std::memory_order_relaxed); }
   // Unmaps what the bound and the exporters' ends ask for; at most once a second unless `force`.
   void SweepPeerMappings(Clock::time_point now, bool force = false);
   // Wakes the progress thread when the stream reaches the work queued on it so far (the end of
