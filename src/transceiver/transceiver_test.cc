@@ -483,6 +483,38 @@ TEST(Transceiver, FetchCorruptedInTransitWritesNothingOutsideTheDestination) {
   EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
 }
 
+// Issue 29: a handle with its layout byte or layer-wise flag altered (re-encoded: a valid
+// checksum) kept its token, and on the tagged path without checksums completed with wrong KV
+// (16 of 16). The token now authenticates every byte: the context rank leaves the FETCH
+// unanswered, both sides end the request at their deadlines, and no destination block is written.
+TEST(Transceiver, HandleWithAlteredLayoutOrFlagsIsNeverServed) {
+  TransceiverOptions o;
+  o.timeout = milliseconds(1500);
+  o.rma = false;
+  o.checksum = false;
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  const std::function<void(ContextHandle&)> alterations[] = {
+      [](ContextHandle& h) { h.layout = LayoutKind::kBlockMajorNhd; },
+      [](ContextHandle& h) { h.layer_wise = !h.layer_wise; },
+  };
+  uint64_t id = 51;
+  for (const auto& alter : alterations) {
+    auto decoded = DecodeHandle(cl.Publish(id, {0, 1}, 8));
+    ASSERT_TRUE(decoded.ok());
+    ContextHandle altered = *decoded;
+    alter(altered);
+    ASSERT_TRUE(cl.Fetch(EncodeHandle(altered), {2, 3}).ok());
+    auto gs = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(6000)));
+    ASSERT_EQ(gs.size(), 1u);
+    EXPECT_EQ(gs[0].state, TransferState::kTimedOut) << gs[0].reason.ToString();
+    EXPECT_EQ(gs[0].bytes, 0) << "bytes of an altered handle's request arrived";
+    auto cs = cl.ctx_[0]->Poll(1, DeadlineIn(milliseconds(6000)));
+    ASSERT_EQ(cs.size(), 1u);
+    EXPECT_EQ(cs[0].state, TransferState::kTimedOut) << cs[0].reason.ToString();
+    ++id;
+  }
+}
+
 // A handle with a valid checksum (re-encoded) but hostile sizes: refused with the field named,
 // or served, never an abort of the generation process (a bitmap or reservation sized by them).
 TEST(Transceiver, HostileHandleSizesAreRefusedOrHarmless) {
