@@ -18,8 +18,11 @@
 //   kind 0: the data follows byte 0.
 // The first control message to a peer is a hello, on the control endpoint; every later one (bye
 // included) goes on the data endpoint, and a receiver holds those of a sender whose hello it has
-// not taken yet. A transport being destroyed sends bye to every live peer, which fails that peer's
-// pending ops at the receiver with kUnavailable at once.
+// not taken yet. A transport being destroyed sends bye to every live peer it has endpoints to,
+// which fails that peer's pending ops at the receiver with kUnavailable at once. A hello adds its
+// sender without endpoints (made by the first answer): a sender never answered gets no bye either
+// (with ucx.error_mode=none, where the bye is the only news of an orderly end, such a sender
+// learns of it by its deadline), since a bye would connect to an address nothing vouched for.
 //
 // Address text: see ucx_address.h.
 #include <sys/epoll.h>
