@@ -215,8 +215,8 @@ void Engine::EvictMappings(size_t keep) {
   }
 }
 
-void Engine::SweepPeerMappings(Clock::time_point now, bool force) {
-  if (!force && now < next_sweep_) return;
+void Engine::SweepPeerMappings(Clock::time_point now) {
+  if (now < next_sweep_) return;
   next_sweep_ = now + std::chrono::seconds(1);
   for (auto it = mapped_.begin(); it != mapped_.end();) {
     if (it->second.mapping.use_count() == 1 && !it->second.watch->alive()) {

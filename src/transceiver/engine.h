@@ -188,8 +188,8 @@ class Engine {
   const std::vector<std::vector<std::byte>>& exported_pool() const { return exported_pool_; }
   // The mappings of `handles` (one per region), or why they can't be mapped.
   StatusOr<MappedPeerPool> MapPeerPool(const std::vector<std::vector<std::byte>>& handles);
-  // Unmaps what the bound and the exporters' ends ask for; at most once a second unless `force`.
-  void SweepPeerMappings(Clock::time_point now, bool force = false);
+  // Unmaps what the bound and the exporters' ends ask for; does something at most once a second.
+  void SweepPeerMappings(Clock::time_point now);
   // Wakes the progress thread when the stream reaches the work queued on it so far (the end of
   // a peer-memory batch), so that a thread napping up to stream_nap notices it at once. CPU device
   // only (a stream callback is one more task there; on a GPU it would be a host function launch).
