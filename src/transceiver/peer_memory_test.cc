@@ -12,7 +12,11 @@
 #include <array>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "transceiver/context_side_peer.h"
@@ -844,6 +848,99 @@ TEST(PeerMemory, MappedRegionsAreBoundedAndThoseOfAGoneExporterReleased) {
   cl.gen_.clear();  // the exporters go: their exports are revoked
   EXPECT_TRUE(settles_at(0)) << engine->mapped_peer_regions() << " regions still mapped";
   ASSERT_TRUE(Config::Global().Reset("transfer.peer_max_mapped").ok());
+}
+
+// The generation process of the test below: this binary run again with KVFERRY_GEN_CHILD=<dir>.
+// A 128 MiB pool (every page written), a UCX generation side; fetches the handle in <dir>/handle
+// into blocks {0, 1} and exits once it completed.
+TEST(PeerMemoryGenChild, Fetch) {
+  const char* dir = std::getenv("KVFERRY_GEN_CHILD");
+  if (dir == nullptr) GTEST_SKIP() << "run by PeerMemory.ShortLivedGenerationProcesses...";
+  PeerMemoryOn on;
+  auto dev = OpenCpuDevice();
+  const int64_t blocks = (int64_t{128} << 20) / (Shape().BytesPerToken() * 4);
+  PoolSpec spec{Shape(), {1, 1, {}, 1, 0}, 0, LayoutKind::kBlockMajor, MemoryKind::kHost, blocks};
+  auto pool = BlockPool::Create(*dev, spec);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  std::memset(pool->region(0), 0xA5, pool->layout().region_bytes());
+  TransceiverOptions o;
+  o.transport = "ucx";
+  o.timeout = milliseconds(20000);
+  o.instance_id = static_cast<uint64_t>(getpid());
+  auto gen = GenerationSide::Create(*dev, *pool, o);
+  ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+  std::ifstream in(std::string(dir) + "/handle", std::ios::binary);
+  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> handle(raw.size());
+  std::memcpy(handle.data(), raw.data(), raw.size());
+  ASSERT_TRUE((*gen)->Fetch(handle, std::vector<int64_t>{0, 1}, 0).ok());
+  auto st = (*gen)->Poll(1, DeadlineIn(milliseconds(20000)));
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_EQ(st[0].state, TransferState::kComplete) << st[0].reason.ToString();
+}
+
+// A field of /proc/meminfo or /proc/self/status, in KiB (-1: not there).
+int64_t KiBOf(const char* file, const std::string& field) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(field.size()));
+  }
+  return -1;
+}
+
+// Issue 29: six short-lived generation processes with 128 MiB pools grew the host's shared memory
+// from 61 to 829 MiB: the context rank kept every mapped peer pool until it was destroyed. It now
+// unmaps a region within a second of its exporter's exit (a pidfd).
+TEST(PeerMemory, ShortLivedGenerationProcessesLeaveNoSharedMemoryMapped) {
+  PeerMemoryOn on;
+  auto dev = OpenCpuDevice();
+  PoolSpec spec{Shape(), {1, 1, {}, 1, 0}, 0, LayoutKind::kBlockMajor, MemoryKind::kHost, 16};
+  auto pool = BlockPool::Create(*dev, spec);
+  ASSERT_TRUE(pool.ok());
+  TransceiverOptions o;
+  o.transport = "ucx";
+  o.timeout = milliseconds(20000);
+  o.instance_secret[0] = 9;
+  auto ctx = ContextSide::Create(*dev, *pool, o);
+  if (!ctx.ok()) GTEST_SKIP() << ctx.status().ToString();
+  ASSERT_TRUE((*ctx)->SetInstanceAddresses({(*ctx)->address()}).ok());
+  auto* engine = dynamic_cast<Engine*>(ctx->get());
+  ASSERT_NE(engine, nullptr);
+  const std::string dir = fmt::format("/tmp/kvferry-gen-child-{}", getpid());
+  std::filesystem::create_directories(dir);
+  // This process's resident shared pages (the host's Shmem moves with every other process).
+  auto mine = [] { return KiBOf("/proc/self/status", "RssShmem:"); };
+  const int64_t before = mine(), host_before = KiBOf("/proc/meminfo", "Shmem:");
+  int64_t peak = before;
+  for (uint64_t id = 1; id <= 6; ++id) {
+    auto h = (*ctx)->MarkReady(id, std::vector<int64_t>{0, 1}, 8);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    std::ofstream(dir + "/handle", std::ios::binary)
+        .write(reinterpret_cast<const char*>(h->data()), static_cast<std::streamsize>(h->size()));
+    const std::string cmd = fmt::format(
+        "KVFERRY_GEN_CHILD={} /proc/{}/exe --gtest_filter=PeerMemoryGenChild.Fetch >/dev/null 2>&1",
+        dir, getpid());
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << "generation process " << id;
+    auto st = (*ctx)->Poll(1, DeadlineIn(milliseconds(20000)));
+    ASSERT_EQ(st.size(), 1u);
+    EXPECT_EQ(st[0].state, TransferState::kComplete) << st[0].reason.ToString();
+    peak = std::max(peak, mine());
+  }
+  for (auto end = DeadlineIn(milliseconds(5000));
+       Clock::now() < end && engine->mapped_peer_regions() > 0;)
+    std::this_thread::sleep_for(milliseconds(50));
+  std::this_thread::sleep_for(milliseconds(200));
+  const int64_t after = mine(), host_after = KiBOf("/proc/meminfo", "Shmem:");
+  std::filesystem::remove_all(dir);
+  std::printf(
+      "[ info ] this process's RssShmem: %.0f MiB before, %.0f MiB at most during, %.0f "
+      "MiB after six 128 MiB generation processes (host Shmem %.0f -> %.0f MiB); %zu peer "
+      "regions still mapped\n",
+      before / 1024.0, peak / 1024.0, after / 1024.0, host_before / 1024.0, host_after / 1024.0,
+      engine->mapped_peer_regions());
+  EXPECT_EQ(engine->mapped_peer_regions(), 0u);
+  EXPECT_LT(after - before, 64 * 1024) << "KiB of shared memory still held";
 }
 
 }  // namespace
