@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "rendezvous/frame.h"
@@ -28,10 +29,26 @@ std::vector<std::byte> Raw(std::initializer_list<int> bytes) {
   return v;
 }
 
+// The bytes of a hex string.
+std::vector<std::byte> Hex(std::string_view hex) {
+  std::vector<std::byte> v;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    v.push_back(std::byte(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16)));
+  return v;
+}
+
+// A UCX 1.22 worker address (address version 1), as the fuzz body's sample (wire_fuzz_bodies.cc).
+constexpr std::string_view kWorker =
+    "206c3e0cfb1ec2b82f0000637577cc2b320040975000000000004f030088f5b32655c24e75ee01060002c00002"
+    "02cf1917b751389763344bd7e037370013230082c30f010e0102e9a6e9d73644c6a7f9ffffefcf1917b7513853"
+    "9e3e4bd7e03737011323008287210208e9a6e9d73644c6278d5377cc2b320000705077ccab33004f2300883180"
+    "0000000000000308e9a6e9d73644c627a7d377cc2b320000705077ccab33004f23008899390000040000c00408"
+    "e9a6e9d73644c627478bbd37063600242e5077ccab330092210084993900008680";
+
 ContextHandle SmallHandle() {
   ContextHandle h;
   h.request_id = 7;
-  h.token = MakeAccessToken({1}, 7, std::vector<int64_t>{5, 6, 7}, 10);
+  h.token = {1, 2, 3};
   h.shape = KvShape{4, 4, 8, DType::kBf16, 2, 4};
   h.parallel = ParallelConfig{2, 1, {}, 1, 0};
   h.pool_blocks = 32;
@@ -105,6 +122,16 @@ void WriteAll(const std::filesystem::path& root) {
   Write(root / "ucx_address_fuzz", "raw", 1,
         std::vector<std::byte>(reinterpret_cast<const std::byte*>(addr),
                                reinterpret_cast<const std::byte*>(addr) + sizeof(addr)));
+
+  // Worker addresses: raw bytes (mode 2), and a transport address of two of them (mode 0).
+  const std::vector<std::byte> worker = Hex(kWorker);
+  Write(root / "ucx_address_fuzz", "worker_v1", 2, worker);
+  std::vector<uint8_t> w(reinterpret_cast<const uint8_t*>(worker.data()),
+                         reinterpret_cast<const uint8_t*>(worker.data()) + worker.size());
+  const std::string both = EncodeUcxWorkerAddresses({w, w});
+  Write(root / "ucx_address_fuzz", "transport_two_workers", 0,
+        std::vector<std::byte>(reinterpret_cast<const std::byte*>(both.data()),
+                               reinterpret_cast<const std::byte*>(both.data() + both.size())));
 
   // Protocol programs: config byte, then ops (see protocol_fuzz_body.cc, Harness::Run).
   Write(root / "protocol_fuzz", "publish_fetch", 0, Raw({0x00, 9, 0x01, 0}));

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvferry/kv_model.h"
@@ -219,9 +220,58 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   return 0;
 }
 
+namespace {
+
+// A worker address of UCX 1.22 (address version 1: uuid, then devices for tcp, sysv, posix, cma
+// and self), from this build's own transport: the shape a peer's bytes are checked against before
+// ucp_ep_create (UcxAddressShape; ucx_two_process_test checks the live address).
+constexpr char kSampleWorker[] =
+    "206c3e0cfb1ec2b82f0000637577cc2b320040975000000000004f030088f5b32655c24e75ee01060002c00002"
+    "02cf1917b751389763344bd7e037370013230082c30f010e0102e9a6e9d73644c6a7f9ffffefcf1917b7513853"
+    "9e3e4bd7e03737011323008287210208e9a6e9d73644c6278d5377cc2b320000705077ccab33004f2300883180"
+    "0000000000000308e9a6e9d73644c627a7d377cc2b320000705077ccab33004f23008899390000040000c00408"
+    "e9a6e9d73644c627478bbd37063600242e5077ccab330092210084993900008680";
+
+const UcxAddressShape& SampleShape() {
+  static const UcxAddressShape shape = [] {
+    std::vector<uint8_t> raw;
+    for (size_t i = 0; i + 1 < sizeof(kSampleWorker); i += 2)
+      raw.push_back(
+          static_cast<uint8_t>(std::stoi(std::string(kSampleWorker + i, 2), nullptr, 16)));
+    auto s = UcxAddressShape::Learn(raw);
+    Check(s.ok());
+    return s.ok() ? *s : UcxAddressShape::Unchecked();
+  }();
+  return shape;
+}
+
+// UcxAddressShape::Check (in parentheses: Check is this file's invariant macro).
+Status ShapeCheck(std::span<const uint8_t> a) { return (SampleShape().Check)(a); }
+
+// What a peer can make a rank parse before it proved anything: worker-address bytes (a handle's
+// address, a hello's). The check reads nothing past them; an address it accepts loses that
+// verdict when cut short or extended.
+void FuzzWorkerAddress(std::span<const uint8_t> a) {
+  const Status st = ShapeCheck(a);
+  if (!st.ok()) {
+    CheckRefusal(st);
+    return;
+  }
+  Check(!a.empty() && !ShapeCheck(a.first(a.size() - 1)).ok());
+  std::vector<uint8_t> longer(a.begin(), a.end());
+  longer.push_back(0);
+  Check(!ShapeCheck(longer).ok());
+}
+
+}  // namespace
+
 int UcxAddressFuzzOne(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   std::string text;
+  if (data[0] & 2) {  // raw worker-address bytes
+    FuzzWorkerAddress(std::span(data + 1, size - 1));
+    return 0;
+  }
   if (data[0] & 1) {
     text = EncodeUcxAddress(data + 1, size - 1);
     auto raw = DecodeUcxAddress(text);
@@ -236,6 +286,13 @@ int UcxAddressFuzzOne(const uint8_t* data, size_t size) {
     return 0;
   }
   Check(EncodeUcxAddress(raw->data(), raw->size()) == text);
+  // A transport's address (a handle's, a hello's): both workers' bytes go to the check.
+  if (auto workers = DecodeUcxWorkerAddresses(text); workers.ok()) {
+    FuzzWorkerAddress(workers->control);
+    FuzzWorkerAddress(workers->data);
+  } else {
+    CheckRefusal(workers.status());
+  }
   return 0;
 }
 

@@ -206,6 +206,11 @@ constexpr KnobDecl kKnobs[] = {
      "iteration go out at once; -1 = by device: 2 on the CPU device (one pass over the source "
      "rows that several generation ranks' head slices share), 0 on CUDA (no gain measured)",
      -1, 64, ""},
+    {"transfer.peer_max_mapped", KnobType::kInt, "1024",
+     "peer memory: generation pool regions a context rank keeps mapped; past it the least "
+     "recently used one no transfer is copying into is unmapped (those of an exporter that "
+     "exited go within a second anyway)",
+     1, 1 << 20, ""},
 };
 
 }  // namespace

@@ -11,25 +11,18 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
-#include <random>
 
 #include "base/thread_annotations.h"
 #include "base/wire.h"
+#include "device/peer_memory.h"
 
 namespace kvferry {
 namespace {
 
 std::string MemfdName(uint64_t token) { return fmt::format("kvferry:{:016x}", token); }
 
-uint64_t NewToken() {
-  static std::atomic<uint64_t> counter{0};
-  static const uint64_t seed = [] {
-    std::random_device rd;
-    return uint64_t{rd()} << 32 | rd();
-  }();
-  // Distinct within a process, unpredictable across processes.
-  return seed ^ (++counter * 0x9e3779b97f4a7c15ULL);
-}
+// Random per allocation (getrandom): one token seen does not tell another.
+uint64_t NewToken() { return RandomU64(); }
 
 std::string Errno(int e) { return std::strerror(e); }
 

@@ -1,12 +1,17 @@
 #include "device/peer_memory.h"
 
 #include <fmt/format.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <unordered_map>
 
+#include "base/thread_annotations.h"
 #include "base/wire.h"
 #include "device/host_shm.h"
 #include "kvferry/device.h"
@@ -15,8 +20,49 @@ namespace kvferry {
 namespace {
 
 constexpr char kMagic[4] = {'k', 'v', 'p', 'm'};
-constexpr uint8_t kVersion = 2;
-constexpr size_t kHeader = 44;
+constexpr uint8_t kVersion = 3;
+constexpr size_t kHeader = 52;
+constexpr size_t kMaxExports = 1 << 16;
+
+struct Export {
+  uint64_t address;
+  uint64_t bytes;
+  PeerPlatform platform;
+};
+
+// This process's live exports by token.
+class ExportRegistry {
+ public:
+  static ExportRegistry& Get() {
+    static ExportRegistry* r = new ExportRegistry();
+    return *r;
+  }
+  StatusOr<uint64_t> Add(const Export& e) {
+    MutexLock lock(mu_);
+    if (exports_.size() >= kMaxExports) {
+      return Status::ResourceExhausted(fmt::format(
+          "ExportMemory: {} exports of this process are live (the limit)", exports_.size()));
+    }
+    uint64_t token = RandomU64();
+    while (token == 0 || exports_.count(token)) token = RandomU64();
+    exports_.emplace(token, e);
+    return token;
+  }
+  void Remove(uint64_t token) {
+    MutexLock lock(mu_);
+    exports_.erase(token);
+  }
+  bool Has(uint64_t token, const Export& e) const {
+    MutexLock lock(mu_);
+    auto it = exports_.find(token);
+    return it != exports_.end() && it->second.address == e.address && it->second.bytes == e.bytes &&
+           it->second.platform == e.platform;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::unordered_map<uint64_t, Export> exports_ GUARDED_BY(mu_);
+};
 
 // Non-owning view of memory of this very process (the exporter importing its own handle).
 class OwnMapping final : public PeerMapping {
@@ -62,6 +108,7 @@ std::vector<std::byte> EncodePeerHandle(const PeerHandle& h) {
   for (uint8_t b : h.host) w.U8(b);
   w.U64(h.address);
   w.U64(h.bytes);
+  w.U64(h.export_token);
   w.buffer().insert(w.buffer().end(), h.payload.begin(), h.payload.end());
   return w.Take();
 }
@@ -88,6 +135,7 @@ StatusOr<PeerHandle> DecodePeerHandle(std::span<const std::byte> b) {
   for (uint8_t& x : h.host) x = r.U8("host");
   h.address = r.U64("address");
   h.bytes = r.U64("bytes");
+  h.export_token = r.U64("export_token");
   h.payload.assign(b.begin() + kHeader, b.end());
   if (h.bytes == 0 || h.bytes > UINT64_MAX - h.address) {
     return Status::InvalidArgument(fmt::format(
@@ -135,6 +183,7 @@ StatusOr<std::vector<std::byte>> ExportCpuMemory(const void* base, size_t bytes,
   h.host = ThisHostId();
   h.address = reinterpret_cast<uintptr_t>(base);
   h.bytes = bytes;
+  KVF_ASSIGN_OR_RETURN(h.export_token, RegisterPeerExport(h.address, h.bytes, h.platform));
   h.payload.assign(payload.begin(), payload.end());
   return EncodePeerHandle(h);
 }
@@ -142,6 +191,7 @@ StatusOr<std::vector<std::byte>> ExportCpuMemory(const void* base, size_t bytes,
 StatusOr<std::unique_ptr<PeerMapping>> ImportCpuMemory(std::span<const std::byte> bytes) {
   KVF_ASSIGN_OR_RETURN(PeerHandle h, DecodeLocalPeerHandle(bytes, PeerPlatform::kCpu));
   if (h.pid == ThisPid()) {
+    KVF_RETURN_IF_ERROR(CheckOwnExport(h));
     return std::unique_ptr<PeerMapping>(std::make_unique<OwnMapping>(
         reinterpret_cast<std::byte*>(h.address), static_cast<size_t>(h.bytes)));
   }
@@ -153,6 +203,60 @@ StatusOr<std::unique_ptr<PeerMapping>> ImportCpuMemory(std::span<const std::byte
   }
   KVF_ASSIGN_OR_RETURN(ShmPayload p, DecodeShmPayload(h.payload));
   return MapPeerShm(h.pid, h.bytes, p);
+}
+
+uint64_t RandomU64() {
+  uint64_t v = 0;
+  auto* p = reinterpret_cast<char*>(&v);
+  size_t got = 0;
+  while (got < sizeof v) {
+    const ssize_t n = getrandom(p + got, sizeof v - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return v;
+}
+
+StatusOr<uint64_t> RegisterPeerExport(uint64_t address, uint64_t bytes, PeerPlatform platform) {
+  return ExportRegistry::Get().Add(Export{address, bytes, platform});
+}
+
+void RevokePeerExport(std::span<const std::byte> handle) {
+  auto h = DecodePeerHandle(handle);
+  if (h.ok() && h->pid == ThisPid()) ExportRegistry::Get().Remove(h->export_token);
+}
+
+bool OwnExportLive(const PeerHandle& h) {
+  return h.pid == ThisPid() &&
+         ExportRegistry::Get().Has(h.export_token, Export{h.address, h.bytes, h.platform});
+}
+
+Status CheckOwnExport(const PeerHandle& h) {
+  if (OwnExportLive(h)) return Status::Ok();
+  return Status::InvalidArgument(fmt::format(
+      "peer memory handle of this very process ({}) names {} bytes at {:#x} that it did not "
+      "export (or no longer does) under token {:#018x}: refused, nothing of this process is "
+      "mapped but what its pools exported",
+      h.pid, h.bytes, h.address, h.export_token));
+}
+
+ExporterWatch::ExporterWatch(const PeerHandle& h) {
+  if (h.pid == ThisPid()) {
+    own_ = h;
+    own_process_ = true;
+    return;
+  }
+  pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(h.pid), 0));
+}
+
+ExporterWatch::~ExporterWatch() {
+  if (pidfd_ >= 0) close(pidfd_);
+}
+
+bool ExporterWatch::alive() const {
+  if (own_process_) return OwnExportLive(own_);
+  if (pidfd_ < 0) return false;
+  pollfd p{pidfd_, POLLIN, 0};
+  return poll(&p, 1, 0) == 0;  // a pidfd is readable once its process exited
 }
 
 std::unique_ptr<PeerMapping> OwnPeerMapping(std::byte* data, size_t bytes) {

@@ -118,7 +118,7 @@ struct LiveRequest {
   std::map<RankKey, std::vector<TransferState>> got;
   std::optional<Clock::time_point> cancel_at;
   RankKey cancel_on{};
-  bool forged = false;  // fetched with a forged handle: the context ranks must refuse it
+  bool forged = false;  // fetched with a forged handle: the context ranks must not answer it
   bool Ended() const {
     for (const auto& [k, n] : expected) {
       auto it = got.find(k);
@@ -197,13 +197,13 @@ class Soak {
   }
 
   // Arms one transport of the serving ranks of request `q` for the next occurrence of a step: the
-  // REJECT of a forged fetch, the ABORT of a cancel, or else a random step of a transfer.
+  // FETCH of a forged fetch, the ABORT of a cancel, or else a random step of a transfer.
   void MaybeArm(FaultRig& rig, int ctx_group, const LiveRequest& q) {
     int64_t armed = 0;
     for (bool c : {true, false}) {
       for (int r = 0; r < rig.ranks(c); ++r) armed += rig.faulty(c, r).armed();
     }
-    // Forged fetches and cancels are rare: their REJECT is faulted whenever faults are on at all,
+    // Forged fetches and cancels are rare: their FETCH is faulted whenever faults are on at all,
     // their ABORT more often than the rate alone would (the others make room: the rate counts
     // every fault).
     const bool due = injected_before_ + rig.FaultsFired() + armed < cfg_.fault_rate * (issued_ + 1);
@@ -219,7 +219,7 @@ class Soak {
     const std::vector<int> group = rig.Group(context, context ? ctx_group : q.gen_group);
     const int rank = group[Pick(static_cast<int>(group.size()))];
     FaultSpec spec;
-    spec.step = q.forged      ? FaultStep::kReject
+    spec.step = q.forged      ? FaultStep::kFetch
                 : q.cancel_at ? FaultStep::kAbort
                               : kSteps[Pick(std::size(kSteps))];
     spec.nth = 1;
@@ -266,7 +266,7 @@ class Soak {
     if (!handle.ok()) return handle.status().WithContext(fmt::format("request {}", q.id));
     for (int r : rig.Group(true, ctx_group)) q.expected[{true, r}] = 1;
     std::vector<std::byte> fetched = *handle;
-    if (q.forged) {  // the access token altered: REJECT, then the context ranks' deadline
+    if (q.forged) {  // the access token altered: no answer, then both sides' deadlines
       KVF_ASSIGN_OR_RETURN(ContextHandle h, DecodeHandle(fetched));
       h.token[0] ^= 1;
       fetched = EncodeHandle(h);

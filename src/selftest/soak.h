@@ -16,13 +16,14 @@
 //
 // Faults: every few requests (--fault-rate) a transport of the serving ranks is armed for the next
 // occurrence of a random step (FETCH, ACCEPT, CREDIT, DATA, DONE, COMPLETE; ABORT when the request
-// will be cancelled, REJECT when it is fetched with a forged handle) with a random kind (crash,
+// will be cancelled, its FETCH when it is fetched with a forged handle) with a random kind (crash,
 // stall, drop, duplicate, corrupt); "injected" counts faults that fired. A crash ends its epoch
 // early (its ranks can't serve); the next epoch starts on fresh transports. Epochs alternate the
 // one-sided and the tagged data path; per-chunk checksums are on, so a corrupted or lost chunk must
 // fail its request (a completed request with wrong bytes is a verify failure). A few requests
 // (--forge-rate) are fetched with a forged handle (access token altered): the context ranks must
-// REJECT them (the generation ranks end in error, the context ranks at their deadline).
+// leave their FETCHes unanswered (wire version 9: an answer would connect back to an address
+// nothing vouched for), so both sides end them at their deadlines.
 #pragma once
 
 #include <chrono>
@@ -42,7 +43,7 @@ struct SoakConfig {
   std::chrono::seconds duration{0};  // > 0: run this long instead (the long soak)
   double fault_rate = 0.06;          // faults armed per request
   double cancel_rate = 0.05;         // requests cancelled at a random moment, either side
-  double forge_rate = 0.01;          // requests fetched with a forged handle (REJECT)
+  double forge_rate = 0.01;          // requests fetched with a forged handle (no answer)
   int concurrency = 16;              // requests in flight
   int epoch_requests = 400;          // requests per rig before the next layout
   std::chrono::milliseconds timeout{300};

@@ -247,14 +247,12 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   r.id = id;
   r.blocks.assign(blocks.begin(), blocks.begin() + needed);
   r.tokens = tokens;
-  r.token = MakeAccessToken(options_.secret, id, r.blocks, tokens);
   r.ready_end = all_ready ? shape.layers : 0;
   r.layer_wise = !all_ready;
   r.start = Clock::now();
   r.deadline = r.start + options_.timeout;
   ContextHandle h;
   h.request_id = id;
-  h.token = r.token;
   h.shape = shape;
   h.parallel = SelfDesc().parallel;
   h.layout = pool_.spec().layout;
@@ -275,6 +273,8 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
     live_ids_.insert(id);
     h.addresses = addresses_;
   }
+  auto [bytes, token] = SealHandle(std::move(h), options_.secret);
+  r.token = token;
   // Can't fail: an id not claimed above is not live in the status table either.
   if (Status st = Reserve(id, "is live on this rank"); !st.ok()) {
     MutexLock lock(ids_mu_);
@@ -285,7 +285,7 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   // cost a wake-up of the caller per request). Public calls about the request reach the progress
   // thread after it, and a FETCH that overtakes it waits with the pending ones.
   Post([this, r = std::make_shared<CtxRequest>(std::move(r))] { Open(std::move(*r)); });
-  return EncodeHandle(h);
+  return std::move(bytes);
 }
 
 void ContextSideImpl::Open(CtxRequest r) {
@@ -375,6 +375,17 @@ void ContextSideImpl::TellSiblings(CtxRequest& r) {
 
 void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits) {
   const PeerId peer = from;  // the transport connects back to a control sender by itself
+  // Before anything else, and before any answer (the first one connects the transport back to
+  // the sender's address): a FETCH whose token is not this instance's MAC of the handle digest it
+  // carries came from no handle of this instance, or from one altered on the way (its layout, a
+  // flag, an address). It is dropped unanswered; the sender's deadline ends its request.
+  if (f.token != HandleToken(options_.secret, f.handle_digest)) {
+    NoteUnauthenticated(fmt::format(
+        "context side: dropped a fetch of request {} from generation rank {}: its token does not "
+        "authenticate its handle (forged, altered, or another instance's)",
+        f.request_id, f.gen_rank));
+    return;
+  }
   CtxRequest* r = Find(f.request_id);
   if (!r) {
     if (Released(f.request_id)) {
@@ -404,7 +415,9 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
     return Reject(
         peer, f,
         Status::InvalidArgument(fmt::format(
-            "request {}: the access token does not match (forged or altered handle)", r->id)));
+            "request {}: the access token is of another handle of this instance (a handle "
+            "altered to name another request)",
+            r->id)));
   }
   if (r->heard && f.gen_instance != r->gen_instance) {
     return Reject(
@@ -443,12 +456,14 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
     Log(LogLevel::kInfo, "context side: tagged data path, not one-sided: {}", rma_why());
   }
   std::vector<PeerMapping*> peer_pool;
+  std::vector<std::shared_ptr<PeerMapping>> peer_holds;
   if (rma && options_.peer_memory != EngineOptions::PeerMemory::kOff &&
       !f.rma_target.peer_pool.empty()) {
     auto mapped = MapPeerPool(f.rma_target.peer_pool);
-    Status st = mapped.ok() ? CheckPeerPool(*mapped, f.rma_target) : mapped.status();
+    Status st = mapped.ok() ? CheckPeerPool(mapped->regions, f.rma_target) : mapped.status();
     if (st.ok()) {
-      peer_pool = std::move(mapped).value();
+      peer_pool = std::move(mapped->regions);
+      peer_holds = std::move(mapped->holds);
     } else if (!peer_said_) {
       peer_said_ = true;
       Log(LogLevel::kInfo, "context side: transport puts, not peer memory copies: {}",
@@ -501,9 +516,11 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   p.rma = rma;
   if (!peer_pool.empty()) NotePeerMemoryUsed();
   p.checksum = f.checksum;
-  if (!peer_pool.empty())
+  if (!peer_pool.empty()) {
     p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_,
                                             profile(), options_.peer_batch_bytes);
+    p.peer_holds = std::move(peer_holds);
+  }
   if (rma) p.target = std::move(f.rma_target);
   for (const PairPlan& pp : r->plan) {
     if (pp.gen_rank == f.gen_rank) p.plan = pp;
@@ -547,6 +564,11 @@ bool ContextSideImpl::Step(CtxRequest& r, SendPair& p, PairEvent event) {
     return false;
   }
   return *step == PairStep::kMove || *step == PairStep::kWithin;
+}
+
+void ContextSideImpl::NoteUnauthenticated(std::string_view what) {
+  if (unauthenticated_++ % 1000 == 0)
+    Log(LogLevel::kWarn, "{} ({} such so far)", what, unauthenticated_);
 }
 
 void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) {

@@ -46,6 +46,9 @@ struct SendPair {
   bool rma = false;                     // one-sided puts into target (else tagged sends)
   // One-sided by copies into the mapped generation pool (context_side_peer.h); null otherwise.
   std::unique_ptr<PeerSender> mapped;
+  // The mapped regions `mapped` copies into, kept mapped while the pair lives
+  // (Engine::MapPeerPool).
+  std::vector<std::shared_ptr<PeerMapping>> peer_holds;
   bool checksum = false;
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
@@ -145,6 +148,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void OnSibling(const SiblingMsg& m);
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c);
   void Reject(PeerId peer, const FetchMsg& f, const Status& why);
+  // Counts a dropped unauthenticated message and logs the first and every 1000th (a flood
+  // costs no log line each).
+  void NoteUnauthenticated(std::string_view what);
   // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
   // event the protocol has no step for fails the request, naming the event and the phase.
   bool Step(CtxRequest& r, SendPair& p, PairEvent event);
@@ -208,9 +214,10 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // The pairs' batches found ready, launched together (transfer.peer_merge_pairs, PeerLaunch).
   PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile(),
                           options_.peer_hold_launches};
-  bool peer_launched_ = false;  // this Advance pass launched peer-memory copies
-  bool rma_said_ = false;       // logged once why a one-sided fetch is served tagged
-  bool peer_said_ = false;      // logged once why offered peer memory is not used
+  bool peer_launched_ = false;   // this Advance pass launched peer-memory copies
+  bool rma_said_ = false;        // logged once why a one-sided fetch is served tagged
+  bool peer_said_ = false;       // logged once why offered peer memory is not used
+  int64_t unauthenticated_ = 0;  // FETCHes dropped for a token that authenticates nothing
   // The other context ranks of this rank's DP group, ascending, and their connections.
   const std::vector<int32_t> siblings_ = SiblingRanks(pool_);
   static std::vector<int32_t> SiblingRanks(const BlockPool& pool);

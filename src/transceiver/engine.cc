@@ -59,6 +59,7 @@ EngineOptions ResolveOptions(const TransceiverOptions& o, const Device& device) 
   // against 0.64 without, medians of 4 interleaved rounds); on CUDA holding gained nothing and
   // cost p50 (H200, TP2->TP4 128 tokens 16 in flight: 0.71-0.76 ms against 0.65-0.69).
   e.peer_hold_launches = c.Int("transfer.peer_hold_launches");
+  e.peer_max_mapped = c.Int("transfer.peer_max_mapped");
   if (e.peer_hold_launches < 0) e.peer_hold_launches = device.info().platform == "cpu" ? 2 : 0;
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
@@ -91,6 +92,10 @@ Engine::~Engine() {
   // freed and the peer mappings are closed.
   stream_.reset();
   mapped_.clear();
+  mapped_count_.store(0, std::memory_order_relaxed);
+  retired_.clear();
+  // A peer in this process maps these regions no more (the pool may go once the side is gone).
+  for (const auto& h : exported_pool_) RevokePeerExport(h);
 }
 
 Status Engine::Start() {
@@ -153,10 +158,10 @@ Status Engine::Start() {
   return Status::Ok();
 }
 
-StatusOr<std::vector<PeerMapping*>> Engine::MapPeerPool(
-    const std::vector<std::vector<std::byte>>& handles) {
-  std::vector<PeerMapping*> out;
-  out.reserve(handles.size());
+StatusOr<MappedPeerPool> Engine::MapPeerPool(const std::vector<std::vector<std::byte>>& handles) {
+  MappedPeerPool out;
+  out.regions.reserve(handles.size());
+  out.holds.reserve(handles.size());
   for (const auto& h : handles) {
     auto it = mapped_.find(h);
     if (it == mapped_.end()) {
@@ -171,11 +176,60 @@ StatusOr<std::vector<PeerMapping*>> Engine::MapPeerPool(
         unmappable_.emplace(h, m.status());
         return m.status();
       }
-      it = mapped_.emplace(h, std::move(m).value()).first;
+      auto decoded = DecodePeerHandle(h);  // ImportMemory decoded it already: can't fail
+      if (!decoded.ok()) return decoded.status();
+      EvictMappings(static_cast<size_t>(std::max<int64_t>(options_.peer_max_mapped, 1)) - 1);
+      MappedPeer entry;
+      entry.mapping = std::shared_ptr<PeerMapping>(std::move(m).value());
+      entry.watch = std::make_unique<ExporterWatch>(*decoded);
+      it = mapped_.emplace(h, std::move(entry)).first;
+      mapped_count_.store(mapped_.size(), std::memory_order_relaxed);
     }
-    out.push_back(it->second.get());
+    it->second.last_use = ++map_uses_;
+    out.regions.push_back(it->second.mapping.get());
+    out.holds.push_back(it->second.mapping);
   }
   return out;
+}
+
+void Engine::RetireMapping(std::shared_ptr<PeerMapping> mapping) {
+  RetiredMapping r{std::move(mapping), nullptr};
+  if (auto ev = device_.CreateEvent(); ev.ok() && stream_ && stream_->Record(**ev).ok())
+    r.passed = std::move(ev).value();
+  retired_.push_back(std::move(r));  // no event: kept until the side goes
+}
+
+void Engine::EvictMappings(size_t keep) {
+  while (mapped_.size() > keep) {
+    auto victim = mapped_.end();
+    for (auto it = mapped_.begin(); it != mapped_.end(); ++it) {
+      if (it->second.mapping.use_count() > 1) continue;  // a live pair copies into it
+      if (victim == mapped_.end() || it->second.last_use < victim->second.last_use) victim = it;
+    }
+    if (victim == mapped_.end()) return;
+    Log(LogLevel::kDebug, "transceiver: unmapped a peer pool region ({} mapped, at most {})",
+        mapped_.size(), options_.peer_max_mapped);
+    RetireMapping(std::move(victim->second.mapping));
+    mapped_.erase(victim);
+    mapped_count_.store(mapped_.size(), std::memory_order_relaxed);
+  }
+}
+
+void Engine::SweepPeerMappings(Clock::time_point now) {
+  if (now < next_sweep_) return;
+  next_sweep_ = now + std::chrono::seconds(1);
+  for (auto it = mapped_.begin(); it != mapped_.end();) {
+    if (it->second.mapping.use_count() == 1 && !it->second.watch->alive()) {
+      RetireMapping(std::move(it->second.mapping));
+      it = mapped_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Regions a pair held past the bound when they were mapped go once it let them go.
+  EvictMappings(static_cast<size_t>(std::max<int64_t>(options_.peer_max_mapped, 1)));
+  mapped_count_.store(mapped_.size(), std::memory_order_relaxed);
+  std::erase_if(retired_, [](RetiredMapping& r) { return r.passed && r.passed->Query(); });
 }
 
 void Engine::Stop() {
@@ -259,6 +313,7 @@ void Engine::Run() {
     auto now = Clock::now();
     if (now >= next_tick) {
       OnTick(now);
+      SweepPeerMappings(now);
       next_tick = now + std::chrono::milliseconds(1);
     }
     if (stop_) {

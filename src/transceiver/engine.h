@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/thread_annotations.h"
+#include "device/peer_memory.h"
 #include "kvferry/pool.h"
 #include "kvferry/transceiver.h"
 #include "kvferry/transport.h"
@@ -60,6 +61,14 @@ struct EngineOptions {
   int64_t peer_batch_bytes = int64_t{1} << 30;  // transfer.peer_batch_bytes
   bool peer_merge_pairs = true;                 // transfer.peer_merge_pairs
   int64_t peer_hold_launches = 0;               // transfer.peer_hold_launches (-1 resolved)
+  int64_t peer_max_mapped = 1024;               // transfer.peer_max_mapped
+};
+
+// A generation pool's regions mapped by a context rank (Engine::MapPeerPool): raw pointers for the
+// copies, and the references that keep them mapped while the pair that uses them lives.
+struct MappedPeerPool {
+  std::vector<PeerMapping*> regions;
+  std::vector<std::shared_ptr<PeerMapping>> holds;
 };
 // The options of a side on `device`: `options` where set, else the transfer.* knobs.
 EngineOptions ResolveOptions(const TransceiverOptions& options, const Device& device);
@@ -102,6 +111,9 @@ class Engine {
     Post([task] { (*task)(); });
     return result.get();
   }
+
+  // Regions mapped now, as of the progress thread's last change (any thread; tests).
+  size_t mapped_peer_regions() const { return mapped_count_.load(std::memory_order_relaxed); }
 
  protected:
   // Progress-thread hooks.
@@ -168,12 +180,16 @@ class Engine {
   const std::string& rma_why() const { return rma_why_; }
   const LocalRma& local_rma() const { return rma_; }
   // Peer memory: this rank's pool regions exported for a same-host peer to map (empty when the
-  // device can't share them or transfer.peer_memory is off), and the peer pools this rank mapped,
-  // by handle (kept while the side lives: a generation pool stays put).
+  // device can't share them or transfer.peer_memory is off; revoked when the side goes), and the
+  // peer pools this rank mapped, by handle: at most transfer.peer_max_mapped regions not in use
+  // by a pair, the least recently used unmapped first, and those of an exporter that exited (or
+  // revoked its export) unmapped within a second (SweepPeerMappings). An unmapped region goes
+  // only once this side's stream passed every copy queued before (an abandoned pair's copies).
   const std::vector<std::vector<std::byte>>& exported_pool() const { return exported_pool_; }
   // The mappings of `handles` (one per region), or why they can't be mapped.
-  StatusOr<std::vector<PeerMapping*>> MapPeerPool(
-      const std::vector<std::vector<std::byte>>& handles);
+  StatusOr<MappedPeerPool> MapPeerPool(const std::vector<std::vector<std::byte>>& handles);
+  // Unmaps what the bound and the exporters' ends ask for; does something at most once a second.
+  void SweepPeerMappings(Clock::time_point now);
   // Wakes the progress thread when the stream reaches the work queued on it so far (the end of
   // a peer-memory batch), so that a thread napping up to stream_nap notices it at once. CPU device
   // only (a stream callback is one more task there; on a GPU it would be a host function launch).
@@ -212,7 +228,24 @@ class Engine {
   std::string rma_why_;
   std::atomic<bool> peer_used_{false};
   std::vector<std::vector<std::byte>> exported_pool_;
-  std::map<std::vector<std::byte>, std::unique_ptr<PeerMapping>> mapped_;  // progress thread
+  struct MappedPeer {
+    std::shared_ptr<PeerMapping> mapping;  // use_count() > 1: a pair holds it
+    std::unique_ptr<ExporterWatch> watch;
+    uint64_t last_use = 0;
+  };
+  // An unmapped region waiting for the stream to pass `passed` (recorded when it was unmapped).
+  struct RetiredMapping {
+    std::shared_ptr<PeerMapping> mapping;
+    std::unique_ptr<Event> passed;
+  };
+  void RetireMapping(std::shared_ptr<PeerMapping> mapping);
+  // Evicts least recently used unheld regions until at most `keep` remain (or none is unheld).
+  void EvictMappings(size_t keep);
+  std::map<std::vector<std::byte>, MappedPeer> mapped_;  // progress thread
+  std::vector<RetiredMapping> retired_;                  // progress thread
+  uint64_t map_uses_ = 0;                                // progress thread: LRU clock
+  std::atomic<size_t> mapped_count_{0};                  // mapped_.size()
+  Clock::time_point next_sweep_{};                       // progress thread
   std::map<std::vector<std::byte>, Status> unmappable_;  // progress thread: why each did not map
 
   // Sleeps until a control message, a Post or a nap's end (null: the transport has no wakeup

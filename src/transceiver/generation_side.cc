@@ -81,6 +81,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   Status Fetch(std::span<const std::byte> handle_bytes, std::span<const int64_t> blocks,
                int64_t reused_blocks) override {
     KVF_ASSIGN_OR_RETURN(ContextHandle h, DecodeHandle(handle_bytes));
+    // What this rank plans with, as the context ranks will check it (FETCH).
+    const HandleDigest digest = HandleDigestOf(handle_bytes);
     PlanInput in;
     in.ctx = InstanceDesc{h.shape, h.parallel, h.layout, h.pool_blocks};
     in.gen = SelfDesc();
@@ -103,15 +105,16 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     // ends the request through Poll.
     KVF_RETURN_IF_ERROR(Reserve(h.request_id, "is already being fetched on this rank"));
     Post([this, h = std::move(h), in = std::move(in), plan = std::move(plan),
-          ctx_ranks = std::move(ctx_ranks), reused_blocks,
-          start = Clock::now()] { StartFetch(h, in, plan, ctx_ranks, reused_blocks, start); });
+          ctx_ranks = std::move(ctx_ranks), reused_blocks, digest, start = Clock::now()] {
+      StartFetch(h, digest, in, plan, ctx_ranks, reused_blocks, start);
+    });
     return Status::Ok();
   }
 
   // Fetch's part on the progress thread: the request's pairs, a FETCH to each of `ctx_ranks`.
-  void StartFetch(const ContextHandle& h, const PlanInput& in, const std::vector<PairPlan>& plan,
-                  const std::vector<int32_t>& ctx_ranks, int64_t reused_blocks,
-                  Clock::time_point start) {
+  void StartFetch(const ContextHandle& h, const HandleDigest& digest, const PlanInput& in,
+                  const std::vector<PairPlan>& plan, const std::vector<int32_t>& ctx_ranks,
+                  int64_t reused_blocks, Clock::time_point start) {
     GenRequest r;
     r.id = h.request_id;
     r.start = start;
@@ -119,6 +122,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     FetchMsg f;
     f.request_id = h.request_id;
     f.token = h.token;
+    f.handle_digest = digest;
     f.gen_instance = options_.instance_id;
     f.gen_rank = pool_.slice().rank;
     f.shape = in.gen.shape;
@@ -301,17 +305,24 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     for (auto& [id, r] : requests_) {
       if (r.ending || now < r.deadline) continue;
       int done = 0, silent = -1;
+      bool unanswered = false;
       for (const RecvPair& p : r.pairs) {
-        if (p.state.Is(PairPhase::kCompleted))
+        if (p.state.Is(PairPhase::kCompleted)) {
           ++done;
-        else if (silent < 0)
+        } else if (silent < 0) {
           silent = p.ctx_rank;
+          unanswered = p.state.Is(PairPhase::kFetched);
+        }
       }
       End(r, TransferState::kTimedOut,
-          Status::DeadlineExceeded(
-              fmt::format("request {}: not received within {} ms ({} of {} context ranks "
-                          "done; context rank {} still owes data or an answer)",
-                          id, options_.timeout.count(), done, r.pairs.size(), silent)),
+          Status::DeadlineExceeded(fmt::format(
+              "request {}: not received within {} ms ({} of {} context ranks done; context rank "
+              "{} still owes data or an answer{})",
+              id, options_.timeout.count(), done, r.pairs.size(), silent,
+              unanswered ? "; no answer to the FETCH: a context rank leaves unanswered a "
+                           "FETCH whose token does not authenticate its handle (forged, altered, "
+                           "or another instance's)"
+                         : "")),
           true);
     }
   }

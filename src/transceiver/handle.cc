@@ -7,6 +7,7 @@
 #include <span>
 
 #include "base/wire.h"
+#include "transceiver/siphash.h"
 
 namespace kvferry {
 namespace {
@@ -108,6 +109,42 @@ std::vector<std::byte> EncodeHandle(const ContextHandle& h) {
   return w.Take();
 }
 
+std::pair<std::vector<std::byte>, AccessToken> SealHandle(ContextHandle h,
+                                                          const std::array<uint8_t, 16>& secret) {
+  h.token = {};
+  std::vector<std::byte> bytes = EncodeHandle(h);
+  h.token = HandleToken(secret, HandleDigestOf(bytes));
+  return {EncodeHandle(h), h.token};
+}
+
+namespace {
+constexpr size_t kTokenOffset = 16;
+}  // namespace
+
+HandleDigest HandleDigestOf(std::span<const std::byte> b) {
+  HandleDigest d{};
+  if (b.size() < kTokenOffset + 16 + 8) return d;
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_128bits_reset(state);
+  XXH3_128bits_update(state, b.data(), kTokenOffset);
+  XXH3_128bits_update(state, b.data() + kTokenOffset + 16, b.size() - kTokenOffset - 16 - 8);
+  const XXH128_hash_t h = XXH3_128bits_digest(state);
+  XXH3_freeState(state);
+  for (int i = 0; i < 8; ++i) {
+    d[i] = static_cast<uint8_t>(h.low64 >> (8 * i));
+    d[8 + i] = static_cast<uint8_t>(h.high64 >> (8 * i));
+  }
+  return d;
+}
+
+AccessToken HandleToken(const std::array<uint8_t, 16>& secret, const HandleDigest& digest) {
+  std::array<std::byte, 8 + 16> msg{};
+  constexpr char kDomain[8] = {'k', 'v', 'f', 'h', 'a', 'n', 'd', 'l'};
+  for (size_t i = 0; i < 8; ++i) msg[i] = static_cast<std::byte>(kDomain[i]);
+  for (size_t i = 0; i < 16; ++i) msg[8 + i] = static_cast<std::byte>(digest[i]);
+  return SipHash128(secret, msg);
+}
+
 StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {
   auto refuse = [](const Status& s) { return s.WithContext("context handle refused"); };
   if (bytes.size() < 16) {
@@ -197,12 +234,6 @@ std::span<const std::byte> Bytes(const T& v) {
 }
 
 }  // namespace
-
-AccessToken MakeAccessToken(const std::array<uint8_t, 16>& secret, uint64_t request_id,
-                            std::span<const int64_t> blocks, int64_t prompt_tokens) {
-  return KeyedToken(secret, 0x6b76666572727931ULL,
-                    {Bytes(request_id), Bytes(prompt_tokens), std::as_bytes(blocks)});
-}
 
 AccessToken MakeSiblingToken(const std::array<uint8_t, 16>& secret, const AccessToken& request,
                              int32_t ctx_rank, uint8_t code) {

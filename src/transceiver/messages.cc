@@ -62,6 +62,7 @@ struct Encoder {
     Header(w, kFetch);
     w.U64(m.request_id);
     for (uint8_t b : m.token) w.U8(b);
+    for (uint8_t b : m.handle_digest) w.U8(b);
     w.U64(m.gen_instance);
     w.I32(m.gen_rank);
     w.U32(m.transfer_id);
@@ -202,6 +203,7 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
       FetchMsg m;
       m.request_id = r.U64("request_id");
       for (auto& b : m.token) b = r.U8("token");
+      for (auto& b : m.handle_digest) b = r.U8("handle_digest");
       m.gen_instance = r.U64("gen_instance");
       m.gen_rank = r.I32("gen_rank");
       m.transfer_id = r.U32("transfer_id");

@@ -53,7 +53,10 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // context ranks of a DP group tell each other when their part is done (SIBLING) and every pair's
 // last CHUNK says complete once all are (peer memory; other pairs: DONE, then COMPLETE).
 // TP2->TP4 with peer memory: 10 messages per request instead of 28.
-inline constexpr uint8_t kMessageVersion = 8;
+// Version 9: FETCH carries the digest of the handle the generation rank decoded (handle.h,
+// HandleDigestOf) after the token, which is the instance's MAC of that digest (handle version 2):
+// a context rank checks it before anything else and leaves a FETCH that fails it unanswered.
+inline constexpr uint8_t kMessageVersion = 9;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -86,6 +89,7 @@ inline constexpr uint32_t kNoSlot = 0xFFFFFFFF;
 struct FetchMsg {
   uint64_t request_id = 0;
   AccessToken token{};
+  HandleDigest handle_digest{};  // of the handle the generation rank decoded
   uint64_t gen_instance = 0;
   int32_t gen_rank = 0;
   uint32_t transfer_id = 0;

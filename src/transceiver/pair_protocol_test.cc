@@ -131,6 +131,7 @@ TEST(PairProtocol, CreditAfterDoneFailsTheContextRequestAndReturnsItsSlots) {
   FetchMsg f;
   f.request_id = 32;
   f.token = decoded->token;
+  f.handle_digest = HandleDigestOf(h);
   f.gen_instance = 99;
   f.gen_rank = 0;
   f.transfer_id = 5;

@@ -1,9 +1,11 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "transceiver/handle.h"
 #include "transceiver/messages.h"
+#include "transceiver/siphash.h"
 #include "transceiver/wire_fuzz_body.h"
 
 namespace kvferry {
@@ -12,7 +14,7 @@ namespace {
 ContextHandle SampleHandle() {
   ContextHandle h;
   h.request_id = 0x0123456789abcdefULL;
-  h.token = MakeAccessToken({1, 2, 3}, h.request_id, std::vector<int64_t>{4, 5}, 70);
+  h.token = {9, 8, 7};
   h.shape = KvShape{32, 8, 128, DType::kBf16, 2, 32};
   h.parallel = ParallelConfig{2, 2, {20, 12}, 1, 0};
   h.layout = LayoutKind::kPerLayer;
@@ -34,6 +36,53 @@ TEST(Handle, RoundTripsAndStartsWithItsMagic) {
   auto back = DecodeHandle(bytes);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, h);
+}
+
+// The reference implementation's vectors_sip128 (key 00..0f, message 00..len-1).
+TEST(SipHash, MatchesTheReferenceVectors) {
+  std::array<uint8_t, 16> key{};
+  for (int i = 0; i < 16; ++i) key[i] = static_cast<uint8_t>(i);
+  const std::pair<size_t, const char*> want[] = {
+      {0, "a3817f04ba25a8e66df67214c7550293"}, {1, "da87c1d86b99af44347659119b22fc45"},
+      {2, "8177228da4a45dc7fca38bdef60affe4"}, {7, "a1f1ebbed8dbc153c0b84aa61ff08239"},
+      {8, "3b62a9ba6258f5610f83e264f31497b4"}, {9, "264499060ad9baabc47f8b02bb6d71ed"}};
+  for (const auto& [len, hex] : want) {
+    std::vector<std::byte> msg(len);
+    for (size_t i = 0; i < len; ++i) msg[i] = static_cast<std::byte>(i);
+    std::string got;
+    for (uint8_t b : SipHash128(key, msg)) got += fmt::format("{:02x}", b);
+    EXPECT_EQ(got, hex) << len << " bytes";
+  }
+}
+
+// Issue 29: the token authenticated (request id, blocks, tokens) only, so a handle with its
+// layout byte or layer-wise flag altered kept a valid token and was served with wrong KV. The
+// token of version 2 is the instance's MAC over every byte but itself and the checksum: changing
+// any one of them (and recomputing the checksum, as a forger would) breaks it.
+TEST(Handle, TokenAuthenticatesEveryByte) {
+  const std::array<uint8_t, 16> secret{1, 2, 3, 4};
+  auto [bytes, token] = SealHandle(SampleHandle(), secret);
+  auto h = DecodeHandle(bytes);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->token, token);
+  EXPECT_EQ(HandleToken(secret, HandleDigestOf(bytes)), token);
+  EXPECT_NE(HandleToken({1, 2, 3, 5}, HandleDigestOf(bytes)), token);
+  ContextHandle altered = *h;
+  altered.layout = LayoutKind::kBlockMajor;
+  EXPECT_NE(HandleToken(secret, HandleDigestOf(EncodeHandle(altered))), token) << "layout";
+  altered = *h;
+  altered.layer_wise = !altered.layer_wise;
+  EXPECT_NE(HandleToken(secret, HandleDigestOf(EncodeHandle(altered))), token) << "layer-wise";
+  altered = *h;
+  altered.addresses[1] = "evil";
+  EXPECT_NE(HandleToken(secret, HandleDigestOf(EncodeHandle(altered))), token) << "address";
+  // Every byte outside the token and the checksum is covered.
+  for (size_t i = 0; i + 8 < bytes.size(); ++i) {
+    if (i >= 16 && i < 32) continue;
+    auto b = bytes;
+    b[i] ^= std::byte{0x01};
+    EXPECT_NE(HandleDigestOf(b), HandleDigestOf(bytes)) << "byte " << i;
+  }
 }
 
 TEST(Handle, RefusesEveryTruncationAndBitFlip) {
@@ -72,11 +121,15 @@ TEST(Handle, RefusesAWorldSizeThatWouldWrap) {
 
 TEST(Handle, TokenDependsOnSecretAndContents) {
   std::array<uint8_t, 16> a{1}, b{2};
-  std::vector<int64_t> blocks{1, 2};
-  EXPECT_EQ(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 5, blocks, 10));
-  EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(b, 5, blocks, 10));
-  EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 6, blocks, 10));
-  EXPECT_NE(MakeAccessToken(a, 5, blocks, 10), MakeAccessToken(a, 5, blocks, 11));
+  ContextHandle h = SampleHandle();
+  EXPECT_EQ(SealHandle(h, a).second, SealHandle(h, a).second);
+  EXPECT_NE(SealHandle(h, a).second, SealHandle(h, b).second);
+  ContextHandle other = h;
+  other.request_id += 1;
+  EXPECT_NE(SealHandle(h, a).second, SealHandle(other, a).second);
+  other = h;
+  other.prompt_tokens += 1;
+  EXPECT_NE(SealHandle(h, a).second, SealHandle(other, a).second);
 }
 
 // A FETCH offering peer memory handles (Device::ExportMemory bytes, opaque here).

@@ -88,6 +88,15 @@ class ThreadHarness final : public Harness {
       if (auto m = t_[1]->PollControl()) s1.other_ = m->from;
     }
     ASSERT_NE(s1.other_, kAnyPeer) << "first control message never arrived";
+    // Side 1 answers, as a protocol does: a UCX transport connects back to a hello's sender only
+    // then (its bye at destruction goes to peers it answered).
+    ASSERT_TRUE(t_[1]->SendControl(s1.other_, hi).ok());
+    bool answered = false;
+    while (Clock::now() < deadline && !answered) {
+      t_[1]->Progress();
+      answered = t_[0]->PollControl().has_value();
+    }
+    ASSERT_TRUE(answered) << "the answer never arrived";
     std::thread other([&] { body(s1); });
     body(s0);
     other.join();

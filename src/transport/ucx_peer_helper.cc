@@ -7,8 +7,12 @@
 //   bw    register a 64 MiB region, send (address, key), receive tag-send bandwidth traffic
 //   cuda  register 64 MiB of GPU memory (cuda:0), send (address, key); on each control message
 //         "check" answer with the FNV-1a hash of the region's bytes (copied to the host)
-// Each mode first connects to the parent and sends the control message "ready"; each ends on
+//   badhello  (raw UCX, no kvferry transport) send the parent one hello whose address is the
+//         parent's own with the first byte of its control worker address changed (what a forged
+//         handle or hello may carry), then exit 0
+// Each other mode first connects to the parent and sends the control message "ready"; each ends on
 // the parent's control message "exit" or after 60 s. Exit status 0 on success.
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -19,6 +23,7 @@
 #include "kvferry/device.h"
 #include "kvferry/transport.h"
 #include "transport/bandwidth.h"
+#include "transport/ucx_address.h"
 
 namespace kvferry {
 namespace {
@@ -89,15 +94,63 @@ int CudaTarget(Transport& t, PeerId parent, Deadline deadline) {
   return Fail(Status::DeadlineExceeded("no 'exit' from parent"));
 }
 
+// One control message (ucx_transport.cc: tag bit 63 | the sender's instance; byte 0 = 1, hello)
+// carrying `address`, sent on a raw UCX endpoint to the parent's control worker.
+int BadHello(const std::string& parent) {
+  auto workers = DecodeUcxWorkerAddresses(parent);
+  if (!workers.ok()) return Fail(workers.status());
+  UcxWorkerAddresses bad = *workers;
+  bad.control[0] ^= 0x5a;
+  const std::string text = EncodeUcxWorkerAddresses(bad);
+  std::vector<uint8_t> msg{1};
+  const uint32_t n = static_cast<uint32_t>(text.size());
+  for (int i = 0; i < 4; ++i) msg.push_back(static_cast<uint8_t>(n >> (8 * i)));
+  msg.insert(msg.end(), text.begin(), text.end());
+  msg.push_back('h');
+  msg.push_back('i');
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_config_t* config = nullptr;
+  ucp_context_h ctx = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_ep_h ep = nullptr;
+  if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return 4;
+  if (ucp_init(&params, config, &ctx) != UCS_OK) return 4;
+  ucp_config_release(config);
+  ucp_worker_params_t wp{};
+  if (ucp_worker_create(ctx, &wp, &worker) != UCS_OK) return 4;
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(workers->control.data());
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) return 4;
+  ucp_request_param_t prm{};
+  ucs_status_ptr_t r =
+      ucp_tag_send_nbx(ep, msg.data(), msg.size(), (uint64_t{1} << 63) | 0x1234567, &prm);
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  while (UCS_PTR_IS_PTR(r) && ucp_request_check_status(r) == UCS_INPROGRESS &&
+         Clock::now() < deadline) {
+    ucp_worker_progress(worker);
+  }
+  const bool sent =
+      !UCS_PTR_IS_ERR(r) && (!UCS_PTR_IS_PTR(r) || ucp_request_check_status(r) == UCS_OK);
+  if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+  // Leave the endpoint for the process's end to close: the parent is not expected to answer.
+  return sent ? 0 : 5;
+}
+
 int Main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(stderr,
-                 "usage: ucx_peer_helper echo|hang|hangaddr|hangreg|bw|cuda PARENT_ADDRESS "
-                 "[BW_TOTAL_MIB]\n");
+    std::fprintf(
+        stderr,
+        "usage: ucx_peer_helper echo|hang|hangaddr|hangreg|bw|cuda|badhello PARENT_ADDRESS "
+        "[BW_TOTAL_MIB]\n");
     return 2;
   }
   alarm(90);  // never outlive a broken parent
   const std::string mode = argv[1];
+  if (mode == "badhello") return BadHello(argv[2]);
   const Deadline deadline = DeadlineIn(milliseconds(60000));
   TransportOptions o;
   o.name = "ucx";

@@ -126,7 +126,7 @@ StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Put(PeerId peer, const void
                                                          uint64_t remote_addr,
                                                          std::span<const std::byte> rkey) {
   KVF_RETURN_IF_ERROR(CheckKind(kind));
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  KVF_ASSIGN_OR_RETURN(Peer * p, ReadyPeer(peer));
   if (p->dead) return Dead(peer, bytes);
   KVF_ASSIGN_OR_RETURN(ucp_rkey_h key, RemoteKeyFor(*p, rkey, remote_addr, bytes));
   auto s = NewOp(peer, false);
@@ -140,7 +140,7 @@ StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Get(PeerId peer, void* loca
                                                          MemoryKind kind, uint64_t remote_addr,
                                                          std::span<const std::byte> rkey) {
   KVF_RETURN_IF_ERROR(CheckKind(kind));
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  KVF_ASSIGN_OR_RETURN(Peer * p, ReadyPeer(peer));
   if (p->dead) return Dead(peer, bytes);
   KVF_ASSIGN_OR_RETURN(ucp_rkey_h key, RemoteKeyFor(*p, rkey, remote_addr, bytes));
   auto s = NewOp(peer, false);
@@ -151,7 +151,7 @@ StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Get(PeerId peer, void* loca
 }
 
 StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Flush(PeerId peer) {
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  KVF_ASSIGN_OR_RETURN(Peer * p, ReadyPeer(peer));
   if (p->dead) return Dead(peer, 0);
   auto s = NewOp(peer, false);
   ucp_request_param_t prm = Param(s.get(), MemoryKind::kHost, false);
@@ -186,6 +186,7 @@ std::string UcxTransport::DescribePeer(PeerId peer) {
   if (peer < 0 || static_cast<size_t>(peer) >= peers_.size()) return "unknown peer";
   const Peer& p = peers_[peer];
   if (p.dead) return "dead: " + p.death.ToString();
+  if (p.ctrl_ep == nullptr) return "not connected yet";
   return "data " + EpTransports(p.data_ep) + "; control " + EpTransports(p.ctrl_ep);
 }
 

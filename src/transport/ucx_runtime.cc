@@ -1,10 +1,13 @@
 #include <dlfcn.h>
 #include <link.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <ucp/api/ucp.h>
 #include <ucs/config/global_opts.h>
+#include <ucs/debug/debug.h>
 #include <uct/api/uct.h>
 
+#include <mutex>
 #include <string>
 
 #include "base/log.h"
@@ -40,6 +43,13 @@ std::string ConfiguredModuleDir() {
   char buf[4096] = {};
   if (ucs_global_opts_get_value("MODULE_DIR", buf, sizeof(buf)) != UCS_OK) return "";
   return buf;
+}
+
+void KeepSighup() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (ucs_global_opts.debug_signo == SIGHUP) ucs_debug_disable_signal(SIGHUP);
+  });
 }
 
 // UCX loads its modules from two directories: "ucx" beside libucs (found through dladdr, so a
@@ -120,6 +130,7 @@ StatusOr<UcxRuntimeInfo> QueryUcxRuntime() {
   }
   uct_release_component_list(comps);
 
+  ucx_detail::KeepSighup();
   ucp_config_t* raw = nullptr;
   st = ucp_config_read(nullptr, nullptr, &raw);
   if (st != UCS_OK) return ucx_detail::FromUcs(st, "ucp_config_read");

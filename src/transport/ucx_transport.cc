@@ -18,8 +18,11 @@
 //   kind 0: the data follows byte 0.
 // The first control message to a peer is a hello, on the control endpoint; every later one (bye
 // included) goes on the data endpoint, and a receiver holds those of a sender whose hello it has
-// not taken yet. A transport being destroyed sends bye to every live peer, which fails that peer's
-// pending ops at the receiver with kUnavailable at once.
+// not taken yet. A transport being destroyed sends bye to every live peer it has endpoints to,
+// which fails that peer's pending ops at the receiver with kUnavailable at once. A hello adds its
+// sender without endpoints (made by the first answer): a sender never answered gets no bye either
+// (with ucx.error_mode=none, where the bye is the only news of an orderly end, such a sender
+// learns of it by its deadline), since a bye would connect to an address nothing vouched for.
 //
 // Address text: see ucx_address.h.
 #include <sys/epoll.h>
@@ -30,6 +33,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <random>
 #include <string>
 #include <unordered_map>
@@ -58,6 +62,11 @@ namespace ucx_detail {
 namespace {
 
 constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
+
+// libucs takes SIGHUP when it loads, before any transport exists: kvferry gives it back as soon
+// as it loads too (libucs, a dependency, was initialized before), so a process that never makes
+// a UCX transport still dies of a hangup. Create calls it again (once per process in all).
+[[maybe_unused]] const bool kSighupKept = (KeepSighup(), true);
 
 }  // namespace
 
@@ -94,6 +103,7 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   t->ctrl_peer_errors_ = t->mode_ != ErrorMode::kNone;
   t->data_peer_errors_ = t->mode_ == ErrorMode::kPeer;
 
+  KeepSighup();
   ucp_config_t* raw_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &raw_config);
   if (st != UCS_OK) return FromUcs(st, "ucp_config_read").WithContext("ucx transport");
@@ -132,6 +142,15 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   if (!data.ok()) return data.status().WithContext("ucx transport: data worker");
   t->data_worker_ = std::move(data).value();
   t->address_ = EncodeUcxWorkerAddresses(addresses);
+  if (auto shape = UcxAddressShape::Learn(addresses.control); shape.ok()) {
+    t->shape_ = *shape;
+  } else {
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      Log(LogLevel::kWarn, "ucx: peer addresses go to UCX unchecked: {}",
+          shape.status().ToString());
+    });
+  }
   t->OpenWakeup();
 
   std::random_device rd;
@@ -171,7 +190,7 @@ UcxTransport::~UcxTransport() {
   // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
   std::vector<std::shared_ptr<OpState>> byes;
   for (size_t i = 0; i < peers_.size(); ++i) {
-    if (peers_[i].dead) continue;
+    if (peers_[i].dead || peers_[i].ctrl_ep == nullptr) continue;  // never answered: nothing to end
     auto bye = PostControl(static_cast<PeerId>(i), kKindBye, {});
     if (bye.ok()) byes.push_back(std::move(bye).value());
   }
@@ -378,7 +397,7 @@ StatusOr<Peer*> UcxTransport::LivePeer(PeerId peer) {
 StatusOr<PeerId> UcxTransport::Connect(std::string_view address, Deadline) {
   // ConnectAddress decodes (and so checks) an address it has not connected before; a known one
   // is a lookup (a generation rank connects to every context rank on every Fetch).
-  return ConnectAddress(std::string(address));
+  return ConnectAddress(std::string(address), /*connect=*/true);
 }
 
 StatusOr<ucp_ep_h> UcxTransport::CreateEp(ucp_worker_h worker, const std::vector<uint8_t>& address,
@@ -409,36 +428,56 @@ void UcxTransport::CloseEp(ucp_ep_h ep, bool force) {
   if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
 }
 
-StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address) {
+StatusOr<PeerId> UcxTransport::ConnectAddress(const std::string& address, bool connect) {
   // A peer that died stays dead: its address names a worker that is gone (a restarted process
   // has a new address), and reconnecting would only wait for UCX to find that out again.
   auto it = peer_by_address_.find(address);
   if (it != peer_by_address_.end()) {
-    if (!peers_[it->second].dead) return it->second;
-    return peers_[it->second].death;
+    if (peers_[it->second].dead) return peers_[it->second].death;
+    if (connect) KVF_RETURN_IF_ERROR(ReadyPeer(it->second).status());
+    return it->second;
   }
   KVF_ASSIGN_OR_RETURN(UcxWorkerAddresses raw, DecodeUcxWorkerAddresses(address));
   if (address == address_) return Status::InvalidArgument("ucx: connecting to self");
+  // UCX parses a worker address without its length and aborts on some bad bytes: only an
+  // address of the layout this UCX makes reaches ucp_ep_create (ucx_address.h says what stays
+  // trusted).
+  if (Status st = shape_.Check(raw.control); !st.ok()) return st.WithContext("control worker");
+  if (Status st = shape_.Check(raw.data); !st.ok()) return st.WithContext("data worker");
   const PeerId id = static_cast<PeerId>(peers_.size());
   ep_args_.push_back({this, id});
-  auto ctrl = CreateEp(ctrl_worker_.get(), raw.control, ctrl_peer_errors_, &ep_args_.back());
-  if (!ctrl.ok()) {
-    ep_args_.pop_back();
-    return ctrl.status();
+  peers_.emplace_back();
+  peers_.back().address = address;
+  peers_.back().workers = std::move(raw);
+  peer_by_address_[address] = id;
+  if (connect) KVF_RETURN_IF_ERROR(ReadyPeer(id).status());
+  return id;
+}
+
+StatusOr<Peer*> UcxTransport::ReadyPeer(PeerId peer) {
+  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  if (p->dead || p->ctrl_ep != nullptr) return p;
+  if (Status st = CreateEndpoints(peer); !st.ok()) {
+    MarkDead(peer, st);
+    return st;
   }
-  auto data = CreateEp(data_worker_.get(), raw.data, data_peer_errors_, &ep_args_.back());
+  return p;
+}
+
+Status UcxTransport::CreateEndpoints(PeerId id) {
+  Peer& p = peers_[id];
+  EpErrorArg* arg = &ep_args_[id];
+  KVF_ASSIGN_OR_RETURN(ucp_ep_h ctrl,
+                       CreateEp(ctrl_worker_.get(), p.workers.control, ctrl_peer_errors_, arg));
+  auto data = CreateEp(data_worker_.get(), p.workers.data, data_peer_errors_, arg);
   if (!data.ok()) {
-    CloseEp(*ctrl, ctrl_peer_errors_);
-    ep_args_.pop_back();
+    CloseEp(ctrl, ctrl_peer_errors_);
     return data.status();
   }
   Log(LogLevel::kDebug, "ucx: peer {} connected (pid {})", id, getpid());
-  peers_.emplace_back();
-  peers_.back().ctrl_ep = *ctrl;
-  peers_.back().data_ep = *data;
-  peers_.back().address = address;
-  peer_by_address_[address] = id;
-  return id;
+  p.ctrl_ep = ctrl;
+  p.data_ep = *data;
+  return Status::Ok();
 }
 
 void UcxTransport::MarkDead(PeerId peer, Status why) {
@@ -548,7 +587,7 @@ Status UcxTransport::SendControl(PeerId peer, std::span<const std::byte> bytes) 
     return Status::InvalidArgument("control message of " + std::to_string(bytes.size()) +
                                    " bytes exceeds " + std::to_string(caps_.max_control_bytes));
   }
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  KVF_ASSIGN_OR_RETURN(Peer * p, ReadyPeer(peer));
   if (p->dead) return p->death;
   auto posted = PostControl(peer, kKindData, bytes);
   return posted.ok() ? Status::Ok() : posted.status();
@@ -606,9 +645,11 @@ void UcxTransport::DrainControl() {
       }
       const uint32_t len = LoadU32Le(p + 1);
       std::string addr(reinterpret_cast<const char*>(p + 5), len);
-      auto peer = ConnectAddress(addr);
+      // Not connected yet: the endpoints come with the first answer (ReadyPeer), so a sender
+      // no one answers (a forged hello) makes this transport call no UCX function on its address.
+      auto peer = ConnectAddress(addr, /*connect=*/false);
       if (!peer.ok()) {
-        Log(LogLevel::kWarn, "ucx: can't connect back to a sender: {}", peer.status().ToString());
+        Log(LogLevel::kWarn, "ucx: dropped a hello: {}", peer.status().ToString());
         continue;
       }
       peer_by_instance_[instance] = *peer;
@@ -703,7 +744,7 @@ StatusOr<std::unique_ptr<TransportOp>> UcxTransport::Send(PeerId peer, uint64_t 
                                                           MemoryKind kind) {
   KVF_RETURN_IF_ERROR(CheckKind(kind));
   if (tag & kCtrlBit) return Status::InvalidArgument("ucx data tags have 63 bits");
-  KVF_ASSIGN_OR_RETURN(Peer * p, LivePeer(peer));
+  KVF_ASSIGN_OR_RETURN(Peer * p, ReadyPeer(peer));
   if (p->dead) return Dead(peer, bytes);
   auto s = NewOp(peer, false);
   s->bytes = bytes;

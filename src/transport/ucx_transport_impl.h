@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kvferry/transport.h"
+#include "transport/ucx_address.h"
 #include "transport/ucx_util.h"
 
 namespace kvferry::ucx_detail {
@@ -68,9 +69,12 @@ struct RemoteKey {
 };
 
 struct Peer {
+  // Both null until the first operation that needs them (ReadyPeer): a sender's hello names an
+  // address this transport connects back to only once its owner answers that sender.
   ucp_ep_h ctrl_ep = nullptr;
   ucp_ep_h data_ep = nullptr;
   std::string address;
+  UcxWorkerAddresses workers;  // decoded and checked (UcxAddressShape) when the peer was added
   bool dead = false;
   Status death;
   bool hello_sent = false;
@@ -132,8 +136,14 @@ class UcxTransport final : public Transport {
   std::unique_ptr<TransportOp> Dead(PeerId peer, size_t bytes);
   ucp_request_param_t Param(OpState* s, MemoryKind kind, bool recv) const;
   StatusOr<Peer*> LivePeer(PeerId peer);
+  // LivePeer with its endpoints created (first use); a peer whose endpoints can't be made is
+  // dead from then on.
+  StatusOr<Peer*> ReadyPeer(PeerId peer);
   Status CheckKind(MemoryKind kind) const;
-  StatusOr<PeerId> ConnectAddress(const std::string& address);
+  // The peer of `address`, added when new after decoding and checking the address (no UCX call
+  // before that); its endpoints are created now when `connect`, else at first use.
+  StatusOr<PeerId> ConnectAddress(const std::string& address, bool connect);
+  Status CreateEndpoints(PeerId id);
   StatusOr<ucp_ep_h> CreateEp(ucp_worker_h worker, const std::vector<uint8_t>& address,
                               bool peer_errors, EpErrorArg* arg);
   void CloseEp(ucp_ep_h ep, bool force);
@@ -170,6 +180,7 @@ class UcxTransport final : public Transport {
   int wakeup_fd_ = -1;  // owned: an epoll fd over both workers' event fds (-1: none)
   WorkerPtr data_worker_;
   std::string address_;
+  UcxAddressShape shape_ = UcxAddressShape::Unchecked();  // learned from this transport's address
   uint64_t instance_ = 0;   // random, 63 bits: identifies this transport in control tags
   std::deque<Peer> peers_;  // PeerId -> peer (deque: stable addresses for callbacks)
   std::deque<EpErrorArg> ep_args_;

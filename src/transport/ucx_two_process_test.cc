@@ -1,6 +1,7 @@
 // UCX between two processes: this test forks and execs ucx_peer_helper, passing it this
 // transport's address on the command line; the helper connects and says "ready", and this side
 // learns its PeerId from that first control message (connect-back).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include "kvferry/config.h"
 #include "kvferry/transport.h"
 #include "transport/bandwidth.h"
+#include "transport/ucx_address.h"
 #include "transport/ucx_child_for_test.h"
 
 namespace kvferry {
@@ -264,6 +266,91 @@ void RunBandwidth(const std::string& mode) {
   ASSERT_TRUE(t.SendControl(peer, Bytes("exit")).ok());
   for (int i = 0; i < 1000; ++i) t.Progress();
   EXPECT_EQ(child.Wait(DeadlineIn(milliseconds(10000))), 0);
+}
+
+// Issue 29: a worker address with its first byte changed made UCX abort the process that
+// connected to it (ucs_assertv_always on the address version), through a forged handle or a hello.
+// Connect now refuses every such address before UCX sees it; the check runs in a child process so
+// that a regression shows as a failed test, not as the end of this binary.
+TEST_F(UcxTwoProcess, ConnectRefusesWorkerAddressesWithTheirFirstByteChanged) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const UcxWorkerAddresses mine = std::move(DecodeUcxWorkerAddresses(t_->LocalAddress())).value();
+  EXPECT_EXIT(
+      {
+        TransportOptions o;
+        o.name = "ucx";
+        auto other = std::move(CreateTransport(o)).value();
+        int refused = 0;
+        for (int v = 0; v < 256; ++v) {
+          for (bool data_worker : {false, true}) {
+            UcxWorkerAddresses bad = mine;
+            std::vector<uint8_t>& w = data_worker ? bad.data : bad.control;
+            if (w[0] == v) continue;
+            w[0] = static_cast<uint8_t>(v);
+            auto peer = other->Connect(EncodeUcxWorkerAddresses(bad), DeadlineIn(milliseconds(1)));
+            if (peer.status().code() == StatusCode::kInvalidArgument) ++refused;
+          }
+        }
+        std::fprintf(stderr, "refused %d of 510\n", refused);
+        std::exit(refused == 510 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "refused 510 of 510");
+}
+
+// The structural check itself, on this UCX's own address: every truncation, every appended
+// byte and every change of the header byte (address version and flags) is refused; the address
+// itself passes.
+TEST_F(UcxTwoProcess, AddressShapeRefusesTruncatedExtendedAndForeignHeaders) {
+  const UcxWorkerAddresses mine = std::move(DecodeUcxWorkerAddresses(t_->LocalAddress())).value();
+  auto shape = UcxAddressShape::Learn(mine.control);
+  std::string hex;
+  for (uint8_t b : mine.control) hex += fmt::format(" {:02x}", b);
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString() << ";" << hex;
+  ASSERT_TRUE(shape->Check(mine.control).ok());
+  ASSERT_TRUE(shape->Check(mine.data).ok());
+  for (size_t n = 0; n < mine.control.size(); ++n) {
+    std::span<const uint8_t> cut(mine.control.data(), n);
+    EXPECT_EQ(shape->Check(cut).code(), StatusCode::kInvalidArgument) << n << " bytes";
+  }
+  for (int v = 0; v < 256; ++v) {
+    std::vector<uint8_t> longer = mine.control;
+    longer.push_back(static_cast<uint8_t>(v));
+    EXPECT_EQ(shape->Check(longer).code(), StatusCode::kInvalidArgument) << "appended " << v;
+    std::vector<uint8_t> changed = mine.control;
+    if (changed[0] == v) continue;
+    changed[0] = static_cast<uint8_t>(v);
+    EXPECT_EQ(shape->Check(changed).code(), StatusCode::kInvalidArgument) << "header " << v;
+  }
+  std::printf("[ info ] this UCX's control worker address: %zu bytes, header %02x %02x\n",
+              mine.control.size(), mine.control[0], mine.control[1]);
+}
+
+// A hello is the first message of a sender; its address used to be connected to at once (a
+// ucp_ep_create on bytes anyone may send). One carrying a corrupted address is dropped, this rank
+// neither crashes nor delivers it, and it goes on serving the next peer.
+TEST_F(UcxTwoProcess, HelloWithACorruptAddressIsDroppedAndTheRankServesOn) {
+  Child bad("badhello", t_->LocalAddress());
+  int bad_exit = -1;
+  const Deadline deadline = DeadlineIn(milliseconds(20000));
+  const Deadline settle = DeadlineIn(milliseconds(500));
+  while (Clock::now() < deadline && (bad_exit < 0 || Clock::now() < settle)) {
+    if (auto m = t_->PollControl()) ADD_FAILURE() << "a forged hello was delivered";
+    if (bad_exit < 0) bad_exit = bad.Wait(DeadlineIn(milliseconds(0)));
+  }
+  EXPECT_EQ(bad_exit, 0) << "the helper could not send its hello";
+  Child good("hang", t_->LocalAddress());
+  const PeerId peer = AwaitReady();
+  ASSERT_NE(peer, kAnyPeer);
+  EXPECT_TRUE(t_->SendControl(peer, Bytes("still here")).ok());
+}
+
+// UCX takes SIGHUP when libucs loads (UCX_DEBUG_SIGNO: raise the log level) and so swallowed the
+// hangup that ends a process; a rank process with a UCX transport now dies of it.
+TEST_F(UcxTwoProcess, SighupEndsARankProcess) {
+  Child child("hang", t_->LocalAddress());
+  ASSERT_NE(AwaitReady(), kAnyPeer);
+  ASSERT_EQ(kill(child.pid(), SIGHUP), 0);
+  EXPECT_EQ(child.Wait(DeadlineIn(milliseconds(10000))), 128 + SIGHUP);
 }
 
 TEST(UcxTwoProcessBandwidth, PerftestBaseline) {

@@ -22,6 +22,11 @@ namespace kvferry::ucx_detail {
 // ucx_runtime.cc.
 std::string ModuleDir();
 std::string ConfiguredModuleDir();
+// Gives SIGHUP back its previous action (the default one in a process that set none). libucs
+// takes the signal when it loads (UCX_DEBUG_SIGNO, SIGHUP by default: flush the log, raise the
+// log level) and so swallows the hangup that should end the process; kvferry processes keep
+// their own. Once per process, before the first UCX context.
+void KeepSighup();
 
 inline Status FromUcs(ucs_status_t st, std::string_view what) {
   std::string msg = std::string(what) + ": " + ucs_status_string(st);

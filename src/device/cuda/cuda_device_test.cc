@@ -2,8 +2,13 @@
 // (gather kernel and copy engine) against the CPU device byte for byte, the partial-block copy
 // pattern of KV offload, the descriptor ring under pressure, and opening devices that are absent.
 // Tests that need a GPU skip themselves when none is present.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <optional>
@@ -15,6 +20,7 @@
 #include "device/cuda/copy_test_support.h"
 #include "device/cuda_entry.h"
 #include "device/device_conformance.h"
+#include "device/peer_memory.h"
 #include "kvferry/config.h"
 
 namespace kvferry::testing {
@@ -290,6 +296,84 @@ TEST_F(CudaDeviceTest, ExportsDeviceRegionsAndMapsItsOwnHandle) {
   auto cpu_handle = cpu->ExportMemory(mine.data(), mine.size(), MemoryKind::kHost);
   ASSERT_TRUE(cpu_handle.ok());
   EXPECT_EQ(dev_->ImportMemory(*cpu_handle).status().code(), StatusCode::kUnavailable);
+}
+
+// Issue 29: the exporting process mapped its own handle's raw address and length. Now only the
+// region it exported, exactly as registered under the handle's token.
+TEST_F(CudaDeviceTest, OwnHandleMapsOnlyTheExportedRegion) {
+  Buffer a = Alloc(MemoryKind::kDevice, 1 << 20);
+  Buffer b = Alloc(MemoryKind::kDevice, 1 << 20);
+  auto h = dev_->ExportMemory(a.data() + 4096, 8192, MemoryKind::kDevice);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  const PeerHandle good = DecodePeerHandle(*h).value();
+  std::vector<PeerHandle> forged(3, good);
+  forged[0].address = reinterpret_cast<uintptr_t>(b.data());
+  forged[1].bytes = 1 << 19;
+  forged[2].export_token ^= 1;
+  for (const PeerHandle& f : forged) {
+    auto st = dev_->ImportMemory(EncodePeerHandle(f)).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  }
+  ASSERT_TRUE(dev_->ImportMemory(*h).ok());
+}
+
+// The exporter of the cross-process test below: this binary run again with KVFERRY_IPC_CHILD set
+// (CUDA does not survive fork). Prints its handle of 8 KiB at offset 4 KiB of a 1 MiB allocation
+// as hex, then waits until the file named by KVFERRY_IPC_CHILD exists (30 s at most).
+TEST(CudaIpcChild, Export) {
+  const char* done = std::getenv("KVFERRY_IPC_CHILD");
+  if (done == nullptr)
+    GTEST_SKIP() << "run by CudaDeviceTest.PeerHandleMapsOnlyInsideItsAllocation";
+  auto dev = OpenDevice("cuda:0");
+  ASSERT_TRUE(dev.ok());
+  auto a = (*dev)->Allocate(MemoryKind::kDevice, 1 << 20);
+  ASSERT_TRUE(a.ok());
+  auto h = (*dev)->ExportMemory(a->data() + 4096, 8192, MemoryKind::kDevice);
+  ASSERT_TRUE(h.ok());
+  std::string hex;
+  for (std::byte x : *h) hex += fmt::format("{:02x}", static_cast<int>(x));
+  std::printf("HANDLE %s\n", hex.c_str());
+  std::fflush(stdout);
+  for (int i = 0; i < 3000 && access(done, F_OK) != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+}
+
+// Issue 29: a CUDA IPC handle from another process was mapped at its declared offset and size
+// without a check against the allocation it opens. Now a region past the allocation is refused
+// (its size from cuMemGetAddressRange), and the genuine handle maps.
+TEST_F(CudaDeviceTest, PeerHandleMapsOnlyInsideItsAllocation) {
+  const std::string done = fmt::format("/tmp/kvferry-ipc-child-{}", getpid());
+  std::remove(done.c_str());
+  const std::string cmd = fmt::format(
+      "KVFERRY_IPC_CHILD={} /proc/{}/exe --gtest_filter=CudaIpcChild.Export 2>&1", done, getpid());
+  FILE* child = popen(cmd.c_str(), "r");
+  ASSERT_NE(child, nullptr);
+  std::vector<std::byte> handle;
+  char line[4096];
+  while (handle.empty() && std::fgets(line, sizeof line, child) != nullptr) {
+    std::string text(line);
+    if (text.rfind("HANDLE ", 0) != 0) continue;
+    for (size_t i = 7; i + 1 < text.size() && std::isxdigit(text[i]); i += 2)
+      handle.push_back(static_cast<std::byte>(std::stoi(text.substr(i, 2), nullptr, 16)));
+  }
+  EXPECT_FALSE(handle.empty()) << "the exporting child printed no handle";
+  if (!handle.empty()) {
+    PeerHandle h = DecodePeerHandle(handle).value();
+    auto with = [&](uint64_t offset, uint64_t bytes) {
+      PeerHandle f = h;
+      f.bytes = bytes;
+      for (int i = 0; i < 8; ++i) f.payload[4 + i] = static_cast<std::byte>(offset >> (8 * i));
+      return dev_->ImportMemory(EncodePeerHandle(f)).status();
+    };
+    EXPECT_EQ(with((1 << 20) - 4096, 8192).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(with(4096, 1 << 20).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(with(uint64_t{1} << 62, 8192).code(), StatusCode::kInvalidArgument);
+    auto m = dev_->ImportMemory(handle);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+  }
+  std::fclose(std::fopen(done.c_str(), "w"));
+  pclose(child);
+  std::remove(done.c_str());
 }
 
 }  // namespace

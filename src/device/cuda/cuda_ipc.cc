@@ -54,20 +54,34 @@ class IpcOpenings {
     static IpcOpenings* o = new IpcOpenings();
     return *o;
   }
-  StatusOr<std::byte*> Open(int ordinal, const cudaIpcMemHandle_t& h) {
+  // The opened allocation: its base here and its size (cuMemGetAddressRange of the opening).
+  struct Opened {
+    std::byte* base;
+    size_t bytes;
+  };
+  StatusOr<Opened> Open(int ordinal, const cudaIpcMemHandle_t& h) {
     std::lock_guard lock(mu_);
     std::string key(reinterpret_cast<const char*>(&h), sizeof(h));
     auto it = open_.find(key);
     if (it != open_.end()) {
       ++it->second.refs;
-      return it->second.base;
+      return Opened{it->second.base, it->second.bytes};
     }
     void* p = nullptr;
     KVF_RETURN_IF_ERROR(CudaCheck(cudaSetDevice(ordinal), "cudaSetDevice({})", ordinal));
     KVF_RETURN_IF_ERROR(CudaCheck(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
                                   "cuda:{} cudaIpcOpenMemHandle", ordinal));
-    open_.emplace(key, Entry{static_cast<std::byte*>(p), 1});
-    return static_cast<std::byte*>(p);
+    uintptr_t base = 0;
+    size_t bytes = 0;
+    if (Status st = AllocationOf(p, base, bytes); !st.ok()) {
+      cudaIpcCloseMemHandle(p);
+      cudaGetLastError();
+      return st.WithContext(fmt::format("cuda:{} opened peer allocation", ordinal));
+    }
+    // The opening maps the whole allocation: its range starts at the pointer CUDA returned.
+    bytes -= static_cast<size_t>(reinterpret_cast<uintptr_t>(p) - base);
+    open_.emplace(key, Entry{static_cast<std::byte*>(p), bytes, 1});
+    return Opened{static_cast<std::byte*>(p), bytes};
   }
   void Close(int ordinal, const cudaIpcMemHandle_t& h) {
     std::lock_guard lock(mu_);
@@ -82,6 +96,7 @@ class IpcOpenings {
  private:
   struct Entry {
     std::byte* base;
+    size_t bytes;
     int refs;
   };
   std::mutex mu_;
@@ -139,6 +154,7 @@ StatusOr<std::vector<std::byte>> ExportIpcMemory(int ordinal, const void* base, 
   ph.host = ThisHostId();
   ph.address = b;
   ph.bytes = bytes;
+  KVF_ASSIGN_OR_RETURN(ph.export_token, RegisterPeerExport(ph.address, ph.bytes, ph.platform));
   WireWriter payload;
   payload.U32(static_cast<uint32_t>(ordinal));
   payload.U64(b - alloc);
@@ -157,6 +173,8 @@ StatusOr<std::unique_ptr<PeerMapping>> ImportIpcMemory(int ordinal,
                     kIpcPayload));
   }
   if (ph.pid == ThisPid()) {
+    // Only a region this process exported, exactly (the handle's other fields are the peer's).
+    KVF_RETURN_IF_ERROR(CheckOwnExport(ph));
     return OwnPeerMapping(reinterpret_cast<std::byte*>(ph.address), static_cast<size_t>(ph.bytes));
   }
   WireReader payload(ph.payload);
@@ -164,9 +182,18 @@ StatusOr<std::unique_ptr<PeerMapping>> ImportIpcMemory(int ordinal,
   const uint64_t offset = payload.U64("offset");
   cudaIpcMemHandle_t h{};
   std::memcpy(&h, ph.payload.data() + payload.position(), sizeof(h));
-  KVF_ASSIGN_OR_RETURN(std::byte * opened, IpcOpenings::Get().Open(ordinal, h));
-  return std::unique_ptr<PeerMapping>(
-      std::make_unique<IpcMapping>(ordinal, h, opened + offset, static_cast<size_t>(ph.bytes)));
+  KVF_ASSIGN_OR_RETURN(IpcOpenings::Opened opened, IpcOpenings::Get().Open(ordinal, h));
+  // The region must lie inside the allocation the handle opened, whatever offset and size the
+  // handle declares.
+  if (offset > opened.bytes || ph.bytes > opened.bytes - offset) {
+    IpcOpenings::Get().Close(ordinal, h);
+    return Status::InvalidArgument(fmt::format(
+        "cuda:{} peer memory handle of process {}: {} bytes at offset {} run past the {}-byte "
+        "allocation it opens",
+        ordinal, ph.pid, ph.bytes, offset, opened.bytes));
+  }
+  return std::unique_ptr<PeerMapping>(std::make_unique<IpcMapping>(ordinal, h, opened.base + offset,
+                                                                   static_cast<size_t>(ph.bytes)));
 }
 
 }  // namespace kvferry::internal::cuda
