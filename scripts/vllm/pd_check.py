@@ -337,6 +337,10 @@ def orchestrate(args) -> int:
     pending = []  # (connector, prefill process) still serving
     for conn in (["kvferry", "nixl"] if args.only is None else [args.only]):
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port)} if conn == "nixl" else {}
+        if args.prefill_tp > 1:
+            # vLLM's CPU workers bind one NUMA node each unless told which cores to use.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(r % os.cpu_count()) for r in range(args.prefill_tp))
         pre = spawn(args, "prefill", conn, logs[f"{conn}-prefill"], env)
         env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port + 10)} if conn == "nixl" else {}
         dec = spawn(args, "decode", conn, logs[f"{conn}-decode"], env_d)

@@ -424,8 +424,9 @@ class _Worker:
                                       rank=self.tp_rank, blocks=blocks, byte_strides=strides,
                                       split="per-layer")
         self.whole_blocks = layout == "vllm-cpu"
-        kind = self.pool.layout.split()[0]
-        if kind != layout:
+        # A named layout with these very strides (with one local head several coincide, e.g.
+        # vllm-cpu and flashinfer) places every element alike: any of them transfers correctly.
+        if self.pool.layout.split()[0] == "custom":
             raise ValueError(f"KvferryConnector: vLLM's KV cache {tuple(tensors[0].shape)} "
                              f"strides {tensors[0].stride()} read as {layout} gives kvferry "
                              f"layout '{self.pool.layout}', not a named one: refused")
