@@ -16,8 +16,11 @@ Rounds on the decode instance (the same for kvferry and NIXL):
   C   (kvferry only) the connector's test option reverses the local block ids: outputs must change
   F   (kvferry only) a ticket naming a request the producer never published: the fetch fails,
       vLLM recomputes the prompt (kv_load_failure_policy=recompute), outputs equal the baseline
+Then (kvferry only) the prefill instance makes more tickets nobody fetches but a victim process,
+which starts one fetch and dies at once: the blocks must come back by the hold deadline
+(--hold-timeout-s) and the instance must serve a new request correctly.
 
-    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|nixl]
+    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|nixl] [--prefill-tp 2]
 """
 
 from __future__ import annotations
