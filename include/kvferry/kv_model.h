@@ -107,10 +107,11 @@ enum class LayoutKind : uint8_t {
   kFlashInferNhd = 6,  // FlashInfer paged NHD: one region per layer [block][kv][token][head][dim]
   kFlashInferHnd = 7,  // FlashInfer paged HND: one region per layer [block][kv][head][token][dim]
   kBlockMajorNhd = 8,  // one region [block][layer][kv][token][head][dim] (vLLM cross-layer blocks)
+  kVllmCpu = 9,        // vLLM CPU backend: one region per layer [block][head][kv][token][dim]
 };
-inline constexpr LayoutKind kLastLayoutKind = LayoutKind::kBlockMajorNhd;
+inline constexpr LayoutKind kLastLayoutKind = LayoutKind::kVllmCpu;
 // "block-major", "per-layer", "custom", "per-layer-hnd", "per-layer-kv", "per-layer-kv-hnd",
-// "flashinfer", "flashinfer-hnd", "block-major-nhd".
+// "flashinfer", "flashinfer-hnd", "block-major-nhd", "vllm-cpu".
 std::string_view LayoutKindName(LayoutKind kind);
 StatusOr<LayoutKind> ParseLayoutKind(std::string_view name);  // any name above but "custom"
 // The named kinds, in wire order, without kCustom.
@@ -165,6 +166,11 @@ class PoolLayout {
   static PoolLayout VllmPerLayer(const PoolDims& dims, int64_t element_bytes, HeadOrder order);
   static PoolLayout PerLayerKv(const PoolDims& dims, int64_t element_bytes, HeadOrder order);
   static PoolLayout FlashInfer(const PoolDims& dims, int64_t element_bytes, HeadOrder order);
+  // vLLM's CPU attention backend: kv_caches[l] = [num_blocks, heads, block_size, 2 * head_dim]
+  // seen as [block][head][kv][token][dim]: each (block, head) page is the block's K half, then
+  // its V half. Inside a half the attention kernel orders tokens and dims its own way, so only
+  // whole blocks (any head range) mean the same thing on both sides: move whole blocks.
+  static PoolLayout VllmCpu(const PoolDims& dims, int64_t element_bytes);
   static PoolLayout TrtllmBlockMajor(const PoolDims& dims, int64_t element_bytes) {
     return BlockMajor(dims, element_bytes);
   }

@@ -227,6 +227,7 @@ constexpr KindName kKindNames[] = {
     {LayoutKind::kFlashInferNhd, "flashinfer"},
     {LayoutKind::kFlashInferHnd, "flashinfer-hnd"},
     {LayoutKind::kBlockMajorNhd, "block-major-nhd"},
+    {LayoutKind::kVllmCpu, "vllm-cpu"},
 };
 
 bool IsRegionAxis(RegionSplit split, int a) {
@@ -368,6 +369,11 @@ PoolLayout PoolLayout::FlashInfer(const PoolDims& d, int64_t element_bytes, Head
                 RegionSplit::kPerLayer, element_bytes);
 }
 
+PoolLayout PoolLayout::VllmCpu(const PoolDims& d, int64_t element_bytes) {
+  return Packed(LayoutKind::kVllmCpu, d, {kBlockAxis, kHeadAxis, kKvAxis, kTokenAxis},
+                RegionSplit::kPerLayer, element_bytes);
+}
+
 StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
                                       int64_t element_bytes) {
   for (int a = 0; a < kNumAxes; ++a) {
@@ -400,6 +406,8 @@ StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
       return Packed(LayoutKind::kBlockMajorNhd, dims,
                     {kBlockAxis, kLayerAxis, kKvAxis, kTokenAxis, kHeadAxis}, RegionSplit::kNone,
                     element_bytes);
+    case LayoutKind::kVllmCpu:
+      return VllmCpu(dims, element_bytes);
     case LayoutKind::kCustom:
       break;
   }

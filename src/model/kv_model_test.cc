@@ -180,6 +180,29 @@ TEST(PoolLayout, EnginePresetsNamesAndRegions) {
   EXPECT_EQ(PoolLayout::Custom(d, off, RegionSplit::kPerLayer, 2)->kind(), LayoutKind::kCustom);
 }
 
+// vLLM's CPU backend: kv_caches[l] = [block][head][token][2*dim], each (block, head) page the
+// block's K rows then its V rows, i.e. [block][head][kv][token][dim] per layer.
+TEST(PoolLayout, VllmCpuPreset) {
+  const PoolDims d{10, 4, 2, 8, 16, 64};
+  PoolLayout cpu = PoolLayout::VllmCpu(d, 4);
+  EXPECT_EQ(cpu.strides(), (PoolStrides{8 * 2 * 16 * 64, 0, 16 * 64, 2 * 16 * 64, 64, 1}));
+  EXPECT_EQ(cpu.num_regions(), 4);
+  EXPECT_EQ(cpu.region_bytes(), 10LL * 8 * 16 * 2 * 64 * 4);
+  EXPECT_EQ(cpu.ToString(),
+            "vllm-cpu (blk,L,kv,h,t,d)=(10,4,2,8,16,64):(16384,0,1024,2048,64,1) regions "
+            "per-layer 4B/elem");
+  // A block of a layer is one run; the K half of one head's page is one run of 16 tokens.
+  EXPECT_EQ(cpu.Extents(cpu.WholeBlock(2)).size(), 4u);
+  EXPECT_EQ(cpu.Extents(BlockBox{2, {1, 2}, {0, 1}, {3, 4}, {0, 16}}),
+            (std::vector<Extent>{{1, (2LL * 16384 + 3 * 2048) * 4, 16 * 64 * 4}}));
+  // torch's byte strides of that tensor, viewed as (block, -, kv, head, token, dim), name it.
+  auto same = PoolLayout::FromByteStrides(d, {16384 * 4, 0, 1024 * 4, 2048 * 4, 64 * 4, 4},
+                                          RegionSplit::kPerLayer, 4);
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_EQ(same->kind(), LayoutKind::kVllmCpu);
+  EXPECT_EQ(*ParseLayoutKind("vllm-cpu"), LayoutKind::kVllmCpu);
+}
+
 TEST(PoolLayout, CoalescesPartialRanges) {
   PoolLayout l = PoolLayout::BlockMajor({4, 2, 2, 4, 8, 16}, 1);
   // First 3 tokens of each (layer, kv, head) plane: 2*2*4 runs of 3*16 bytes.

@@ -42,6 +42,8 @@ inline EngineIndex EngineElement(LayoutKind kind, const PoolDims& n, int64_t b, 
       return {r(l), (((b * KV + kv) * H + h) * T + t) * D + d};
     case LayoutKind::kBlockMajorNhd:  // vLLM cross-layer blocks [B][L][2][T][H][D]
       return {0, ((((b * L + l) * KV + kv) * T + t) * H + h) * D + d};
+    case LayoutKind::kVllmCpu:  // vLLM CPU backend kv_caches[l]: [B][H][T][2*D], K rows then V
+      return {r(l), ((b * H + h) * T * KV + kv * T + t) * D + d};
     case LayoutKind::kCustom:
       break;
   }

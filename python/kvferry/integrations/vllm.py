@@ -1,0 +1,595 @@
+"""kvferry as a vLLM v1 KV connector: disaggregated prefill (producer) and decode (consumer).
+
+Load it with vLLM's standard configuration (docs/vllm.md)::
+
+    --kv-transfer-config '{"kv_connector": "KvferryConnector",
+                           "kv_connector_module_path": "kvferry.integrations.vllm",
+                           "kv_role": "kv_producer",      # or kv_consumer, kv_both
+                           "kv_connector_extra_config": {"rendezvous": "127.0.0.1:7000",
+                                                         "rendezvous_key": "<32 hex digits>"}}'
+
+How a request moves, and why it is shaped this way:
+
+* Producer scheduler. A request that carries ``kv_transfer_params={"do_remote_decode": True}``
+  is tracked; in the step whose forward pass completes its prompt, ``build_connector_meta``
+  hands (request, block ids, prompt tokens) to the workers. ``request_finished`` returns
+  ``delay_free=True`` and a small *ticket* ({instance, request id, prompt tokens, blocks}) as the
+  request's ``kv_transfer_params``: the scheduler never waits for a worker round trip, because the
+  ticket names a rendezvous key, not the handle itself.
+* Producer worker. ``wait_for_save`` (after the step's forward, when the KV is in the blocks)
+  calls ``ContextSide.mark_ready`` and publishes the handle under the ticket's key. The
+  ContextSide leases the blocks until the decode side fetched them, failed, or the *hold
+  deadline* (``hold_timeout_s``, default 480 s like NIXL's) passed; then ``get_finished`` reports
+  the request as sent and vLLM frees the blocks.
+* Consumer scheduler. ``get_num_new_matched_tokens`` claims the ticket's prompt tokens beyond the
+  local prefix-cache hit, loaded asynchronously; ``update_state_after_alloc`` records the local
+  blocks (the hit blocks are passed as ``reused_blocks`` and do not move).
+* Consumer worker. ``start_load_kv`` starts, on a small thread pool, the rendezvous lookup (it
+  waits for the Put if the producer has not published yet) and ``GenerationSide.fetch``; the
+  engine step never blocks on it. ``get_transfer_results`` polls the side: a complete fetch is a
+  finished receive, a failed one a finished *and* failed receive, which vLLM answers with its
+  ``kv_load_failure_policy`` (``recompute``: prefill again locally; ``fail``: the request ends
+  with an error). Nothing hangs: every wait has a deadline (``transfer_timeout_s``).
+
+Identity. The instance id of each side is a hash of vLLM's ``engine_id``, which every rank of an
+instance shares by construction; a vLLM request id (a string, unique inside its instance) becomes
+kvferry's u64 id by a 64-bit hash of (producer engine id, request id). Two live requests collide
+with probability about n^2 / 2^65 (n live requests on one decode instance): 1e-10 for n = 10^5.
+A collision is detected, not silent: the second ``mark_ready``/``fetch`` of an id is refused and
+that request fails (recomputed), nothing else is disturbed.
+
+The instance secret (keys the handles' access tokens) comes from ``instance_secret`` (32 hex
+digits) or is drawn by producer rank 0 and published to the other ranks through the rendezvous.
+
+Layouts. ``register_kv_caches`` wraps vLLM's own tensors zero-copy. The layout is read from each
+tensor's shape and strides: the CPU backend's ``[blocks, heads, block_size, 2*head_size]`` pages
+(K rows then V rows: kvferry's ``vllm-cpu``), and ``[2, blocks, block_size, heads, head_size]``
+with NHD or HND strides (``per-layer``, ``per-layer-hnd``). Anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+import kvferry
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvferry.vllm")
+
+TICKET = "kvferry"  # the kv_transfer_params key that carries a ticket
+_FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+_LIVE: "weakref.WeakSet[KvferryConnector]" = weakref.WeakSet()
+
+
+def live_connectors() -> list["KvferryConnector"]:
+    """This process's worker-side connectors (tests and benchmarks with in-process engines read
+    their transfer records and set test options through these)."""
+    return [c for c in _LIVE if c._worker is not None]
+
+
+def request_id_u64(instance: str, request_id: str) -> int:
+    """kvferry's u64 id of vLLM request `request_id` of producer instance `instance`."""
+    h = hashlib.blake2b(f"{instance}\0{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def instance_id_u64(engine_id: str) -> int:
+    """The kvferry instance id of a vLLM engine (nonzero: 0 would mean 'draw one at random')."""
+    h = hashlib.blake2b(f"kvferry-instance\0{engine_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") or 1
+
+
+def handle_key(instance: str, request_id: str) -> str:
+    return f"kvferry/vllm/{instance}/handle/{request_id}"
+
+
+@dataclass
+class Options:
+    """kv_connector_extra_config keys (docs/vllm.md)."""
+
+    rendezvous: str = ""  # host:port of the kvferry rendezvous server
+    rendezvous_key: bytes = b""  # 16 bytes (32 hex digits)
+    rendezvous_serve: bool = False  # producer rank 0 hosts the server at `rendezvous`
+    transport: str = "ucx"
+    hold_timeout_s: float = 480.0  # producer: blocks held at most this long for the decode side
+    transfer_timeout_s: float = 60.0  # consumer: rendezvous lookup + fetch, each request
+    instance_secret: bytes = b""  # 16 bytes; empty: drawn by producer rank 0 and published
+    fetch_threads: int = 4
+    # Test only: "reverse-blocks" fetches into the local blocks in reverse order, so a request of
+    # more than one block gets its KV in the wrong places (the outputs must change).
+    test_corrupt: str = ""
+
+    @staticmethod
+    def parse(extra: dict[str, Any] | None) -> "Options":
+        extra = dict(extra or {})
+        o = Options()
+        known = set(o.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"KvferryConnector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        for k, v in extra.items():
+            if k in ("rendezvous_key", "instance_secret"):
+                v = bytes.fromhex(v) if isinstance(v, str) else bytes(v)
+                if len(v) != 16:
+                    raise ValueError(f"KvferryConnector: {k} must be 16 bytes (32 hex digits), "
+                                     f"got {len(v)}")
+            elif k in ("hold_timeout_s", "transfer_timeout_s"):
+                v = float(v)
+            elif k == "fetch_threads":
+                v = int(v)
+            elif k == "rendezvous_serve":
+                v = bool(v)
+            setattr(o, k, v)
+        if not o.rendezvous or not o.rendezvous_key:
+            raise ValueError("KvferryConnector needs kv_connector_extra_config 'rendezvous' "
+                             "(host:port) and 'rendezvous_key' (32 hex digits)")
+        if o.test_corrupt not in ("", "reverse-blocks"):
+            raise ValueError(f"KvferryConnector: test_corrupt={o.test_corrupt!r}; "
+                             "expected '' or 'reverse-blocks'")
+        return o
+
+
+# ---- scheduler -> worker metadata ---------------------------------------------------------------
+
+
+@dataclass
+class SendReq:
+    request_id: str
+    blocks: list[int]
+    prompt_tokens: int
+
+
+@dataclass
+class RecvReq:
+    request_id: str
+    ticket: dict[str, Any]
+    blocks: list[int]  # local blocks for the ticket's blocks, in order
+    reused_blocks: int  # leading blocks already held locally (prefix-cache hit): not moved
+
+
+@dataclass
+class KvferryMetadata(KVConnectorMetadata):
+    sends: list[SendReq] = field(default_factory=list)  # prompt complete this step: mark ready
+    send_finished: list[str] = field(default_factory=list)  # scheduler finished them (delay free)
+    cancels: list[str] = field(default_factory=list)  # aborted after mark_ready
+    recvs: list[RecvReq] = field(default_factory=list)
+
+
+# ---- the connector ------------------------------------------------------------------------------
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    """A vLLM v1 KV connector on kvferry (module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kt = vllm_config.kv_transfer_config
+        self._options = Options.parse(kt.kv_connector_extra_config)
+        self._engine_id = str(kt.engine_id)
+        self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
+        self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("KvferryConnector: pipeline_parallel_size="
+                             f"{vllm_config.parallel_config.pipeline_parallel_size} is not "
+                             "supported yet (TP only)")
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler: _Scheduler | None = _Scheduler(vllm_config, self._engine_id,
+                                                            self._is_producer, self._is_consumer)
+            self._worker: _Worker | None = None
+        else:
+            self._scheduler = None
+            self._worker = _Worker(vllm_config, self._engine_id, self._options,
+                                   self._is_producer, self._is_consumer)
+            _LIVE.add(self)
+
+    # -- scheduler side
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping while finished prefills hold blocks, so that they are freed
+        # when the decode side is done (or at the hold deadline), not at the next request.
+        return self._scheduler is not None and self._scheduler.has_pending_sends()
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return None  # any layout register_kv_caches recognises
+
+    # -- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole requests, finished before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # zero copy: the blocks are sent from vLLM's own cache once the step is done
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.transfer_results()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- for tests and benchmarks (in-process engines): per-request transfer records
+    def transfer_records(self) -> list[dict[str, Any]]:
+        return list(self._worker.records) if self._worker is not None else []
+
+
+class _Scheduler:
+    def __init__(self, vllm_config: "VllmConfig", engine_id: str, producer: bool,
+                 consumer: bool):
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = engine_id
+        self.producer = producer
+        self.consumer = consumer
+        self.kv_cache_manager: KVCacheManager | None = None
+        self._producing: dict[str, Request] = {}  # do_remote_decode, prompt not complete yet
+        self._marked: set[str] = set()  # handed to the workers for mark_ready
+        self._holding: set[str] = set()  # finished, blocks held until the workers report sent
+        self._meta = KvferryMetadata()
+
+    def has_pending_sends(self) -> bool:
+        return bool(self._holding)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._holding.difference_update(connector_output.finished_sending or ())
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        ticket = params.get(TICKET) if params else None
+        if not self.consumer or not ticket or params.get("_kvferry_loaded"):
+            return 0, False
+        remote = min(int(ticket["prompt_tokens"]), request.num_prompt_tokens)
+        count = remote - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if (self.producer and params.get("do_remote_decode")
+                and request.request_id not in self._marked):
+            self._producing.setdefault(request.request_id, request)
+        ticket = params.get(TICKET)
+        if not self.consumer or not ticket or params.get("_kvferry_loaded"):
+            return
+        params["_kvferry_loaded"] = True  # one load per request, even if preempted later
+        if num_external_tokens <= 0:
+            return  # all of it was a local prefix hit: the producer frees at its hold deadline
+        group = blocks.blocks[0]
+        want = math.ceil(min(int(ticket["prompt_tokens"]), request.num_prompt_tokens) /
+                         self.block_size)
+        ids = [b.block_id for b in group][:want]
+        reused = sum(1 for b in group[:want] if b.block_hash is not None and not b.is_null)
+        self._meta.recvs.append(RecvReq(request.request_id, dict(ticket), ids, reused))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvferryMetadata:
+        meta, self._meta = self._meta, KvferryMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, req in list(self._producing.items()):
+            n = scheduled.get(req_id)
+            if n is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue
+            # This step's forward completes the prompt: the workers mark it ready after it.
+            ids = self.kv_cache_manager.get_block_ids(req_id)[0]
+            want = math.ceil(req.num_prompt_tokens / self.block_size)
+            meta.sends.append(SendReq(req_id, list(ids[:want]), req.num_prompt_tokens))
+            del self._producing[req_id]
+            self._marked.add(req_id)
+        return meta
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._producing.pop(req_id, None)
+        if req_id not in self._marked:
+            return False, None  # never marked ready (not a P/D request, or aborted before)
+        self._marked.discard(req_id)
+        if request.status.name not in _FINISHED_OK:
+            # Aborted after mark_ready: the workers cancel it and report it sent once the side
+            # is done with the blocks (a fetch may be reading them).
+            self._meta.cancels.append(req_id)
+            self._meta.send_finished.append(req_id)
+            self._holding.add(req_id)
+            return True, None
+        self._meta.send_finished.append(req_id)
+        self._holding.add(req_id)
+        ticket = {
+            "instance": self.engine_id,
+            "request_id": req_id,
+            "prompt_tokens": request.num_prompt_tokens,
+            "blocks": math.ceil(request.num_prompt_tokens / self.block_size),
+        }
+        return True, {TICKET: ticket}
+
+
+class _Worker:
+    def __init__(self, vllm_config: "VllmConfig", engine_id: str, options: Options,
+                 producer: bool, consumer: bool):
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+
+        self.vllm_config = vllm_config
+        self.engine_id = engine_id
+        self.instance_id = instance_id_u64(engine_id)
+        self.o = options
+        self.producer = producer
+        self.consumer = consumer
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.server = None
+        if options.rendezvous_serve and producer and self.tp_rank == 0:
+            host, port = options.rendezvous.rsplit(":", 1)
+            self.server = kvferry.RendezvousServer(host, int(port), options.rendezvous_key)
+        self.rv = kvferry.Rendezvous(options.rendezvous, options.rendezvous_key)
+        self.device = kvferry.Device("cpu")
+        self.pool = None
+        self.block_size = vllm_config.cache_config.block_size
+        self.whole_blocks = False  # move whole blocks (the token order inside is the kernel's)
+        self.ctx = None
+        self.gen = None
+        self.lock = threading.Lock()
+        self.sending: dict[int, str] = {}  # u64 -> vLLM request id (producer)
+        self.send_terminal: set[str] = set()  # side done with the blocks
+        self.send_finished: set[str] = set()  # scheduler returned delay_free for them
+        self.receiving: dict[int, str] = {}  # u64 -> vLLM request id (consumer)
+        self.recv_failed: set[str] = set()  # failed before the fetch started (lookup, refusal)
+        self.records: list[dict[str, Any]] = []  # per finished transfer, for tests/benchmarks
+        self.fetchers = ThreadPoolExecutor(max_workers=max(1, options.fetch_threads),
+                                           thread_name_prefix="kvferry-fetch")
+
+    # -- registration
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        mc = self.vllm_config.model_config
+        names = sorted(kv_caches, key=extract_layer_index)
+        tensors = [kv_caches[n] for n in names]
+        if len({t.data_ptr() for t in tensors}) != len(tensors):
+            raise ValueError("KvferryConnector: layers share KV tensors (KV sharing across "
+                             "layers) is not supported")
+        heads = mc.get_total_num_kv_heads()
+        local_heads = mc.get_num_kv_heads(self.vllm_config.parallel_config)
+        head_dim = mc.get_head_size()
+        bs = self.vllm_config.cache_config.block_size
+        dtype = _kvferry_dtype(tensors[0].dtype)
+        layout, strides, blocks = _detect_layout(tensors[0], local_heads, bs, head_dim)
+        shape = kvferry.KvShape(layers=len(tensors), kv_heads=heads, head_dim=head_dim,
+                                dtype=dtype, tokens_per_block=bs)
+        parallel = kvferry.ParallelConfig(tp=self.tp_size)
+        self.pool = kvferry.Pool.wrap(self.device, shape, tensors, parallel=parallel,
+                                      rank=self.tp_rank, blocks=blocks, byte_strides=strides,
+                                      split="per-layer")
+        self.whole_blocks = layout == "vllm-cpu"
+        # A named layout with these very strides (with one local head several coincide, e.g.
+        # vllm-cpu and flashinfer) places every element alike: any of them transfers correctly.
+        if self.pool.layout.split()[0] == "custom":
+            raise ValueError(f"KvferryConnector: vLLM's KV cache {tuple(tensors[0].shape)} "
+                             f"strides {tensors[0].stride()} read as {layout} gives kvferry "
+                             f"layout '{self.pool.layout}', not a named one: refused")
+        instance = f"vllm-{self.engine_id}"
+        common = dict(transport=self.o.transport, instance_id=self.instance_id)
+        if self.producer:
+            secret = self._instance_secret(instance)
+            self.ctx = kvferry.ContextSide(self.device, self.pool, timeout=self.o.hold_timeout_s,
+                                           instance_secret=secret, **common)
+            self.rv.publish_rank_address(instance, self.instance_id, self.tp_rank,
+                                         self.ctx.address, timeout=60.0)
+            self.ctx.set_instance_addresses(
+                self.rv.gather_rank_addresses(instance, self.instance_id, self.tp_size,
+                                              timeout=120.0))
+        if self.consumer:
+            # The generation side's own secret keys nothing it checks; a real one all the same.
+            self.gen = kvferry.GenerationSide(self.device, self.pool,
+                                              timeout=self.o.transfer_timeout_s,
+                                              instance_secret=kvferry.random_key(), **common)
+        logger.info("kvferry: rank %d/%d of %s wraps %d layers as %s (%s), %s%s", self.tp_rank,
+                    self.tp_size, self.engine_id, len(tensors), layout, self.pool.layout,
+                    "producer " if self.producer else "", "consumer" if self.consumer else "")
+
+    def _instance_secret(self, instance: str) -> bytes:
+        if self.o.instance_secret:
+            return self.o.instance_secret
+        if self.tp_rank == 0:
+            secret = kvferry.random_key()
+            self.rv.publish_instance_secret(instance, self.instance_id, secret, timeout=60.0)
+            return secret
+        return self.rv.fetch_instance_secret(instance, self.instance_id, timeout=120.0)
+
+    # -- producer
+    def wait_for_save(self, meta: KvferryMetadata) -> None:
+        if self.ctx is None:
+            return
+        for s in meta.sends:
+            rid = request_id_u64(self.engine_id, s.request_id)
+            tokens = s.prompt_tokens
+            if self.whole_blocks:
+                tokens = len(s.blocks) * self.block_size
+            try:
+                handle = self.ctx.mark_ready(rid, s.blocks, tokens)
+                with self.lock:
+                    self.sending[rid] = s.request_id
+                if self.tp_rank == 0:
+                    self.rv.put(handle_key(self.engine_id, s.request_id), handle, timeout=10.0)
+            except kvferry.errors.Error as e:
+                # The decode side's lookup times out and recomputes; our blocks are free now.
+                logger.error("kvferry: request %s not published: %s", s.request_id, e)
+                with self.lock:
+                    self.send_terminal.add(s.request_id)
+        for req_id in meta.cancels:
+            rid = request_id_u64(self.engine_id, req_id)
+            try:
+                self.ctx.cancel(rid)
+            except kvferry.errors.Error:
+                pass  # already terminal
+        with self.lock:
+            self.send_finished.update(meta.send_finished)
+
+    # -- consumer
+    def start_load_kv(self, meta: KvferryMetadata) -> None:
+        for r in meta.recvs:
+            blocks = list(r.blocks)
+            if self.o.test_corrupt == "reverse-blocks":
+                blocks.reverse()
+            rid = request_id_u64(r.ticket["instance"], r.ticket["request_id"])
+            with self.lock:
+                self.receiving[rid] = r.request_id
+            self.fetchers.submit(self._fetch, r, rid, blocks)
+
+    def _fetch(self, r: RecvReq, rid: int, blocks: list[int]) -> None:
+        try:
+            key = handle_key(r.ticket["instance"], r.ticket["request_id"])
+            handle = self.rv.get(key, timeout=self.o.transfer_timeout_s)
+            self.gen.fetch(handle, blocks, reused_blocks=r.reused_blocks)
+        except Exception as e:  # noqa: BLE001 - every failure fails this request, nothing else
+            logger.error("kvferry: fetch of %s (producer %s request %s) failed: %s", r.request_id,
+                         r.ticket["instance"], r.ticket["request_id"], e)
+            with self.lock:
+                self.receiving.pop(rid, None)
+                self.recv_failed.add(r.request_id)
+            return
+        if self.tp_size == 1:  # the only reader: keep the rendezvous store small
+            try:
+                self.rv.erase(key, timeout=10.0)
+            except kvferry.errors.Error as e:
+                logger.warning("kvferry: erasing %s: %s", key, e)
+
+    # -- both
+    def transfer_results(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.ctx is not None:
+            for st in self.ctx.poll(0, 0.0):
+                with self.lock:
+                    req_id = self.sending.pop(st.request_id, None)
+                    if req_id is not None:
+                        self.send_terminal.add(req_id)
+                if req_id is not None and not st.ok:
+                    logger.warning("kvferry: send of %s ended %s", req_id, st)
+            with self.lock:
+                done = self.send_terminal & self.send_finished
+                self.send_terminal -= done
+                self.send_finished -= done
+            out.finished_sending = done
+        if self.gen is not None:
+            now = time.time()
+            for st in self.gen.poll(0, 0.0):
+                with self.lock:
+                    req_id = self.receiving.pop(st.request_id, None)
+                if req_id is None:
+                    continue
+                out.finished_recving.add(req_id)
+                self.records.append({"request_id": req_id, "ok": st.ok, "bytes": st.bytes,
+                                     "seconds": st.seconds, "at": now})
+                if not st.ok:
+                    logger.error("kvferry: fetch of %s failed: %s", req_id, st)
+                    out.failed_recving.add(req_id)
+            with self.lock:
+                failed, self.recv_failed = self.recv_failed, set()
+            for req_id in failed:
+                self.records.append({"request_id": req_id, "ok": False, "bytes": 0,
+                                     "seconds": None, "at": now})
+            out.finished_recving |= failed
+            out.failed_recving |= failed
+        return out
+
+    def close(self) -> None:
+        self.fetchers.shutdown(wait=False, cancel_futures=True)
+        for obj in (self.gen, self.ctx, self.rv, self.server):
+            if obj is not None:
+                obj.close()
+
+
+def _kvferry_dtype(dtype: torch.dtype) -> str:
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+             torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8e5m2", torch.int8: "int8"}
+    if dtype not in names:
+        raise ValueError(f"KvferryConnector: KV cache dtype {dtype} is not supported "
+                         f"(supported: {sorted(str(d) for d in names)})")
+    return names[dtype]
+
+
+def _detect_layout(t: torch.Tensor, heads: int, bs: int,
+                   d: int) -> tuple[str, list[int], int]:
+    """(kvferry layout name, byte strides over (block, layer, kv, head, token, dim), blocks) of
+    one layer's KV tensor, or ValueError naming what was not understood."""
+    es = t.element_size()
+    shape, st = tuple(t.shape), t.stride()
+    if t.dim() == 4 and shape[1:] == (heads, bs, 2 * d) and st[3] == 1 and st[2] == 2 * d:
+        # CPU backend: each (block, head) page is the block's K half, then its V half
+        # (cpu_attn.py: view [blocks, heads, 2 * block_size, head_size], chunk(2, dim=2)). The
+        # order of tokens and dims inside a half is the attention kernel's (ISA-dependent, not
+        # [token][dim]: measured), so this layout moves whole blocks only (the worker marks
+        # whole blocks ready). Heads still split cleanly: a (block, head) page is contiguous.
+        return "vllm-cpu", [st[0] * es, 0, bs * d * es, st[1] * es, d * es, es], shape[0]
+    if t.dim() == 5 and shape[0] == 2 and shape[2:] == (bs, heads, d) and st[4] == 1:
+        # [2, blocks, block_size, heads, head_size] with NHD or HND strides (CUDA backends).
+        kind = "per-layer" if st[3] < st[2] or heads == 1 else "per-layer-hnd"
+        return kind, [st[1] * es, 0, st[0] * es, st[3] * es, st[2] * es, es], shape[1]
+    raise ValueError(
+        f"KvferryConnector: vLLM KV cache tensor of shape {shape}, strides {st} "
+        f"({heads} local KV heads, block_size {bs}, head_size {d}) is not a layout kvferry "
+        "understands (CPU [blocks, heads, block_size, 2*head_size]; "
+        "[2, blocks, block_size, heads, head_size] NHD or HND)")

@@ -1,0 +1,451 @@
+"""Disaggregated prefill/decode with the real vLLM on the CPU: kvferry against vLLM's NixlConnector.
+
+Run by scripts/test-vllm in the vLLM venv (scripts/vllm-env). The orchestrator (no --role) starts
+every instance as its own process and judges the results it writes:
+
+  baseline   one instance, no connector: greedy outputs of every prompt
+  prefill    kv_producer: max_tokens=1 with do_remote_decode; writes the kv_transfer_params
+             (tickets) of every round, then waits (serving transfers) until released
+  decode     kv_consumer: each round's prompts with the producer's params, then the checks'
+             data (outputs, per-request TTFT and transfer times)
+
+Rounds on the decode instance (the same for kvferry and NIXL):
+  A1  all prompts but one that shares a prefix with another: outputs must equal the baseline
+  A2  the sharer: its prefix blocks are local prefix-cache hits, only the rest moves
+  T   one request at a time, max_tokens=1, prefix cache reset first: TTFT and transfer time
+  C   (kvferry only) the connector's test option reverses the local block ids: outputs must change
+  F   (kvferry only) a ticket naming a request the producer never published: the fetch fails,
+      vLLM recomputes the prompt (kv_load_failure_policy=recompute), outputs equal the baseline
+Then (kvferry only) the prefill instance makes more tickets nobody fetches but a victim process,
+which starts one fetch and dies at once: the blocks must come back by the hold deadline
+(--hold-timeout-s) and the instance must serve a new request correctly.
+
+    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|nixl] [--prefill-tp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+BLOCK = 32
+MAX_TOKENS = 16
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    tok = lambda n: [rng.randrange(10, 2000) for _ in range(n)]  # noqa: E731
+    out = [tok(n) for n in (23, 40, 64, 77, 100, 128, 150, 190)]
+    prefix = tok(96)
+    out.append(prefix + tok(30))  # 8: shares 3 blocks with 9
+    out.append(prefix + tok(50))  # 9: the sharer (round A2)
+    return out
+
+
+A1 = list(range(9))
+A2 = [9]
+
+
+def engine_env() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+def make_llm(model: str, kv_config: dict | None, tp: int = 1):
+    from vllm import LLM
+
+    kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=BLOCK, max_model_len=512, max_num_batched_tokens=2048, seed=0,
+              tensor_parallel_size=tp)
+    if kv_config is not None:
+        kw["kv_transfer_config"] = kv_config
+    return LLM(**kw)
+
+
+def sampling(max_tokens: int, params: dict | None = None):
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          detokenize=False, extra_args=extra)
+
+
+def tokens_prompt(ids: list[int]) -> dict:
+    return {"prompt_token_ids": list(ids)}
+
+
+def kv_config(connector: str, role: str, args) -> dict:
+    if connector == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": "recompute"}
+    extra = {"rendezvous": args.rendezvous, "rendezvous_key": args.rendezvous_key,
+             "hold_timeout_s": args.hold_timeout_s}
+    return {"kv_connector": "KvferryConnector", "kv_connector_module_path":
+            "kvferry.integrations.vllm", "kv_role": role, "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": "recompute"}
+
+
+def wait_for(path: str, timeout: float) -> None:
+    end = time.time() + timeout
+    while not os.path.exists(path):
+        if time.time() > end:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def write_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+# ---- roles --------------------------------------------------------------------------------------
+
+
+def role_baseline(args) -> None:
+    llm = make_llm(args.model, None)
+    outs = llm.generate([tokens_prompt(p) for p in prompts()], sampling(MAX_TOKENS))
+    write_json(os.path.join(args.work, "baseline.json"),
+               [list(o.outputs[0].token_ids) for o in outs])
+
+
+def serve_until(llm, path: str, timeout: float, until=None) -> bool:
+    """Steps the engine (throttled: finished sends are reported on steps) until `path` exists
+    (or `until()` is true); False on timeout."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if (until is not None and until()) or (until is None and os.path.exists(path)):
+            return True
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    return False
+
+
+def role_prefill(args) -> None:
+    conn = args.connector
+    llm = make_llm(args.model, kv_config(conn, "kv_producer", args), tp=args.prefill_tp)
+    wait_for(os.path.join(args.work, f"{conn}-decode-ready"), 900)
+    ps = prompts()
+    rounds = {"A1": A1, "A2": A2, "T": list(range(len(ps))), "C": A1}
+    tickets = {}
+    for name, idx in rounds.items():
+        outs = llm.generate([tokens_prompt(ps[i]) for i in idx],
+                            sampling(1, {"do_remote_decode": True}))
+        tickets[name] = [o.kv_transfer_params for o in outs]
+    write_json(os.path.join(args.work, f"{conn}-tickets.json"), tickets)
+    serve_until(llm, os.path.join(args.work, f"{conn}-decode-done"), 900)
+    if conn == "kvferry":
+        hold_phase(args, llm, ps)
+    serve_until(llm, os.path.join(args.work, f"{conn}-release"), 600)
+    print(f"prefill({conn}): released", flush=True)
+    os._exit(0)  # NIXL may crash at interpreter teardown after its work is done
+
+
+def hold_phase(args, llm, ps) -> None:
+    """Requests whose decode side never comes (one fetched by a process that dies right after
+    starting the fetch): the blocks come back by the hold deadline, and the instance serves on."""
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free0 = pool.get_num_free_blocks()
+    outs = llm.generate([tokens_prompt(ps[i]) for i in A1], sampling(1, {"do_remote_decode": True}))
+    free1 = pool.get_num_free_blocks()
+    write_json(os.path.join(args.work, "kvferry-D-tickets.json"),
+               [o.kv_transfer_params for o in outs])
+    t0 = time.time()
+    serve_until(llm, "", args.hold_timeout_s + 60, until=lambda: pool.get_num_free_blocks() >= free0)
+    freed_s = time.time() - t0
+    free2 = pool.get_num_free_blocks()
+    out = llm.generate([tokens_prompt(ps[0])], sampling(MAX_TOKENS))
+    write_json(os.path.join(args.work, "kvferry-D.json"),
+               {"free0": free0, "free1": free1, "free2": free2, "freed_s": freed_s,
+                "output": list(out[0].outputs[0].token_ids)})
+
+
+def role_victim(args) -> None:
+    """A decode side that starts fetching a request and dies at once (os._exit)."""
+    import kvferry
+    from kvferry.integrations.vllm import handle_key
+
+    wait_for(os.path.join(args.work, "kvferry-D-tickets.json"), 900)
+    with open(os.path.join(args.work, "kvferry-D-tickets.json")) as f:
+        t = json.load(f)[-1]["kvferry"]
+    rv = kvferry.Rendezvous(args.rendezvous, bytes.fromhex(args.rendezvous_key))
+    handle = rv.get(handle_key(t["instance"], t["request_id"]), timeout=60.0)
+    dev = kvferry.Device("cpu")
+    shape = kvferry.KvShape(layers=4, kv_heads=2, head_dim=64, dtype="fp32",
+                            tokens_per_block=BLOCK)
+    pool = kvferry.Pool.allocate(dev, shape, layout="vllm-cpu", memory="host", blocks=16)
+    gen = kvferry.GenerationSide(dev, pool, instance_secret=kvferry.random_key(), instance_id=99)
+    gen.fetch(handle, list(range(t["blocks"])))
+    print("victim: fetch started; dying", flush=True)
+    os._exit(3)
+
+
+class Timings:
+    """Scheduler-side load times, the same for any connector: from update_state_after_alloc with
+    external tokens to the step that reports the request received."""
+
+    def __init__(self, cls) -> None:
+        self.start: dict[str, float] = {}
+        self.end: dict[str, float] = {}
+        orig_alloc, orig_out = cls.update_state_after_alloc, cls.update_connector_output
+        timings = self
+
+        def alloc(self, request, blocks, num_external_tokens):
+            if num_external_tokens > 0:
+                timings.start.setdefault(request.request_id, time.perf_counter())
+            return orig_alloc(self, request, blocks, num_external_tokens)
+
+        def output(self, out):
+            for r in out.finished_recving or ():
+                timings.end.setdefault(r, time.perf_counter())
+            return orig_out(self, out)
+
+        cls.update_state_after_alloc = alloc
+        cls.update_connector_output = output
+
+
+def find_connector_worker():
+    from kvferry.integrations.vllm import live_connectors
+
+    found = live_connectors()
+    return found[0] if found else None
+
+
+def role_decode(args) -> None:
+    if args.connector == "nixl":
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+            NixlPullConnector as cls,
+        )
+    else:
+        from kvferry.integrations.vllm import KvferryConnector as cls
+    timings = Timings(cls)
+    llm = make_llm(args.model, kv_config(args.connector, "kv_consumer", args))
+    open(os.path.join(args.work, f"{args.connector}-decode-ready"), "w").close()
+    wait_for(os.path.join(args.work, f"{args.connector}-tickets.json"), 600)
+    with open(os.path.join(args.work, f"{args.connector}-tickets.json")) as f:
+        tickets = json.load(f)
+    ps = prompts()
+    result: dict = {}
+
+    def run(idx, params, max_tokens=MAX_TOKENS):
+        outs = llm.generate([tokens_prompt(ps[i]) for i in idx],
+                            [sampling(max_tokens, p) for p in params])
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    result["A1"] = run(A1, tickets["A1"])
+    result["A2"] = run(A2, tickets["A2"])
+    worker = find_connector_worker() if args.connector == "kvferry" else None
+    if worker is not None:
+        recs = worker.transfer_records()
+        result["records_A"] = recs
+    # Round T: one request at a time, nothing cached locally.
+    ttft, xfer = [], []
+    for i, p in enumerate(tickets["T"]):
+        llm.reset_prefix_cache()
+        n_before = len(timings.end)
+        t0 = time.perf_counter()
+        llm.generate([tokens_prompt(ps[i])], [sampling(1, p)])
+        ttft.append(time.perf_counter() - t0)
+        done = list(timings.end)[n_before:]
+        xfer.append(timings.end[done[-1]] - timings.start[done[-1]] if done else None)
+    result["ttft"] = ttft
+    result["xfer"] = xfer
+    if worker is not None:
+        result["lib_seconds_T"] = [r["seconds"] for r in worker.transfer_records()[-len(ttft):]]
+        # Round C: corrupted placement (test-only option), nothing cached locally.
+        llm.reset_prefix_cache()
+        worker._worker.o.test_corrupt = "reverse-blocks"
+        result["C"] = run(A1, tickets["C"])
+        worker._worker.o.test_corrupt = ""
+        # Round F: a ticket nobody published: the lookup times out, vLLM recomputes.
+        llm.reset_prefix_cache()
+        worker._worker.o.transfer_timeout_s = 2.0
+        bogus = dict(tickets["A1"][0])
+        bogus["kvferry"] = dict(bogus["kvferry"], request_id="never-published")
+        result["F"] = run([A1[0]], [bogus])
+        result["records_F"] = worker.transfer_records()[-1:]
+    write_json(os.path.join(args.work, f"{args.connector}-decode.json"), result)
+    open(os.path.join(args.work, f"{args.connector}-decode-done"), "w").close()
+    print(f"decode({args.connector}): done", flush=True)
+    os._exit(0)
+
+
+# ---- orchestrator -------------------------------------------------------------------------------
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.failed = 0
+        self.passed = 0
+
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}{'  (' + detail + ')' if detail else ''}",
+              flush=True)
+        if ok:
+            self.passed += 1
+        else:
+            self.failed += 1
+
+
+def spawn(args, role: str, connector: str, log: str, env_extra: dict | None = None):
+    cmd = [sys.executable, __file__, args.model, args.work, "--role", role, "--connector",
+           connector, "--rendezvous", args.rendezvous, "--rendezvous-key", args.rendezvous_key,
+           "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp)]
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_proc(p, name: str, timeout: float, log: str, expect: int = 0) -> bool:
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        rc = "timeout"
+    if rc != expect:
+        print(f"---- {name} exited {rc}; last lines of {log}:")
+        with open(log) as f:
+            print("".join(f.readlines()[-40:]))
+    return rc == 0
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def orchestrate(args) -> int:
+    import kvferry
+
+    os.makedirs(args.work, exist_ok=True)
+    key = kvferry.random_key()
+    server = kvferry.RendezvousServer("127.0.0.1", 0, key)
+    args.rendezvous, args.rendezvous_key = server.address, key.hex()
+    checks = Checks()
+    ps = prompts()
+    t_start = time.time()
+    print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP1", flush=True)
+    logs = {n: os.path.join(args.work, f"{n}.log") for n in
+            ("baseline", "kvferry-prefill", "kvferry-decode", "nixl-prefill", "nixl-decode")}
+    base = spawn(args, "baseline", "none", logs["baseline"])
+    results = {}
+    pending = []  # (connector, prefill process) still serving
+    for conn in (["kvferry", "nixl"] if args.only is None else [args.only]):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port)} if conn == "nixl" else {}
+        if args.prefill_tp > 1:
+            # vLLM's CPU workers bind one NUMA node each unless told which cores to use.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(r % os.cpu_count()) for r in range(args.prefill_tp))
+        pre = spawn(args, "prefill", conn, logs[f"{conn}-prefill"], env)
+        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port + 10)} if conn == "nixl" else {}
+        dec = spawn(args, "decode", conn, logs[f"{conn}-decode"], env_d)
+        ok = wait_proc(dec, f"{conn} decode", 900, logs[f"{conn}-decode"])
+        if conn == "kvferry" and ok:
+            # The hold phase (waiting out the hold deadline) overlaps the next pair's start-up.
+            victim = spawn(args, "victim", conn, os.path.join(args.work, "victim.log"))
+            wait_proc(victim, "victim", 120, os.path.join(args.work, "victim.log"), expect=3)
+            pending.append((conn, pre))
+        else:
+            open(os.path.join(args.work, f"{conn}-release"), "w").close()
+            wait_proc(pre, f"{conn} prefill", 60, logs[f"{conn}-prefill"])
+        path = os.path.join(args.work, f"{conn}-decode.json")
+        checks.check(f"{conn}: prefill and decode instances ran", ok and os.path.exists(path))
+        if os.path.exists(path):
+            with open(path) as f:
+                results[conn] = json.load(f)
+    for conn, pre in pending:
+        try:
+            wait_for(os.path.join(args.work, "kvferry-D.json"), args.hold_timeout_s + 180)
+        except TimeoutError as e:
+            print(e)
+        open(os.path.join(args.work, f"{conn}-release"), "w").close()
+        wait_proc(pre, f"{conn} prefill", 60, logs[f"{conn}-prefill"])
+    ok = wait_proc(base, "baseline", 600, logs["baseline"])
+    checks.check("baseline: one instance ran", ok)
+    if not ok:
+        return 1
+    with open(os.path.join(args.work, "baseline.json")) as f:
+        baseline = json.load(f)
+    blocks = [-(-len(p) // BLOCK) for p in ps]
+    for conn, r in results.items():
+        got = r["A1"] + r["A2"]
+        want = [baseline[i] for i in A1 + A2]
+        same = sum(g == w for g, w in zip(got, want))
+        checks.check(f"{conn}: P/D greedy outputs identical to one instance", same == len(want),
+                     f"{same}/{len(want)} prompts, {len(ps)} prompts of {min(map(len, ps))}-"
+                     f"{max(map(len, ps))} tokens, {MAX_TOKENS} tokens each")
+        if conn == "kvferry":
+            recs = {x["request_id"]: x for x in r["records_A"]}
+            a2 = [x for x in r["records_A"] if x["ok"]][-1]
+            full = a2["bytes"] and max(x["bytes"] for x in recs.values())
+            per_block = max(x["bytes"] for x in recs.values()) / max(blocks[i] for i in A1)
+            moved = round(a2["bytes"] / per_block)
+            checks.check("kvferry: a prefix-cache hit on the decode side moves only the missing "
+                         "blocks", moved == blocks[9] - 3,
+                         f"prompt 9: {blocks[9]} blocks, 3 shared with prompt 8, "
+                         f"{moved} moved")
+            changed = sum(c != baseline[i] for c, i in zip(r["C"], A1))
+            multi = sum(1 for i in A1 if blocks[i] > 1)
+            checks.check("kvferry: corrupted transfer (reversed block ids) changes outputs",
+                         changed >= multi, f"{changed}/{len(A1)} changed, {multi} prompts of "
+                         "more than one block")
+            f_ok = r["F"][0] == baseline[A1[0]] and not r["records_F"][0]["ok"]
+            checks.check("kvferry: a failed fetch (ticket never published) is recomputed by vLLM",
+                         f_ok, "the load failed; outputs equal the baseline")
+        if conn == "kvferry":
+            dpath = os.path.join(args.work, "kvferry-D.json")
+            d = json.load(open(dpath)) if os.path.exists(dpath) else None
+            checks.check("kvferry: blocks of requests whose decode side never came or died "
+                         "mid-fetch are freed by the hold deadline; the prefill serves on",
+                         d is not None and d["free1"] < d["free0"] == d["free2"]
+                         and d["output"] == baseline[0],
+                         "no result" if d is None else
+                         f"free blocks {d['free0']} -> {d['free1']} held -> {d['free2']} after "
+                         f"{d['freed_s']:.1f} s (hold {args.hold_timeout_s:.0f} s)")
+        print(f"{conn}: decode TTFT median {median(r['ttft']) * 1e3:.1f} ms, "
+              f"transfer (scheduler-seen) median {median(r['xfer']) * 1e3:.1f} ms over "
+              f"{len(r['ttft'])} requests (one at a time, {min(map(len, ps))}-"
+              f"{max(map(len, ps))} prompt tokens)" +
+              (f"; library transfer median {median(r['lib_seconds_T']) * 1e3:.2f} ms"
+               if "lib_seconds_T" in r else ""))
+    if "kvferry" in results and "nixl" in results:
+        kt, nt = median(results["kvferry"]["ttft"]), median(results["nixl"]["ttft"])
+        print(f"TTFT kvferry/NIXL: {kt / nt:.2f}")
+    server.close()
+    print(f"pd_check: {time.time() - t_start:.0f} s")
+    print(f"{checks.passed} passed, {checks.failed} failed")
+    return 1 if checks.failed else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("work")
+    ap.add_argument("--role", choices=["baseline", "prefill", "decode", "victim"])
+    ap.add_argument("--connector", default="kvferry")
+    ap.add_argument("--only", choices=["kvferry", "nixl"])
+    ap.add_argument("--rendezvous", default="")
+    ap.add_argument("--rendezvous-key", default="")
+    ap.add_argument("--hold-timeout-s", type=float, default=30.0)
+    ap.add_argument("--nixl-port", type=int, default=25600)
+    ap.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of prefill")
+    args = ap.parse_args()
+    if args.role is None:
+        return orchestrate(args)
+    engine_env()
+    roles = {"baseline": role_baseline, "prefill": role_prefill, "decode": role_decode,
+             "victim": role_victim}
+    roles[args.role](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
