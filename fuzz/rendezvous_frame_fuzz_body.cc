@@ -7,8 +7,8 @@
 #include <span>
 #include <vector>
 
+#include "base/siphash.h"
 #include "rendezvous/frame.h"
-#include "rendezvous/mac.h"
 
 namespace kvferry {
 namespace {
@@ -40,7 +40,7 @@ Context OpenContext() {
 }
 
 void PutTag(std::span<std::byte> frame, size_t signed_bytes, const Context& context) {
-  rendezvous::SipHash128 mac(kKey);
+  SipHash128 mac(kKey);
   mac.Update(context.client);
   mac.Update(context.server);
   mac.Update(frame.first(signed_bytes));

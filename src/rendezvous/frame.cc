@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
+#include "base/siphash.h"
 #include "base/wire.h"
-#include "rendezvous/mac.h"
 
 namespace kvferry::rendezvous {
 namespace {

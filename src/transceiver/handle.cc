@@ -6,8 +6,8 @@
 #include <initializer_list>
 #include <span>
 
+#include "base/siphash.h"
 #include "base/wire.h"
-#include "transceiver/siphash.h"
 
 namespace kvferry {
 namespace {
@@ -142,7 +142,7 @@ AccessToken HandleToken(const std::array<uint8_t, 16>& secret, const HandleDiges
   constexpr char kDomain[8] = {'k', 'v', 'f', 'h', 'a', 'n', 'd', 'l'};
   for (size_t i = 0; i < 8; ++i) msg[i] = static_cast<std::byte>(kDomain[i]);
   for (size_t i = 0; i < 16; ++i) msg[8 + i] = static_cast<std::byte>(digest[i]);
-  return SipHash128(secret, msg);
+  return SipHash128Of(secret, msg);
 }
 
 StatusOr<ContextHandle> DecodeHandle(std::span<const std::byte> bytes) {

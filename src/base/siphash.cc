@@ -1,6 +1,6 @@
-#include "rendezvous/mac.h"
+#include "base/siphash.h"
 
-namespace kvferry::rendezvous {
+namespace kvferry {
 namespace {
 
 constexpr uint64_t Rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
@@ -74,4 +74,14 @@ std::array<std::byte, 16> SipHash128::Finish() {
   return out;
 }
 
-}  // namespace kvferry::rendezvous
+std::array<uint8_t, 16> SipHash128Of(const std::array<uint8_t, 16>& key,
+                                     std::span<const std::byte> message) {
+  SipHash128 mac(key);
+  mac.Update(message);
+  std::array<uint8_t, 16> out;
+  const auto tag = mac.Finish();
+  for (size_t i = 0; i < out.size(); ++i) out[i] = std::to_integer<uint8_t>(tag[i]);
+  return out;
+}
+
+}  // namespace kvferry

@@ -1,8 +1,9 @@
 // SipHash-2-4 with a 128-bit output (Aumasson and Bernstein; the reference code's `outlen == 16`):
-// the keyed MAC of rendezvous frames. A pseudo-random function under a 128-bit key, the size of
-// the rendezvous group key, in about 60 lines and no dependency; unlike the XXH3 tag of frame
-// version 1 it is designed so that a peer without the key can neither forge a tag nor learn the
-// key from tags it sees.
+// kvferry's one keyed MAC, behind rendezvous frames' tags (under the group key) and context
+// handles' access tokens (under the instance secret). A pseudo-random function under a 128-bit
+// key, in about 60 lines and no dependency; unlike a keyed XXH3 (frame version 1, handle
+// version 1), it is designed so that a peer without the key can neither forge a tag nor learn the
+// key from any number of (message, tag) pairs it sees.
 //
 // Incremental: Update() any number of times, then Finish() once. Not thread-safe (a value type).
 #pragma once
@@ -12,7 +13,7 @@
 #include <cstdint>
 #include <span>
 
-namespace kvferry::rendezvous {
+namespace kvferry {
 
 class SipHash128 {
  public:
@@ -30,4 +31,8 @@ class SipHash128 {
   uint64_t length_ = 0;  // bytes so far (its low byte enters the last block)
 };
 
-}  // namespace kvferry::rendezvous
+// One message at once: the tag as 16 bytes.
+std::array<uint8_t, 16> SipHash128Of(const std::array<uint8_t, 16>& key,
+                                     std::span<const std::byte> message);
+
+}  // namespace kvferry
