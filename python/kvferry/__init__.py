@@ -41,6 +41,7 @@ from ._kvferry import (
     RankSlice,
     Rendezvous,
     RendezvousServer,
+    SlabStore,
     Stream,
     Tier,
     TransferBatch,
@@ -77,7 +78,7 @@ __all__ = [
     "BlockManager", "CancelledError", "ClosedError", "ContextSide", "DataLossError",
     "DeadlineExceededError", "Device", "Error", "Event", "GenerationSide", "InProcFabric",
     "InternalError", "InvalidArgumentError", "KvShape", "NotFoundError", "ParallelConfig", "Pool",
-    "RankSlice", "Rendezvous", "RendezvousServer", "ResourceExhaustedError", "Stream", "Tier", "TransferBatch", "TransferManager",
+    "RankSlice", "Rendezvous", "RendezvousServer", "ResourceExhaustedError", "SlabStore", "Stream", "Tier", "TransferBatch", "TransferManager",
     "TransferState", "TransferStatus", "UnavailableError", "build_features", "errors", "get_knob",
     "knobs", "list_devices", "metrics", "random_key", "reset_knob", "set_knob", "slice_of", "transports", "version",
 ]

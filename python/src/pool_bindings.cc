@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "bindings.h"
+#include "ids.h"
 #include "kvferry/kv_model.h"
 
 namespace kvferry::py {
@@ -62,8 +63,15 @@ const char* DTypeCodeName(uint8_t code) {
 }
 
 // The tensor's elements must be the shape's dtype (by width, and by kind where DLPack says it).
+// The tensor's elements are the KvShape's dtype, or raw bytes (uint8: an engine that keeps each
+// block as a byte page, e.g. [blocks, page_bytes], whatever the KV dtype; the layout says where
+// each element lies).
 void CheckDType(const nb::ndarray<>& a, DType want, size_t i) {
   const auto dt = a.dtype();
+  if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && dt.bits == 8 &&
+      dt.lanes == 1) {
+    return;
+  }
   const int bits = dt.bits * dt.lanes;
   const bool float_kind = want == DType::kFp32 || want == DType::kFp16;
   bool ok = bits == DTypeSize(want) * 8;
@@ -401,7 +409,9 @@ void BindPool(nb::module_& m) {
           "torch "
           "tensor's storage; numpy arrays cannot be resized while wrapped); a torch tensor "
           "resize_()d or set_() after wrap is refused by every later transfer. Read-only memory "
-          "is refused.")
+          "is refused. uint8 tensors are taken as raw bytes whatever the KvShape's dtype (an "
+          "engine's "
+          "byte page per block, e.g. [blocks, block_bytes] with layout 'block-major').")
       .def_prop_ro("blocks", [](PyPool& p) { return p.pool().blocks(); })
       .def_prop_ro("num_regions", [](PyPool& p) { return p.pool().num_regions(); })
       .def_prop_ro("region_bytes", [](PyPool& p) { return p.pool().layout().region_bytes(); })
@@ -449,7 +459,8 @@ void BindPool(nb::module_& m) {
           "__dlpack__ for GPU memory: torch.from_dlpack(view)). Keeps the memory alive.")
       .def(
           "block_extents",
-          [](PyPool& p, std::vector<int64_t> blocks) {
+          [](PyPool& p, nb::handle block_ids) {
+            std::vector<int64_t> blocks = Int64Ids(block_ids, "blocks");
             std::vector<Extent> ext = Take(p.pool().BlockExtents(blocks));
             nb::list out;
             for (const Extent& e : ext) out.append(nb::make_tuple(e.region, e.offset, e.bytes));

@@ -1,24 +1,50 @@
 // The tiered cache: TransferManager (copies between tiers on its own streams) and BlockManager
 // (prefix reuse, eviction with offload, onboarding).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <mutex>
 #include <shared_mutex>
+#include <utility>
 
 #include "bindings.h"
+#include "ids.h"
 #include "kvferry/block_manager.h"
 #include "kvferry/prometheus.h"
+#include "kvferry/slab_store.h"
 #include "kvferry/tiering.h"
 
 namespace kvferry::py {
 
 namespace {
 
+// A slab store (the file tier). Closing the Python object drops its reference; the store (and its
+// directory lock) goes with the last TransferManager that uses it.
+struct StoreCore {
+  std::unique_ptr<SlabStore> store;
+  std::string dir;
+};
+
+class PySlabStore {
+ public:
+  explicit PySlabStore(std::shared_ptr<StoreCore> core) : core_(std::move(core)) {}
+  const std::shared_ptr<StoreCore>& core() const {
+    if (!core_) throw ClosedError("SlabStore");
+    return core_;
+  }
+  void close() { core_.reset(); }
+  bool closed() const { return core_ == nullptr; }
+
+ private:
+  std::shared_ptr<StoreCore> core_;
+};
+
 struct ManagerCore {
   std::shared_ptr<DeviceCore> device;
   std::shared_ptr<PoolCore> primary, host;
+  std::shared_ptr<StoreCore> file;
   std::unique_ptr<TransferManager> manager;
   ~ManagerCore() {
     // Queued copies finish before the pools can go (the manager's streams drain on destruction).
@@ -76,10 +102,24 @@ struct PyBatch {
   std::shared_ptr<ManagerCore> keep;  // the pools stay alive while a batch may be copying
 };
 
+// The BlockManager serves one thread at a time. Every call holds mu_ while it uses it: calls that
+// keep the GIL take it at once when it is free (the common case, no GIL round trip), and release
+// the GIL while they wait for it; wait_ready holds it without the GIL. A thread holding mu_ never
+// waits for the GIL (wait_ready lets mu_ go first), so the two locks cannot deadlock.
 class PyBlockManager {
  public:
   PyBlockManager(std::shared_ptr<ManagerCore> m, std::unique_ptr<BlockManager> b)
       : manager_(std::move(m)), blocks_(std::move(b)) {}
+  // With the GIL held.
+  std::unique_lock<std::mutex> Lock() const {
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      nb::gil_scoped_release nogil;
+      lock.lock();
+    }
+    return lock;
+  }
+  // Under Lock() (or mu_ held without the GIL).
   BlockManager& get() const {
     if (!blocks_) throw ClosedError("BlockManager");
     return *blocks_;
@@ -90,34 +130,24 @@ class PyBlockManager {
     manager_->CheckPools();
     return b;
   }
+  std::mutex& mu() const { return mu_; }
   void close() {
+    std::unique_lock<std::mutex> lock = Lock();
     blocks_.reset();
-    manager_.reset();
+    std::shared_ptr<ManagerCore> m = std::move(manager_);
+    lock.unlock();
+    // m (whose pools may hold Python objects) goes with the GIL held.
   }
-  bool closed() const { return blocks_ == nullptr; }
+  bool closed() const {
+    std::unique_lock<std::mutex> lock = Lock();
+    return blocks_ == nullptr;
+  }
 
  private:
+  mutable std::mutex mu_;
   std::shared_ptr<ManagerCore> manager_;
   std::unique_ptr<BlockManager> blocks_;
 };
-
-std::vector<BlockMove> ParseMoves(nb::handle moves) {
-  std::vector<BlockMove> out;
-  for (nb::handle item : moves) {
-    if (nb::isinstance<nb::tuple>(item) || nb::isinstance<nb::list>(item)) {
-      size_t n = nb::len(item);
-      if (n < 2 || n > 3) ThrowInvalid("a move is (src, dst) or (src, dst, tokens)");
-      BlockMove mv;
-      mv.src = nb::cast<int64_t>(item[0]);
-      mv.dst = nb::cast<int64_t>(item[1]);
-      if (n == 3) mv.tokens = nb::cast<int32_t>(item[2]);
-      out.push_back(mv);
-    } else {
-      ThrowInvalid("a move is a tuple (src, dst) or (src, dst, tokens)");
-    }
-  }
-  return out;
-}
 
 nb::object ItemError(const Status& s) {
   if (s.ok()) return nb::none();
@@ -154,12 +184,42 @@ nb::dict BlockStatsDict(const BlockManagerStats& s) {
   d["dropped"] = Tiers(s.dropped);
   d["write_failures"] = s.write_failures;
   d["corrupt_reads"] = s.corrupt_reads;
+  d["prefetched"] = s.prefetched;
+  d["background_evictions"] = s.background_evictions;
+  d["inline_evictions"] = s.inline_evictions;
+  d["ops_in_flight"] = s.ops_in_flight;
+  d["file_ops_in_flight"] = s.file_ops_in_flight;
+  d["deferred_reads"] = s.deferred_reads;
+  d["inflight_bytes"] = s.inflight_bytes;
+  d["abandoned"] = s.abandoned;
+  d["leased_slots"] = s.leased_slots;
+  d["recovered"] = s.recovered;
+  d["events_dropped"] = s.events_dropped;
+  d["submit_ns"] = s.submit_ns;
   return d;
 }
 
 nb::object Key(const BlockKey& k) {
   nb::int_ hi(k.hi), lo(k.lo);
   return hi.attr("__lshift__")(64).attr("__or__")(lo);
+}
+
+// The inverse of Key: a 128-bit Python int.
+BlockKey KeyOf(nb::int_ key) {
+  if (nb::cast<bool>(key.attr("__lt__")(0)) || nb::cast<int64_t>(key.attr("bit_length")()) > 128) {
+    ThrowInvalid("a block key is an int in [0, 2**128)");
+  }
+  nb::int_ mask(~uint64_t{0});
+  return BlockKey{nb::cast<uint64_t>(key.attr("__rshift__")(64)),
+                  nb::cast<uint64_t>(key.attr("__and__")(mask))};
+}
+
+nb::dict ReadinessDict(const Readiness& r) {
+  nb::dict d;
+  d["ready"] = r.ready;
+  d["reused_tokens"] = r.reused_tokens;
+  d["misses"] = r.misses;
+  return d;
 }
 
 }  // namespace
@@ -169,6 +229,82 @@ void BindTiering(nb::module_& m) {
       .value("PRIMARY", Tier::kPrimary)
       .value("HOST", Tier::kHost)
       .value("FILE", Tier::kFile);
+
+  nb::class_<PySlabStore>(m, "SlabStore",
+                          "The file tier: fixed-size slots in slab files under one directory, "
+                          "each slot's header and payload checksummed (docs/file_format.md). "
+                          "Slots left by an earlier store in the same directory (a restart) are "
+                          "verified at open and offered again (recovered).")
+      .def(
+          "__init__",
+          [](PySlabStore* self, const std::string& dir, int64_t slot_bytes, int64_t slots,
+             std::optional<std::string> backend, std::optional<int64_t> slots_per_file,
+             std::optional<bool> direct_io, std::optional<std::string> recover,
+             std::optional<double> io_timeout) {
+            SlabStoreOptions o = SlabStoreOptionsFromConfig();
+            o.dir = dir;
+            o.slot_payload_bytes = slot_bytes;
+            o.max_slots = slots;
+            if (backend) o.backend = *backend;
+            if (slots_per_file) o.slots_per_file = *slots_per_file;
+            if (direct_io) o.direct_io = *direct_io;
+            if (recover) o.recover = *recover;
+            if (io_timeout) {
+              if (!(*io_timeout > 0)) ThrowInvalid("io_timeout must be > 0 seconds");
+              o.io_timeout_ms = static_cast<int64_t>(*io_timeout * 1000.0 + 0.5);
+            }
+            auto core = std::make_shared<StoreCore>();
+            core->dir = dir;
+            core->store = Take([&] {
+              nb::gil_scoped_release nogil;  // recovery reads every slot of the files found
+              return SlabStore::Open(o);
+            }());
+            new (self) PySlabStore(std::move(core));
+          },
+          nb::arg("dir"), nb::arg("slot_bytes"), nb::arg("slots"), nb::kw_only(),
+          nb::arg("backend") = nb::none(), nb::arg("slots_per_file") = nb::none(),
+          nb::arg("direct_io") = nb::none(), nb::arg("recover") = nb::none(),
+          nb::arg("io_timeout") = nb::none(),
+          "Opens (and locks: one store per directory) the tier in `dir` (it must exist): `slots` "
+          "slots of `slot_bytes` payload each (a pool's block_bytes for a TransferManager's file "
+          "tier). backend 'posix' | 'io_uring' | 'cufile' (falls back to posix), recover "
+          "'verify' | 'headers' | 'none': the files.* knobs by default.")
+      .def_prop_ro("dir", [](PySlabStore& f) { return f.core()->dir; })
+      .def_prop_ro("capacity", [](PySlabStore& f) { return f.core()->store->capacity(); })
+      .def_prop_ro("free_slots", [](PySlabStore& f) { return f.core()->store->free_slots(); })
+      .def_prop_ro(
+          "backend",
+          [](PySlabStore& f) {
+            const FileBackendCaps& c = f.core()->store->backend();
+            nb::dict d;
+            d["name"] = c.name;
+            d["direct_io"] = c.direct_io;
+            d["device_memory"] = c.device_memory;
+            d["note"] = c.note;
+            return d;
+          },
+          "The backend in use: name, direct_io, device_memory, note (why, e.g. a fallback).")
+      .def_prop_ro(
+          "recovered",
+          [](PySlabStore& f) {
+            nb::list out;
+            for (const RecoveredSlot& r : f.core()->store->Recovered()) {
+              nb::dict d;
+              d["slot"] = r.slot;
+              d["key"] = Key(BlockKey{r.key.hi, r.key.lo});
+              d["bytes"] = r.bytes;
+              out.append(d);
+            }
+            return out;
+          },
+          "Slots found intact at open (slot, key, bytes); a BlockManager over a TransferManager "
+          "with this store serves them as prefix hits.")
+      .def_prop_ro("closed", &PySlabStore::closed)
+      .def("close", &PySlabStore::close,
+           "Drops this object's reference: the store (and its directory lock) goes with the last "
+           "TransferManager using it.")
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PySlabStore& f, nb::args) { f.close(); });
 
   nb::class_<PyBatch>(m, "TransferBatch", "One queued batch of block copies.")
       .def(
@@ -208,21 +344,26 @@ void BindTiering(nb::module_& m) {
       .def(
           "__init__",
           [](PyTransferManager* self, PyDevice& device, PyPool& primary, PyPool* host,
-             int64_t file_staging_blocks) {
+             PySlabStore* file, int64_t file_staging_blocks) {
             auto core = std::make_shared<ManagerCore>();
             core->device = device.core();
             core->primary = primary.core();
             if (host) core->host = host->core();
+            if (file) core->file = file->core();
             core->CheckPools();
-            TransferOptions o;
+            TransferOptions o = TransferOptions::FromConfig();
             o.file_staging_blocks = file_staging_blocks;
-            core->manager = Take(
-                TransferManager::Create(*core->device->device, *core->primary->pool,
-                                        core->host ? &*core->host->pool : nullptr, nullptr, o));
+            core->manager =
+                Take(TransferManager::Create(*core->device->device, *core->primary->pool,
+                                             core->host ? &*core->host->pool : nullptr,
+                                             core->file ? core->file->store.get() : nullptr, o));
             new (self) PyTransferManager(std::move(core));
           },
           nb::arg("device"), nb::arg("primary"), nb::arg("host") = nb::none(),
-          nb::arg("file_staging_blocks") = 32)
+          nb::arg("file") = nb::none(), nb::arg("file_staging_blocks") = 32,
+          "Copies between `primary` (device memory), an optional `host` pool and an optional "
+          "file tier (`file`: a SlabStore whose slots hold one primary block each; the manager "
+          "keeps it open while it lives).")
       .def(
           "move",
           [](PyTransferManager& t, Tier from, Tier to, nb::handle moves) {
@@ -310,36 +451,106 @@ void BindTiering(nb::module_& m) {
           nb::arg("offload_min_priority") = -1, nb::arg("partial_reuse") = true)
       .def(
           "add_sequence",
-          [](PyBlockManager& b, uint64_t id, std::vector<int32_t> prompt, int32_t priority) {
-            Admission a = Take(b.copying().AddSequence(id, prompt, priority));
+          [](PyBlockManager& b, uint64_t id, nb::handle prompt, int32_t priority) {
+            std::vector<int32_t> tokens = Int32Ids(prompt, "prompt");
+            auto lock = b.Lock();
+            Admission a = Take(b.copying().AddSequence(id, tokens, priority));
             nb::dict d;
-            d["blocks"] = a.blocks;
+            d["blocks"] = Int64Array(std::move(a.blocks));
             d["reused_tokens"] = a.reused_tokens;
+            d["ready"] = a.ready;
             d["hits"] = Tiers(a.hits);
             d["partial_tokens"] = a.partial_tokens;
             d["misses"] = a.misses;
             return d;
           },
           nb::arg("id"), nb::arg("prompt"), nb::arg("priority") = kDefaultPriority,
-          "Reuses the longest cached prefix and allocates the rest: blocks, reused_tokens, hits "
-          "per tier, partial_tokens, misses.")
+          "Reuses the longest cached prefix and allocates the rest. `prompt`: token ids (a list "
+          "or a 1-D integer array). Returns blocks (numpy int64), reused_tokens, ready (False "
+          "while onboards of reused blocks run: poll_ready/wait_ready), hits per tier, "
+          "partial_tokens, misses.")
       .def(
           "append_tokens",
-          [](PyBlockManager& b, uint64_t id, std::vector<int32_t> t) {
+          [](PyBlockManager& b, uint64_t id, nb::handle tokens) {
+            std::vector<int32_t> t = Int32Ids(tokens, "tokens");
+            auto lock = b.Lock();
             Check(b.copying().AppendTokens(id, t));
           },
           nb::arg("id"), nb::arg("tokens"))
       .def(
           "remove_sequence",
-          [](PyBlockManager& b, uint64_t id) { Check(b.copying().RemoveSequence(id)); },
+          [](PyBlockManager& b, uint64_t id) {
+            auto lock = b.Lock();
+            Check(b.copying().RemoveSequence(id));
+          },
           nb::arg("id"))
       .def(
-          "blocks", [](PyBlockManager& b, uint64_t id) { return Take(b.get().Blocks(id)); },
-          nb::arg("id"))
+          "blocks",
+          [](PyBlockManager& b, uint64_t id) {
+            auto lock = b.Lock();
+            return Int64Array(Take(b.get().Blocks(id)));
+          },
+          nb::arg("id"), "The sequence's primary blocks (numpy int64), in token order.")
+      .def(
+          "prefetch",
+          [](PyBlockManager& b, nb::handle prompt, int32_t priority) {
+            std::vector<int32_t> tokens = Int32Ids(prompt, "prompt");
+            auto lock = b.Lock();
+            return Take(b.copying().Prefetch(tokens, priority));
+          },
+          nb::arg("prompt"), nb::arg("priority") = kDefaultPriority,
+          "Starts onboarding the cached host and file blocks of the prompt's prefix into free "
+          "primary blocks, so that a later add_sequence finds them there. Never waits; returns "
+          "the number of blocks whose onboard started.")
+      .def(
+          "poll_ready",
+          [](PyBlockManager& b, uint64_t id) {
+            auto lock = b.Lock();
+            return ReadinessDict(Take(b.get().PollReady(id)));
+          },
+          nb::arg("id"),
+          "Whether the sequence's onboards finished (never waits): ready, reused_tokens (final "
+          "once ready: failed onboards shorten the reuse), misses.")
+      .def(
+          "wait_ready",
+          [](PyBlockManager& b, uint64_t id, double timeout) {
+            Deadline d = DeadlineAfter(timeout);
+            Readiness r = Take([&] {
+              nb::gil_scoped_release nogil;
+              std::lock_guard<std::mutex> lock(b.mu());  // let go before the GIL comes back
+              return b.get().WaitReady(id, d);
+            }());
+            return ReadinessDict(r);
+          },
+          nb::arg("id"), nb::arg("timeout"),
+          "Waits up to `timeout` seconds for the sequence's onboards (ready is False when it "
+          "passes); as poll_ready.")
+      .def(
+          "poll",
+          [](PyBlockManager& b) {
+            auto lock = b.Lock();
+            b.get().Poll();
+          },
+          "Retires finished copies and file I/O and runs the watermarks; never waits. Call it "
+          "when idle (e.g. while a forward pass runs).")
+      .def(
+          "find",
+          [](PyBlockManager& b, nb::int_ key) -> nb::object {
+            const BlockKey k = KeyOf(key);
+            auto lock = b.Lock();
+            StatusOr<std::pair<Tier, int64_t>> at = b.get().Find(k);
+            if (at.status().code() == StatusCode::kNotFound) return nb::none();
+            auto [tier, id] = Take(std::move(at));
+            return nb::make_tuple(tier, id);
+          },
+          nb::arg("key"),
+          "Where a block key (an int, as in drain_events) is cached: (Tier, block or slot id), "
+          "or None.")
       .def(
           "drain_events",
           [](PyBlockManager& b) {
             nb::list out;
+            auto lock = b.Lock();
             for (const KvEvent& e : b.get().DrainEvents()) {
               nb::dict d;
               d["kind"] = std::string(KvEventKindName(e.kind));
@@ -352,10 +563,15 @@ void BindTiering(nb::module_& m) {
             return out;
           },
           "Cache events since the last drain: kind (stored|moved|removed), key, from, to, reason.")
-      .def_prop_ro("stats", [](PyBlockManager& b) { return BlockStatsDict(b.get().stats()); })
+      .def_prop_ro("stats",
+                   [](PyBlockManager& b) {
+                     auto lock = b.Lock();
+                     return BlockStatsDict(b.get().stats());
+                   })
       .def(
           "_metrics_source",
           [](PyBlockManager& b, std::string name) {
+            auto lock = b.Lock();
             return MetricsSource{std::move(name), b.get().stats()};
           },
           nb::arg("name"))

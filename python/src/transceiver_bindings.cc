@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "bindings.h"
+#include "ids.h"
 #include "kvferry/inproc_transport.h"
 #include "kvferry/prometheus.h"
 #include "kvferry/transceiver.h"
@@ -357,8 +358,9 @@ void BindTransceiver(nb::module_& m) {
           nb::arg("addresses"), "Every rank's address of this instance, by rank.")
       .def(
           "mark_ready",
-          [](PyContext& s, uint64_t id, std::vector<int64_t> blocks, int64_t tokens) {
+          [](PyContext& s, uint64_t id, nb::handle block_ids, int64_t tokens) {
             s.CheckPool();
+            std::vector<int64_t> blocks = Int64Ids(block_ids, "blocks");
             std::vector<std::byte> h =
                 Take(s.Run([&](ContextSide& x) { return x.MarkReady(id, blocks, tokens); }));
             return nb::bytes(h.data(), h.size());
@@ -368,8 +370,9 @@ void BindTransceiver(nb::module_& m) {
           "blocks are leased until poll reports the request terminal.")
       .def(
           "begin_layer_wise",
-          [](PyContext& s, uint64_t id, std::vector<int64_t> blocks, int64_t tokens) {
+          [](PyContext& s, uint64_t id, nb::handle block_ids, int64_t tokens) {
             s.CheckPool();
+            std::vector<int64_t> blocks = Int64Ids(block_ids, "blocks");
             std::vector<std::byte> h =
                 Take(s.Run([&](ContextSide& x) { return x.BeginLayerWise(id, blocks, tokens); }));
             return nb::bytes(h.data(), h.size());
@@ -434,9 +437,10 @@ void BindTransceiver(nb::module_& m) {
          "be 16 bytes, not all zero.")
       .def(
           "fetch",
-          [](PyGeneration& s, const nb::bytes& handle, std::vector<int64_t> blocks,
+          [](PyGeneration& s, const nb::bytes& handle, nb::handle block_ids,
              int64_t reused_blocks) {
             s.CheckPool();
+            std::vector<int64_t> blocks = Int64Ids(block_ids, "blocks");
             std::span<const std::byte> h = Bytes(handle);
             Check(s.Run([&](GenerationSide& x) { return x.Fetch(h, blocks, reused_blocks); }));
           },
