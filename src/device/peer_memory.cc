@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <poll.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -89,6 +90,17 @@ const std::array<uint8_t, 16>& ThisHostId() {
       if (text[i] == '-') continue;
       out[n++] = static_cast<uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16));
       ++i;
+    }
+    // A process reaches another's memory by its pid (pidfd_open, /proc/PID): only within one PID
+    // namespace. Containers (and `unshare --pid`) of one machine share its boot id but not their
+    // pids, so the namespace is part of the identity: "another host" for peer memory.
+    struct stat ns {};
+    if (stat("/proc/self/ns/pid", &ns) == 0) {
+      uint64_t ino = static_cast<uint64_t>(ns.st_ino), dev = static_cast<uint64_t>(ns.st_dev);
+      for (int i = 0; i < 8; ++i) {
+        out[i] ^= static_cast<uint8_t>(ino >> (8 * i));
+        out[8 + i] ^= static_cast<uint8_t>(dev >> (8 * i));
+      }
     }
     return out;
   }();

@@ -40,7 +40,8 @@ struct PeerHandle {
   std::vector<std::byte> payload;
 };
 
-// This host's id (the boot id; zeros when /proc does not say) and this process's pid.
+// This host's id for peer memory (the boot id, zeros when /proc does not say, mixed with this
+// process's PID namespace: pids reach across no other) and this process's pid.
 const std::array<uint8_t, 16>& ThisHostId();
 uint32_t ThisPid();
 

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -213,6 +214,8 @@ class ProgressDeadline {
 
 // Why the ranks still running should stop (empty: they should not): a rank process died, or
 // every rank of one instance has ended (the other has nobody left to serve or be served by).
+// `nc` and `ng`: the context and generation ranks among `procs` (in that order); a role with no
+// rank here (a `kvferry instance` of the other role) is never "all ended".
 std::string WhyStop(const std::vector<RankGroup::Rank>& procs, int nc, int ng) {
   for (const RankGroup::Rank& r : procs) {
     if (r.ended && r.wait_status != 0)
@@ -223,7 +226,7 @@ std::string WhyStop(const std::vector<RankGroup::Rank>& procs, int nc, int ng) {
     for (int i = from; i < to; ++i) {
       if (!procs[i].ended) return false;
     }
-    return true;
+    return from < to;
   };
   if (all_ended(0, nc)) return "every context rank has ended";
   if (all_ended(nc, nc + ng)) return "every generation rank has ended";
@@ -258,8 +261,13 @@ void PrintProgress(const fs::path& dir, const SelftestConfig& cfg, Clock::time_p
   std::fflush(stdout);
 }
 
-StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool progress) {
-  SelftestConfig cfg = in;
+namespace {
+
+// Starts `ranks` (context ranks first) of `cfg`'s instances in processes of this host, waits for
+// them and collects their results. The ranks meet the others (started here or elsewhere) through
+// cfg.rendezvous.
+StatusOr<std::vector<RankResult>> RunRanks(SelftestConfig cfg, const std::vector<RankId>& ranks,
+                                           bool progress) {
   // The run's directory holds the group key (config.json): private to this user.
   std::error_code tmp_ec;
   const fs::path tmp = fs::temp_directory_path(tmp_ec);
@@ -274,16 +282,10 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       for (const fs::path& d : dirs) fs::remove_all(d, ec);
     }
   } cleanup{{dir}};
-  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
-  // The ranks meet through a rendezvous this process serves (loopback, a fresh group key), as
-  // the instances of a deployment would through theirs.
-  const RendezvousKey key = RandomKey();
-  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousServer> rendezvous,
-                       RendezvousServer::Start("127.0.0.1", 0, key));
-  cfg.rendezvous = rendezvous->address();
-  cfg.rendezvous_key = RendezvousKeyHex(key);
   if (cfg.transport == "inproc") return RunInProcess(cfg);
-  const int nc = cfg.ctx.world_size(), ng = cfg.gen.world_size();
+  const int nc = static_cast<int>(
+      std::count_if(ranks.begin(), ranks.end(), [](const RankId& r) { return r.context; }));
+  const int ng = static_cast<int>(ranks.size()) - nc;
   std::error_code ec;
   const std::string exe = fs::canonical("/proc/self/exe", ec).string();
   if (ec) {
@@ -315,15 +317,11 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
                    "orte_tmpdir_base", mpi_shm.string(), "--mca", "btl_vader_backing_directory",
                    mpi_shm.string(), exe, "--rank-of-cluster", "mpi", "--cluster-config", conf}));
   } else {
-    for (int r = 0; r < nc; ++r) {
+    for (const RankId& r : ranks) {
       KVF_RETURN_IF_ERROR(group->Spawn(
-          fmt::format("context rank {}", r),
-          {exe, "--rank-of-cluster", fmt::format("ctx:{}", r), "--cluster-config", conf}));
-    }
-    for (int r = 0; r < ng; ++r) {
-      KVF_RETURN_IF_ERROR(group->Spawn(
-          fmt::format("generation rank {}", r),
-          {exe, "--rank-of-cluster", fmt::format("gen:{}", r), "--cluster-config", conf}));
+          fmt::format("{} rank {}", r.context ? "context" : "generation", r.rank),
+          {exe, "--rank-of-cluster", fmt::format("{}:{}", r.context ? "ctx" : "gen", r.rank),
+           "--cluster-config", conf}));
     }
   }
   auto start = Clock::now();
@@ -353,9 +351,8 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
   (void)group->Wait(deadline, tick);
   if (tick) tick();  // the final count, however short the run
   std::vector<RankResult> out;
-  for (int r = 0; r < nc + ng; ++r) {
-    const bool context = r < nc;
-    const int rank = context ? r : r - nc;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const auto [context, rank] = ranks[i];
     fs::path f =
         dir / (context ? fmt::format("ctx-{}.json", rank) : fmt::format("gen-{}.json", rank));
     std::ifstream in_file(f);
@@ -363,12 +360,12 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
       // A rank that died or gave up still counts: its failure shows in the summary, beside what
       // the surviving ranks reported, with how its process ended.
       const auto& procs = group->ranks();
-      const RankGroup::Rank& proc = procs[std::min<size_t>(r, procs.size() - 1)];
+      const RankGroup::Rank& proc = procs[std::min(i, procs.size() - 1)];
       RankResult dead;
       dead.context = context;
       dead.rank = rank;
       dead.failed = 1;
-      const bool own = procs.size() == static_cast<size_t>(nc + ng);
+      const bool own = procs.size() == ranks.size();
       dead.errors.push_back(fmt::format("no result (its process{}, pid {}: {})",
                                         own ? "" : " " + proc.label, proc.pid, proc.How()));
       out.push_back(std::move(dead));
@@ -379,6 +376,50 @@ StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool prog
     out.push_back(std::move(res));
   }
   return out;
+}
+
+}  // namespace
+
+StatusOr<std::vector<RankResult>> RunCluster(const SelftestConfig& in, bool progress) {
+  SelftestConfig cfg = in;
+  cfg.dir = "(set by RunRanks)";
+  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
+  // The ranks meet through a rendezvous this process serves (loopback, a fresh group key), as
+  // the instances of a deployment would through theirs.
+  const RendezvousKey key = RandomKey();
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<RendezvousServer> rendezvous,
+                       RendezvousServer::Start("127.0.0.1", 0, key));
+  cfg.rendezvous = rendezvous->address();
+  cfg.rendezvous_key = RendezvousKeyHex(key);
+  std::vector<RankId> ranks;
+  for (int r = 0; r < cfg.ctx.world_size(); ++r) ranks.push_back({true, r});
+  for (int r = 0; r < cfg.gen.world_size(); ++r) ranks.push_back({false, r});
+  return RunRanks(cfg, ranks, progress);
+}
+
+StatusOr<std::vector<RankResult>> RunInstance(const SelftestConfig& in,
+                                              const std::vector<RankId>& ranks, bool progress) {
+  if (in.transport == "inproc" || in.transport == "mpi") {
+    return Status::InvalidArgument(fmt::format(
+        "transport {}: an instance of its own needs a transport between processes that meet "
+        "through the rendezvous (ucx)",
+        in.transport));
+  }
+  if (in.rendezvous.empty() || in.rendezvous_key.empty()) {
+    return Status::InvalidArgument("an instance needs the rendezvous' address and group key");
+  }
+  if (ranks.empty()) return Status::InvalidArgument("an instance needs at least one rank here");
+  SelftestConfig cfg = in;
+  cfg.dir = "(set by RunRanks)";
+  KVF_RETURN_IF_ERROR(ValidateSelftest(cfg));
+  for (const RankId& r : ranks) {
+    const int n = r.context ? cfg.ctx.world_size() : cfg.gen.world_size();
+    if (r.rank < 0 || r.rank >= n) {
+      return Status::InvalidArgument(fmt::format("{} rank {} outside [0, {})",
+                                                 r.context ? "context" : "generation", r.rank, n));
+    }
+  }
+  return RunRanks(cfg, ranks, progress);
 }
 
 int MaybeRunRank(int argc, char** argv) {

@@ -18,5 +18,9 @@ void AddBenchTieringCommand(CLI::App& bench);
 void AddDemoCommands(CLI::App& app);
 void AddDemoTieringCommand(CLI::App& demo);
 void AddSoakCommand(CLI::App& app);
+// Instances as separate commands: `instance` (this host's ranks of one instance) and `rendezvous`
+// (the server they meet at).
+void AddInstanceCommand(CLI::App& app);
+void AddRendezvousCommand(CLI::App& app);
 
 }  // namespace kvferry::tools

@@ -40,6 +40,8 @@ int main(int argc, char** argv) {
   kvferry::tools::AddBenchCommands(app);
   kvferry::tools::AddDemoCommands(app);
   kvferry::tools::AddSoakCommand(app);
+  kvferry::tools::AddInstanceCommand(app);
+  kvferry::tools::AddRendezvousCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

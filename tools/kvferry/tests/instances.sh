@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Instances as separate commands (issue 25): `kvferry rendezvous` serves, a context instance and a
+# generation instance start as two more commands (the generation one split in two: its ranks 0
+# and 1 from separate commands), meet through the rendezvous over UCX, and every request is
+# fetched and verified. With --netns, each instance runs in a network namespace of its own
+# (veth pair 10.77.0.1 <-> 10.77.0.2, the rendezvous in the context's), in its own IPC and mount
+# namespaces too: nothing shared but the network, so peer memory and UCX's shared memory must be
+# found unusable and the KV goes over the network (TCP).
+# Usage: instances.sh KVFERRY [--netns]     (exit 77: --netns needs root and `ip netns`)
+set -u
+kvferry=$1
+netns=0; [ "${2:-}" = --netns ] && netns=1
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  for p in "${pids[@]}"; do timeout 10 tail --pid="$p" -f /dev/null || kill -KILL "$p" 2>/dev/null; done
+  if ((netns)); then ip netns del "$ns_a" 2>/dev/null; ip netns del "$ns_b" 2>/dev/null; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --ctx-tp 2 --gen-tp 2
+       --gen-layout per-layer --requests 12 --concurrency 2 --prompt-tokens 20,37 --timeout-ms 20000
+       --transport ucx)
+run_a=() run_b=() bind=127.0.0.1:0
+if ((netns)); then
+  if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then
+    echo "SKIP: network namespaces need root, ip and unshare"; exit 77
+  fi
+  ns_a=kvf-a-$$ ns_b=kvf-b-$$
+  ip netns add "$ns_a" && ip netns add "$ns_b" || { echo "SKIP: ip netns add failed"; exit 77; }
+  ip link add "va-$$" netns "$ns_a" type veth peer name "vb-$$" netns "$ns_b" || {
+    echo "SKIP: no veth pairs here"; exit 77; }
+  ip -n "$ns_a" addr add 10.77.0.1/24 dev "va-$$" && ip -n "$ns_a" link set "va-$$" up
+  ip -n "$ns_b" addr add 10.77.0.2/24 dev "vb-$$" && ip -n "$ns_b" link set "vb-$$" up
+  ip -n "$ns_a" link set lo up && ip -n "$ns_b" link set lo up
+  # Each "host": its network namespace, and IPC, mount and PID namespaces of its own.
+  run_a=(ip netns exec "$ns_a" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
+  run_b=(ip netns exec "$ns_b" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
+  bind=10.77.0.1:0
+fi
+"${run_a[@]}" "$kvferry" rendezvous --bind "$bind" --key-file "$tmp/key" >"$tmp/rv.out" 2>&1 &
+pids+=($!)
+addr=
+for _ in $(seq 1 200); do
+  addr=$(sed -n 's/^kvferry rendezvous: serving on \([^ ]*\) .*/\1/p' "$tmp/rv.out")
+  [ -n "$addr" ] && break
+  sleep 0.05
+done
+[ -n "$addr" ] || { echo "FAIL: the rendezvous did not start"; cat "$tmp/rv.out"; exit 1; }
+echo "rendezvous at $addr"
+common=(--rendezvous "$addr" --rendezvous-key-file "$tmp/key")
+"${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" >"$tmp/ctx.out" 2>&1 &
+ctx=$!
+"${run_b[@]}" "$kvferry" instance --role generation --ranks 0 "${common[@]}" "${shape[@]}" \
+  >"$tmp/gen0.out" 2>&1 &
+gen0=$!
+"${run_b[@]}" "$kvferry" instance --role generation --ranks 1 "${common[@]}" "${shape[@]}" \
+  >"$tmp/gen1.out" 2>&1 &
+gen1=$!
+fail=0
+for p in ctx gen0 gen1; do
+  timeout 120 tail --pid="${!p}" -f /dev/null
+  wait "${!p}"; rc=$?
+  echo "== $p (exit $rc)"; cat "$tmp/$p.out"
+  ((rc == 0)) || fail=1
+done
+# Every generation rank fetched and verified its requests (12 requests, each on both ranks).
+for g in gen0 gen1; do
+  grep -q "generation rank .: 12 requests, 0 failed, 12 verified" "$tmp/$g.out" || {
+    echo "FAIL: $g did not verify 12 requests"; fail=1; }
+done
+if ((netns)); then
+  # Between hosts nothing maps the other's memory: the KV crossed the network.
+  if grep -q "peer-memory" "$tmp/gen0.out" "$tmp/gen1.out" "$tmp/ctx.out"; then
+    echo "FAIL: peer memory between network namespaces of separate IPC/PID namespaces"; fail=1
+  fi
+fi
+((fail == 0)) && echo PASS
+exit "$fail"
