@@ -143,6 +143,10 @@ def role_prefill(args) -> None:
     write_json(os.path.join(args.work, f"{conn}-tickets.json"), tickets)
     serve_until(llm, os.path.join(args.work, f"{conn}-decode-done"), 900)
     if conn == "kvferry":
+        from kvferry.integrations.vllm import OVERHEAD
+
+        # Every hook of this process's connector (scheduler and worker) over rounds A1-C.
+        write_json(os.path.join(args.work, "kvferry-prefill-overhead.json"), OVERHEAD.snapshot())
         hold_phase(args, llm, ps)
     serve_until(llm, os.path.join(args.work, f"{conn}-release"), 600)
     print(f"prefill({conn}): released", flush=True)
@@ -247,6 +251,10 @@ def role_decode(args) -> None:
         recs = worker.transfer_records()
         result["records_A"] = recs
     # Round T: one request at a time, nothing cached locally.
+    if worker is not None:
+        from kvferry.integrations.vllm import OVERHEAD
+
+        OVERHEAD.reset()
     ttft, xfer = [], []
     for i, p in enumerate(tickets["T"]):
         llm.reset_prefix_cache()
@@ -260,6 +268,7 @@ def role_decode(args) -> None:
     result["xfer"] = xfer
     if worker is not None:
         result["lib_seconds_T"] = [r["seconds"] for r in worker.transfer_records()[-len(ttft):]]
+        result["overhead_T"] = OVERHEAD.snapshot()
         # Round C: corrupted placement (test-only option), nothing cached locally.
         llm.reset_prefix_cache()
         worker._worker.o.test_corrupt = "reverse-blocks"
@@ -416,6 +425,22 @@ def orchestrate(args) -> int:
               f"{max(map(len, ps))} prompt tokens)" +
               (f"; library transfer median {median(r['lib_seconds_T']) * 1e3:.2f} ms"
                if "lib_seconds_T" in r else ""))
+    over = {}
+    if "overhead_T" in results.get("kvferry", {}):
+        over["decode"] = results["kvferry"]["overhead_T"]
+    opath = os.path.join(args.work, "kvferry-prefill-overhead.json")
+    if os.path.exists(opath):
+        over["prefill"] = json.load(open(opath))
+    for side, o in over.items():
+        worst = max(o["hooks"].items(), key=lambda kv: kv[1]["ns"], default=("-", {"ns": 0}))
+        print(f"kvferry {side}: connector overhead {o['connector_ns_per_request'] / 1e3:.0f} us "
+              f"per request beside the library's {o['library_ns_per_request'] / 1e3:.0f} us "
+              f"({o['requests']} requests; most in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us)")
+    if over:  # a measurement, not a check: it depends on the machine's load
+        met = all(0 < o["requests"] and o["connector_ns_per_request"] < 200e3
+                  for o in over.values())
+        print(f"kvferry: connector overhead target (< 200 us per request, each side): "
+              f"{'met' if met else 'NOT met'}")
     if "kvferry" in results and "nixl" in results:
         kt, nt = median(results["kvferry"]["ttft"]), median(results["nixl"]["ttft"])
         print(f"TTFT kvferry/NIXL: {kt / nt:.2f}")

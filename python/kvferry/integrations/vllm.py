@@ -87,6 +87,66 @@ _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 _LIVE: "weakref.WeakSet[KvferryConnector]" = weakref.WeakSet()
 
 
+class Overhead:
+    """What the connector costs vLLM's engine thread: the time of each hook vLLM calls (its
+    Python and the kvferry calls it makes, which `library_ns` counts on their own), per process.
+    The fetch threads' rendezvous lookups and fetches run beside the step and are not counted.
+    The connector's own overhead per request is (hooks - library) / requests."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[int]] = {}  # hook -> [calls, ns]
+        self.library_ns = 0  # kvferry calls made from hooks (mark_ready, poll, put, cancel)
+        self.requests = 0  # requests the worker saw end (sent or received)
+
+    def hook(self, name: str, ns: int) -> None:
+        calls = self.hooks.setdefault(name, [0, 0])
+        calls[0] += 1
+        calls[1] += ns
+
+    def snapshot(self) -> dict[str, Any]:
+        total = sum(ns for _, ns in self.hooks.values())
+        per = max(self.requests, 1)
+        return {"hooks": {k: {"calls": c, "ns": ns} for k, (c, ns) in self.hooks.items()},
+                "hook_ns": total, "library_ns": self.library_ns, "requests": self.requests,
+                "connector_ns_per_request": (total - self.library_ns) / per,
+                "library_ns_per_request": self.library_ns / per}
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+OVERHEAD = Overhead()
+
+
+def _timed(fn):
+    """Counts a hook's time in OVERHEAD (two clock reads, ~0.1 us)."""
+    name = fn.__name__
+
+    def hook(self, *args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            OVERHEAD.hook(name, time.perf_counter_ns() - t0)
+
+    hook.__name__ = name
+    hook.__doc__ = fn.__doc__
+    return hook
+
+
+class _Library:
+    """`with _LIBRARY:` around a kvferry call made from a hook counts its time as the library's."""
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter_ns()
+
+    def __exit__(self, *exc: Any) -> None:
+        OVERHEAD.library_ns += time.perf_counter_ns() - self.t0
+
+
+_LIBRARY = _Library()  # hooks run on the engine thread, one at a time
+
+
 def live_connectors() -> list["KvferryConnector"]:
     """This process's worker-side connectors (tests and benchmarks with in-process engines read
     their transfer records and set test options through these)."""
@@ -211,21 +271,26 @@ class KvferryConnector(KVConnectorBase_V1):
             _LIVE.add(self)
 
     # -- scheduler side
+    @_timed
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @_timed
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    @_timed
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.update_connector_output(connector_output)
 
@@ -246,6 +311,7 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    @_timed
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 
@@ -256,6 +322,7 @@ class KvferryConnector(KVConnectorBase_V1):
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         return  # zero copy: the blocks are sent from vLLM's own cache once the step is done
 
+    @_timed
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             self._worker.wait_for_save(self._get_connector_metadata())
@@ -264,6 +331,7 @@ class KvferryConnector(KVConnectorBase_V1):
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
 
+    @_timed
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker.transfer_results()
 
@@ -469,11 +537,14 @@ class _Worker:
             if self.whole_blocks:
                 tokens = len(s.blocks) * self.block_size
             try:
-                handle = self.ctx.mark_ready(rid, s.blocks, tokens)
+                with _LIBRARY:
+                    handle = self.ctx.mark_ready(rid, s.blocks, tokens)
                 with self.lock:
                     self.sending[rid] = s.request_id
                 if self.tp_rank == 0:
-                    self.rv.put(handle_key(self.engine_id, s.request_id), handle, timeout=10.0)
+                    with _LIBRARY:
+                        self.rv.put(handle_key(self.engine_id, s.request_id), handle,
+                                    timeout=10.0)
             except kvferry.errors.Error as e:
                 # The decode side's lookup times out and recomputes; our blocks are free now.
                 logger.error("kvferry: request %s not published: %s", s.request_id, e)
@@ -482,7 +553,8 @@ class _Worker:
         for req_id in meta.cancels:
             rid = request_id_u64(self.engine_id, req_id)
             try:
-                self.ctx.cancel(rid)
+                with _LIBRARY:
+                    self.ctx.cancel(rid)
             except kvferry.errors.Error:
                 pass  # already terminal
         with self.lock:
@@ -521,7 +593,9 @@ class _Worker:
     def transfer_results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         if self.ctx is not None:
-            for st in self.ctx.poll(0, 0.0):
+            with _LIBRARY:
+                sent = self.ctx.poll(0, 0.0)
+            for st in sent:
                 with self.lock:
                     req_id = self.sending.pop(st.request_id, None)
                     if req_id is not None:
@@ -533,14 +607,18 @@ class _Worker:
                 self.send_terminal -= done
                 self.send_finished -= done
             out.finished_sending = done
+            OVERHEAD.requests += len(done)
         if self.gen is not None:
             now = time.time()
-            for st in self.gen.poll(0, 0.0):
+            with _LIBRARY:
+                received = self.gen.poll(0, 0.0)
+            for st in received:
                 with self.lock:
                     req_id = self.receiving.pop(st.request_id, None)
                 if req_id is None:
                     continue
                 out.finished_recving.add(req_id)
+                OVERHEAD.requests += 1
                 self.records.append({"request_id": req_id, "ok": st.ok, "bytes": st.bytes,
                                      "seconds": st.seconds, "at": now})
                 if not st.ok:
