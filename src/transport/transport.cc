@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kvferry/inproc_transport.h"
+#include "kvferry/nixl_info.h"
 #include "kvferry/ucx_info.h"
 #include "kvferry_build_config.h"
 
@@ -52,8 +53,15 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& opt
     return Status::Unavailable("transport 'mpi' is not compiled in (libopenmpi-dev not found)");
 #endif
   }
+  if (options.name == "nixl") {  // NIXL's C API is loaded at run time (kvferry/nixl_info.h)
+    auto nixl = QueryNixlRuntime();
+    if (!nixl.ok()) return nixl.status().WithContext("transport 'nixl'");
+    if (!nixl->backend_status.ok()) return nixl->backend_status.WithContext("transport 'nixl'");
+    return Status::Unavailable("transport 'nixl': NIXL " + nixl->version +
+                               " loads, but the transport over it is not built yet");
+  }
   return Status::InvalidArgument("unknown transport '" + options.name +
-                                 "' (expected inproc, ucx or mpi)");
+                                 "' (expected inproc, ucx, mpi or nixl)");
 }
 
 std::vector<std::string> AvailableTransports() {
@@ -64,6 +72,7 @@ std::vector<std::string> AvailableTransports() {
 #if KVFERRY_HAVE_MPI
   names.push_back("mpi");
 #endif
+  names.push_back("nixl");  // loaded at run time: CreateTransport says when it is unusable
   return names;
 }
 
