@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "kvferry/inproc_transport.h"
-#include "kvferry/nixl_info.h"
 #include "kvferry/ucx_info.h"
 #include "kvferry_build_config.h"
 
@@ -12,6 +11,8 @@ namespace kvferry {
 #if KVFERRY_HAVE_UCX
 StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options);
 #endif
+// nixl_transport.cc: NIXL's C API is loaded at run time, so it is always compiled in.
+StatusOr<std::unique_ptr<Transport>> CreateNixlTransport(const TransportOptions& options);
 #if KVFERRY_HAVE_MPI
 StatusOr<std::unique_ptr<Transport>> CreateMpiTransport(const TransportOptions& options);
 #endif
@@ -53,13 +54,7 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& opt
     return Status::Unavailable("transport 'mpi' is not compiled in (libopenmpi-dev not found)");
 #endif
   }
-  if (options.name == "nixl") {  // NIXL's C API is loaded at run time (kvferry/nixl_info.h)
-    auto nixl = QueryNixlRuntime();
-    if (!nixl.ok()) return nixl.status().WithContext("transport 'nixl'");
-    if (!nixl->backend_status.ok()) return nixl->backend_status.WithContext("transport 'nixl'");
-    return Status::Unavailable("transport 'nixl': NIXL " + nixl->version +
-                               " loads, but the transport over it is not built yet");
-  }
+  if (options.name == "nixl") return CreateNixlTransport(options);
   return Status::InvalidArgument("unknown transport '" + options.name +
                                  "' (expected inproc, ucx, mpi or nixl)");
 }
