@@ -51,21 +51,28 @@ fs::path LibraryIn(const fs::path& where) {
   return {};
 }
 
-// PREFIX/lib/python3.*/site-packages of a process whose executable is PREFIX/bin/python*.
+// Where a Python that runs kvferry keeps its packages: the directories above the file that holds
+// this code (site-packages/kvferry/_core*.so, or a libkvferry.so beside it: up to three levels),
+// and PREFIX/lib/python3.*/site-packages of an executable PREFIX/bin/python* (/proc/self/exe
+// names the base interpreter, not a venv's link to it: the first way finds a venv's).
 std::vector<fs::path> RunningPythonSitePackages() {
-  std::error_code ec;
-  // Not canonical: a venv's bin/python is a link to the base interpreter, and the venv is what
-  // holds the packages.
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   std::vector<fs::path> out;
-  if (ec) return out;
-  for (const fs::path& e : {fs::path(exe)}) {
-    if (e.filename().string().rfind("python", 0) != 0) continue;
-    const fs::path lib = e.parent_path().parent_path() / "lib";
-    for (const auto& d : fs::directory_iterator(lib, ec)) {
-      if (d.path().filename().string().rfind("python3", 0) == 0) {
-        out.push_back(d.path() / "site-packages");
-      }
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&RunningPythonSitePackages), &info) != 0 &&
+      info.dli_fname != nullptr) {
+    fs::path dir = fs::path(info.dli_fname).parent_path();
+    for (int up = 0; up < 3 && !dir.empty() && dir != dir.root_path(); ++up) {
+      if (dir.filename() == "site-packages") out.push_back(dir);
+      dir = dir.parent_path();
+    }
+  }
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec || exe.filename().string().rfind("python", 0) != 0) return out;
+  const fs::path lib = exe.parent_path().parent_path() / "lib";
+  for (const auto& d : fs::directory_iterator(lib, ec)) {
+    if (d.path().filename().string().rfind("python3", 0) == 0) {
+      out.push_back(d.path() / "site-packages");
     }
   }
   return out;

@@ -11,8 +11,9 @@
 //      directory holding the wheel (.nixl_cu13.mesonpy.libs/);
 //   2. the site-packages directories compiled in (KVFERRY_NIXL_SEARCH: scripts/setup's .deps/py,
 //      where it installs the nixl-cu13 wheel, and CMake's KVFERRY_NIXL_DIR);
-//   3. the site-packages of the running Python (a process whose executable is PREFIX/bin/python*:
-//      PREFIX/lib/python3.*/site-packages), for kvferry used from Python.
+//   3. the site-packages of the running Python, for kvferry used from Python: the one above the
+//      module that holds this code, or PREFIX/lib/python3.*/site-packages of an executable
+//      PREFIX/bin/python*.
 // Version: the wheel's dist-info (nixl_cu13-X.Y.Z.dist-info/METADATA beside the library's
 // directory) must say 1.5.x, the C ABI declared here (the agent config struct, the status codes);
 // another version, or none found, is refused unless nixl.check_version=false.
