@@ -1,9 +1,15 @@
 // NIXL loaded at run time: where it is found, what is refused, what `kvferry info` reports.
 // Tests that need NIXL itself are skipped (saying why) where it can't be loaded.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "kvferry/config.h"
@@ -188,6 +194,94 @@ TEST(NixlTransport, BadRemoteMetadataIsAClearError) {
   ASSERT_FALSE(put.ok());
   EXPECT_EQ(put.status().code(), StatusCode::kInvalidArgument) << put.status().ToString();
 }
+
+std::optional<ControlMessage> AwaitControl(Transport& t, Deadline deadline) {
+  while (Clock::now() < deadline) {
+    if (auto m = t.PollControl()) return m;
+    t.Progress();
+  }
+  return std::nullopt;
+}
+
+// The child of NixlCrash.CrashedPeerFailsPendingOps (run by it, skipped otherwise): connects to
+// the address in NIXL_TEST_PEER, says hello, and dies by SIGKILL when told (no bye).
+TEST(NixlCrashChild, Run) {
+  const char* peer = getenv("NIXL_TEST_PEER");
+  if (peer == nullptr) GTEST_SKIP() << "run by NixlCrash.CrashedPeerFailsPendingOps";
+  auto t = MakeNixl();
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  auto p = (*t)->Connect(peer, DeadlineIn(std::chrono::milliseconds(5000)));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  ASSERT_TRUE((*t)->SendControl(*p, Bytes("hello")).ok());
+  auto m = AwaitControl(**t, DeadlineIn(std::chrono::milliseconds(20000)));
+  ASSERT_TRUE(m.has_value());
+  const char* death = getenv("NIXL_TEST_DEATH");
+  kill(getpid(), death && std::string(death) == "stop" ? SIGSTOP : SIGKILL);
+}
+
+// A peer that crashes (SIGKILL: no bye) or hangs (SIGSTOP) fails this side's pending receive
+// naming it: a crash by a ping that fails (NIXL's UCX sees the connection reset), a hung peer by
+// silence after nixl.peer_timeout_ms. NIXL itself would never time either out.
+class NixlCrash : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(NixlCrash, CrashedPeerFailsPendingOps) {
+  const std::string mode = GetParam().substr(0, GetParam().find('|'));
+  const std::string death = GetParam().substr(GetParam().find('|') + 1);
+  KnobGuard params{"nixl.backend_params"};
+  ASSERT_TRUE(Config::Global().Set("nixl.backend_params", mode).ok());
+  KnobGuard g{"nixl.peer_timeout_ms"};
+  ASSERT_TRUE(Config::Global().Set("nixl.peer_timeout_ms", "1000").ok());
+  auto t = MakeNixl();
+  if (!t.ok()) GTEST_SKIP() << t.status().ToString();
+  const std::string address = (*t)->LocalAddress();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setenv("NIXL_TEST_PEER", address.c_str(), 1);
+    setenv("KVFERRY_NIXL_PEER_TIMEOUT_MS", "1000", 1);
+    setenv("KVFERRY_NIXL_BACKEND_PARAMS", mode.c_str(), 1);
+    setenv("NIXL_TEST_DEATH", death.c_str(), 1);
+    execl("/proc/self/exe", "nixl_test", "--gtest_filter=NixlCrashChild.Run", nullptr);
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  } reap{pid};
+  auto hello = AwaitControl(**t, DeadlineIn(std::chrono::milliseconds(20000)));
+  ASSERT_TRUE(hello.has_value()) << "the child never said hello";
+  const PeerId child = hello->from;
+  char buf[64];
+  auto recv = (*t)->Recv(child, 42, buf, sizeof(buf), MemoryKind::kHost);
+  ASSERT_TRUE(recv.ok()) << recv.status().ToString();
+  ASSERT_TRUE((*t)->SendControl(child, Bytes("die")).ok());
+  const auto start = Clock::now();
+  Status st = WaitOp(**t, **recv, DeadlineIn(std::chrono::milliseconds(10000)));
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_LT(ms, 4000);  // 1 s of silence, a ping period, and a loaded machine
+  if (death == "stop") {
+    EXPECT_GE(ms, 900) << "a stopped peer is noticed by its silence";
+  }
+  std::printf("[ info ] the pending receive failed %lld ms after the peer was told to die\n",
+              static_cast<long long>(ms));
+  // Later operations to it fail at once.
+  EXPECT_FALSE((*t)->SendControl(child, Bytes("x")).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Deaths, NixlCrash,
+                         ::testing::Values("ucx_error_handling_mode=peer|kill",
+                                           "ucx_error_handling_mode=none|kill",
+                                           "ucx_error_handling_mode=peer|stop"),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(info.param.find('=') + 1);
+                           n[n.find('|')] = '_';
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace kvferry::nixl_detail
