@@ -123,6 +123,27 @@ constexpr KnobDecl kKnobs[] = {
     {"ucx.progress_spin", KnobType::kInt, "1",
      "ucp_worker_progress calls per Transport::Progress() (more: less call overhead per byte)", 1,
      1000, ""},
+    {"nixl.library", KnobType::kString, "",
+     "NIXL's C API for --transport nixl: libnixl_capi.so, a directory holding it, or a "
+     "site-packages directory holding the nixl-cu13 wheel; empty: .deps/py (scripts/setup), then "
+     "the running Python's site-packages",
+     0, 0, ""},
+    {"nixl.check_version", KnobType::kBool, "true",
+     "refuse a NIXL whose wheel does not say 1.5.x (the C API kvferry declares)", 0, 0, ""},
+    {"nixl.backend", KnobType::kString, "UCX",
+     "the NIXL backend plugin the nixl transport creates (UCX, LIBFABRIC, ...; `kvferry info` "
+     "lists the plugins found)",
+     0, 0, ""},
+    {"nixl.backend_params", KnobType::kString, "",
+     "parameters of that backend, KEY=VALUE,KEY=VALUE (UCX: num_workers, ucx_error_handling_mode"
+     "=peer|none, device_list, ...); empty: NIXL's defaults",
+     0, 0, ""},
+    {"nixl.keepalive_ms", KnobType::kInt, "500",
+     "the nixl transport pings each peer it talks to this often", 10, 3600 * 1000, ""},
+    {"nixl.peer_timeout_ms", KnobType::kInt, "5000",
+     "a nixl peer that sent something before and nothing for this long is dead (its pending "
+     "operations fail)",
+     100, 3600 * 1000, ""},
     {"tiering.file_staging_blocks", KnobType::kInt, "32",
      "pinned staging of the file tier, in blocks; also the largest batch to or from files", 1,
      1 << 20, ""},

@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "transport/nixl_raw.h"
+
 namespace kvferry {
 namespace {
 
@@ -171,6 +173,19 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
                            src.where, kBaseMsg >> 20, kBaseWindow);
   }
   out.name += " [" + t->DescribePeer(peer) + "]";  // the transports UCX picked
+  // NIXL: also two bare agents' WRITEs of the same bytes (no kvferry transport around them).
+  if (info.contains("nixl_raw")) {
+    auto raw = RawNixlWrite(info["nixl_raw"].get<std::string>(), src.buf.data(), kBaseMsg,
+                            kBaseWindow, msgs, deadline);
+    if (raw.ok() && *raw > out.gbps) {
+      out.gbps = *raw;
+      out.name = fmt::format("raw nixl agent write (no kvferry), {} memory, {} MiB x{} in flight",
+                             src.where, kBaseMsg >> 20, kBaseWindow);
+    } else {
+      out.name += raw.ok() ? fmt::format(" (raw nixl agent write: {:.2f} GB/s)", *raw)
+                           : " (raw nixl agent write: " + raw.status().ToString() + ")";
+    }
+  }
   KVF_RETURN_IF_ERROR(PutText(*rv, "done", fmt::format("{}", out.gbps), deadline));
   // Keep the transport alive until the receiver has seen the end.
   KVF_ASSIGN_OR_RETURN(std::string ack, GetText(*rv, "ack", deadline));
@@ -194,6 +209,15 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, D
       info["raddr"] = reg->address();
     }
   }
+  // NIXL: a bare agent's target on the same buffer, for the sender's raw NIXL pass.
+  std::unique_ptr<RawNixlTarget> nixl_raw;
+  if (cfg.transport == "nixl" && dst.wire == MemoryKind::kHost) {
+    auto target = RawNixlTarget::Create(dst.buf.data(), dst.buf.size());
+    if (target.ok()) {
+      nixl_raw = std::move(target).value();
+      info["nixl_raw"] = nixl_raw->Describe();
+    }
+  }
   KVF_RETURN_IF_ERROR(PutText(*rv, "gen-info", info.dump(), deadline));
   KVF_ASSIGN_OR_RETURN(std::string ctx_addr, GetText(*rv, "ctx-addr", deadline));
   KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(ctx_addr, deadline));
@@ -212,6 +236,7 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, D
   // the rendezvous every 10 ms, each look a few ms at most).
   for (Deadline look = Clock::now();;) {
     t->Progress();
+    if (nixl_raw) nixl_raw->Progress();
     if (Clock::now() >= look) {
       if (GetText(*rv, "done", DeadlineIn(milliseconds(3))).ok()) break;
       look = DeadlineIn(milliseconds(10));

@@ -11,6 +11,8 @@ namespace kvferry {
 #if KVFERRY_HAVE_UCX
 StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const TransportOptions& options);
 #endif
+// nixl_transport.cc: NIXL's C API is loaded at run time, so it is always compiled in.
+StatusOr<std::unique_ptr<Transport>> CreateNixlTransport(const TransportOptions& options);
 #if KVFERRY_HAVE_MPI
 StatusOr<std::unique_ptr<Transport>> CreateMpiTransport(const TransportOptions& options);
 #endif
@@ -52,8 +54,9 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& opt
     return Status::Unavailable("transport 'mpi' is not compiled in (libopenmpi-dev not found)");
 #endif
   }
+  if (options.name == "nixl") return CreateNixlTransport(options);
   return Status::InvalidArgument("unknown transport '" + options.name +
-                                 "' (expected inproc, ucx or mpi)");
+                                 "' (expected inproc, ucx, mpi or nixl)");
 }
 
 std::vector<std::string> AvailableTransports() {
@@ -64,6 +67,7 @@ std::vector<std::string> AvailableTransports() {
 #if KVFERRY_HAVE_MPI
   names.push_back("mpi");
 #endif
+  names.push_back("nixl");  // loaded at run time: CreateTransport says when it is unusable
   return names;
 }
 

@@ -8,6 +8,7 @@
 #include "kvferry/build_info.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
+#include "kvferry/nixl_info.h"
 #include "kvferry/ucx_info.h"
 #include "tools/kvferry/commands.h"
 #include "tools/kvferry/output.h"
@@ -62,6 +63,7 @@ int RunInfo(const OutputFlags& out) {
   auto devices = Devices();
   auto knobs = Config::Global().List();
   auto ucx = QueryUcxRuntime();
+  auto nixl = QueryNixlRuntime();
   if (out.machine()) {
     nlohmann::json j;
     j["version"] = Version();
@@ -87,6 +89,16 @@ int RunInfo(const OutputFlags& out) {
       }
     } else {
       j["ucx"] = {{"error", ucx.status().ToString()}};
+    }
+    if (nixl.ok()) {
+      j["nixl"] = {{"available", nixl->backend_status.ok()},
+                   {"version", nixl->version},
+                   {"library", nixl->library_path},
+                   {"plugins", nixl->plugins},
+                   {"backend", nixl->backend},
+                   {"error", nixl->backend_status.ok() ? "" : nixl->backend_status.ToString()}};
+    } else {
+      j["nixl"] = {{"available", false}, {"error", nixl.status().ToString()}};
     }
     Document doc("info");
     for (const KnobView& k : knobs) {
@@ -131,6 +143,15 @@ int RunInfo(const OutputFlags& out) {
     }
   } else {
     fmt::print("  unavailable: {}\n", ucx.status().ToString());
+  }
+  fmt::print("\nNIXL at run time (--transport nixl):\n");
+  if (nixl.ok()) {
+    fmt::print(
+        "  version     {}\n  library     {}\n  plugins     {}\n  backend     {} {}\n",
+        nixl->version, nixl->library_path, fmt::join(nixl->plugins, ", "), nixl->backend,
+        nixl->backend_status.ok() ? "starts" : "unusable: " + nixl->backend_status.ToString());
+  } else {
+    fmt::print("  unavailable: {}\n", nixl.status().ToString());
   }
   fmt::print("\nConfig knobs (override with --set NAME=VALUE or the environment variable):\n");
   for (const KnobView& k : knobs) {

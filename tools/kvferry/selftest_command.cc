@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvferry/config.h"
+#include "kvferry/nixl_info.h"
 #include "kvferry/rendezvous.h"
 #include "selftest/timeline_json.h"
 #include "tools/kvferry/cluster.h"
@@ -82,7 +83,7 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->delimiter(',');
   cmd->add_option("--concurrency", f.concurrency, "requests in flight per rank")
       ->capture_default_str();
-  cmd->add_option("--transport", f.transport, "inproc|ucx|mpi")->capture_default_str();
+  cmd->add_option("--transport", f.transport, "inproc|ucx|mpi|nixl")->capture_default_str();
   cmd->add_option("--device", f.device, "cpu|cuda (default: knob device.default)");
   cmd->add_flag("--layer-wise", f.layer_wise, "send each layer once prefill marks it ready");
   cmd->add_option("--crash-ctx-rank", f.crash_ctx_rank,
@@ -239,6 +240,20 @@ void PrintMedian(const std::vector<RankResult>& ranks) {
   if (!line.empty()) fmt::print("  median request, ms after its fetch: {}\n", line);
 }
 
+// --transport nixl where NIXL can't be used here (it is loaded at run time): the run is skipped,
+// saying why, with exit status kExitSkipped (ctest's SKIP_RETURN_CODE for the nixl cases).
+constexpr int kExitSkipped = 77;
+bool NixlMissing(const Flags& f, const char* command) {
+  if (f.transport != "nixl") return false;
+  auto nixl = QueryNixlRuntime();
+  const Status why = nixl.ok() ? nixl->backend_status : nixl.status();
+  if (why.ok()) return false;
+  fmt::print(stderr, "kvferry {}: skipped: transport nixl is unavailable here: {}\n", command,
+             why.ToString());
+  if (!f.out.machine()) fmt::print("SKIPPED\n");
+  return true;
+}
+
 int RunSelftest(const Flags& f) {
   Document doc("selftest");
   auto cfg = ToConfig(f);
@@ -247,6 +262,7 @@ int RunSelftest(const Flags& f) {
     return 2;
   }
   doc.config() = ConfigJson(f, *cfg);
+  if (NixlMissing(f, "selftest")) return kExitSkipped;
   auto ranks = RunCluster(*cfg, f.progress && !f.out.machine());
   if (!ranks.ok()) {
     fmt::print(stderr, "kvferry selftest: {}\n", ranks.status().ToString());
@@ -381,6 +397,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     doc.config()["sweep"] = sweep;
     doc.config()["model"] = f.model;
   }
+  if (NixlMissing(f, "bench transfer")) return kExitSkipped;
   if (!f.out.machine()) {
     fmt::print(
         "kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} {} -> gen "
