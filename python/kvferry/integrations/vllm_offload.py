@@ -651,6 +651,8 @@ class KvferryOffloadingWorker:
         return out
 
     def shutdown(self) -> None:
+        if self.tm.closed:
+            return
         try:
             self.tm.drain(timeout=self.o.io_timeout_s)
         finally:
