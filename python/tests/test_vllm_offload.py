@@ -87,6 +87,21 @@ def test_recovered_slots_are_hits_and_keep_their_slots():
     assert other.lookup(ok(0)) == "miss"
 
 
+def test_a_block_whose_load_failed_is_forgotten():
+    m = vo.KvferryOffloadingManager(DIGEST, host_blocks=0, file_slots=2, enable_events=True)
+    stored(m, [ok(1), ok(2)])
+    spec = m.prepare_load([ok(1)])
+    m.discard([spec.keys[0]])  # reported while its load still holds it
+    assert m.lookup(ok(1)) == "miss" and m.where(ok(1)) == (-1, 0)
+    m.complete_load([ok(1)])
+    assert m.where(ok(1)) is None and m.stats.discarded == 1
+    assert ([ok(1)], "file", True) in m.take_events()
+    _, where, evicted = stored(m, [ok(1)])  # recomputed, stored again in the freed slot
+    assert where.slots.tolist() == [0] and evicted == [] and m.lookup(ok(1)) == "hit"
+    m.discard([vo.slot_key(DIGEST, ok(2))])  # not held: forgotten at once
+    assert m.where(ok(2)) is None
+
+
 def test_options_and_identity(tmp_path):
     o = vo.OffloadOptions.from_extra({"spec_name": "x", "kvferry_host_blocks": "8"})
     assert o.host_blocks == 8 and o.file_slots == 0

@@ -208,6 +208,7 @@ class _Entry:
     slot: int = -1
     ready: bool = False  # stored (loadable)
     refs: int = 0  # loads in flight
+    bad: bool = False  # a load of it failed: forgotten once no load holds it
 
 
 @dataclass
@@ -222,6 +223,7 @@ class ManagerStats:
     evicted_host: int = 0
     evicted_file: int = 0
     store_skipped: int = 0  # no tier had room
+    discarded: int = 0  # blocks whose load failed (forgotten: stored again when recomputed)
     recovered: int = 0
     file_refused: str = ""  # why the file tier is off, if configured and off
 
@@ -270,7 +272,7 @@ class KvferryOffloadingManager:
         self.stats.lookups += 1
         k = self.key_of(okey)
         e = self._entries.get(k)
-        if e is None:
+        if e is None or e.bad:
             return "miss"
         if not e.ready:
             return "pending"
@@ -315,9 +317,24 @@ class KvferryOffloadingManager:
 
     def complete_load(self, okeys: Collection[bytes]) -> None:
         for okey in okeys:
-            e = self._entries.get(self.key_of(okey))
+            k = self.key_of(okey)
+            e = self._entries.get(k)
             if e is not None and e.refs > 0:
                 e.refs -= 1
+                if e.bad and e.refs == 0:
+                    self._forget(k, e)
+
+    def discard(self, keys: Iterable[int]) -> None:
+        """Forgets blocks (by 128-bit key) whose load failed: a slot that failed its checks is
+        never offered again; the block, recomputed by vLLM, is stored anew."""
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None or e.bad:
+                continue
+            self.stats.discarded += 1
+            e.bad = True
+            if e.refs == 0:
+                self._forget(k, e)
 
     def prepare_store(self, okeys: Collection[bytes]
                       ) -> tuple[list[bytes], KvferrySpecEntries, list[bytes]]:
@@ -436,6 +453,14 @@ class KvferryOffloadingManager:
             self._recovered_keys.discard(k)
             if e.okey is not None:
                 evicted.append(e.okey)
+
+    def _forget(self, k: int, e: _Entry) -> None:
+        if self.events is not None and e.okey is not None:
+            for tier, held in (("host", e.host), ("file", e.slot)):
+                if held >= 0:
+                    self.events.append(([e.okey], tier, True))
+        self._recovered_keys.discard(k)
+        self._drop(k, e)
 
     def _drop(self, k: int, e: _Entry) -> None:
         if e.host >= 0:
@@ -803,15 +828,36 @@ if _base is not None:
     class KvferryOffloadingConnector(OffloadingConnector):
         """vLLM's OffloadingConnector that also reports the vLLM blocks whose load failed (a
         slot failing its checks), so that vLLM recomputes them (kv_load_failure_policy
-        'recompute') instead of stopping."""
+        'recompute') instead of stopping, and on its scheduler side tells the manager which keys
+        failed (forgotten, so the next request stores the recomputed block instead of failing
+        again)."""
 
         def __init__(self, vllm_config, role, kv_cache_config):
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
             extra.setdefault("spec_name", "KvferryOffloadingSpec")
             extra.setdefault("spec_module_path", __name__)
             super().__init__(vllm_config, role, kv_cache_config)
+            self._loading: dict[int, int] = {}  # scheduler: vLLM block id -> key being loaded
             if self.connector_worker is not None:
                 self.connector_worker.spec.report_load_errors = True
+
+        def build_connector_meta(self, scheduler_output):
+            meta = super().build_connector_meta(scheduler_output)
+            # Which key each vLLM block is being loaded from: a block reported invalid names it.
+            for job in getattr(meta, "load_jobs", {}).values():
+                if isinstance(job.src_spec, KvferrySpecEntries):
+                    for b, k in zip(job.dst_spec.block_ids.tolist(), job.src_spec.keys):
+                        self._loading[b] = k
+            return meta
+
+        def update_connector_output(self, connector_output):
+            super().update_connector_output(connector_output)
+            bad = getattr(connector_output, "invalid_block_ids", None)
+            if bad and self.connector_scheduler is not None:
+                keys = [self._loading.pop(b) for b in bad if b in self._loading]
+                manager = self.connector_scheduler.manager
+                if isinstance(manager, _Manager):
+                    manager.core.discard(keys)
 
         def get_block_ids_with_load_errors(self) -> set[int]:
             w = self.connector_worker
