@@ -215,3 +215,23 @@ def test_worker_round_trip_restart_and_corruption(tmp_path):
     assert m.lookup(ok(0)) == "miss"
     w.shutdown()
     assert {p.name: p.read_bytes() for p in (tmp_path / "rank0").iterdir()} == before
+
+
+def test_unusable_directory_leaves_the_engine_serving(tmp_path):
+    """A directory that cannot be opened (a file in its place, a read-only one, locked by another
+    engine) turns the file tier off with the reason; the host tier still works."""
+    ident = {"format": vo.FORMAT, "model": "tiny"}
+    (tmp_path / "rank0").write_text("not a directory")
+    w, m, why = open_tier(tmp_path, kv_tensors(2), ident)
+    assert w.store is None and w.file_refused and why  # no session of this engine
+    _, where, _ = stored(m, [ok(1)])
+    assert where.host.tolist() == [0] and where.slots.tolist() == [-1]
+    w.shutdown()
+    (tmp_path / "rank0").unlink()
+    first, _, _ = open_tier(tmp_path, kv_tensors(2), ident, engine="a")
+    second, m2, why2 = open_tier(tmp_path, kv_tensors(3), ident, engine="b")
+    assert first.store is not None and second.store is None and "rank0" in second.file_refused
+    assert "engine 'a'" in why2 and m2.where(ok(1)) is None  # b reads a's session: refused
+    second.shutdown()
+    first.shutdown()
+

@@ -100,14 +100,15 @@ def engine_objects(llm):
     return core.scheduler.connector, get_kv_transfer_group()
 
 
-def run_engine(model: str, mode: str, files: str, out_path: str) -> None:
+def run_engine(model: str, mode: str, files: str, out_path: str, tp: int = 1) -> None:
     engine_env()
     from vllm import LLM, SamplingParams
 
     kv = kv_config("kvferry" if mode == "restart" else mode, files)
     kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=BLOCK, max_model_len=512, max_num_batched_tokens=512, seed=0,
-              num_gpu_blocks_override=GPU_BLOCKS, disable_log_stats=False)
+              num_gpu_blocks_override=GPU_BLOCKS, disable_log_stats=False,
+              tensor_parallel_size=tp)
     if kv is not None:
         kw["kv_transfer_config"] = kv
     result: dict = {"mode": mode}
@@ -121,12 +122,12 @@ def run_engine(model: str, mode: str, files: str, out_path: str) -> None:
         return
     result["startup_s"] = time.perf_counter() - t0
     manager = worker = None
-    if mode in ("kvferry", "restart"):
+    if mode in ("kvferry", "restart") and tp == 1:
         sched, wconn = engine_objects(llm)
         manager = sched.connector_scheduler.manager.core
         worker = wconn.connector_worker.worker.core
         result["recovered"] = manager.stats.recovered
-        if mode == "restart":
+        if mode == "restart" and tp == 1:
             # A slot altered after the files were opened: found at read, recomputed by vLLM.
             recovered = json.load(open(os.path.join(files, "rank0", "session.json")))["recovered"]
             result["corrupted_open"] = int(recovered[-1][0])
@@ -142,13 +143,16 @@ def run_engine(model: str, mode: str, files: str, out_path: str) -> None:
         computed.append(len(p) - c)
         ttft.append(o.metrics.first_token_latency if o.metrics is not None else None)
     result.update(outputs=outputs, computed=computed, cached=cached, ttft=ttft)
+    if kv is not None:
+        # Let the last stores finish before the engine goes (a restart should find them): the
+        # scheduler keeps stepping while its connector has jobs in flight.
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        deadline = time.monotonic() + 60
+        while sched.has_pending_push_work() and time.monotonic() < deadline:
+            llm.llm_engine.step()
+            time.sleep(0.01)
+        result["jobs_left"] = int(sched.has_pending_push_work())
     if manager is not None:
-        # Let the last stores finish before the engine goes (a restart should find them).
-        sched, _ = engine_objects(llm)
-        deadline = time.monotonic() + 30
-        while worker.jobs and time.monotonic() < deadline:
-            llm.llm_engine.step() if llm.llm_engine.has_unfinished_requests() else time.sleep(0.05)
-            worker.get_finished()
         result["manager"] = vars(manager.stats)
         result["worker"] = {"load_failures": worker.load_failures,
                             "store_failures": worker.store_failures,
@@ -170,13 +174,17 @@ def vllm_cpu_offload_runs() -> bool:
     return current_platform.is_cuda_alike() or current_platform.is_xpu()
 
 
-def spawn(model: str, mode: str, work: str) -> dict:
+def spawn(model: str, mode: str, work: str, tp: int = 1) -> dict:
     out = os.path.join(work, f"{mode}.json")
     log = os.path.join(work, f"{mode}.log")
     t0 = time.perf_counter()
+    env = dict(os.environ)
+    if tp > 1:  # vLLM's CPU workers: one core each (one NUMA node here)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in range(tp))
     with open(log, "w") as lf:
-        rc = subprocess.call([sys.executable, __file__, model, work, "--mode", mode],
-                             stdout=lf, stderr=subprocess.STDOUT, timeout=300)
+        rc = subprocess.call([sys.executable, __file__, model, work, "--mode", mode,
+                              "--tp", str(tp)], stdout=lf, stderr=subprocess.STDOUT,
+                             timeout=480, env=env)
     if not os.path.exists(out):
         raise SystemExit(f"offload_check: {mode} engine wrote no result (rc {rc}); log {log}")
     r = json.load(open(out))
@@ -184,16 +192,51 @@ def spawn(model: str, mode: str, work: str) -> dict:
     return r
 
 
+def tp_check(model: str, work: str, files: str, tp: int) -> int:
+    """TP > 1: each rank's worker in its own process, its own file directory (rank<r>); the
+    scheduler indexes the slots every rank recovered. Outputs must equal no offloading's (same TP)
+    and the restart's first pass must be served from the files."""
+    os.makedirs(files, exist_ok=True)
+    res = {m: spawn(model, m, work, tp) for m in ("none", "kvferry", "restart")}
+    failed = 0
+    for m, r in res.items():
+        if "error" in r:
+            print(f"FAIL: {m} TP{tp}: {r['error'][:300]}")
+            return 1
+    base = res["none"]["outputs"]
+    doc_tokens = DOCS * DOC_BLOCKS * BLOCK
+    for m in ("kvferry", "restart"):
+        same = sum(o == b for o, b in zip(res[m]["outputs"], base))
+        ok = same == len(base)
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}: {m} TP{tp}: outputs identical ({same}/{len(base)}); "
+              f"prompt tokens computed {sum(res[m]['computed'])} (none: "
+              f"{sum(res['none']['computed'])})")
+    hit = sum(res["restart"]["cached"][:DOCS])
+    ok = hit >= 0.9 * doc_tokens and sum(res["kvferry"]["cached"][DOCS:]) >= 0.9 * doc_tokens
+    failed += not ok
+    print(f"{'PASS' if ok else 'FAIL'}: TP{tp}: second questions cached "
+          f"{sum(res['kvferry']['cached'][DOCS:])}, restart's first pass {hit} of {doc_tokens} "
+          "document tokens")
+    print(f"offload_check TP{tp}: {'all passed' if not failed else f'{failed} FAILED'}")
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("work")
     ap.add_argument("--mode")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor_parallel_size of every engine; above 1 the workers are other "
+                    "processes: only outputs and vLLM's cached-token counts are checked")
     a = ap.parse_args()
     files = os.path.join(a.work, "files")
     if a.mode:
-        run_engine(a.model, a.mode, files, os.path.join(a.work, f"{a.mode}.json"))
+        run_engine(a.model, a.mode, files, os.path.join(a.work, f"{a.mode}.json"), a.tp)
         return 0
+    if a.tp > 1:
+        return tp_check(a.model, a.work, files, a.tp)
     os.makedirs(files, exist_ok=True)
     failed = 0
 

@@ -560,7 +560,12 @@ class KvferryOffloadingWorker:
             self.file_refused = why
             logger.error("kvferry offload: file tier refused, directory left untouched: %s", why)
             return None
-        os.makedirs(d, exist_ok=True)
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:  # a file in its place, a read-only or vanished parent
+            self.file_refused = f"{d}: {e}"
+            logger.error("kvferry offload: file tier off: %s", self.file_refused)
+            return None
         kw: dict[str, Any] = {"recover": "verify"}
         if self.o.file_backend:
             kw["backend"] = self.o.file_backend
@@ -578,11 +583,17 @@ class KvferryOffloadingWorker:
                 store.allocate()
             except kvferry.ResourceExhaustedError:
                 break
-        _write_json(os.path.join(d, IDENTITY_FILE), dict(identity))
-        _write_json(os.path.join(d, SESSION_FILE), {
-            "engine_id": engine_id, "opened": time.time(),
-            "recovered": [[r["slot"], format(r["key"], "032x")] for r in recovered
-                          if r["bytes"] == self.block_bytes]})
+        try:
+            _write_json(os.path.join(d, IDENTITY_FILE), dict(identity))
+            _write_json(os.path.join(d, SESSION_FILE), {
+                "engine_id": engine_id, "opened": time.time(),
+                "recovered": [[r["slot"], format(r["key"], "032x")] for r in recovered
+                              if r["bytes"] == self.block_bytes]})
+        except OSError as e:  # a full disk, a directory made read-only meanwhile
+            store.close()
+            self.file_refused = f"{d}: cannot write its session ({e})"
+            logger.error("kvferry offload: file tier off: %s", self.file_refused)
+            return None
         logger.info("kvferry offload: file tier %s (%s), %d slots, %d recovered", d,
                     store.backend["name"], store.capacity, len(recovered))
         return store
