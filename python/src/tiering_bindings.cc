@@ -214,6 +214,26 @@ BlockKey KeyOf(nb::int_ key) {
                   nb::cast<uint64_t>(key.attr("__and__")(mask))};
 }
 
+// Moves' keys (`keys=`): a sequence of 128-bit ints, one per move, written with file slots and
+// checked against them on reads (SlabStore: a slot holding another key reads as kDataLoss).
+void AttachKeys(nb::handle keys, std::vector<BlockMove>& moves) {
+  if (keys.is_none()) return;
+  if (!nb::isinstance<nb::sequence>(keys) || nb::isinstance<nb::str>(keys)) {
+    ThrowInvalid("keys: a sequence of ints in [0, 2**128), one per move");
+  }
+  if (nb::len(keys) != moves.size()) {
+    ThrowInvalid("keys: " + std::to_string(nb::len(keys)) + " keys for " +
+                 std::to_string(moves.size()) + " moves");
+  }
+  size_t i = 0;
+  for (nb::handle k : keys) {
+    nb::int_ v;
+    if (!nb::try_cast(k, v))
+      ThrowInvalid("keys: " + std::string(nb::repr(k).c_str()) + " is not an int");
+    moves[i++].key = KeyOf(v);
+  }
+}
+
 nb::dict ReadinessDict(const Readiness& r) {
   nb::dict d;
   d["ready"] = r.ready;
@@ -299,6 +319,14 @@ void BindTiering(nb::module_& m) {
           },
           "Slots found intact at open (slot, key, bytes); a BlockManager over a TransferManager "
           "with this store serves them as prefix hits.")
+      .def(
+          "allocate", [](PySlabStore& f) { return Take(f.core()->store->Allocate()); },
+          "A free slot id (lowest never-used first); ResourceExhaustedError when none is free. "
+          "Writes (TransferManager moves to the file tier) need allocated slots.")
+      .def(
+          "release", [](PySlabStore& f, int64_t slot) { f.core()->store->Release(slot); },
+          nb::arg("slot"),
+          "Returns a slot to the free list (its contents are forgotten); no I/O of it may run.")
       .def_prop_ro("closed", &PySlabStore::closed)
       .def("close", &PySlabStore::close,
            "Drops this object's reference: the store (and its directory lock) goes with the last "
@@ -366,32 +394,40 @@ void BindTiering(nb::module_& m) {
           "keeps it open while it lives).")
       .def(
           "move",
-          [](PyTransferManager& t, Tier from, Tier to, nb::handle moves) {
+          [](PyTransferManager& t, Tier from, Tier to, nb::handle moves, nb::handle keys) {
             std::shared_ptr<ManagerCore> c = t.core();
             c->CheckPools();
             std::vector<BlockMove> mv = ParseMoves(moves);
+            AttachKeys(keys, mv);
             return PyBatch{Take(c->manager->Move(from, to, mv)), c};
           },
-          nb::arg("from_tier"), nb::arg("to_tier"), nb::arg("moves"),
-          "Queues one batch; moves are (src, dst) or (src, dst, tokens) block ids.")
+          nb::arg("from_tier"), nb::arg("to_tier"), nb::arg("moves"), nb::kw_only(),
+          nb::arg("keys") = nb::none(),
+          "Queues one batch; moves are (src, dst) or (src, dst, tokens) block ids (slot ids in "
+          "the file tier); keys: one 128-bit int per move, written with file slots and checked "
+          "on reads (default 0).")
       .def(
           "offload",
-          [](PyTransferManager& t, nb::handle moves, Tier to) {
+          [](PyTransferManager& t, nb::handle moves, Tier to, nb::handle keys) {
             std::shared_ptr<ManagerCore> c = t.core();
             c->CheckPools();
             std::vector<BlockMove> mv = ParseMoves(moves);
+            AttachKeys(keys, mv);
             return PyBatch{Take(c->manager->Offload(to, mv)), c};
           },
-          nb::arg("moves"), nb::arg("to_tier") = Tier::kHost)
+          nb::arg("moves"), nb::arg("to_tier") = Tier::kHost, nb::kw_only(),
+          nb::arg("keys") = nb::none())
       .def(
           "onboard",
-          [](PyTransferManager& t, nb::handle moves, Tier from) {
+          [](PyTransferManager& t, nb::handle moves, Tier from, nb::handle keys) {
             std::shared_ptr<ManagerCore> c = t.core();
             c->CheckPools();
             std::vector<BlockMove> mv = ParseMoves(moves);
+            AttachKeys(keys, mv);
             return PyBatch{Take(c->manager->Onboard(from, mv)), c};
           },
-          nb::arg("moves"), nb::arg("from_tier") = Tier::kHost)
+          nb::arg("moves"), nb::arg("from_tier") = Tier::kHost, nb::kw_only(),
+          nb::arg("keys") = nb::none())
       .def(
           "drain",
           [](PyTransferManager& t, double timeout) {
