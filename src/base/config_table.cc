@@ -66,9 +66,11 @@ constexpr KnobDecl kKnobs[] = {
      "today); off: transport puts",
      0, 0, "auto|on|off"},
     {"transfer.spin_us", KnobType::kInt, "200",
-     "a progress thread with operations in flight polls without sleeping for this long after "
-     "the last thing happened, then naps 50 us at a time (frees the cores for the ranks that "
-     "copy; costs up to a nap of latency on long waits)",
+     "a progress thread with operations in flight polls every 10 us (short sleeps; a "
+     "sched_yield there gave the core away for a scheduler slice, milliseconds, whenever another "
+     "thread was runnable) for this long after the last thing happened, then naps 50 us at a "
+     "time (frees the cores for the ranks that copy; costs up to a nap of latency on long "
+     "waits)",
      0, 10 * 1000 * 1000, ""},
     {"transfer.stream_nap_us", KnobType::kInt, "1000",
      "how long a context progress thread naps while all it waits for is peer-memory copies on "

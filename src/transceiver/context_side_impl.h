@@ -53,7 +53,7 @@ struct SendPair {
   RmaTarget target;
   std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
   std::deque<SendOp> inflight;
-  // Peer memory without checksums (Foldable): the pair's last CHUNK, held until the request is
+  // One-sided without checksums (Foldable): the pair's last CHUNK, held until the request is
   // complete on every rank, so that it can say so (Finish).
   std::optional<LandedChunks> last_report;
   bool drained() const {
@@ -164,11 +164,12 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void TellSiblings(CtxRequest& r);
   // The other context rank `rank`'s connection (made on first use); an error ends the request.
   StatusOr<PeerId> SiblingPeer(int32_t rank, Deadline deadline);
-  // A peer-memory pair without checksums ends with its last CHUNK saying complete (wire version
-  // 6, 8): neither DONE nor COMPLETE is exchanged for it.
-  bool Foldable(const SendPair& p) const {
-    return p.mapped && !p.checksum && !p.plan.chunks.empty();
-  }
+  // A one-sided pair without checksums ends with its last CHUNK saying complete (wire version
+  // 6, 8; 10 for transport puts as well as peer-memory copies): neither DONE nor COMPLETE is
+  // exchanged for it. Its chunks are in the generation rank's memory once they landed (copies)
+  // or were flushed (puts); only unpacking the staged rows is left, the generation rank's own
+  // work.
+  bool Foldable(const SendPair& p) const { return p.rma && !p.checksum && !p.plan.chunks.empty(); }
   bool Finished(CtxRequest& r);
   // Reports the terminal state; a complete request's pairs get their last CHUNK saying complete
   // (Foldable) or COMPLETE.

@@ -93,10 +93,14 @@ void ContextSideImpl::ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s) {
     r.bytes += p.plan.chunks[s.chunk + i].bytes;
     NoteChunk(r.id, p.plan.chunks[s.chunk + i].bytes, s.started);
   }
-  if (p.rma || s.has_checksum) {
-    SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.count,
-                             s.has_checksum, s.checksum});
+  if (!p.rma && !s.has_checksum) return;
+  if (Foldable(p) && s.chunk + s.count == p.plan.chunks.size()) {
+    // The pair's last chunk: its CHUNK goes out saying complete once the request is (Finish).
+    p.last_report = LandedChunks{s.chunk, s.count};
+    return;
   }
+  SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.count,
+                           s.has_checksum, s.checksum});
 }
 
 // Peer memory (context_side_peer.h): the pair's PeerSender copies ready chunks straight into

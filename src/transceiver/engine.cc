@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include <random>
@@ -255,6 +256,31 @@ void Engine::Post(std::function<void()> fn) {
   if (wakeup_) wakeup_->Notify();
 }
 
+namespace {
+
+// The spin window's pause between progress calls (Engine::Run). Not sched_yield(): with another
+// thread runnable on the core (a copying rank, the engine that called us, any load), Linux's
+// EEVDF scheduler moves a yielding thread's deadline a whole slice back, so every yield gave the
+// core away for milliseconds: a 128-token request (512 KiB) over UCX puts took 5-9 ms at p50 with
+// two busy threads on the 2-core machine, 0.6-0.8 ms with this pause (docs/vllm.md). A short
+// sleep keeps the thread's place (it wakes with lag in hand) and leaves the core to the copier
+// meanwhile. kSpinSlack: the timer slack while the window lasts (the default, 50 us, would make
+// each pause a 60 us nap); naps go back to the default.
+constexpr auto kSpinPause = std::chrono::microseconds(10);
+constexpr auto kSpinSlack = std::chrono::microseconds(1);
+
+void SpinPause() {
+  timespec ts{0, static_cast<long>(std::chrono::nanoseconds(kSpinPause).count())};
+  nanosleep(&ts, nullptr);
+}
+
+// This thread's timer slack (0: back to its default); true when it was set.
+bool SetTimerSlack(std::chrono::nanoseconds slack) {
+  return prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(slack.count()), 0, 0, 0) == 0;
+}
+
+}  // namespace
+
 void Engine::Run() {
   // Named for perf, top -H and /proc: the progress thread of a side.
   pthread_setname_np(pthread_self(), "kvf-progress");
@@ -278,6 +304,7 @@ void Engine::Run() {
   // The thread's CPU clock is a system call (no vDSO): read once per iteration. A busy iteration
   // does not nap, so its CPU is what the clock gained by the next iteration's start.
   int64_t busy_since = -1;  // the start of the previous iteration when it was busy
+  bool fine_slack = false;  // the spin window's timer slack is set (kSpinSlack)
   while (true) {
     const int64_t cpu0 = ThreadCpuNs();
     thread_cpu_ns_.store(cpu0, std::memory_order_relaxed);
@@ -345,12 +372,14 @@ void Engine::Run() {
     const auto quiet = busy ? std::chrono::microseconds(0) : QuietNap();
     if (!busy && quiet.count() == 0 && InFlight() && now - last_busy < options_.spin) {
       // Transports make progress only when driven (MPI and UCX shared memory copy inside the
-      // progress call): with bytes in flight, keep driving, yielding the core between calls.
+      // progress call): with bytes in flight, keep driving, pausing kSpinPause between calls.
       // Past transfer.spin_us without anything happening (a long copy on the device, a peer's
       // answer) the loop naps like an idle one, so waiting ranks leave the cores to those
       // copying.
-      std::this_thread::yield();
+      if (!fine_slack) fine_slack = SetTimerSlack(kSpinSlack);
+      SpinPause();
     } else if (!busy) {
+      if (fine_slack) fine_slack = !SetTimerSlack(std::chrono::nanoseconds(0));
       // A quiet side (QuietNap): only a peer's message, a public call or a stream callback can
       // bring work, so it sleeps until one does (ProgressWakeup), at most the nap; a peer's
       // message ends the sleep only where the side listens (QuietNapHearsPeers). Without a

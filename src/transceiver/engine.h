@@ -123,8 +123,9 @@ class Engine {
   // Ends every live request (kCancelled, "shutting down") and returns true once nothing is in
   // flight any more.
   virtual bool OnStop() = 0;
-  // True while requests are live: the loop then polls without sleeping for up to transfer.spin_us
-  // after the last progress (transport operations, device copies and peers' answers are due).
+  // True while requests are live: the loop then polls every 10 us (short sleeps, not yields) for
+  // up to transfer.spin_us after the last progress (transport operations, device copies and
+  // peers' answers are due).
   virtual bool InFlight() const = 0;
   // How long the loop may nap, neither polling nor spinning, when an iteration found nothing to
   // do; zero: poll as usual (spin transfer.spin_us with requests live, then 50 us naps). The

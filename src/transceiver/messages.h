@@ -8,7 +8,7 @@
 //                       or, one-sided (RMA), puts into the generation pool and staging then
 //   ctx -> gen  CHUNK   chunks [k, k + n) are in place (flushed), with the payload checksum when
 //                       asked (one chunk per message then); the last one may say COMPLETE too
-//                       (peer-memory copies without checksums: no DONE, no COMPLETE)
+//                       (one-sided pairs without checksums: no DONE, no COMPLETE)
 //   gen -> ctx  DONE    every chunk of the pair is in place (not sent for a pair whose last CHUNK
 //                       says complete)
 //   ctx -> ctx  SIBLING this context rank's pairs are all done (or the request failed here), to
@@ -56,7 +56,12 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // Version 9: FETCH carries the digest of the handle the generation rank decoded (handle.h,
 // HandleDigestOf) after the token, which is the instance's MAC of that digest (handle version 2):
 // a context rank checks it before anything else and leaves a FETCH that fails it unanswered.
-inline constexpr uint8_t kMessageVersion = 9;
+// Version 10: a one-sided pair by transport puts without checksums ends with its last CHUNK
+// saying complete too, like a peer-memory pair: its puts are flushed, so the bytes are in the
+// generation rank's memory (only the unpacking of staged rows, its own work, is left); no DONE, no
+// COMPLETE. A 128-token request by UCX puts took the DONE -> COMPLETE round trip, two more
+// wake-ups of the progress threads, on its critical path.
+inline constexpr uint8_t kMessageVersion = 10;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -142,9 +147,10 @@ struct ChunkMsg {
   bool has_checksum = false;
   uint64_t checksum = 0;  // the chunk digest of its bytes in plan order (rma.h)
   // The last CHUNK of the pair, and the request is complete on every rank of both instances: the
-  // context rank saw its every chunk land in the generation pools (peer memory), and every other
-  // context rank of its DP group said the same (SIBLING), so neither DONE nor COMPLETE follows.
-  // Never with a checksum (the generation rank could still refuse the chunk).
+  // context rank saw its every chunk land in the generation rank's memory (peer-memory copies
+  // landed, or puts flushed), and every other context rank of its DP group said the same
+  // (SIBLING), so neither DONE nor COMPLETE follows. Never with a checksum (the generation rank
+  // could still refuse the chunk).
   bool complete = false;
   bool operator==(const ChunkMsg&) const = default;
 };

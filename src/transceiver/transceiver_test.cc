@@ -3,12 +3,14 @@
 // generator, faults injected through the in-process fabric.
 #include "kvferry/transceiver.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <optional>
 
 #include "kvferry/config.h"
@@ -209,13 +211,16 @@ TEST(Transceiver, MismatchedShapesAreRefusedNamingBothValues) {
 
 TEST(Transceiver, FetchOfARequestLiveOnThisRankIsRefusedAtOnce) {
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
-  auto h = cl.Publish(3, {0, 1}, 8);
+  // Layer-wise with no layer ready: the first fetch can't complete before the second call (a
+  // whole 2-block transfer had, now and then, once put pairs stopped waiting for COMPLETE).
+  auto h = cl.Publish(3, {0, 1}, 8, 0, /*layer_wise=*/true);
   ASSERT_TRUE(cl.gen_[0]->Fetch(h, std::vector<int64_t>{0, 1}, 0).ok());
   // Claimed by the first call before it returned, whether or not its FETCH went out yet.
   Status again = cl.gen_[0]->Fetch(h, std::vector<int64_t>{2, 3}, 0);
   EXPECT_EQ(again.code(), StatusCode::kInvalidArgument) << again.ToString();
   EXPECT_NE(again.message().find("already being fetched"), std::string_view::npos)
       << again.ToString();
+  ASSERT_TRUE(cl.ctx_[0]->MarkLayersReady(3, Shape().layers).ok());
   auto gs = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(5000)));
   ASSERT_EQ(gs.size(), 1u);
   EXPECT_EQ(gs[0].state, TransferState::kComplete) << gs[0].reason.ToString();
@@ -475,6 +480,101 @@ TEST(Transceiver, LyingRmaTargetsAreRefusedAndWriteNothingOutsideTheDestination)
     cl.Verify(23, {0, 5, 6}, 0, 0, 0, /*sentinels=*/true);
     EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
   }
+}
+
+// Records the control messages a side sends (type, and whether a CHUNK says complete).
+class MessageLog final : public TestTransport {
+ public:
+  struct Shared {
+    Mutex mu;
+    std::vector<std::string> sent GUARDED_BY(mu);
+  };
+  MessageLog(std::unique_ptr<kvferry::Transport> base, std::shared_ptr<Shared> log)
+      : TestTransport(std::move(base)), log_(std::move(log)) {}
+  Status SendControl(PeerId p, std::span<const std::byte> b) override {
+    auto m = DecodeMessage(b);
+    std::string name = "?";
+    if (m.ok()) {
+      static const char* const kNames[] = {"FETCH", "ACCEPT",   "REJECT", "CREDIT", "DONE",
+                                           "ABORT", "COMPLETE", "CHUNK",  "SIBLING"};
+      name = kNames[m->index()];
+      if (auto* k = std::get_if<ChunkMsg>(&*m); k && k->complete) name = "CHUNK(complete)";
+    }
+    {
+      MutexLock lock(log_->mu);
+      log_->sent.push_back(name);
+    }
+    return base_->SendControl(p, b);
+  }
+
+ private:
+  std::shared_ptr<Shared> log_;
+};
+
+// Wire version 10: a pair by transport puts without checksums ends with its last CHUNK saying
+// complete, as a peer-memory pair does: no DONE, no COMPLETE. Measured on the 2-core machine, the
+// DONE -> COMPLETE round trip (two more wake-ups of loaded progress threads) was on the critical
+// path of a 128-token request by UCX puts (docs/vllm.md). With checksums the pair still says
+// DONE and gets COMPLETE (the generation rank could refuse a chunk).
+TEST(Transceiver, PutPairsFoldCompleteIntoTheLastChunk) {
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_memory", "off").ok());
+  const struct {
+    const char* name;
+    SideSpec ctx, gen;
+  } kCases[] = {
+      {"tp1_to_tp1", {Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}},
+      {"tp2_to_tp4", {Shape(), {2, 1, {}, 1, 0}}, {Shape(), {4, 1, {}, 1, 0}}},
+      {"tp4_to_tp2", {Shape(), {4, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}},
+  };
+  uint64_t id = 60;
+  for (const auto& c : kCases) {
+    for (const char* row_min : {"256", "1"}) {  // small rows packed; every row put
+      for (const bool checksum : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} rma_row_min_bytes {} checksum {}", c.name, row_min, checksum));
+        ASSERT_TRUE(Config::Global().Set("transfer.rma_row_min_bytes", row_min).ok());
+        TransceiverOptions o = SmallChunks(true);
+        o.checksum = checksum;
+        auto ctx_log = std::make_shared<MessageLog::Shared>();
+        auto gen_log = std::make_shared<MessageLog::Shared>();
+        Cluster cl(
+            c.ctx, c.gen, o,
+            [&](auto t) { return std::make_unique<MessageLog>(std::move(t), ctx_log); },
+            [&](auto t) { return std::make_unique<MessageLog>(std::move(t), gen_log); });
+        const std::vector<int64_t> cb{3, 4, 9, 1, 12}, gb{0, 5, 6, 2, 11};
+        const int64_t tokens = 4 * 4 + 3;
+        ++id;
+        auto h = cl.Publish(id, cb, tokens);
+        ASSERT_FALSE(h.empty());
+        ASSERT_TRUE(cl.Fetch(h, gb, 0).ok());
+        ExpectAllComplete(cl.Drain(0, 0, 1), c.ctx.parallel.world_size() +
+                                                 static_cast<size_t>(c.gen.parallel.world_size()));
+        cl.Verify(id, gb, tokens, 0, 0, /*sentinels=*/true);
+        std::map<std::string, int> ctx_sent, gen_sent;
+        {
+          MutexLock lock(ctx_log->mu);
+          for (const auto& n : ctx_log->sent) ++ctx_sent[n];
+        }
+        {
+          MutexLock lock(gen_log->mu);
+          for (const auto& n : gen_log->sent) ++gen_sent[n];
+        }
+        EXPECT_GT(ctx_sent["ACCEPT"], 0);
+        if (checksum) {
+          EXPECT_EQ(ctx_sent["CHUNK(complete)"], 0);
+          EXPECT_EQ(gen_sent["DONE"], ctx_sent["ACCEPT"]);
+          EXPECT_EQ(ctx_sent["COMPLETE"], ctx_sent["ACCEPT"]);
+        } else {
+          // One complete CHUNK per pair with chunks (every ACCEPT), nothing after.
+          EXPECT_EQ(ctx_sent["CHUNK(complete)"], ctx_sent["ACCEPT"]);
+          EXPECT_EQ(ctx_sent["COMPLETE"], 0);
+          EXPECT_EQ(gen_sent["DONE"], 0);
+        }
+        EXPECT_EQ(ctx_sent["ABORT"] + gen_sent["ABORT"], 0);
+      }
+    }
+  }
+  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
 }
 
 // A FETCH corrupted in transit (one field changed, nothing re-sealed): here the generation pool's
