@@ -13,11 +13,13 @@
 // Each side has its own interface, shaped after what that side does with a pair:
 // - SendPath (context side): answer the FETCH (Open), take credits (Credit), move chunks and reap
 //   their ends (Advance), say what is outstanding, cancel or abandon it when the request ends.
-// - RecvPath (generation side): post receives and credits (Advance's first step), land chunks
-//   (unpack, checksum, count), take CHUNK reports (OnChunk), cancel when the request ends.
-// A path talks to its side only through PathHost (the engine's resources and the side's three
-// answers: send a control message, count a chunk, fail the request). The protocol (pair_state.h)
-// stays with the sides: a path reads a pair's phase, never changes it.
+// - RecvPath (generation side): post receives, credits or placeholders (Post), land chunks
+//   (Land: unpack, checksum, count), take CHUNK reports (OnChunk), cancel when the request ends.
+// The sides read one property of a chosen path, one_sided(): the context rank writes into the
+// generation rank's memory (the generation rank watches it; an error end says it stopped).
+// A path talks to its side only through PathHost (the engine's resources and the side's answers:
+// send a control message, count a chunk, fail the request). The protocol (pair_state.h) stays
+// with the sides: a path reads a pair's phase, never changes it.
 //
 // Thread-compatible: every path runs on its side's progress thread.
 #pragma once
@@ -230,7 +232,8 @@ class RecvPath {
   std::deque<RecvOp> inflight_;
 
  private:
-  // Drops `o` once nothing may still write into it (after an end); true when dropped.
+  // Drops the op at `it` once nothing may still write into it (after an end; else steps past
+  // it); true when dropped.
   bool DrainEnded(const PathRequest& r, const PathPair& p, std::deque<RecvOp>::iterator& it);
   // The chunk's checksum matches its CHUNK's (or none was asked).
   Status Verify(PathHost& host, const PathRequest& r, const PathPair& p, const RecvOp& o);
