@@ -25,119 +25,11 @@
 #include <limits>
 #include <optional>
 
-#include "base/checked.h"
 #include "model/coalesce.h"
+#include "planner/plan_input.h"
 
 namespace kvferry {
 namespace {
-
-// ---- validation -------------------------------------------------------------------------------
-
-template <typename T>
-Status Mismatch(std::string_view what, const T& ctx, const T& gen) {
-  return Status::InvalidArgument(
-      fmt::format("{} mismatch: context {}, generation {}", what, ctx, gen));
-}
-
-Status CheckSide(std::string_view side, const InstanceDesc& d) {
-  Status s = d.shape.Validate();
-  if (s.ok()) s = d.parallel.Validate(d.shape);
-  if (!s.ok()) return s.WithContext(side);
-  if (d.layout == LayoutKind::kCustom ||
-      static_cast<uint8_t>(d.layout) > static_cast<uint8_t>(kLastLayoutKind)) {
-    return Status::InvalidArgument(fmt::format(
-        "{}: layout {} ({}) is not supported by the planner: a transfer needs a named layout "
-        "that every rank derives from its dims (block-major, per-layer, ...)",
-        side, LayoutKindName(d.layout), static_cast<int>(d.layout)));
-  }
-  if (d.pool_blocks < 1) {
-    return Status::InvalidArgument(
-        fmt::format("{}: pool_blocks={} must be at least 1", side, d.pool_blocks));
-  }
-  // Every offset the plan computes lies inside one rank's pool, which holds at most a whole
-  // model's block per block id: that product must fit in int64 (a peer's pool_blocks is data).
-  const KvShape& sh = d.shape;
-  if (!CheckedProduct({d.pool_blocks, sh.layers, sh.kv_factor, sh.kv_heads, sh.head_dim,
-                       sh.tokens_per_block, sh.ElementBytes()})) {
-    return Status::InvalidArgument(
-        fmt::format("{}: pool_blocks={} blocks of {} bytes overflow int64", side, d.pool_blocks,
-                    sh.BytesPerToken() * sh.tokens_per_block));
-  }
-  return Status::Ok();
-}
-
-int64_t NeededBlocks(const PlanInput& in) {
-  const int64_t tpb = in.ctx.shape.tokens_per_block;
-  return in.prompt_tokens / tpb + (in.prompt_tokens % tpb != 0 ? 1 : 0);  // no overflow
-}
-
-// Block ids: inside the pool, and no id twice among the request's first `needed` blocks.
-Status CheckBlocks(std::string_view side, const std::vector<int64_t>& blocks, int64_t needed,
-                   int64_t pool_blocks) {
-  if (static_cast<int64_t>(blocks.size()) < needed) {
-    return Status::InvalidArgument(
-        fmt::format("{} has {} blocks but the prompt needs {}", side, blocks.size(), needed));
-  }
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const int64_t b = blocks[i];
-    if (b < 0 || b >= pool_blocks) {
-      return Status::InvalidArgument(fmt::format(
-          "{}[{}]: block id {} is outside the pool's [0, {})", side, i, b, pool_blocks));
-    }
-  }
-  // Duplicates among the first `needed` ids. A bitmap over the pool when that is small next to
-  // the request; else a sort: pool_blocks may come from a peer, so it never sizes memory alone.
-  const auto first = blocks.begin();
-  const auto last = first + needed;
-  if (pool_blocks / 64 <= needed + 4096) {
-    std::vector<uint64_t> seen(static_cast<size_t>(pool_blocks / 64 + 1), 0);
-    for (auto it = first; it != last; ++it) {
-      uint64_t& word = seen[static_cast<size_t>(*it / 64)];
-      const uint64_t bit = uint64_t{1} << (*it % 64);
-      if (word & bit) {
-        return Status::InvalidArgument(
-            fmt::format("{}[{}]: block id {} appears twice in the request", side, it - first, *it));
-      }
-      word |= bit;
-    }
-    return Status::Ok();
-  }
-  std::vector<int64_t> sorted(first, last);
-  std::sort(sorted.begin(), sorted.end());
-  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-  if (dup != sorted.end()) {
-    const auto at = std::find(first, last, *dup);
-    const auto again = std::find(at + 1, last, *dup);
-    return Status::InvalidArgument(
-        fmt::format("{}[{}]: block id {} appears twice in the request", side, again - first, *dup));
-  }
-  return Status::Ok();
-}
-
-Status CheckInput(const PlanInput& in) {
-  KVF_RETURN_IF_ERROR(CheckCompatible(in.ctx, in.gen));
-  if (in.prompt_tokens < 1) {
-    return Status::InvalidArgument(
-        fmt::format("prompt_tokens={} must be at least 1", in.prompt_tokens));
-  }
-  const int64_t needed = NeededBlocks(in);
-  KVF_RETURN_IF_ERROR(CheckBlocks("ctx_blocks", in.ctx_blocks, needed, in.ctx.pool_blocks));
-  KVF_RETURN_IF_ERROR(CheckBlocks("gen_blocks", in.gen_blocks, needed, in.gen.pool_blocks));
-  if (in.gen_reused_blocks < 0 || in.gen_reused_blocks > needed) {
-    return Status::InvalidArgument(
-        fmt::format("gen_reused_blocks={} is outside [0, {}] (blocks of a {}-token prompt)",
-                    in.gen_reused_blocks, needed, in.prompt_tokens));
-  }
-  if (in.chunk_bytes < 1) {
-    return Status::InvalidArgument(
-        fmt::format("chunk_bytes={} must be at least 1", in.chunk_bytes));
-  }
-  if (in.direct_min_bytes < 0) {
-    return Status::InvalidArgument(
-        fmt::format("direct_min_bytes={} must not be negative", in.direct_min_bytes));
-  }
-  return Status::Ok();
-}
 
 // ---- geometry ---------------------------------------------------------------------------------
 
@@ -528,20 +420,35 @@ bool Exchanges(const PlanInput& in, int64_t needed, const RankSlice& c, const Ra
   return h0 < h1 && in.gen_reused_blocks < needed;
 }
 
-// Plans one pair; returns false when the pair exchanges nothing. `plan_bytes`: the memory the
-// plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes);
-// `plan_chunks`: the chunks of the pairs planned before (bounded by in.max_chunks).
-StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out,
-                        int64_t& plan_bytes, int64_t plan_chunks) {
+// The box a pair moves: the layers and heads both ranks hold.
+struct PairBox {
+  int32_t l0 = 0, l1 = 0;  // global layers [l0, l1)
+  int32_t h0 = 0, h1 = 0;  // heads [h0, h1)
+};
+
+PairBox BoxOf(const RankSlice& c, const RankSlice& g) {
+  return PairBox{std::max(c.layer_begin, g.layer_begin),
+                 std::min(c.layer_begin + c.layer_count, g.layer_begin + g.layer_count),
+                 std::max(c.head_begin, g.head_begin),
+                 std::min(c.head_begin + c.head_count, g.head_begin + g.head_count)};
+}
+
+// How a pair's box is cut into pieces: both sides' geometry, the piece templates of full blocks
+// and of the last, partial one, and the loops around them.
+struct PairCut {
+  Side src, dst;
+  Template full, part;
+  int64_t row_bytes = 0;
+  int64_t kv_iters = 1;     // kv is a loop outside the template (K and V in separate regions)
+  int64_t layer_iters = 1;  // layers are a loop outside the template
+  bool layer_outer = false;
+  bool axes_outside = false;  // enumerated axes outside the block loop (runs of blocks merge)
+};
+
+StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice& g,
+                          const PairBox& b) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
-  if (!Exchanges(in, cx.needed, c, g)) return false;
-  // The layers and heads both hold.
-  const int32_t l0 = std::max(c.layer_begin, g.layer_begin);
-  const int32_t l1 = std::min(c.layer_begin + c.layer_count, g.layer_begin + g.layer_count);
-  const int32_t h0 = std::max(c.head_begin, g.head_begin);
-  const int32_t h1 = std::min(c.head_begin + c.head_count, g.head_begin + g.head_count);
-
   const int64_t eb = shape.ElementBytes();
   KVF_ASSIGN_OR_RETURN(
       const PoolLayout cl,
@@ -549,125 +456,181 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   KVF_ASSIGN_OR_RETURN(
       const PoolLayout gl,
       PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb));
-  const Side src = MakeSide(cl, l0 - c.layer_begin, h0 - c.head_begin);
-  const Side dst = MakeSide(gl, l0 - g.layer_begin, h0 - g.head_begin);
-
+  PairCut cut;
+  cut.src = MakeSide(cl, b.l0 - c.layer_begin, b.h0 - c.head_begin);
+  cut.dst = MakeSide(gl, b.l0 - g.layer_begin, b.h0 - g.head_begin);
+  const Side& src = cut.src;
+  const Side& dst = cut.dst;
   const int64_t tpb = shape.tokens_per_block;
   const int64_t last_valid = in.prompt_tokens - (cx.needed - 1) * tpb;
-  const int64_t row_bytes = shape.head_dim * eb;
+  cut.row_bytes = shape.head_dim * eb;
   // When either side keeps K and V in separate regions, kv is a loop outside the template (each
   // piece lies in one region on both sides), like layers of per-layer pools.
   const bool kv_outer = src.kv_regions || dst.kv_regions;
-  const int64_t kv_iters = kv_outer ? shape.kv_factor : 1;
-  std::array<int64_t, kBoxAxes> ext{l1 - l0, kv_outer ? 1 : shape.kv_factor, h1 - h0, tpb};
+  cut.kv_iters = kv_outer ? shape.kv_factor : 1;
+  std::array<int64_t, kBoxAxes> ext{b.l1 - b.l0, kv_outer ? 1 : shape.kv_factor, b.h1 - b.h0, tpb};
   const bool has_full = in.gen_reused_blocks < cx.needed - 1 || last_valid == tpb;
-  Template full = BuildTemplate(ext, src, dst, row_bytes, in.layer_wise);
+  cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, in.layer_wise);
   ext[kT] = last_valid;
-  Template part = BuildTemplate(ext, src, dst, row_bytes, in.layer_wise);
-  if (last_valid < tpb && has_full && full.layer_outer != part.layer_outer) {
+  cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, in.layer_wise);
+  if (last_valid < tpb && has_full && cut.full.layer_outer != cut.part.layer_outer) {
     // Keep one piece order (layer, then block) for both: enumerate layers in both.
     ext[kT] = tpb;
-    full = BuildTemplate(ext, src, dst, row_bytes, true);
+    cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, true);
     ext[kT] = last_valid;
-    part = BuildTemplate(ext, src, dst, row_bytes, true);
+    cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, true);
   }
-  const bool layer_outer = (last_valid < tpb ? part : full).layer_outer;
-  const int64_t layer_iters = layer_outer ? l1 - l0 : 1;
-
-  out.ctx_rank = c.rank;
-  out.gen_rank = g.rank;
-  out.bytes = 0;
-  out.chunks.clear();
-  {
-    const int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * tpb;
-    // Fits: at most the bytes of the request's distinct blocks in a pool (CheckSide).
-    const int64_t pair_bytes = (l1 - l0) * shape.kv_factor * (h1 - h0) * moved_tokens * row_bytes;
-    // Nothing can go direct: the chunk count is known now (no need to build a plan to refuse).
-    const int64_t min_chunks = pair_bytes / in.chunk_bytes;
-    if (in.direct_min_bytes > pair_bytes && min_chunks >= kMaxChunksPerPair) {
-      return TooManyChunks(c, g, in);
-    }
-    // Each chunk holds a piece at least.
-    constexpr int64_t kChunkCost = kPlanChunkCharge;
-    const int64_t left = in.max_plan_bytes - plan_bytes;
-    if (in.max_plan_bytes > 0 && in.direct_min_bytes > pair_bytes && min_chunks > left / kChunkCost)
-      return TooBig(c, g, in, plan_bytes + min_chunks * kChunkCost);
-    if (in.max_chunks > 0 && in.direct_min_bytes > pair_bytes &&
-        min_chunks > in.max_chunks - plan_chunks) {
-      return OverCap(c, g, in);
-    }
-    int64_t reserve = std::min(min_chunks + 1, kMaxChunksPerPair);
-    if (in.max_plan_bytes > 0) reserve = std::min(reserve, std::max<int64_t>(left, 0) / kChunkCost);
-    out.chunks.reserve(static_cast<size_t>(reserve));
-  }
+  cut.layer_outer = (last_valid < tpb ? cut.part : cut.full).layer_outer;
+  cut.layer_iters = cut.layer_outer ? b.l1 - b.l0 : 1;
   // Enumerated axes outside the block loop when that lets runs of blocks merge into one piece
   // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
   // order is then (layer, enumerated axes, block) instead of (layer, block, enumerated axes).
   bool long_runs = false;
   for (const BlockRun& run : cx.runs) long_runs = long_runs || (!run.partial && run.count > 1);
-  const bool axes_outside = full.n > 0 && long_runs && RunMerges(full, src, dst);
+  cut.axes_outside = cut.full.n > 0 && long_runs && RunMerges(cut.full, src, dst);
+  return cut;
+}
 
-  Chunker chunker(
-      in, out, plan_bytes,
-      in.max_chunks > 0 ? in.max_chunks - plan_chunks : std::numeric_limits<int64_t>::max());
-  Piece p;
-  int64_t src_l = 0, dst_l = 0;  // offset of the current layer (layouts without layer regions)
-  int64_t src_k = 0, dst_k = 0;  // offset of the current kv (kv_outer, layouts without kv regions)
-  // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
-  // (sd, dd), as one piece when they merge.
-  auto emit = [&](const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd) {
-    p.bytes = t.bytes;
-    p.rows = t.rows;
-    p.src_pitch = t.rows > 1 ? t.src_pitch : 0;
-    p.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
-    if (count > 1 && RunMerges(t, src, dst)) {
-      MergeRun(t, src, dst, count, p);
-      count = 1;
-    }
-    for (int64_t i = first; i < first + count; ++i) {
-      p.src_offset = src.base + in.ctx_blocks[i] * src.block_stride + src_l + src_k + sd;
-      p.dst_offset = dst.base + in.gen_blocks[i] * dst.block_stride + dst_l + dst_k + dd;
-      chunker.Add(p);
-    }
-  };
-  auto region = [](const Side& side, int64_t li, int64_t ki) {
-    const int64_t l = side.layer_regions ? side.layer0 + li : 0;
-    return static_cast<int32_t>(side.kv_regions ? l * side.kv_factor + ki : l);
-  };
-  for (int64_t li = 0; li < layer_iters && !chunker.failed(); ++li) {
-    p.layer = layer_outer ? static_cast<int32_t>(l0 + li) : l1 - 1;
-    src_l = src.layer_regions ? 0 : li * src.stride[kL];
-    dst_l = dst.layer_regions ? 0 : li * dst.stride[kL];
-    for (int64_t ki = 0; ki < kv_iters && !chunker.failed(); ++ki) {
-      p.src_region = region(src, li, ki);
-      p.dst_region = region(dst, li, ki);
-      src_k = src.kv_regions ? 0 : ki * src.stride[kK];
-      dst_k = dst.kv_regions ? 0 : ki * dst.stride[kK];
-      if (axes_outside) {
-        ForEachIndex(full, [&](int64_t sd, int64_t dd) {
-          for (const BlockRun& run : cx.runs) {
-            if (!run.partial) emit(full, run.first, run.count, sd, dd);
-          }
-        });
-        const BlockRun& last = cx.runs.back();  // the partial block, if any, is the last run
-        if (last.partial) {
-          ForEachIndex(part, [&](int64_t sd, int64_t dd) { emit(part, last.first, 1, sd, dd); });
-        }
-        continue;
-      }
-      for (const BlockRun& run : cx.runs) {
-        if (chunker.failed()) break;
-        const Template& t = run.partial ? part : full;
-        if (t.n == 0) {
-          emit(t, run.first, run.count, 0, 0);
-          continue;
-        }
-        for (int64_t i = run.first; i < run.first + run.count; ++i) {
-          ForEachIndex(t, [&](int64_t sd, int64_t dd) { emit(t, i, 1, sd, dd); });
+// Refuses a pair that can only be staged into more chunks than the bounds allow, before building
+// its plan, and reserves room for its chunks in `out`.
+Status ReserveChunks(const Context& cx, const RankSlice& c, const RankSlice& g, const PairBox& b,
+                     int64_t row_bytes, int64_t plan_bytes, int64_t plan_chunks, PairPlan& out) {
+  const PlanInput& in = cx.in;
+  const KvShape& shape = in.ctx.shape;
+  const int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * shape.tokens_per_block;
+  // Fits: at most the bytes of the request's distinct blocks in a pool (CheckSide).
+  const int64_t pair_bytes =
+      (b.l1 - b.l0) * shape.kv_factor * (b.h1 - b.h0) * moved_tokens * row_bytes;
+  // Nothing can go direct: the chunk count is known now (no need to build a plan to refuse).
+  const int64_t min_chunks = pair_bytes / in.chunk_bytes;
+  if (in.direct_min_bytes > pair_bytes && min_chunks >= kMaxChunksPerPair) {
+    return TooManyChunks(c, g, in);
+  }
+  // Each chunk holds a piece at least.
+  constexpr int64_t kChunkCost = kPlanChunkCharge;
+  const int64_t left = in.max_plan_bytes - plan_bytes;
+  if (in.max_plan_bytes > 0 && in.direct_min_bytes > pair_bytes && min_chunks > left / kChunkCost)
+    return TooBig(c, g, in, plan_bytes + min_chunks * kChunkCost);
+  if (in.max_chunks > 0 && in.direct_min_bytes > pair_bytes &&
+      min_chunks > in.max_chunks - plan_chunks) {
+    return OverCap(c, g, in);
+  }
+  int64_t reserve = std::min(min_chunks + 1, kMaxChunksPerPair);
+  if (in.max_plan_bytes > 0) reserve = std::min(reserve, std::max<int64_t>(left, 0) / kChunkCost);
+  out.chunks.reserve(static_cast<size_t>(reserve));
+  return Status::Ok();
+}
+
+// Adds a pair's pieces, in plan order, to its Chunker: for each layer and kv outside the
+// templates, the blocks' pieces (runs of blocks merged where both layouts allow).
+class PieceWriter {
+ public:
+  PieceWriter(const Context& cx, const PairCut& cut, Chunker& chunker)
+      : in_(cx.in), runs_(cx.runs), cut_(cut), chunker_(chunker) {}
+
+  void Write(const PairBox& b) {
+    const Side& src = cut_.src;
+    const Side& dst = cut_.dst;
+    for (int64_t li = 0; li < cut_.layer_iters && !chunker_.failed(); ++li) {
+      p_.layer = cut_.layer_outer ? static_cast<int32_t>(b.l0 + li) : b.l1 - 1;
+      src_l_ = src.layer_regions ? 0 : li * src.stride[kL];
+      dst_l_ = dst.layer_regions ? 0 : li * dst.stride[kL];
+      for (int64_t ki = 0; ki < cut_.kv_iters && !chunker_.failed(); ++ki) {
+        p_.src_region = Region(src, li, ki);
+        p_.dst_region = Region(dst, li, ki);
+        src_k_ = src.kv_regions ? 0 : ki * src.stride[kK];
+        dst_k_ = dst.kv_regions ? 0 : ki * dst.stride[kK];
+        if (cut_.axes_outside) {
+          WriteAxesOutside();
+        } else {
+          WriteBlocks();
         }
       }
     }
   }
+
+ private:
+  static int32_t Region(const Side& side, int64_t li, int64_t ki) {
+    const int64_t l = side.layer_regions ? side.layer0 + li : 0;
+    return static_cast<int32_t>(side.kv_regions ? l * side.kv_factor + ki : l);
+  }
+
+  // Order (enumerated axes, block): runs of full blocks merge.
+  void WriteAxesOutside() {
+    ForEachIndex(cut_.full, [&](int64_t sd, int64_t dd) {
+      for (const BlockRun& run : runs_) {
+        if (!run.partial) Emit(cut_.full, run.first, run.count, sd, dd);
+      }
+    });
+    const BlockRun& last = runs_.back();  // the partial block, if any, is the last run
+    if (last.partial) {
+      ForEachIndex(cut_.part,
+                   [&](int64_t sd, int64_t dd) { Emit(cut_.part, last.first, 1, sd, dd); });
+    }
+  }
+
+  // Order (block, enumerated axes).
+  void WriteBlocks() {
+    for (const BlockRun& run : runs_) {
+      if (chunker_.failed()) break;
+      const Template& t = run.partial ? cut_.part : cut_.full;
+      if (t.n == 0) {
+        Emit(t, run.first, run.count, 0, 0);
+        continue;
+      }
+      for (int64_t i = run.first; i < run.first + run.count; ++i) {
+        ForEachIndex(t, [&](int64_t sd, int64_t dd) { Emit(t, i, 1, sd, dd); });
+      }
+    }
+  }
+
+  // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
+  // (sd, dd), as one piece when they merge.
+  void Emit(const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd) {
+    const Side& src = cut_.src;
+    const Side& dst = cut_.dst;
+    p_.bytes = t.bytes;
+    p_.rows = t.rows;
+    p_.src_pitch = t.rows > 1 ? t.src_pitch : 0;
+    p_.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
+    if (count > 1 && RunMerges(t, src, dst)) {
+      MergeRun(t, src, dst, count, p_);
+      count = 1;
+    }
+    for (int64_t i = first; i < first + count; ++i) {
+      p_.src_offset = src.base + in_.ctx_blocks[i] * src.block_stride + src_l_ + src_k_ + sd;
+      p_.dst_offset = dst.base + in_.gen_blocks[i] * dst.block_stride + dst_l_ + dst_k_ + dd;
+      chunker_.Add(p_);
+    }
+  }
+
+  const PlanInput& in_;
+  const std::vector<BlockRun>& runs_;
+  const PairCut& cut_;
+  Chunker& chunker_;
+  Piece p_;
+  int64_t src_l_ = 0, dst_l_ = 0;  // offset of the current layer (layouts without layer regions)
+  int64_t src_k_ = 0, dst_k_ = 0;  // offset of the current kv (kv outside, no kv regions)
+};
+
+// Plans one pair; returns false when the pair exchanges nothing. `plan_bytes`: the memory the
+// plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes);
+// `plan_chunks`: the chunks of the pairs planned before (bounded by in.max_chunks).
+StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& g, PairPlan& out,
+                        int64_t& plan_bytes, int64_t plan_chunks) {
+  const PlanInput& in = cx.in;
+  if (!Exchanges(in, cx.needed, c, g)) return false;
+  const PairBox b = BoxOf(c, g);
+  KVF_ASSIGN_OR_RETURN(const PairCut cut, CutPair(cx, c, g, b));
+  out.ctx_rank = c.rank;
+  out.gen_rank = g.rank;
+  out.bytes = 0;
+  out.chunks.clear();
+  KVF_RETURN_IF_ERROR(ReserveChunks(cx, c, g, b, cut.row_bytes, plan_bytes, plan_chunks, out));
+  Chunker chunker(
+      in, out, plan_bytes,
+      in.max_chunks > 0 ? in.max_chunks - plan_chunks : std::numeric_limits<int64_t>::max());
+  PieceWriter(cx, cut, chunker).Write(b);
   chunker.Finish();
   if (chunker.too_many()) return TooManyChunks(c, g, in);
   if (chunker.over_cap()) return OverCap(c, g, in);
@@ -709,22 +672,6 @@ int64_t PlanChunkCap(int64_t budget_bytes, int64_t own_chunk_bytes) {
   const int64_t own = std::max<int64_t>(own_chunk_bytes, 1);
   const int64_t chunks = std::max<int64_t>(budget_bytes / own, 1);
   return std::min(chunks, std::numeric_limits<int64_t>::max() / kPeerChunkSlack) * kPeerChunkSlack;
-}
-
-Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
-  const KvShape& a = ctx.shape;
-  const KvShape& b = gen.shape;
-  if (a.layers != b.layers) return Mismatch("layers", a.layers, b.layers);
-  if (a.kv_heads != b.kv_heads) return Mismatch("kv_heads", a.kv_heads, b.kv_heads);
-  if (a.head_dim != b.head_dim) return Mismatch("head_dim", a.head_dim, b.head_dim);
-  if (a.dtype != b.dtype) return Mismatch("dtype", DTypeName(a.dtype), DTypeName(b.dtype));
-  if (a.kv_factor != b.kv_factor) return Mismatch("kv_factor", a.kv_factor, b.kv_factor);
-  if (a.tokens_per_block != b.tokens_per_block) {
-    return Mismatch("tokens_per_block", a.tokens_per_block, b.tokens_per_block);
-  }
-  KVF_RETURN_IF_ERROR(CheckSide("context", ctx));
-  KVF_RETURN_IF_ERROR(CheckSide("generation", gen));
-  return Status::Ok();
 }
 
 StatusOr<TransferPlan> PlanTransfer(const PlanInput& input) {

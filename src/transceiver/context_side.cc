@@ -1,9 +1,8 @@
-// The context (sending) side: requests marked ready, fetches from generation ranks, chunks packed
-// and sent as credit and layer readiness allow, leases held until every pair of the request, on
-// every context rank of the DP group, is done (SIBLING). The
-// class is declared in context_side_impl.h; a pair's data path is in context_side_send.cc.
+// The context (sending) side: requests marked ready, fetches from generation ranks, chunks moved by
+// each pair's data path (paths/) as credit and layer readiness allow, leases held until every pair
+// of the request, on every context rank of the DP group, is done (SIBLING). The class is declared
+// in context_side_impl.h; taking a FETCH is in context_side_fetch.cc.
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -12,15 +11,6 @@
 
 namespace kvferry {
 namespace {
-
-bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
-  return a.shape == b.shape && a.parallel.tp == b.parallel.tp && a.parallel.pp == b.parallel.pp &&
-         a.parallel.stage_layers == b.parallel.stage_layers &&
-         a.parallel.dp_size == b.parallel.dp_size && a.parallel.dp_rank == b.parallel.dp_rank &&
-         a.layout == b.layout && a.pool_blocks == b.pool_blocks &&
-         a.reused_blocks == b.reused_blocks && a.blocks == b.blocks &&
-         a.chunk_bytes == b.chunk_bytes && a.direct_min_bytes == b.direct_min_bytes;
-}
 
 // The chunk number of the receive that watches another context rank (a tag no rank sends).
 constexpr uint64_t kSiblingWatchChunk = (uint64_t{1} << kChunkTagBits) - 1;
@@ -122,8 +112,7 @@ void ContextSideImpl::OnControl(PeerId from, ControlMsg msg) {
       // The other generation ranks can't complete without this one: tell them now rather
       // than leave them to their deadlines.
       End(r, TransferState::kError,
-          PeerStatus(a->code,
-                     fmt::format("generation rank {} aborted: {}", p->gen_rank, a->reason)),
+          PeerStatus(a->code, fmt::format("generation rank {} aborted: {}", p->rank, a->reason)),
           true);
     }
     return;
@@ -142,8 +131,8 @@ bool ContextSideImpl::Advance() {
       }
     }
     std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
-    for (auto& [g, p] : r.pairs) busy |= AdvancePair(r, p);
-    if (r.ending) peer_launch_.Discard(r.id);  // its senders abandoned its waiting batches
+    for (auto& [g, p] : r.pairs) busy |= p.path->Advance(*this, r, p);
+    if (r.ending) peer_copies_.Discard(r.id);  // its senders abandoned its waiting batches
     TellSiblings(r);
     if (Finished(r)) {
       Finish(r);
@@ -157,14 +146,11 @@ bool ContextSideImpl::Advance() {
   // The batches found ready in this iteration (all pairs, all requests) go out together, or wait
   // for the stream to drain to fewer than transfer.peer_hold_launches launches, or for the other
   // pairs of their requests (PeerLaunch::due).
-  if (peer_launch_.due([this](uint64_t id) { return AwaitsPairs(id); })) {
-    FlushPeerLaunch();
+  if (peer_copies_.due([this](uint64_t id) { return AwaitsPairs(id); })) {
+    peer_copies_.Flush(*this);
     busy = true;
   }
-  if (peer_launched_) {  // after every copy this pass submitted (QuietNap)
-    peer_launched_ = false;
-    WakeAtStreamEnd();
-  }
+  if (peer_copies_.TakeLaunched()) WakeAtStreamEnd();  // after every copy this pass submitted
   return busy;
 }
 
@@ -173,16 +159,19 @@ bool ContextSideImpl::AwaitsPairs(uint64_t id) const {
   return it != requests_.end() && it->second.pairs.size() < it->second.expected.size();
 }
 
-void ContextSideImpl::FlushPeerLaunch() {
-  const std::vector<uint64_t> owners = peer_launch_.owners();
-  peer_launched_ = true;  // a launch held from an earlier pass also gets its wake-up
-  if (Status st = peer_launch_.Flush(*stream_, event_pool()); !st.ok()) {
-    for (uint64_t id : owners) {
-      auto it = requests_.find(id);
-      if (it != requests_.end() && !it->second.ending)
-        Fail(it->second, st.WithContext("copying into the generation ranks' pools"));
+// Peer-memory batches are copying (each Advance that launched some queued WakeAtStreamEnd behind
+// them, after the merged PeerLaunch flush) and no transport operation waits to be driven: the
+// next thing this side must do is reap a batch, and a FETCH arriving meanwhile would queue its
+// copies behind these.
+std::chrono::microseconds ContextSideImpl::QuietNap() const {
+  if (peer_copies_.copying() == 0 || !host_visible_pool() || device_.info().platform != "cpu")
+    return {};
+  for (const auto& [id, r] : requests_) {
+    for (const auto& [rank, p] : r.pairs) {
+      if (p.path->transport_pending()) return {};
     }
   }
+  return options_.stream_nap;
 }
 
 void ContextSideImpl::OnTick(Clock::time_point now) {
@@ -373,216 +362,20 @@ void ContextSideImpl::TellSiblings(CtxRequest& r) {
   }
 }
 
-void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits) {
-  const PeerId peer = from;  // the transport connects back to a control sender by itself
-  // Before anything else, and before any answer (the first one connects the transport back to
-  // the sender's address): a FETCH whose token is not this instance's MAC of the handle digest it
-  // carries came from no handle of this instance, or from one altered on the way (its layout, a
-  // flag, an address). It is dropped unanswered; the sender's deadline ends its request.
-  if (f.token != HandleToken(options_.secret, f.handle_digest)) {
-    NoteUnauthenticated(fmt::format(
-        "context side: dropped a fetch of request {} from generation rank {}: its token does not "
-        "authenticate its handle (forged, altered, or another instance's)",
-        f.request_id, f.gen_rank));
-    return;
-  }
-  CtxRequest* r = Find(f.request_id);
-  if (!r) {
-    if (Released(f.request_id)) {
-      return Reject(
-          peer, f,
-          Status::InvalidArgument(fmt::format(
-              "request {} already ended on this rank and was released (a replayed handle, or a "
-              "FETCH later than the request's deadline)",
-              f.request_id)));
-    }
-    if (pending_.full()) {
-      return Reject(peer, f,
-                    Status::Unavailable(fmt::format(
-                        "request {} is unknown to context rank {} and {} fetches for unknown "
-                        "requests are already waiting (the limit)",
-                        f.request_id, pool_.slice().rank, PendingFetches::kMaxFetches)));
-    }
-    pending_.Add(PendingFetch{peer, std::move(f), std::move(credits),
-                              Clock::now() + options_.unknown_request_wait});
-    return;
-  }
-  if (r->ending)
-    return Reject(
-        peer, f,
-        Status::Cancelled(fmt::format("request {} is ending: {}", r->id, r->reason.ToString())));
-  if (f.token != r->token) {
-    return Reject(
-        peer, f,
-        Status::InvalidArgument(fmt::format(
-            "request {}: the access token is of another handle of this instance (a handle "
-            "altered to name another request)",
-            r->id)));
-  }
-  if (r->heard && f.gen_instance != r->gen_instance) {
-    return Reject(
-        peer, f,
-        Status::InvalidArgument(fmt::format("request {} is already being fetched by another "
-                                            "generation instance (replayed handle)",
-                                            r->id)));
-  }
-  if (r->pairs.count(f.gen_rank)) {
-    return Reject(peer, f,
-                  Status::InvalidArgument(fmt::format(
-                      "request {}: generation rank {} already fetched it (replayed handle)", r->id,
-                      f.gen_rank)));
-  }
-  if (f.chunk_bytes < 1 || f.chunk_bytes > options_.chunk_bytes ||
-      (!direct_ok() && f.direct_min_bytes != kNoDirect)) {
-    return Reject(
-        peer, f,
-        Status::InvalidArgument(fmt::format(
-            "request {}: fetch asks for chunks of {} bytes (direct from {}); this context "
-            "rank stages at most {} and {} send from its pool",
-            r->id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
-            direct_ok() ? "can" : "can't")));
-  }
-  if (f.prompt_tokens != r->tokens) {
-    return Reject(peer, f,
-                  Status::InvalidArgument(
-                      fmt::format("request {}: fetch asks for {} tokens, the context holds {}",
-                                  r->id, f.prompt_tokens, r->tokens)));
-  }
-  const bool rma = f.rma && rma_ok();
-  if (rma) {
-    if (Status st = CheckRmaTarget(f); !st.ok()) return Reject(peer, f, st);
-  } else if (f.rma && !rma_said_) {
-    rma_said_ = true;
-    Log(LogLevel::kInfo, "context side: tagged data path, not one-sided: {}", rma_why());
-  }
-  std::vector<PeerMapping*> peer_pool;
-  std::vector<std::shared_ptr<PeerMapping>> peer_holds;
-  if (rma && options_.peer_memory != EngineOptions::PeerMemory::kOff &&
-      !f.rma_target.peer_pool.empty()) {
-    auto mapped = MapPeerPool(f.rma_target.peer_pool);
-    Status st = mapped.ok() ? CheckPeerPool(mapped->regions, f.rma_target) : mapped.status();
-    if (st.ok()) {
-      peer_pool = std::move(mapped->regions);
-      peer_holds = std::move(mapped->holds);
-    } else if (!peer_said_) {
-      peer_said_ = true;
-      Log(LogLevel::kInfo, "context side: transport puts, not peer memory copies: {}",
-          st.ToString());
-    }
-  }
-  if (!r->planned || !SamePlanInputs(r->plan_key, f)) {
-    PlanInput in;
-    in.ctx = SelfDesc();
-    in.gen = InstanceDesc{f.shape, f.parallel, f.layout, f.pool_blocks};
-    in.prompt_tokens = r->tokens;
-    in.ctx_blocks = r->blocks;
-    in.gen_blocks = f.blocks;
-    in.gen_reused_blocks = f.reused_blocks;
-    in.chunk_bytes = f.chunk_bytes;
-    in.direct_min_bytes = f.direct_min_bytes;
-    in.layer_wise = r->layer_wise;
-    in.max_plan_bytes = plan_budget();
-    in.max_chunks = plan_chunk_cap();
-    if (!r->heard) {
-      auto expected = GenRanksFetching(in, pool_.slice().rank);
-      if (!expected.ok()) return Reject(peer, f, expected.status());
-      r->expected = std::move(expected).value();
-    }
-    auto plan = [&] {
-      ProfileScope timed(profile(), ProfilePhase::kPlan);
-      return PlanForCtxRank(in, pool_.slice().rank);
-    }();
-    if (!plan.ok()) return Reject(peer, f, plan.status());
-    r->plan = std::move(plan).value();
-    r->plan_key = f;
-    r->planned = true;
-  }
-  // Wire version 8: only the generation ranks with something to fetch from this rank ask.
-  if (!std::binary_search(r->expected.begin(), r->expected.end(), f.gen_rank)) {
-    return Reject(peer, f,
-                  Status::InvalidArgument(fmt::format(
-                      "request {}: generation rank {} has nothing to fetch from context rank {} "
-                      "(it fetches from generation ranks {})",
-                      r->id, f.gen_rank, pool_.slice().rank, fmt::join(r->expected, ","))));
-  }
-  if (!r->heard) {
-    r->heard = true;
-    r->gen_instance = f.gen_instance;
-  }
-  SendPair p;
-  p.gen_rank = f.gen_rank;
-  p.peer = peer;
-  p.transfer_id = f.transfer_id;
-  p.rma = rma;
-  if (!peer_pool.empty()) NotePeerMemoryUsed();
-  p.checksum = f.checksum;
-  if (!peer_pool.empty()) {
-    p.mapped = std::make_unique<PeerSender>(std::move(peer_pool), p.checksum, peer_copies_,
-                                            profile(), options_.peer_batch_bytes);
-    p.peer_holds = std::move(peer_holds);
-  }
-  if (rma) p.target = std::move(f.rma_target);
-  for (const PairPlan& pp : r->plan) {
-    if (pp.gen_rank == f.gen_rank) p.plan = pp;
-  }
-  r->state = TransferState::kInProgress;
-  SetStatus(TransferStatus{r->id, r->state, Status::Ok(), r->bytes, 0});
-  // ACCEPT says which data path the pair takes (wire version 7): a peer-memory pair's first
-  // CHUNK says it instead, and a pair with no chunks is answered by COMPLETE alone.
-  if (!p.mapped && !p.plan.chunks.empty())
-    SendMsg(peer, AcceptMsg{r->id, f.transfer_id, rma, false});
-  SendPair& added = r->pairs.emplace(f.gen_rank, std::move(p)).first->second;
-  for (const CreditMsg& c : credits) ApplyCredit(*r, added, c);
-}
-
-// Tagged credits count posted receives; one-sided ones name the staging slot of each newly
-// credited chunk. A pair takes only the kind of its path (the generation rank credits
-// one-sided before it knows this rank's answer, and again tagged after ACCEPT says tagged).
-void ContextSideImpl::ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c) {
-  if (p.mapped) return;  // copies land in the destination blocks: no staging, no credit needed
-  if (!p.rma) {
-    if (c.slots.empty()) p.credit = std::max<size_t>(p.credit, c.chunks);
-    return;
-  }
-  if (c.slots.empty()) return;
-  if (c.chunks != p.slots.size() + c.slots.size() || c.chunks > p.plan.chunks.size()) {
-    return Fail(r,
-                Status::InvalidArgument(fmt::format(
-                    "generation rank {} credited chunks up to {} with {} slots after {} of "
-                    "{} chunks",
-                    p.gen_rank, c.chunks, c.slots.size(), p.slots.size(), p.plan.chunks.size())));
-  }
-  p.slots.insert(p.slots.end(), c.slots.begin(), c.slots.end());
-  p.credit = p.slots.size();
-}
-
 bool ContextSideImpl::Step(CtxRequest& r, SendPair& p, PairEvent event) {
   auto step = p.state.On(event);
   if (!step.ok()) {
-    Fail(r, step.status().WithContext(
-                fmt::format("request {}: generation rank {}", r.id, p.gen_rank)));
+    Fail(r, step.status().WithContext(fmt::format("request {}: generation rank {}", r.id, p.rank)));
     return false;
   }
   return *step == PairStep::kMove || *step == PairStep::kWithin;
-}
-
-void ContextSideImpl::NoteUnauthenticated(std::string_view what) {
-  if (unauthenticated_++ % 1000 == 0)
-    Log(LogLevel::kWarn, "{} ({} such so far)", what, unauthenticated_);
-}
-
-void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) {
-  Log(LogLevel::kInfo, "context side: refused fetch of request {} from generation rank {}: {}",
-      f.request_id, f.gen_rank, why.ToString());
-  SendMsg(peer, RejectMsg{f.request_id, f.transfer_id, static_cast<uint8_t>(why.code()),
-                          std::string(why.message())});
 }
 
 bool ContextSideImpl::PairDone(const SendPair& p) const {
   if (!p.drained()) return false;
   if (p.state.Is(PairPhase::kDone)) return true;
   return p.state.Is(PairPhase::kAccepted) &&
-         (p.plan.chunks.empty() || (Foldable(p) && p.last_report.has_value()));
+         (p.plan.chunks.empty() || p.path->held_report() != nullptr);
 }
 
 int ContextSideImpl::DoneCount(const CtxRequest& r) const {
@@ -599,8 +392,7 @@ bool ContextSideImpl::LocalDone(const CtxRequest& r) const {
 bool ContextSideImpl::Finished(CtxRequest& r) {
   if (r.ending) {
     size_t stuck = 0;
-    for (const auto& [g, p] : r.pairs)
-      stuck += p.inflight.size() + (p.mapped ? p.mapped->copying() : 0);
+    for (const auto& [g, p] : r.pairs) stuck += p.path->outstanding();
     if (stuck == 0) return true;
     // UCX and MPI can't take back a send a dead peer never matches. Sends only read the
     // blocks, so after a grace period the request ends anyway; the abandoned operations are
@@ -608,12 +400,7 @@ bool ContextSideImpl::Finished(CtxRequest& r) {
     if (Clock::now() < r.ended_at + options_.abort_grace) return false;
     Log(LogLevel::kWarn, "context side: request {} ends with {} sends still held by the transport",
         r.id, stuck);
-    for (auto& [g, p] : r.pairs) {
-      // Their slots and events go back with them (a pending pack is ordered on the stream before
-      // any later use of its slot).
-      p.inflight.clear();
-      if (p.mapped) p.mapped->Abandon();
-    }
+    for (auto& [g, p] : r.pairs) p.path->Abandon();
     return true;
   }
   return LocalDone(r) && r.siblings_done.size() == siblings_.size();
@@ -625,25 +412,21 @@ void ContextSideImpl::Finish(CtxRequest& r) {
     r.state = TransferState::kComplete;
     r.reason = Status::Ok();
     for (auto& [g, p] : r.pairs) {
-      if (!p.last_report) {
+      const LandedChunks* held = p.path->held_report();
+      if (!held) {
         SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
         continue;
       }
-      ChunkMsg last{r.id,
-                    p.transfer_id,
-                    static_cast<uint32_t>(p.last_report->first),
-                    p.last_report->count,
-                    false,
-                    0};
+      ChunkMsg last{r.id, p.transfer_id, static_cast<uint32_t>(held->first), held->count, false, 0};
       last.complete = true;
       SendMsg(p.peer, last);
-      p.last_report.reset();
+      p.path->DropHeldReport();
       Step(r, p, PairEvent::kCompleteFolded);
     }
   } else {
     // One-sided pairs: no more puts from here; the generation rank may reuse its slots.
     for (auto& [g, p] : r.pairs) {
-      if (p.rma) {
+      if (p.path->one_sided()) {
         SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  "context rank stopped: " + std::string(r.reason.message())});
       }
@@ -672,9 +455,7 @@ void ContextSideImpl::End(CtxRequest& r, TransferState state, Status why, bool t
     }
   }
   for (auto& [g, p] : r.pairs) {
-    for (SendOp& s : p.inflight) {
-      if (s.op && !s.op->Done()) transport_->Cancel(*s.op);
-    }
+    p.path->Cancel(*transport_);
     // Generation ranks that said DONE wait for COMPLETE, which will not come: they are told too.
     if (tell_peers && !p.state.Is(PairPhase::kClosed)) {
       SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),

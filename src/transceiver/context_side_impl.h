@@ -1,8 +1,9 @@
 // The context (sending) side's implementation class, shared by its source files:
-// context_side.cc (requests, FETCH and the control messages, ending) and context_side_send.cc (a
-// pair's data path: tagged sends, one-sided puts, peer memory copies). Internal to the
-// transceiver layer; everything here runs on the engine's progress thread unless a method says
-// otherwise (the public ContextSide calls reach it through Engine::Call).
+// context_side.cc (requests, the control messages, ending) and context_side_fetch.cc (a FETCH
+// taken: checked, planned, its pair's data path chosen, paths/choose.h). Each pair moves its
+// chunks through its SendPath (paths/). Internal to the transceiver layer; everything here runs on
+// the engine's progress thread unless a method says otherwise (the public ContextSide calls reach
+// it through Engine::Call).
 #pragma once
 
 #include <deque>
@@ -13,61 +14,29 @@
 #include <string>
 #include <vector>
 
-#include "transceiver/context_side_peer.h"
 #include "transceiver/engine.h"
-#include "transceiver/leases.h"
 #include "transceiver/pair_state.h"
+#include "transceiver/paths/choose.h"
+#include "transceiver/paths/data_path.h"
+#include "transceiver/paths/peer_memory.h"
 #include "transceiver/pending_fetches.h"
-#include "transceiver/rma.h"
 
 namespace kvferry {
 
-struct SendOp {
-  size_t chunk = 0;
-  uint32_t count = 1;                              // chunks [chunk, chunk + count) (peer memory)
-  StagingLease slot;                               // staging slot; empty for a direct chunk
-  EventLease packed;                               // pending pack into the slot
-  std::unique_ptr<TransportOp> op;                 // pending send (tagged path)
-  std::vector<std::unique_ptr<TransportOp>> puts;  // one-sided: rows and the packed slot
-  std::unique_ptr<TransportOp> flush;              // one-sided: posted once every put is
-  bool has_checksum = false;
-  uint64_t checksum = 0;
-  Clock::time_point started = Clock::now();  // metrics: the chunk's latency
+// One (request, generation rank) pair: rank, peer, transfer id, plan and phase (PathPair), and
+// the path its chunks take.
+struct SendPair : PathPair {
+  SendPair() : PathPair(PairSide::kContext) {}  // accepted (sending), done, closed
+  std::unique_ptr<SendPath> path;
+  bool drained() const { return path->drained(*this); }
 };
 
-struct SendPair {
-  int32_t gen_rank = 0;
-  PeerId peer = kAnyPeer;
-  uint32_t transfer_id = 0;
-  PairPlan plan;
-  size_t next = 0;                      // next chunk to start
-  size_t credit = 0;                    // the receiver has posted chunks [0, credit)
-  PairState state{PairSide::kContext};  // accepted (sending), done (DONE received), closed
-  bool rma = false;                     // one-sided puts into target (else tagged sends)
-  // One-sided by copies into the mapped generation pool (context_side_peer.h); null otherwise.
-  std::unique_ptr<PeerSender> mapped;
-  // The mapped regions `mapped` copies into, kept mapped while the pair lives
-  // (Engine::MapPeerPool).
-  std::vector<std::shared_ptr<PeerMapping>> peer_holds;
-  bool checksum = false;
-  RmaTarget target;
-  std::vector<uint32_t> slots;  // one-sided: the generation staging slot credited per chunk
-  std::deque<SendOp> inflight;
-  // One-sided without checksums (Foldable): the pair's last CHUNK, held until the request is
-  // complete on every rank, so that it can say so (Finish).
-  std::optional<LandedChunks> last_report;
-  bool drained() const {
-    return next == plan.chunks.size() && inflight.empty() && (!mapped || mapped->copying() == 0);
-  }
-};
-
-struct CtxRequest {
-  uint64_t id = 0;
+// id, ready layers, bytes moved and ending are the PathRequest its pairs' paths see.
+struct CtxRequest : PathRequest {
   bool layer_wise = false;  // planned one layer per piece, so each layer moves once it is ready
   std::vector<int64_t> blocks;
   int64_t tokens = 0;
   AccessToken token{};
-  int32_t ready_end = 0;  // global layers [0, ready_end) of this stage are ready
   std::vector<std::pair<int32_t, std::shared_ptr<Event>>> layer_events;
   Clock::time_point start;
   Deadline deadline;
@@ -79,14 +48,11 @@ struct CtxRequest {
   bool planned = false;               // an empty plan (this rank sends nothing) is a plan too
   FetchMsg plan_key;                  // the FETCH the cached plan was made for (blocks, split)
   std::map<int32_t, SendPair> pairs;  // by generation rank
-  int64_t bytes = 0;
   TransferState state = TransferState::kInit;
   Status reason;
   // The other context ranks of the DP group that said their part is done (SIBLING, code 0).
   std::set<int32_t> siblings_done;
   bool told_siblings = false;  // this rank's SIBLING "done" went out
-  bool ending = false;         // a terminal state is decided; waiting for operations to finish
-  Clock::time_point ended_at;
 };
 
 // Runs on the engine's progress thread except the public calls, which reach it through Call, and
@@ -143,7 +109,21 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Begin's part on the progress thread: the request goes live and takes the FETCHes that came
   // before it.
   void Open(CtxRequest r);
+  // A FETCH (context_side_fetch.cc): authenticated, checked, planned, its pair accepted on the
+  // path chosen for it, or refused.
   void OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits);
+  // The token authenticates the FETCH's handle (else it is dropped unanswered).
+  bool Authenticated(const FetchMsg& f);
+  // A FETCH for a request this rank does not know (yet): kept while it may still come, or refused.
+  void HoldUnknown(PeerId peer, FetchMsg f, std::vector<CreditMsg> credits);
+  // Why request `r` can't take FETCH `f` (its fields against the request's), or OK.
+  Status CheckFetch(const CtxRequest& r, const FetchMsg& f) const;
+  // Plans the request's pairs with the FETCH's inputs (cached while they stay the same), and
+  // checks that its generation rank has something to fetch here.
+  Status Plan(CtxRequest& r, const FetchMsg& f);
+  // Takes the pair on `path`: it goes live, answers the FETCH and applies credits that came first.
+  void AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f, std::unique_ptr<SendPath> path,
+                  const std::vector<CreditMsg>& credits);
   // Another context rank of the DP group is done with the request, or ended it.
   void OnSibling(const SiblingMsg& m);
   void ApplyCredit(CtxRequest& r, SendPair& p, const CreditMsg& c);
@@ -164,17 +144,17 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void TellSiblings(CtxRequest& r);
   // The other context rank `rank`'s connection (made on first use); an error ends the request.
   StatusOr<PeerId> SiblingPeer(int32_t rank, Deadline deadline);
-  // A one-sided pair without checksums ends with its last CHUNK saying complete (wire version
-  // 6, 8; 10 for transport puts as well as peer-memory copies): neither DONE nor COMPLETE is
-  // exchanged for it. Its chunks are in the generation rank's memory once they landed (copies)
-  // or were flushed (puts); only unpacking the staged rows is left, the generation rank's own
-  // work.
-  bool Foldable(const SendPair& p) const { return p.rma && !p.checksum && !p.plan.chunks.empty(); }
   bool Finished(CtxRequest& r);
   // Reports the terminal state; a complete request's pairs get their last CHUNK saying complete
   // (Foldable) or COMPLETE.
   void Finish(CtxRequest& r);
-  void Fail(CtxRequest& r, const Status& why) { End(r, TransferState::kError, why, true); }
+  // PathHost: a pair's path failed the request (r is one of this side's CtxRequests).
+  void Fail(PathRequest& r, Status why) override {
+    End(static_cast<CtxRequest&>(r), TransferState::kError, std::move(why), true);
+  }
+  void FailById(uint64_t id, const Status& why) override {
+    if (CtxRequest* r = Find(id); r != nullptr && !r->ending) Fail(*r, why);
+  }
   // `tell_peers`: ABORT to the pairs and SIBLING to the other context ranks (not to them when
   // `tell_siblings` is false: a SIBLING ended it, and its sender told every rank).
   void End(CtxRequest& r, TransferState state, Status why, bool tell_peers,
@@ -182,16 +162,8 @@ class ContextSideImpl final : public ContextSide, public Engine {
   CtxRequest* Find(uint64_t id);
   SendPair* FindPair(uint64_t id, PeerId from, uint32_t transfer_id);
 
-  // A pair's data path (context_side_send.cc).
-  bool AdvancePair(CtxRequest& r, SendPair& p);
-  void ChunkSent(CtxRequest& r, SendPair& p, const SendOp& s);
-  Status SumSource(const SendPair& p, const Chunk& c, SendOp& s);
-  bool AdvancePeerPair(CtxRequest& r, SendPair& p);
-  // Copies the waiting batches of peer_launch_; a failure ends the requests they belong to.
-  void FlushPeerLaunch();
   // Request `id` still awaits the FETCH of another pair here (PeerLaunch::due).
   bool AwaitsPairs(uint64_t id) const;
-  bool AdvanceRmaPair(CtxRequest& r, SendPair& p);
 
   std::string address_;
   // The ids a public call may start: MarkReady claims one on its caller's thread (no wait for the
@@ -209,15 +181,16 @@ class ContextSideImpl final : public ContextSide, public Engine {
   void Release(uint64_t id);
   std::map<uint64_t, CtxRequest> requests_;  // progress thread
   PendingFetches pending_;                   // progress thread
-  std::vector<CopyDesc> descs_;              // reused
-  std::vector<PeerSender::Landed> landed_;   // reused
-  PeerCompletions peer_copies_{profile()};   // every PeerSender's batches on stream_
-  // The pairs' batches found ready, launched together (transfer.peer_merge_pairs, PeerLaunch).
-  PeerLaunch peer_launch_{peer_copies_, options_.peer_batch_bytes, profile(),
-                          options_.peer_hold_launches};
-  bool peer_launched_ = false;   // this Advance pass launched peer-memory copies
-  bool rma_said_ = false;        // logged once why a one-sided fetch is served tagged
-  bool peer_said_ = false;       // logged once why offered peer memory is not used
+  // The peer-memory pairs' copies: one completion tracker, the batches found ready launched
+  // together (transfer.peer_merge_pairs, PeerLaunch).
+  PeerMemoryCopies peer_copies_{profile(), options_.peer_batch_bytes, options_.peer_hold_launches,
+                                options_.peer_merge_pairs};
+  // Chooses each pair's data path once (paths/choose.h).
+  SendPathChooser chooser_{
+      local_paths(),
+      SendSettings{options_.max_inflight, options_.peer_batch_bytes, options_.peer_memory},
+      peer_copies_, profile(),
+      [this](const std::vector<std::vector<std::byte>>& handles) { return MapPeerPool(handles); }};
   int64_t unauthenticated_ = 0;  // FETCHes dropped for a token that authenticates nothing
   // The other context ranks of this rank's DP group, ascending, and their connections.
   const std::vector<int32_t> siblings_ = SiblingRanks(pool_);

@@ -96,7 +96,7 @@ Engine::~Engine() {
   mapped_count_.store(0, std::memory_order_relaxed);
   retired_.clear();
   // A peer in this process maps these regions no more (the pool may go once the side is gone).
-  for (const auto& h : exported_pool_) RevokePeerExport(h);
+  for (const auto& h : paths_.exported_pool) RevokePeerExport(h);
 }
 
 Status Engine::Start() {
@@ -117,43 +117,8 @@ Status Engine::Start() {
     KVF_RETURN_IF_ERROR(digester_.Reserve(
         device_, static_cast<size_t>(options_.chunk_bytes) / kDigestSegmentBytes + 1024));
   }
-  if (!options_.rma) {
-    rma_why_ = "transfer.rma is off";
-  } else if (!transport_->caps().one_sided) {
-    rma_why_ = fmt::format("transport {} has no one-sided operations", transport_->caps().name);
-  } else if (!direct_ok_) {
-    rma_why_ = fmt::format("transport {} can't reach {} pool memory", transport_->caps().name,
-                           MemoryKindName(pool_.memory()));
-  } else {
-    auto rma = RegisterForRma(*transport_, pool_, pool_wire_kind_, staging_.data(), staging_.size(),
-                              staging_wire_kind_);
-    if (rma.ok()) {
-      rma_ = std::move(rma).value();
-    } else {
-      rma_why_ = rma.status().ToString();
-      Log(LogLevel::kInfo, "transceiver: one-sided path off, tagged messages instead: {}",
-          rma_why_);
-    }
-  }
-  // auto: GPU pools (CUDA IPC) and CPU-device pools (shared host memory, or ranks of one
-  // process); a region the device can't share (a wrapped engine region of pinned host memory on
-  // a GPU) is refused by ExportMemory, and a peer that can't map one falls back to puts.
-  const bool share = options_.peer_memory == EngineOptions::PeerMemory::kOn ||
-                     (options_.peer_memory == EngineOptions::PeerMemory::kAuto &&
-                      (cpu || pool_.memory() == MemoryKind::kDevice));
-  if (rma_ok() && share) {
-    const size_t region_bytes = static_cast<size_t>(pool_.layout().region_bytes());
-    for (int32_t i = 0; i < pool_.num_regions(); ++i) {
-      auto h = device_.ExportMemory(pool_.region(i), region_bytes, pool_.memory());
-      if (!h.ok()) {
-        Log(LogLevel::kDebug, "transceiver: pool region {} not shared as peer memory: {}", i,
-            h.status().ToString());
-        exported_pool_.clear();
-        break;
-      }
-      exported_pool_.push_back(std::move(h).value());
-    }
-  }
+  paths_ = SetUpLocalPaths(*transport_, device_, pool_, staging_, pool_wire_kind_,
+                           staging_wire_kind_, direct_ok_, options_.rma, options_.peer_memory);
   wakeup_ = ProgressWakeup::Create(*transport_);
   thread_ = std::thread([this] { Run(); });
   return Status::Ok();
@@ -463,7 +428,7 @@ TransceiverMetrics Engine::Metrics(std::string side) const {
   TransceiverMetrics m;
   m.side = std::move(side);
   m.transport = std::string(transport_->caps().name);
-  m.data_path = peer_used_.load() ? "peer-memory" : rma_ok() ? "one-sided" : "tagged";
+  m.data_path = std::string(SideDataPath(paths_, used_paths_.load(std::memory_order_relaxed)));
   metrics_.Fill(m);
   m.live_requests = live_.load();
   m.staging_slots_in_use = slots_.in_use();
@@ -498,36 +463,6 @@ int64_t Engine::plan_budget() const {
   int64_t bytes = options_.chunk_bytes * options_.staging_chunks;  // allocated: it fit
   for (int32_t i = 0; i < pool_.num_regions(); ++i) bytes += pool_.region_size(i);
   return bytes;
-}
-
-void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
-                 bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes) {
-  out.clear();
-  int64_t off = 0;
-  for (const Piece& p : chunk.pieces) {
-    if (RowsGoDirect(chunk, p, row_min_bytes)) continue;
-    int32_t region = context_side ? p.src_region : p.dst_region;
-    int64_t offset = context_side ? p.src_offset : p.dst_offset;
-    int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;
-    std::byte* pool_addr = pool.region(region) + offset;
-    std::byte* buf = packed + off;
-    CopyDesc d{};
-    d.bytes = static_cast<size_t>(p.bytes);
-    d.rows = static_cast<size_t>(p.rows);
-    if (to_packed) {
-      d.dst = buf;
-      d.dst_pitch = static_cast<size_t>(p.bytes);
-      d.src = pool_addr;
-      d.src_pitch = static_cast<size_t>(pitch);
-    } else {
-      d.dst = pool_addr;
-      d.dst_pitch = static_cast<size_t>(pitch);
-      d.src = buf;
-      d.src_pitch = static_cast<size_t>(p.bytes);
-    }
-    out.push_back(d);
-    off += p.total();
-  }
 }
 
 }  // namespace kvferry

@@ -2,7 +2,9 @@
 // and the pack/unpack stream; public calls reach it through a command queue (Call) and read
 // results from a status table guarded by a mutex. Staging memory is a fixed set of chunk-sized
 // slots allocated once; device events for pack/unpack come from a reused pool. Both are handed out
-// only as move-only leases (transceiver/leases.h) that give them back when they go.
+// only as move-only leases (transceiver/leases.h) that give them back when they go. The engine is
+// the host of the pairs' data paths (paths/data_path.h PathHost): their resources, and what this
+// rank's paths can do (paths/choose.h LocalPaths, set up at Start).
 #pragma once
 
 #include <atomic>
@@ -25,15 +27,16 @@
 #include "planner/planner.h"
 #include "transceiver/leases.h"
 #include "transceiver/messages.h"
+#include "transceiver/paths/choose.h"
+#include "transceiver/paths/data_path.h"
+#include "transceiver/paths/pack.h"
+#include "transceiver/paths/peer_memory.h"
 #include "transceiver/progress_profile.h"
 #include "transceiver/progress_wakeup.h"
 #include "transceiver/rma.h"
 #include "transceiver/side_metrics.h"
 
 namespace kvferry {
-
-// direct_min_bytes meaning "no direct chunks": every chunk is staged.
-inline constexpr int64_t kNoDirect = std::numeric_limits<int64_t>::max();
 
 struct EngineOptions {
   std::chrono::milliseconds timeout;
@@ -54,9 +57,9 @@ struct EngineOptions {
   bool rma;  // use one-sided puts where both transports can
   int64_t rma_row_min_bytes;
   bool checksum;  // ask for (generation) per-chunk checksums
-  // Offer / use mapped peer pools on the one-sided path (transfer.peer_memory): for GPU pools
-  // (auto), for every pool a device can share (on), never (off).
-  enum class PeerMemory { kAuto, kOn, kOff } peer_memory;
+  // Offer / use mapped peer pools on the one-sided path (transfer.peer_memory, choose.h).
+  using PeerMemory = PeerMemoryMode;
+  PeerMemory peer_memory;
   bool profile = false;  // transfer.profile: time the progress thread's phases
   int64_t peer_batch_bytes = int64_t{1} << 30;  // transfer.peer_batch_bytes
   bool peer_merge_pairs = true;                 // transfer.peer_merge_pairs
@@ -64,22 +67,16 @@ struct EngineOptions {
   int64_t peer_max_mapped = 1024;               // transfer.peer_max_mapped
 };
 
-// A generation pool's regions mapped by a context rank (Engine::MapPeerPool): raw pointers for the
-// copies, and the references that keep them mapped while the pair that uses them lives.
-struct MappedPeerPool {
-  std::vector<PeerMapping*> regions;
-  std::vector<std::shared_ptr<PeerMapping>> holds;
-};
 // The options of a side on `device`: `options` where set, else the transfer.* knobs.
 EngineOptions ResolveOptions(const TransceiverOptions& options, const Device& device);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
                                                    const Device& device);
 
-class Engine {
+class Engine : public PathHost {
  public:
   Engine(Device& device, const BlockPool& pool, EngineOptions options,
          std::unique_ptr<Transport> transport);
-  virtual ~Engine();
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -145,28 +142,32 @@ class Engine {
 
   void Post(std::function<void()> fn);
   void SetStatus(const TransferStatus& status);
-  void SendMsg(PeerId peer, const ControlMsg& msg);
+
+  // PathHost: the resources a pair's data path uses.
+  Transport& transport() override { return *transport_; }
+  Stream& stream() override { return *stream_; }
+  const BlockPool& pool() const override { return pool_; }
+  void SendMsg(PeerId peer, const ControlMsg& msg) override;
   // A chunk of the request is in place (RequestTimeline says when per side); `started` is when
   // its pack or receive began.
-  void NoteChunk(uint64_t request_id, int64_t bytes, Clock::time_point started) {
+  void NoteChunk(uint64_t request_id, int64_t bytes, Clock::time_point started) override {
     metrics_.OnChunk(request_id, bytes, started);
   }
-
   // A staging slot (an empty lease when none is free) and its bytes (chunk_bytes of them).
-  StagingLease AcquireSlot() { return slots_.Acquire(); }
-  std::byte* SlotData(const StagingLease& slot) const {
+  StagingLease AcquireSlot() override { return slots_.Acquire(); }
+  std::byte* SlotData(const StagingLease& slot) const override {
     return staging_.data() + slot.index() * options_.chunk_bytes;
   }
   // A pooled device event (an empty lease when none can be made).
-  EventLease AcquireEvent() { return events_.Acquire(); }
-  EventPool& event_pool() { return events_; }
-
+  EventLease AcquireEvent() override { return events_.Acquire(); }
+  EventPool& event_pool() override { return events_; }
   // The memory kind a transport is told for the pool, and whether chunks may move pool to pool.
-  MemoryKind pool_wire_kind() const { return pool_wire_kind_; }
-  bool direct_ok() const { return direct_ok_; }
-  MemoryKind staging_wire_kind() const { return staging_wire_kind_; }
-  std::byte* PoolAddress(int32_t region, int64_t offset) const {
-    return pool_.region(region) + offset;
+  MemoryKind pool_wire_kind() const override { return pool_wire_kind_; }
+  bool direct_ok() const override { return direct_ok_; }
+  MemoryKind staging_wire_kind() const override { return staging_wire_kind_; }
+  // Metrics' data_path says peer memory once a pair used it.
+  void NotePathUsed(DataPathKind kind) override {
+    used_paths_.fetch_or(1u << static_cast<unsigned>(kind), std::memory_order_relaxed);
   }
   InstanceDesc SelfDesc() const;
   // The memory a plan made from a peer's FETCH or handle may take: this rank's pool and staging
@@ -175,18 +176,14 @@ class Engine {
   // The most chunks such a plan may have (PlanInput::max_chunks): the budget in chunks of this
   // rank's own size, times kPeerChunkSlack.
   int64_t plan_chunk_cap() const { return PlanChunkCap(plan_budget(), options_.chunk_bytes); }
-  // One-sided path: the pool and staging are registered (caps().one_sided, the pool reachable by
-  // the transport, transfer.rma on). rma_why() says why not.
-  bool rma_ok() const { return rma_.staging != nullptr; }
-  const std::string& rma_why() const { return rma_why_; }
-  const LocalRma& local_rma() const { return rma_; }
-  // Peer memory: this rank's pool regions exported for a same-host peer to map (empty when the
-  // device can't share them or transfer.peer_memory is off; revoked when the side goes), and the
-  // peer pools this rank mapped, by handle: at most transfer.peer_max_mapped regions not in use
-  // by a pair, the least recently used unmapped first, and those of an exporter that exited (or
-  // revoked its export) unmapped within a second (SweepPeerMappings). An unmapped region goes
+  // What this rank's data paths can do (paths/choose.h): the pool and staging registered for
+  // one-sided access, or why not; the pool regions exported as peer memory (revoked when the side
+  // goes).
+  const LocalPaths& local_paths() const { return paths_; }
+  // The peer pools this rank mapped, by handle: at most transfer.peer_max_mapped regions not in
+  // use by a pair, the least recently used unmapped first, and those of an exporter that exited
+  // (or revoked its export) unmapped within a second (SweepPeerMappings). An unmapped region goes
   // only once this side's stream passed every copy queued before (an abandoned pair's copies).
-  const std::vector<std::vector<std::byte>>& exported_pool() const { return exported_pool_; }
   // The mappings of `handles` (one per region), or why they can't be mapped.
   StatusOr<MappedPeerPool> MapPeerPool(const std::vector<std::vector<std::byte>>& handles);
   // Unmaps what the bound and the exporters' ends ask for; does something at most once a second.
@@ -195,8 +192,6 @@ class Engine {
   // a peer-memory batch), so that a thread napping up to stream_nap notices it at once. CPU device
   // only (a stream callback is one more task there; on a GPU it would be a host function launch).
   void WakeAtStreamEnd();
-  // A pair of this side moved its data by peer memory copies (Metrics' data_path says so).
-  void NotePeerMemoryUsed() { peer_used_.store(true, std::memory_order_relaxed); }
   MemoryKind staging_kind() const { return staging_.kind(); }
   // Where the progress thread's CPU goes (transfer.profile; inert when off).
   ProgressProfile* profile() { return &profile_; }
@@ -204,7 +199,7 @@ class Engine {
   // The chunk digest of `chunk`'s bytes in this rank's pool (the context side reads its source,
   // the generation side its destination), computed where they are (rma.h, ChunkDigester): on a
   // GPU pool, waits for the side's stream up to the request timeout.
-  StatusOr<uint64_t> ChunkDigest(const Chunk& chunk, bool context_side) {
+  StatusOr<uint64_t> ChunkDigest(const Chunk& chunk, bool context_side) override {
     return digester_.Of(chunk, context_side, pool_, host_visible_pool(), device_, *stream_,
                         Clock::now() + options_.timeout);
   }
@@ -224,11 +219,9 @@ class Engine {
   MemoryKind pool_wire_kind_ = MemoryKind::kHost;
   MemoryKind staging_wire_kind_ = MemoryKind::kHost;
   bool direct_ok_ = true;
-  LocalRma rma_;
-  ChunkDigester digester_;  // progress thread
-  std::string rma_why_;
-  std::atomic<bool> peer_used_{false};
-  std::vector<std::vector<std::byte>> exported_pool_;
+  LocalPaths paths_;
+  ChunkDigester digester_;               // progress thread
+  std::atomic<unsigned> used_paths_{0};  // bit DataPathKind: a pair of this side used it
   struct MappedPeer {
     std::shared_ptr<PeerMapping> mapping;  // use_count() > 1: a pair holds it
     std::unique_ptr<ExporterWatch> watch;
@@ -269,11 +262,5 @@ class Engine {
   std::deque<TransferStatus> reports_ GUARDED_BY(status_mu_);  // terminal, not yet polled
   SideMetrics metrics_;
 };
-
-// Builds the 2-D copy descriptors of a chunk between pool and a packed buffer.
-// to_packed: pool -> packed (context side), else packed -> pool (generation side).
-// With row_min_bytes, pieces whose rows go pool to pool on the one-sided path are left out.
-void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
-                 bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes = kNoDirect);
 
 }  // namespace kvferry

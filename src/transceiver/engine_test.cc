@@ -49,9 +49,11 @@ class IdleEngine final : public Engine {
   ~IdleEngine() override { Stop(); }
   using Engine::AcquireSlot;
   using Engine::SlotData;
-  Stream& stream() { return *stream_; }
+  Stream& stream() override { return *stream_; }
 
  protected:
+  void Fail(PathRequest&, Status) override {}
+  void FailById(uint64_t, const Status&) override {}
   void OnControl(PeerId, ControlMsg) override {}
   bool Advance() override { return false; }
   void OnTick(Clock::time_point) override {}

@@ -1,7 +1,9 @@
 // The generation (receiving) side: a handle and destination blocks in; FETCH to the context ranks
 // that send this rank something (planner.h CtxRanksToFetch); receives posted (and credited) within
 // the staging bound; packed chunks unpacked into the pool; DONE to each context rank once its
-// chunks are in place (none where its last CHUNK says complete).
+// chunks are in place (none where its last CHUNK says complete). Each pair's chunks move through
+// its RecvPath (paths/), chosen by what the FETCH offered and then by the context rank's answer
+// (paths/choose.h).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,9 +11,9 @@
 
 #include "base/log.h"
 #include "transceiver/engine.h"
-#include "transceiver/leases.h"
 #include "transceiver/pair_state.h"
-#include "transceiver/rma.h"
+#include "transceiver/paths/choose.h"
+#include "transceiver/paths/data_path.h"
 
 namespace kvferry {
 namespace {
@@ -20,54 +22,27 @@ namespace {
 // a pair stay far below 2^20 - 1 chunks).
 constexpr uint64_t kWatchChunk = (uint64_t{1} << kChunkTagBits) - 1;
 
-struct RecvOp {
-  size_t chunk = 0;
-  StagingLease slot;                // staging slot; empty when received in place
-  std::unique_ptr<TransportOp> op;  // pending receive (tagged path)
-  EventLease unpacked;              // pending unpack from the slot
-  bool arrived = false;             // the bytes are in the slot or the pool
-  bool landed = false;              // ... and unpacked: the chunk is in the pool
-  bool notified = false;            // CHUNK received (one-sided path, or checksums asked)
-  bool has_checksum = false;
-  uint64_t checksum = 0;
-  Clock::time_point started = Clock::now();  // metrics: the chunk's latency
-};
-
-struct RecvPair {
-  int32_t ctx_rank = 0;
-  PeerId peer = kAnyPeer;
-  uint32_t transfer_id = 0;
-  PairPlan plan;  // empty chunks when this context rank sends nothing to us
-  size_t next_post = 0;
-  size_t credited = 0;
-  size_t completed = 0;
-  // fetched, accepted (ACCEPT received), done (DONE sent), completed (COMPLETE received: every
-  // generation rank is done), closed (rejected, aborted or lost by the context rank)
-  PairState state{PairSide::kGeneration};
-  bool rma = false;       // one-sided: credits name staging slots, CHUNK says in place
-  bool peer_mem = false;  // one-sided by the context rank's copies into our mapped pool
-  // The FETCH offered our pool as peer memory: no staging slot is credited before ACCEPT says
-  // whether the context rank copies into it (then no CREDIT is ever needed) or puts.
-  bool peer_offered = false;
-  int64_t row_min = kNoDirect;  // one-sided: rows at least this long arrive in the pool
-  bool checksum = false;        // CHUNK messages carry checksums (asked in FETCH)
-  std::deque<RecvOp> inflight;
+// One (request, context rank) pair: rank, peer, transfer id, plan and phase (PathPair), the path
+// its chunks take, and the watch of its context rank.
+//   phases: fetched, accepted (ACCEPT received), done (DONE sent), completed (COMPLETE received:
+//   every generation rank is done), closed (rejected, aborted or lost by the context rank)
+struct RecvPair : PathPair {
+  RecvPair() : PathPair(PairSide::kGeneration) {}
+  std::unique_ptr<RecvPath> path;
   // One-sided: a receive the context rank never matches, posted so that its death fails an op
   // here (no data op of ours names it).
   std::unique_ptr<TransportOp> watch;
-  std::byte watch_buf[1];
+  std::byte watch_buf[1]{};
 };
 
-struct GenRequest {
-  uint64_t id = 0;
+// id, bytes moved and ending are the PathRequest its pairs' paths see.
+struct GenRequest : PathRequest {
   Clock::time_point start;
   Deadline deadline;
   std::deque<RecvPair> pairs;  // deque: elements never move
-  int64_t bytes = 0;
   TransferState state = TransferState::kInit;
   Status reason;
-  bool ending = false;
-  Clock::time_point ended_at;
+  RecvSettings path_settings;  // what its pairs' paths are made with (paths/choose.h)
 };
 
 class GenerationSideImpl final : public GenerationSide, public Engine {
@@ -136,23 +111,19 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     f.blocks = in.gen_blocks;
     f.reply_address = address_;
     f.checksum = options_.checksum;
-    f.rma = rma_ok();
-    if (f.rma) {
-      f.rma_target =
-          DescribeTarget(local_rma(), options_.chunk_bytes,
-                         static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct));
-      f.rma_target.peer_pool = exported_pool();
-    }
+    DescribeOffer(local_paths(), options_.chunk_bytes,
+                  static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct), f);
+    const PathOffer offer = OfferOf(local_paths());
+    r.path_settings = Settings(f);
     // Only the context ranks with something to send us hear from us (wire version 8), and, from
     // the group's first rank, those with nothing to send anyone (planner.h CtxRanksToFetch): the
     // context ranks learn from each other when every pair is done.
     for (int32_t c : ctx_ranks) {
       RecvPair p;
-      p.ctx_rank = c;
+      p.rank = c;
       p.transfer_id = NextTransferId();
-      p.rma = f.rma;
-      p.peer_offered = f.rma && !f.rma_target.peer_pool.empty();
-      p.row_min = f.rma_target.row_min_bytes;
+      p.path = RecvPathForOffer(offer, r.path_settings);
+      NotePathUsed(p.path->kind());
       p.checksum = f.checksum;
       for (const PairPlan& pp : plan) {
         if (pp.ctx_rank == c) p.plan = pp;
@@ -225,11 +196,11 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       const PairEvent e = k->complete ? PairEvent::kChunkComplete : PairEvent::kChunk;
       if (auto [r, p] = find(k->request_id, k->transfer_id); p) {
         const bool accepts = p->state.Is(PairPhase::kFetched);
-        if (Status st = CheckComplete(*r, *p, *k); !st.ok()) {
+        if (Status st = p->path->CheckComplete(*r, *p, *k); !st.ok()) {
           End(*r, TransferState::kError, st, true);
         } else if (Step(*r, *p, e)) {
           if (accepts) OnAccept(*r, *p, AcceptMsg{k->request_id, k->transfer_id, true, true});
-          OnChunk(*r, *p, *k);
+          p->path->OnChunk(*this, *r, *p, *k);
         }
       }
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
@@ -240,7 +211,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
           End(*r, TransferState::kError,
               Status::InvalidArgument(fmt::format(
                   "request {}: context rank {} said COMPLETE before any of its {} chunks", r->id,
-                  p->ctx_rank, p->plan.chunks.size())),
+                  p->rank, p->plan.chunks.size())),
               true);
         } else {
           Step(*r, *p, PairEvent::kComplete);
@@ -250,13 +221,13 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       if (auto [r, p] = find(j->request_id, j->transfer_id);
           p && Step(*r, *p, PairEvent::kReject)) {
         End(*r, TransferState::kError,
-            PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->ctx_rank, j->reason)),
+            PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
       if (auto [r, p] = find(b->request_id, b->transfer_id); p && Step(*r, *p, PairEvent::kAbort)) {
         End(*r, TransferState::kError,
-            PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->ctx_rank, b->reason)),
+            PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->rank, b->reason)),
             true);
       }
     }
@@ -272,11 +243,11 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         // (A closed pair ended the request: local_done counts only while it is not ending.) A
         // pair with no chunks is not answered by ACCEPT: it is done from the start.
         const bool in_place = (!p.state.Is(PairPhase::kFetched) || p.plan.chunks.empty()) &&
-                              p.completed == p.plan.chunks.size();
+                              p.path->completed() == p.plan.chunks.size();
         local_done &= in_place;
         // Every chunk of the pair is in place: DONE, unless its last CHUNK says complete (peer
         // memory without checksums) or it has none (COMPLETE answers it alone).
-        if (!r.ending && in_place && p.state.Is(PairPhase::kAccepted) && !Folds(p) &&
+        if (!r.ending && in_place && p.state.Is(PairPhase::kAccepted) && !p.path->folds(p) &&
             Step(r, p, PairEvent::kDoneSent)) {
           SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
           busy = true;
@@ -284,9 +255,9 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         all_done &= p.state.Is(PairPhase::kCompleted);
         // The watch stays until nothing of ours waits for this context rank to stop putting.
         if (p.watch && !p.watch->Done() &&
-            (p.state.Is(PairPhase::kCompleted) || (r.ending && p.inflight.empty())))
+            (p.state.Is(PairPhase::kCompleted) || (r.ending && p.path->idle())))
           transport_->Cancel(*p.watch);
-        drained &= p.inflight.empty() && (!p.watch || p.watch->Done());
+        drained &= p.path->idle() && (!p.watch || p.watch->Done());
       }
       if ((r.ending && drained) || (!r.ending && all_done && local_done)) {
         double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
@@ -310,7 +281,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         if (p.state.Is(PairPhase::kCompleted)) {
           ++done;
         } else if (silent < 0) {
-          silent = p.ctx_rank;
+          silent = p.rank;
           unanswered = p.state.Is(PairPhase::kFetched);
         }
       }
@@ -353,12 +324,9 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         if (p.state.final()) continue;
         // A FETCH that offered peer memory is answered by its first CHUNK after the copies, and
         // a pair with no chunks waits only for COMPLETE: waiting for a message too.
-        const bool waits = p.peer_mem || p.plan.chunks.empty() ||
-                           (p.peer_offered && p.state.Is(PairPhase::kFetched)) || (alone && p.rma);
-        if (!waits) return {};
-        for (const RecvOp& o : p.inflight) {
-          if (o.op || o.unpacked) return {};
-        }
+        const bool waits =
+            p.path->awaits_messages(p) || p.plan.chunks.empty() || (alone && p.path->one_sided());
+        if (!waits || p.path->work_pending()) return {};
       }
     }
     return options_.peer_wait_nap;
@@ -386,103 +354,29 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return next_transfer_;
   }
 
-  // The pair's last CHUNK says complete: one-sided (peer-memory copies or transport puts) without
-  // checksums (the context side's Foldable).
-  static bool Folds(const RecvPair& p) { return p.rma && !p.checksum && !p.plan.chunks.empty(); }
-
   int64_t RowMin(bool ctx_direct) const {
     return ctx_direct ? options_.rma_row_min_bytes : kNoDirect;
   }
 
-  // Tagged: receives posted for chunks within the staging and in-flight bounds, then credited.
-  bool PostTagged(GenRequest& r, RecvPair& p) {
-    bool busy = false;
-    const auto& chunks = p.plan.chunks;
-    while (!r.ending && !p.state.Is(PairPhase::kClosed) && p.next_post < chunks.size() &&
-           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
-      const Chunk& c = chunks[p.next_post];
-      RecvOp o;
-      o.chunk = p.next_post;
-      void* dst;
-      MemoryKind kind;
-      if (c.direct && direct_ok()) {
-        const Piece& pc = c.pieces.front();
-        dst = PoolAddress(pc.dst_region, pc.dst_offset);
-        kind = pool_wire_kind();
-      } else {
-        o.slot = AcquireSlot();
-        if (!o.slot) break;
-        dst = SlotData(o.slot);
-        kind = staging_wire_kind();
-      }
-      auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, p.next_post), dst, c.bytes, kind);
-      if (!op.ok()) {
-        End(r, TransferState::kError, op.status(), true);
-        return true;
-      }
-      o.op = std::move(op).value();
-      p.inflight.push_back(std::move(o));
-      ++p.next_post;
-      busy = true;
-    }
-    if (p.credited < p.next_post && !r.ending) {
-      SendMsg(p.peer, CreditMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.next_post), {}});
-      p.credited = p.next_post;
-    }
-    return busy;
+  // What the pairs of FETCH `f` need to make and change their paths.
+  RecvSettings Settings(const FetchMsg& f) const {
+    return RecvSettings{options_.max_inflight, options_.abort_grace, f.rma_target.row_min_bytes};
   }
 
-  // One-sided: a staging slot for each chunk with packed bytes, credited by number.
-  bool PostRma(GenRequest& r, RecvPair& p) {
-    if (r.ending || p.state.Is(PairPhase::kClosed)) return false;
-    const auto& chunks = p.plan.chunks;
-    std::vector<uint32_t> slots;
-    while (p.next_post < chunks.size() &&
-           static_cast<int64_t>(p.inflight.size()) < options_.max_inflight) {
-      RecvOp o;
-      o.chunk = p.next_post;
-      if (PackedBytes(chunks[p.next_post], p.row_min) > 0) {
-        o.slot = AcquireSlot();
-        if (!o.slot) break;
-      }
-      slots.push_back(o.slot ? static_cast<uint32_t>(o.slot.index()) : kNoSlot);
-      p.inflight.push_back(std::move(o));
-      ++p.next_post;
-    }
-    if (slots.empty()) return false;
-    SendMsg(p.peer,
-            CreditMsg{r.id, p.transfer_id, static_cast<uint32_t>(p.next_post), std::move(slots)});
-    p.credited = p.next_post;
-    return true;
+  // PathHost: a pair's path failed the request (r is one of this side's GenRequests).
+  void Fail(PathRequest& r, Status why) override {
+    End(static_cast<GenRequest&>(r), TransferState::kError, std::move(why), true);
+  }
+  void FailById(uint64_t id, const Status& why) override {
+    auto it = requests_.find(id);
+    if (it != requests_.end() && !it->second.ending) Fail(it->second, why);
   }
 
-  // After a request ends, a context rank may still be putting into the slots and blocks of a
-  // one-sided pair until it says it stopped (ABORT or COMPLETE), or the grace period passes.
-  bool RmaQuiet(const GenRequest& r, const RecvPair& p) const {
-    return !p.rma || p.state.final() || p.state.Is(PairPhase::kFetched) ||
-           Clock::now() >= r.ended_at + options_.abort_grace;
-  }
-
-  // Peer memory: the context rank copies into our pool directly; every chunk just waits for its
-  // CHUNK message (no slot, no credit).
-  bool PostPeer(GenRequest& r, RecvPair& p) {
-    if (r.ending || p.state.Is(PairPhase::kClosed) || p.next_post == p.plan.chunks.size())
-      return false;
-    for (; p.next_post < p.plan.chunks.size(); ++p.next_post) {
-      RecvOp o;
-      o.chunk = p.next_post;
-      p.inflight.push_back(std::move(o));
-    }
-    return true;
-  }
-
+  // The pair's path posts and lands; a context rank that writes into this rank's memory is
+  // watched, since no operation of ours would notice its death.
   bool AdvancePair(GenRequest& r, RecvPair& p) {
-    const bool await_accept = p.rma && p.peer_offered && p.state.Is(PairPhase::kFetched);
-    bool busy = p.peer_mem     ? PostPeer(r, p)
-                : await_accept ? false
-                : p.rma        ? PostRma(r, p)
-                               : PostTagged(r, p);
-    if (p.rma && !p.watch && !r.ending && !p.state.final()) {
+    bool busy = p.path->Post(*this, r, p);
+    if (p.path->one_sided() && !p.watch && !r.ending && !p.state.final()) {
       auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
                                  sizeof(p.watch_buf), MemoryKind::kHost);
       if (op.ok()) p.watch = std::move(op).value();
@@ -491,91 +385,23 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         p.watch->status().code() != StatusCode::kCancelled &&
         Step(r, p, PairEvent::kPeerLost)) {  // closed: it can no longer put
       End(r, TransferState::kError,
-          Status::Unavailable(fmt::format("context rank {} is unreachable ({})", p.ctx_rank,
+          Status::Unavailable(fmt::format("context rank {} is unreachable ({})", p.rank,
                                           p.watch->status().message())),
           true);
       busy = true;
     }
-    const auto& chunks = p.plan.chunks;
-    for (auto it = p.inflight.begin(); it != p.inflight.end();) {
-      const Chunk& c = chunks[it->chunk];
-      if (it->op && it->op->Done()) {
-        Status st = it->op->status();
-        if (st.ok() && static_cast<int64_t>(it->op->bytes()) != c.bytes) {
-          st = Status::DataLoss(
-              fmt::format("chunk {} from context rank {}: {} bytes arrived, {} expected", it->chunk,
-                          p.ctx_rank, it->op->bytes(), c.bytes));
-        }
-        it->op.reset();
-        busy = true;
-        if (!st.ok())
-          End(r, TransferState::kError,
-              st.WithContext(fmt::format("receiving from context rank {}", p.ctx_rank)), true);
-        it->arrived = true;
-      }
-      if (r.ending) {
-        if (it->op || (it->unpacked && !it->unpacked->Query()) ||
-            (!it->landed && !RmaQuiet(r, p))) {
-          ++it;
-          continue;
-        }
-        it = p.inflight.erase(it);  // gives back its slot and event
-        busy = true;
-        continue;
-      }
-      if (p.rma && it->notified) it->arrived = true;
-      if (it->arrived && !it->landed && !it->unpacked) {
-        if (!it->slot) {
-          it->landed = true;
-        } else {
-          ChunkCopies(c, false, pool_, SlotData(it->slot), false, descs_,
-                      p.rma ? p.row_min : kNoDirect);
-          Status ust = stream_->CopyBatch(descs_);
-          it->unpacked = AcquireEvent();
-          if (ust.ok())
-            ust =
-                it->unpacked ? stream_->Record(*it->unpacked) : Status::Internal("no device event");
-          if (!ust.ok()) {
-            End(r, TransferState::kError, ust.WithContext("unpacking a chunk"), true);
-            continue;  // drained by the ending branch
-          }
-        }
-        busy = true;
-      }
-      if (it->unpacked && it->unpacked->Query()) {
-        it->unpacked.Reset();
-        it->slot.Reset();
-        it->landed = true;
-        busy = true;
-      }
-      if (it->landed && (!p.checksum || it->notified)) {
-        if (it->has_checksum) {
-          auto digest = ChunkDigest(c, false);
-          if (!digest.ok()) {
-            End(r, TransferState::kError, digest.status(), true);
-            continue;
-          }
-          const uint64_t sum = *digest;
-          if (sum != it->checksum) {
-            End(r, TransferState::kError,
-                Status::DataLoss(fmt::format(
-                    "request {}: chunk {} from context rank {} fails its checksum ({:#018x} "
-                    "arrived, {:#018x} sent)",
-                    r.id, it->chunk, p.ctx_rank, sum, it->checksum)),
-                true);
-            continue;
-          }
-        }
-        ++p.completed;
-        r.bytes += c.bytes;
-        NoteChunk(r.id, c.bytes, it->started);
-        it = p.inflight.erase(it);
-        busy = true;
-        continue;
-      }
-      ++it;
-    }
-    return busy;
+    return p.path->Land(*this, r, p) || busy;
+  }
+
+  // The context rank answered (ACCEPT, or a first CHUNK standing for ACCEPT with peer memory):
+  // the pair's path changes where the answer says so (paths/choose.h RecvPathForAnswer).
+  void OnAccept(GenRequest& r, RecvPair& p, const AcceptMsg& a) {
+    auto next = RecvPathForAnswer(*p.path, a, r.path_settings, p.rank);
+    if (!next.ok()) return End(r, TransferState::kError, next.status(), true);
+    if (!*next) return;
+    p.path = std::move(next).value();  // the old path's slots go back: nothing was put
+    NotePathUsed(p.path->kind());
+    p.path->Start(*this, r, p);  // CHUNK messages may follow in the same drain
   }
 
   // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
@@ -584,81 +410,11 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     auto step = p.state.On(event);
     if (!step.ok()) {
       End(r, TransferState::kError,
-          step.status().WithContext(fmt::format("request {}: context rank {}", r.id, p.ctx_rank)),
+          step.status().WithContext(fmt::format("request {}: context rank {}", r.id, p.rank)),
           true);
       return false;
     }
     return *step == PairStep::kMove || *step == PairStep::kWithin;
-  }
-
-  void OnAccept(GenRequest& r, RecvPair& p, const AcceptMsg& a) {
-    const bool rma = a.rma;
-    if (a.peer_memory) {
-      if (!p.rma || exported_pool().empty()) {
-        End(r, TransferState::kError,
-            Status::InvalidArgument(fmt::format("context rank {} answered peer memory to a fetch "
-                                                "that offered none",
-                                                p.ctx_rank)),
-            true);
-        return;
-      }
-      // The context rank writes no staging slot: give back those credited so far.
-      p.peer_mem = true;
-      NotePeerMemoryUsed();
-      for (RecvOp& o : p.inflight) o.slot.Reset();
-      PostPeer(r, p);  // CHUNK messages may follow in the same drain of control messages
-      return;
-    }
-    if (p.rma == rma) return;
-    if (rma) {
-      End(r, TransferState::kError,
-          Status::InvalidArgument(fmt::format(
-              "context rank {} answered one-sided to a fetch that offered no target", p.ctx_rank)),
-          true);
-      return;
-    }
-    // The context rank can't put: receive tagged messages instead. Nothing was put yet.
-    p.inflight.clear();  // gives back their slots
-    p.next_post = 0;
-    p.credited = 0;
-    p.rma = false;
-  }
-
-  // A CHUNK saying complete comes only for a one-sided pair (puts or peer memory), and is its
-  // last; in phase fetched it stands for ACCEPT mode 2 as well, so only where the FETCH offered
-  // peer memory. Checked before the pair's phase moves, so that the context rank is told.
-  static Status CheckComplete(const GenRequest& r, const RecvPair& p, const ChunkMsg& k) {
-    if (!k.complete || p.state.final()) return Status::Ok();
-    const bool fetched = p.state.Is(PairPhase::kFetched);
-    const bool may = fetched ? p.peer_offered : p.rma;
-    if (may && k.chunk + uint64_t{k.count} == p.plan.chunks.size()) return Status::Ok();
-    return Status::InvalidArgument(fmt::format(
-        "request {}: context rank {} said complete with chunks [{}, +{}) of {} ({}): only the "
-        "last CHUNK of a one-sided pair may (before ACCEPT, of a peer-memory pair)",
-        r.id, p.ctx_rank, k.chunk, k.count, p.plan.chunks.size(),
-        fetched ? (p.peer_offered ? "no ACCEPT yet, peer memory offered"
-                                  : "no ACCEPT yet, no peer memory offered")
-                : (p.rma ? "one-sided" : "tagged")));
-  }
-
-  void OnChunk(GenRequest& r, RecvPair& p, const ChunkMsg& k) {
-    if (r.ending) return;
-    uint32_t marked = 0;
-    if (k.count == 1 || !k.has_checksum) {
-      for (RecvOp& o : p.inflight) {
-        if (o.chunk < k.chunk || o.chunk - k.chunk >= k.count || o.notified) continue;
-        o.notified = true;
-        o.has_checksum = k.has_checksum;
-        o.checksum = k.checksum;
-        if (++marked == k.count) return;
-      }
-    }
-    End(r, TransferState::kError,
-        Status::InvalidArgument(fmt::format(
-            "request {}: context rank {} reported chunks [{}, +{}) in place ({} checksum), of "
-            "which {} are credited and not reported before",
-            r.id, p.ctx_rank, k.chunk, k.count, k.has_checksum ? "with a" : "no", marked)),
-        true);
   }
 
   void End(GenRequest& r, TransferState state, Status why, bool tell_peers) {
@@ -668,9 +424,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     r.state = state;
     r.reason = std::move(why);
     for (RecvPair& p : r.pairs) {
-      for (RecvOp& o : p.inflight) {
-        if (o.op && !o.op->Done()) transport_->Cancel(*o.op);
-      }
+      p.path->Cancel(*transport_);
       if (tell_peers && !p.state.final()) {
         SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  std::string(r.reason.message())});
@@ -681,7 +435,6 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   std::string address_;
   std::map<uint64_t, GenRequest> requests_;  // progress thread
   uint32_t next_transfer_ = 0;
-  std::vector<CopyDesc> descs_;
 };
 
 }  // namespace

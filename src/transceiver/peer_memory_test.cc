@@ -19,8 +19,8 @@
 #include <iterator>
 #include <thread>
 
-#include "transceiver/context_side_peer.h"
 #include "transceiver/engine.h"
+#include "transceiver/paths/peer_copies.h"
 #include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {

@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "transceiver/context_side_peer.h"
+#include "transceiver/paths/peer_copies.h"
 #include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {

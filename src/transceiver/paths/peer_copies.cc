@@ -1,4 +1,4 @@
-#include "transceiver/context_side_peer.h"
+#include "transceiver/paths/peer_copies.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-// The context side's peer-memory send path (transfer.peer_memory; ACCEPT mode peer memory): a
+// The context side's peer-memory copies (transfer.peer_memory; paths/peer_memory.h): a
 // generation rank on the same host offers its pool regions as Device::ExportMemory handles; this
 // rank maps them once (Engine::MapPeerPool) and its own stream copies every piece of a chunk
 // straight into the destination blocks: no transport operation, staging slot or credit. Many
@@ -26,6 +26,7 @@
 #include "planner/planner.h"
 #include "transceiver/leases.h"
 #include "transceiver/messages.h"
+#include "transceiver/paths/data_path.h"
 #include "transceiver/progress_profile.h"
 
 namespace kvferry {
@@ -61,17 +62,6 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
                                     const BlockPool& pool, std::vector<CopyDesc>& out,
                                     int64_t max_bytes = kPeerBatchBytes);
-
-// Chunks that landed in the generation pool and were not reported yet: one contiguous range,
-// since a pair's batches complete in order on one stream.
-struct LandedChunks {
-  size_t first = 0;
-  uint32_t count = 0;
-  void Add(size_t chunk, uint32_t n) {
-    if (count == 0) first = chunk;
-    count += n;
-  }
-};
 
 // Every peer-memory batch copying on the context rank's one stream, oldest first, with the lease
 // of the event that ends it. A stream finishes its work in order, so the oldest batch's event

@@ -1,0 +1,137 @@
+// Validation of a plan's inputs (planner.h CheckCompatible, and what planning checks first).
+#include "planner/plan_input.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/checked.h"
+
+namespace kvferry {
+namespace {
+
+template <typename T>
+Status Mismatch(std::string_view what, const T& ctx, const T& gen) {
+  return Status::InvalidArgument(
+      fmt::format("{} mismatch: context {}, generation {}", what, ctx, gen));
+}
+
+Status CheckSide(std::string_view side, const InstanceDesc& d) {
+  Status s = d.shape.Validate();
+  if (s.ok()) s = d.parallel.Validate(d.shape);
+  if (!s.ok()) return s.WithContext(side);
+  if (d.layout == LayoutKind::kCustom ||
+      static_cast<uint8_t>(d.layout) > static_cast<uint8_t>(kLastLayoutKind)) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: layout {} ({}) is not supported by the planner: a transfer needs a named layout "
+        "that every rank derives from its dims (block-major, per-layer, ...)",
+        side, LayoutKindName(d.layout), static_cast<int>(d.layout)));
+  }
+  if (d.pool_blocks < 1) {
+    return Status::InvalidArgument(
+        fmt::format("{}: pool_blocks={} must be at least 1", side, d.pool_blocks));
+  }
+  // Every offset the plan computes lies inside one rank's pool, which holds at most a whole
+  // model's block per block id: that product must fit in int64 (a peer's pool_blocks is data).
+  const KvShape& sh = d.shape;
+  if (!CheckedProduct({d.pool_blocks, sh.layers, sh.kv_factor, sh.kv_heads, sh.head_dim,
+                       sh.tokens_per_block, sh.ElementBytes()})) {
+    return Status::InvalidArgument(
+        fmt::format("{}: pool_blocks={} blocks of {} bytes overflow int64", side, d.pool_blocks,
+                    sh.BytesPerToken() * sh.tokens_per_block));
+  }
+  return Status::Ok();
+}
+
+// Block ids: inside the pool, and no id twice among the request's first `needed` blocks.
+Status CheckBlocks(std::string_view side, const std::vector<int64_t>& blocks, int64_t needed,
+                   int64_t pool_blocks) {
+  if (static_cast<int64_t>(blocks.size()) < needed) {
+    return Status::InvalidArgument(
+        fmt::format("{} has {} blocks but the prompt needs {}", side, blocks.size(), needed));
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t b = blocks[i];
+    if (b < 0 || b >= pool_blocks) {
+      return Status::InvalidArgument(fmt::format(
+          "{}[{}]: block id {} is outside the pool's [0, {})", side, i, b, pool_blocks));
+    }
+  }
+  // Duplicates among the first `needed` ids. A bitmap over the pool when that is small next to
+  // the request; else a sort: pool_blocks may come from a peer, so it never sizes memory alone.
+  const auto first = blocks.begin();
+  const auto last = first + needed;
+  if (pool_blocks / 64 <= needed + 4096) {
+    std::vector<uint64_t> seen(static_cast<size_t>(pool_blocks / 64 + 1), 0);
+    for (auto it = first; it != last; ++it) {
+      uint64_t& word = seen[static_cast<size_t>(*it / 64)];
+      const uint64_t bit = uint64_t{1} << (*it % 64);
+      if (word & bit) {
+        return Status::InvalidArgument(
+            fmt::format("{}[{}]: block id {} appears twice in the request", side, it - first, *it));
+      }
+      word |= bit;
+    }
+    return Status::Ok();
+  }
+  std::vector<int64_t> sorted(first, last);
+  std::sort(sorted.begin(), sorted.end());
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    const auto at = std::find(first, last, *dup);
+    const auto again = std::find(at + 1, last, *dup);
+    return Status::InvalidArgument(
+        fmt::format("{}[{}]: block id {} appears twice in the request", side, again - first, *dup));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+int64_t NeededBlocks(const PlanInput& in) {
+  const int64_t tpb = in.ctx.shape.tokens_per_block;
+  return in.prompt_tokens / tpb + (in.prompt_tokens % tpb != 0 ? 1 : 0);  // no overflow
+}
+
+Status CheckInput(const PlanInput& in) {
+  KVF_RETURN_IF_ERROR(CheckCompatible(in.ctx, in.gen));
+  if (in.prompt_tokens < 1) {
+    return Status::InvalidArgument(
+        fmt::format("prompt_tokens={} must be at least 1", in.prompt_tokens));
+  }
+  const int64_t needed = NeededBlocks(in);
+  KVF_RETURN_IF_ERROR(CheckBlocks("ctx_blocks", in.ctx_blocks, needed, in.ctx.pool_blocks));
+  KVF_RETURN_IF_ERROR(CheckBlocks("gen_blocks", in.gen_blocks, needed, in.gen.pool_blocks));
+  if (in.gen_reused_blocks < 0 || in.gen_reused_blocks > needed) {
+    return Status::InvalidArgument(
+        fmt::format("gen_reused_blocks={} is outside [0, {}] (blocks of a {}-token prompt)",
+                    in.gen_reused_blocks, needed, in.prompt_tokens));
+  }
+  if (in.chunk_bytes < 1) {
+    return Status::InvalidArgument(
+        fmt::format("chunk_bytes={} must be at least 1", in.chunk_bytes));
+  }
+  if (in.direct_min_bytes < 0) {
+    return Status::InvalidArgument(
+        fmt::format("direct_min_bytes={} must not be negative", in.direct_min_bytes));
+  }
+  return Status::Ok();
+}
+
+Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
+  const KvShape& a = ctx.shape;
+  const KvShape& b = gen.shape;
+  if (a.layers != b.layers) return Mismatch("layers", a.layers, b.layers);
+  if (a.kv_heads != b.kv_heads) return Mismatch("kv_heads", a.kv_heads, b.kv_heads);
+  if (a.head_dim != b.head_dim) return Mismatch("head_dim", a.head_dim, b.head_dim);
+  if (a.dtype != b.dtype) return Mismatch("dtype", DTypeName(a.dtype), DTypeName(b.dtype));
+  if (a.kv_factor != b.kv_factor) return Mismatch("kv_factor", a.kv_factor, b.kv_factor);
+  if (a.tokens_per_block != b.tokens_per_block) {
+    return Mismatch("tokens_per_block", a.tokens_per_block, b.tokens_per_block);
+  }
+  KVF_RETURN_IF_ERROR(CheckSide("context", ctx));
+  KVF_RETURN_IF_ERROR(CheckSide("generation", gen));
+  return Status::Ok();
+}
+
+}  // namespace kvferry

@@ -1,0 +1,18 @@
+// Validation of a plan's inputs, shared by the planner's entry points (planner.cc): both
+// instances compatible (CheckCompatible, planner.h), the prompt and block ids sound, the chunking
+// parameters in range. Pure; internal to the planner layer.
+#pragma once
+
+#include <cstdint>
+
+#include "planner/planner.h"
+
+namespace kvferry {
+
+// Blocks of the prompt (its tokens, rounded up to whole blocks).
+int64_t NeededBlocks(const PlanInput& in);
+
+// Why `in` can't be planned (the error names the field and both values), or OK.
+Status CheckInput(const PlanInput& in);
+
+}  // namespace kvferry

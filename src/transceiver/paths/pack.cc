@@ -1,0 +1,48 @@
+#include "transceiver/paths/pack.h"
+
+#include "transceiver/paths/data_path.h"
+#include "transceiver/rma.h"
+
+namespace kvferry {
+
+void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
+                 bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes) {
+  out.clear();
+  int64_t off = 0;
+  for (const Piece& p : chunk.pieces) {
+    if (RowsGoDirect(chunk, p, row_min_bytes)) continue;
+    int32_t region = context_side ? p.src_region : p.dst_region;
+    int64_t offset = context_side ? p.src_offset : p.dst_offset;
+    int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;
+    std::byte* pool_addr = pool.region(region) + offset;
+    std::byte* buf = packed + off;
+    CopyDesc d{};
+    d.bytes = static_cast<size_t>(p.bytes);
+    d.rows = static_cast<size_t>(p.rows);
+    if (to_packed) {
+      d.dst = buf;
+      d.dst_pitch = static_cast<size_t>(p.bytes);
+      d.src = pool_addr;
+      d.src_pitch = static_cast<size_t>(pitch);
+    } else {
+      d.dst = pool_addr;
+      d.dst_pitch = static_cast<size_t>(pitch);
+      d.src = buf;
+      d.src_pitch = static_cast<size_t>(p.bytes);
+    }
+    out.push_back(d);
+    off += p.total();
+  }
+}
+
+Status QueueSlotCopy(PathHost& host, const Chunk& chunk, const StagingLease& slot, bool pack,
+                     int64_t row_min_bytes, EventLease& done) {
+  std::vector<CopyDesc>& descs = host.scratch();
+  ChunkCopies(chunk, pack, host.pool(), host.SlotData(slot), pack, descs, row_min_bytes);
+  Status st = host.stream().CopyBatch(descs);
+  done = host.AcquireEvent();
+  if (st.ok()) st = done ? host.stream().Record(*done) : Status::Internal("no device event");
+  return st.ok() ? st : st.WithContext(pack ? "packing a chunk" : "unpacking a chunk");
+}
+
+}  // namespace kvferry
