@@ -241,7 +241,10 @@ TEST(Transport, OpsOutliveTheirTransport) {
     TransportOptions o;
     o.name = name == "ucx_nopeer" ? "ucx" : name;
     o.fabric = InProcFabric::Create();
-    auto t = std::move(CreateTransport(o)).value();
+    auto created = CreateTransport(o);
+    if (!created.ok() && name == "nixl") continue;  // NIXL not loadable here (nixl_test says why)
+    ASSERT_TRUE(created.ok()) << name << ": " << created.status().ToString();
+    auto t = std::move(created).value();
     char buf[64];
     auto op = std::move(t->Recv(kAnyPeer, 42, buf, sizeof(buf), MemoryKind::kHost)).value();
     t.reset();
