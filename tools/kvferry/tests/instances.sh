@@ -34,6 +34,14 @@ if ((netns)); then
   ip -n "$ns_a" addr add 10.77.0.1/24 dev "va-$$" && ip -n "$ns_a" link set "va-$$" up
   ip -n "$ns_b" addr add 10.77.0.2/24 dev "vb-$$" && ip -n "$ns_b" link set "vb-$$" up
   ip -n "$ns_a" link set lo up && ip -n "$ns_b" link set lo up
+  # The kernel marks a veth running (operstate UP) up to a second after both ends are up; UCX
+  # lists only running interfaces when a transport starts, so a rank that started before that
+  # saw no way to the other host ("tcp/lo - local loopback remote non-loopback").
+  for _ in $(seq 1 100); do
+    ip -n "$ns_a" -o link show "va-$$" | grep -q "state UP" &&
+      ip -n "$ns_b" -o link show "vb-$$" | grep -q "state UP" && break
+    sleep 0.05
+  done
   # Each "host": its network namespace, and IPC, mount and PID namespaces of its own.
   run_a=(ip netns exec "$ns_a" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
   run_b=(ip netns exec "$ns_b" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
