@@ -28,25 +28,6 @@ namespace {
 
 using namespace txtest;  // NOLINT: the shared harness
 
-class PeerMemoryOn {
- public:
-  explicit PeerMemoryOn(const char* value = "on") {
-    EXPECT_TRUE(Config::Global().Set("transfer.peer_memory", value).ok());
-  }
-  ~PeerMemoryOn() { EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok()); }
-};
-
-// A pid no process or thread can have (above the kernel's pid_max). Not the handle's pid + 1: that
-// can be a thread of this very process (/proc/<tid>/fd is the process's own table), and then the
-// "other process" maps this process's own memfd and the fallback under test never happens (the
-// TSan build failed that way under ctest).
-uint32_t NoSuchPid() {
-  std::ifstream in("/proc/sys/kernel/pid_max");
-  uint32_t pid_max = 4194304;  // the kernel's largest pid_max
-  in >> pid_max;
-  return pid_max + 1;
-}
-
 TEST(PeerMemory, HandlesRoundTripAndRefuseAnotherProcessOrHost) {
   auto dev = OpenCpuDevice();
   std::vector<std::byte> buf(4096);
@@ -97,7 +78,7 @@ class CountingTransport final : public TestTransport {
 };
 
 TEST(PeerMemory, HeterogeneousSplitsMoveWithOneCopyPerBatchAndNoStaging) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   TransceiverOptions o;
   o.chunk_bytes = 4096;  // many chunks per pair: batched into one copy and one CHUNK
   o.staging_chunks = 1;
@@ -133,7 +114,7 @@ class ChunkCounter final : public TestTransport {
 // the generation rank hears of them by one CHUNK (it was one per batch: each message costs
 // syscalls on both sides), and every byte lands.
 TEST(PeerMemory, BatchesInFlightTogetherAreReportedByOneChunk) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   ASSERT_TRUE(Config::Global().Set("transfer.peer_batch_bytes", "67108864").ok());
   const KvShape big{2, 8, 128, DType::kBf16, 2, 1024};  // 8 MiB blocks
   TransceiverOptions o;
@@ -190,7 +171,7 @@ TEST(PeerMemory, CopiesThatContinueEachOtherMergeIntoOneTallerCopy) {
 // TP2 -> TP4, block-major at both ends, consecutive blocks: each pair's head slices merge into one
 // tall copy per batch; every byte lands, nothing outside the destination blocks changes.
 TEST(PeerMemory, MergedHeadSlicesLandByteForByte) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   // transfer.peer_merge_pairs, and transfer.peer_hold_launches 0 (the default) or 2
   for (const char* merge : {"true", "false", "hold2"}) {
     ASSERT_TRUE(
@@ -232,7 +213,7 @@ double Counter(const std::vector<std::pair<std::string, double>>& v, const std::
 // copies both in one CopyBatch (one launch instead of two); every byte lands, nothing outside the
 // destination blocks changes.
 TEST(PeerMemory, PairsReadyTogetherGoOutAsOneLaunch) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   Knob merge("transfer.peer_merge_pairs", "true");
   Knob profile("transfer.profile", "true");
   TransceiverOptions o;
@@ -263,7 +244,7 @@ TEST(PeerMemory, PairsReadyTogetherGoOutAsOneLaunch) {
 // wire version 8). When one of them dies first, the transport fails the receive that watches it:
 // the survivor and its generation rank end at once, naming the dead rank, not at their deadline.
 TEST(PeerMemory, ContextRankWaitingForADeadSiblingEndsAtOnce) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   Knob profile("transfer.profile", "true");
   TransceiverOptions o;
   o.checksum = false;
@@ -370,7 +351,7 @@ class CreditCounter final : public TestTransport {
 // rank that copies into the pool never reads a credit (it was one wasted message per pair and
 // request), and one that falls back to puts is credited after its ACCEPT.
 TEST(PeerMemory, OfferedPoolIsCreditedOnlyWhenTheContextRankPuts) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   for (const bool lie : {false, true}) {
     auto credits = std::make_shared<int>(0);
     auto unmappable = [](FetchMsg& f) {
@@ -398,7 +379,7 @@ TEST(PeerMemory, OfferedPoolIsCreditedOnlyWhenTheContextRankPuts) {
 // its target declares): the context rank then puts through the transport instead, and nothing
 // outside the destination blocks changes.
 TEST(PeerMemory, UnmappableOrShortHandlesFallBackToTransportPuts) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   const std::function<void(FetchMsg&)> lies[] = {
       [](FetchMsg& f) {
         PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
@@ -424,7 +405,7 @@ TEST(PeerMemory, UnmappableOrShortHandlesFallBackToTransportPuts) {
 // 256 requests live at once on every rank (layer-wise, nothing moves until the layers are
 // ready), then all delivered: per-request state, not per-rank slots, bounds what is in flight.
 void ManyInFlight(const char* peer_memory, int requests) {
-  PeerMemoryOn on(peer_memory);
+  PeerMemoryKnob on(peer_memory);
   TransceiverOptions o;
   o.chunk_bytes = 4096;
   o.staging_chunks = 2;
@@ -477,7 +458,7 @@ class MessageTally final : public TestTransport {
 // request on the H200, most of it those five). Pairs with nothing to move exchange nothing.
 // TP2->TP4: 10 messages a request (4 FETCH, 4 CHUNK, 2 SIBLING); 28 in version 7, 36 before.
 TEST(PeerMemory, EachPairEndsByOneCompleteChunk) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   TransceiverOptions o;
   o.checksum = false;
   constexpr int kRequests = 3;
@@ -514,7 +495,7 @@ TEST(PeerMemory, EachPairEndsByOneCompleteChunk) {
 // and the other generation rank, still waiting for its answer, ends at once (not at its deadline),
 // and nothing stays live.
 TEST(PeerMemory, CancelWhileTheAnswersAreOwedEndsEveryRankAtOnce) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   TransceiverOptions o;
   o.checksum = false;
   o.timeout = milliseconds(20000);
@@ -608,7 +589,7 @@ class LoopCounter final : public TestTransport {
 // (and the context rank's hundreds of times in its spin). (Under load the old loops' naps
 // stretched too, and the old code passed about half the time at load 10.)
 TEST(PeerMemory, ProgressThreadsNapWhileOnlyCopiesRun) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   const KvShape big{2, 8, 128, DType::kBf16, 2, 1024};  // 8 MiB blocks
   TransceiverOptions o;
   o.checksum = false;
@@ -665,7 +646,7 @@ void ExpectRequestsEndWithinANap(Cluster& cl, uint64_t first_id, const char* why
 // DONE); it takes milliseconds now. (bench transfer, Llama-3-8B, 128 tokens, one at a time: 0.58
 // of the 1.9 ms per request was that COMPLETE.)
 TEST(PeerMemory, PeersMessagesWakeNappingProgressThreads) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   LongNaps naps;
   TransceiverOptions o;
   o.checksum = false;
@@ -679,7 +660,7 @@ TEST(PeerMemory, PeersMessagesWakeNappingProgressThreads) {
 // ranks send without waking it) and a context rank whose stream copies does not listen either:
 // a message waits at most a nap, then every request ends complete. Naps of 200 ms here.
 TEST(PeerMemory, SeveralLiveRequestsTakeTheirMessagesByTheNap) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   Knob wait{"transfer.peer_wait_nap_us", "200000"};
   Knob stream{"transfer.stream_nap_us", "200000"};
   TransceiverOptions o;
@@ -726,7 +707,7 @@ class BusyAfterMessages final : public TestTransport {
 };
 
 TEST(PeerMemory, AnArmThatFindsEventsIsFollowedByAShortLook) {
-  PeerMemoryOn on;
+  PeerMemoryKnob on;
   LongNaps naps;
   TransceiverOptions o;
   o.checksum = false;
@@ -736,216 +717,6 @@ TEST(PeerMemory, AnArmThatFindsEventsIsFollowedByAShortLook) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8},
              {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kBlockMajor, 8}, o, hook, hook);
   ExpectRequestsEndWithinANap(cl, 60, "a refused arm was followed by the whole nap");
-}
-
-// Issue 29: an importer in the exporting process itself used the handle's raw address and length.
-// Now only a region this process exported, exactly, under the handle's token, and not revoked.
-TEST(PeerMemory, OwnProcessImportsOnlyWhatItExported) {
-  auto dev = OpenCpuDevice();
-  std::vector<std::byte> pool(8192), victim(8192);
-  auto h = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
-  ASSERT_TRUE(h.ok()) << h.status().ToString();
-  ASSERT_TRUE(dev->ImportMemory(*h).ok());
-  const PeerHandle good = DecodePeerHandle(*h).value();
-  std::vector<PeerHandle> forged(4, good);
-  forged[0].address = reinterpret_cast<uintptr_t>(victim.data());  // elsewhere in this process
-  forged[1].bytes = good.bytes * 2;                                // past the exported region
-  forged[2].address += 64;                                         // inside, but not the export
-  forged[3].export_token ^= 1;                                     // a made-up token
-  for (const PeerHandle& f : forged) {
-    auto st = dev->ImportMemory(EncodePeerHandle(f)).status();
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
-    EXPECT_NE(st.message().find("did not export"), std::string_view::npos) << st.ToString();
-  }
-  RevokePeerExport(*h);
-  EXPECT_EQ(dev->ImportMemory(*h).status().code(), StatusCode::kInvalidArgument);
-  // Export tokens are random: two exports of one region share nothing.
-  auto again = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
-  auto third = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
-  ASSERT_TRUE(again.ok() && third.ok());
-  EXPECT_NE(DecodePeerHandle(*again)->export_token, DecodePeerHandle(*third)->export_token);
-}
-
-// Issue 29, through the protocol: a generation rank holding one valid handle offered a peer
-// "pool" that was another buffer of the context rank's own process, and the context rank copied
-// KV into it (8,192 bytes). Now the handle does not map, the context rank puts through the
-// transport instead, the buffer is untouched and the destination blocks are right.
-TEST(PeerMemory, OwnProcessHandleNamingAnotherBufferIsNotWritten) {
-  PeerMemoryOn on;
-  auto victim = std::make_shared<std::vector<std::byte>>();
-  auto aim_at_victim = [victim](FetchMsg& f) {
-    PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
-    if (victim->empty()) victim->assign(h.bytes, std::byte{0x5a});
-    h.address = reinterpret_cast<uintptr_t>(victim->data());
-    f.rma_target.peer_pool[0] = EncodePeerHandle(h);
-  };
-  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, SmallChunks(true), {},
-             [&](auto t) { return std::make_unique<FetchTamperer>(std::move(t), aim_at_victim); });
-  auto h = cl.Publish(36, {3, 4, 9}, 11);
-  ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
-  ExpectAllComplete(cl.Drain(0, 0, 1), 2);
-  cl.Verify(36, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
-  ASSERT_FALSE(victim->empty());
-  size_t written = 0;
-  for (std::byte b : *victim) written += b != std::byte{0x5a};
-  EXPECT_EQ(written, 0u) << "bytes of a buffer outside any pool were written";
-}
-
-// The exporter of a mapped region is watched: another process by its pidfd (a reused pid does
-// not count), this process by its export registry.
-TEST(PeerMemory, ExporterWatchSeesAProcessEndAndARevokedExport) {
-  auto dev = OpenCpuDevice();
-  std::vector<std::byte> pool(4096);
-  auto h = dev->ExportMemory(pool.data(), pool.size(), MemoryKind::kHost);
-  ASSERT_TRUE(h.ok());
-  PeerHandle own = DecodePeerHandle(*h).value();
-  ExporterWatch mine(own);
-  EXPECT_TRUE(mine.alive());
-  RevokePeerExport(*h);
-  EXPECT_FALSE(mine.alive());
-
-  const pid_t child = fork();
-  if (child == 0) {
-    pause();
-    _exit(0);
-  }
-  ASSERT_GT(child, 0);
-  PeerHandle other = own;
-  other.pid = static_cast<uint32_t>(child);
-  ExporterWatch watch(other);
-  EXPECT_TRUE(watch.alive());
-  kill(child, SIGKILL);
-  waitpid(child, nullptr, 0);
-  EXPECT_FALSE(watch.alive());
-  other.pid = NoSuchPid();
-  EXPECT_FALSE(ExporterWatch(other).alive());
-}
-
-// Mapped peer pools were kept until the side was destroyed. A context rank now keeps at most
-// transfer.peer_max_mapped regions no pair copies into (the least recently used go first), and
-// unmaps those whose exporter went (here: the generation side destroyed, its exports revoked).
-TEST(PeerMemory, MappedRegionsAreBoundedAndThoseOfAGoneExporterReleased) {
-  PeerMemoryOn on;
-  ASSERT_TRUE(Config::Global().Set("transfer.peer_max_mapped", "1").ok());
-  TransceiverOptions o = SmallChunks(true);
-  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}, o);
-  auto* engine = dynamic_cast<Engine*>(cl.ctx_[0].get());
-  ASSERT_NE(engine, nullptr);
-  auto settles_at = [&](size_t want) {
-    for (auto end = DeadlineIn(milliseconds(4000)); Clock::now() < end;) {
-      if (engine->mapped_peer_regions() == want) return true;
-      std::this_thread::sleep_for(milliseconds(20));
-    }
-    return false;
-  };
-  for (uint64_t id : {41, 42}) {
-    auto h = cl.Publish(id, {3, 4, 9}, 11);
-    ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
-    ExpectAllComplete(cl.Drain(0, 0, 1), 3);
-    cl.Verify(id, {0, 5, 6}, 11, 0, 0, /*sentinels=*/true);
-    EXPECT_TRUE(settles_at(1)) << engine->mapped_peer_regions() << " regions mapped, bound 1";
-  }
-  cl.gen_.clear();  // the exporters go: their exports are revoked
-  EXPECT_TRUE(settles_at(0)) << engine->mapped_peer_regions() << " regions still mapped";
-  ASSERT_TRUE(Config::Global().Reset("transfer.peer_max_mapped").ok());
-}
-
-// The generation process of the test below: this binary run again with KVFERRY_GEN_CHILD=<dir>.
-// A 128 MiB pool (every page written), a UCX generation side; fetches the handle in <dir>/handle
-// into blocks {0, 1} and exits once it completed.
-TEST(PeerMemoryGenChild, Fetch) {
-  const char* dir = std::getenv("KVFERRY_GEN_CHILD");
-  if (dir == nullptr) GTEST_SKIP() << "run by PeerMemory.ShortLivedGenerationProcesses...";
-  PeerMemoryOn on;
-  auto dev = OpenCpuDevice();
-  const int64_t blocks = (int64_t{128} << 20) / (Shape().BytesPerToken() * 4);
-  PoolSpec spec{Shape(), {1, 1, {}, 1, 0}, 0, LayoutKind::kBlockMajor, MemoryKind::kHost, blocks};
-  auto pool = BlockPool::Create(*dev, spec);
-  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
-  std::memset(pool->region(0), 0xA5, pool->layout().region_bytes());
-  TransceiverOptions o;
-  o.transport = "ucx";
-  o.timeout = milliseconds(20000);
-  o.instance_id = static_cast<uint64_t>(getpid());
-  auto gen = GenerationSide::Create(*dev, *pool, o);
-  ASSERT_TRUE(gen.ok()) << gen.status().ToString();
-  std::ifstream in(std::string(dir) + "/handle", std::ios::binary);
-  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> handle(raw.size());
-  std::memcpy(handle.data(), raw.data(), raw.size());
-  ASSERT_TRUE((*gen)->Fetch(handle, std::vector<int64_t>{0, 1}, 0).ok());
-  auto st = (*gen)->Poll(1, DeadlineIn(milliseconds(20000)));
-  ASSERT_EQ(st.size(), 1u);
-  EXPECT_EQ(st[0].state, TransferState::kComplete) << st[0].reason.ToString();
-}
-
-// A field of /proc/meminfo or /proc/self/status, in KiB (-1: not there).
-int64_t KiBOf(const char* file, const std::string& field) {
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(field.size()));
-  }
-  return -1;
-}
-
-// Issue 29: six short-lived generation processes with 128 MiB pools grew the host's shared memory
-// from 61 to 829 MiB: the context rank kept every mapped peer pool until it was destroyed. It now
-// unmaps a region within a second of its exporter's exit (a pidfd).
-TEST(PeerMemory, ShortLivedGenerationProcessesLeaveNoSharedMemoryMapped) {
-  PeerMemoryOn on;
-  auto dev = OpenCpuDevice();
-  PoolSpec spec{Shape(), {1, 1, {}, 1, 0}, 0, LayoutKind::kBlockMajor, MemoryKind::kHost, 16};
-  auto pool = BlockPool::Create(*dev, spec);
-  ASSERT_TRUE(pool.ok());
-  TransceiverOptions o;
-  o.transport = "ucx";
-  o.timeout = milliseconds(20000);
-  o.instance_secret[0] = 9;
-  auto ctx = ContextSide::Create(*dev, *pool, o);
-  if (!ctx.ok()) GTEST_SKIP() << ctx.status().ToString();
-  ASSERT_TRUE((*ctx)->SetInstanceAddresses({(*ctx)->address()}).ok());
-  auto* engine = dynamic_cast<Engine*>(ctx->get());
-  ASSERT_NE(engine, nullptr);
-  const std::string dir = fmt::format("/tmp/kvferry-gen-child-{}", getpid());
-  std::filesystem::create_directories(dir);
-  // This process's resident shared pages (the host's Shmem moves with every other process).
-  auto mine = [] { return KiBOf("/proc/self/status", "RssShmem:"); };
-  const int64_t before = mine(), host_before = KiBOf("/proc/meminfo", "Shmem:");
-  int64_t peak = before;
-  for (uint64_t id = 1; id <= 6; ++id) {
-    auto h = (*ctx)->MarkReady(id, std::vector<int64_t>{0, 1}, 8);
-    ASSERT_TRUE(h.ok()) << h.status().ToString();
-    std::ofstream(dir + "/handle", std::ios::binary)
-        .write(reinterpret_cast<const char*>(h->data()), static_cast<std::streamsize>(h->size()));
-    const std::string cmd = fmt::format(
-        "KVFERRY_GEN_CHILD={} /proc/{}/exe --gtest_filter=PeerMemoryGenChild.Fetch >/dev/null 2>&1",
-        dir, getpid());
-    EXPECT_EQ(std::system(cmd.c_str()), 0) << "generation process " << id;
-    auto st = (*ctx)->Poll(1, DeadlineIn(milliseconds(20000)));
-    ASSERT_EQ(st.size(), 1u);
-    EXPECT_EQ(st[0].state, TransferState::kComplete) << st[0].reason.ToString();
-    peak = std::max(peak, mine());
-  }
-  for (auto end = DeadlineIn(milliseconds(5000));
-       Clock::now() < end && engine->mapped_peer_regions() > 0;)
-    std::this_thread::sleep_for(milliseconds(50));
-  // A region retired at a sweep is unmapped once the stream passed the event recorded behind its
-  // copies: at that sweep when the stream thread ran the record at once, else at the next one, a
-  // second later (missed on a loaded machine: 168 MiB after, 1 run in 5).
-  for (auto end = DeadlineIn(milliseconds(2500));
-       Clock::now() < end && mine() - before >= 64 * 1024;)
-    std::this_thread::sleep_for(milliseconds(50));
-  const int64_t after = mine(), host_after = KiBOf("/proc/meminfo", "Shmem:");
-  std::filesystem::remove_all(dir);
-  std::printf(
-      "[ info ] this process's RssShmem: %.0f MiB before, %.0f MiB at most during, %.0f "
-      "MiB after six 128 MiB generation processes (host Shmem %.0f -> %.0f MiB); %zu peer "
-      "regions still mapped\n",
-      before / 1024.0, peak / 1024.0, after / 1024.0, host_before / 1024.0, host_after / 1024.0,
-      engine->mapped_peer_regions());
-  EXPECT_EQ(engine->mapped_peer_regions(), 0u);
-  EXPECT_LT(after - before, 64 * 1024) << "KiB of shared memory still held";
 }
 
 }  // namespace

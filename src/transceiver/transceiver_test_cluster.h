@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <optional>
 
@@ -306,13 +307,24 @@ class NoRma final : public TestTransport {
 // peer pool of every CPU-device rank, in one process too, and moves no byte through the transport).
 class PeerMemoryKnob {
  public:
-  explicit PeerMemoryKnob(const char* value) {
+  explicit PeerMemoryKnob(const char* value = "on") {
     EXPECT_TRUE(Config::Global().Set("transfer.peer_memory", value).ok());
   }
   ~PeerMemoryKnob() { EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok()); }
   PeerMemoryKnob(const PeerMemoryKnob&) = delete;
   PeerMemoryKnob& operator=(const PeerMemoryKnob&) = delete;
 };
+
+// A pid no process or thread can have (above the kernel's pid_max). Not a handle's pid + 1: that
+// can be a thread of this very process (/proc/<tid>/fd is the process's own table), and then the
+// "other process" maps this process's own memfd and the fallback under test never happens (the
+// TSan build failed that way under ctest).
+inline uint32_t NoSuchPid() {
+  std::ifstream in("/proc/sys/kernel/pid_max");
+  uint32_t pid_max = 4194304;  // the kernel's largest pid_max
+  in >> pid_max;
+  return pid_max + 1;
+}
 
 inline TransceiverOptions SmallChunks(bool rma) {
   TransceiverOptions o;
