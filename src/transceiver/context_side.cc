@@ -140,6 +140,7 @@ bool ContextSideImpl::Advance() {
       it = requests_.erase(it);
       busy = true;
     } else {
+      if (!r.ending) ReportStagedChunks(r);
       ++it;
     }
   }
@@ -375,7 +376,7 @@ bool ContextSideImpl::PairDone(const SendPair& p) const {
   if (!p.drained()) return false;
   if (p.state.Is(PairPhase::kDone)) return true;
   return p.state.Is(PairPhase::kAccepted) &&
-         (p.plan.chunks.empty() || p.path->held_report() != nullptr);
+         (p.plan.chunks.empty() || p.path->held_report() != nullptr || p.reported);
 }
 
 int ContextSideImpl::DoneCount(const CtxRequest& r) const {
@@ -404,6 +405,17 @@ bool ContextSideImpl::Finished(CtxRequest& r) {
     return true;
   }
   return LocalDone(r) && r.siblings_done.size() == siblings_.size();
+}
+
+void ContextSideImpl::ReportStagedChunks(CtxRequest& r) {
+  for (auto& [g, p] : r.pairs) {
+    const LandedChunks* held = p.path->held_report();
+    if (!held || !held->staged) continue;
+    SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(held->first), held->count,
+                             false, 0});
+    p.path->DropHeldReport();
+    p.reported = true;
+  }
 }
 
 void ContextSideImpl::Finish(CtxRequest& r) {

@@ -28,6 +28,9 @@ namespace kvferry {
 struct SendPair : PathPair {
   SendPair() : PathPair(PairSide::kContext) {}  // accepted (sending), done, closed
   std::unique_ptr<SendPath> path;
+  // Its last CHUNK went out not saying complete (ReportStagedChunks): every chunk is in place at
+  // the generation rank, and the pair gets COMPLETE when the request completes.
+  bool reported = false;
   bool drained() const { return path->drained(*this); }
 };
 
@@ -134,8 +137,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
   // event the protocol has no step for fails the request, naming the event and the phase.
   bool Step(CtxRequest& r, SendPair& p, PairEvent event);
-  // A pair is done when its generation rank holds every chunk: DONE received, or (Foldable) every
-  // copy landed; a pair with no chunks is done once its FETCH is taken.
+  // A pair is done when its generation rank holds every chunk: DONE received, or (one-sided
+  // without checksums) every copy or put landed; a pair with no chunks is done once its FETCH is
+  // taken.
   bool PairDone(const SendPair& p) const;
   int DoneCount(const CtxRequest& r) const;
   // Every expected generation rank fetched and every pair is done: this rank's part.
@@ -145,8 +149,14 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // The other context rank `rank`'s connection (made on first use); an error ends the request.
   StatusOr<PeerId> SiblingPeer(int32_t rank, Deadline deadline);
   bool Finished(CtxRequest& r);
+  // A held last CHUNK whose packed rows sit in a generation staging slot goes out now, not saying
+  // complete, while the request waits for other pairs or context ranks (wire version 11): held,
+  // it kept that slot from the generation rank's other pairs, which could be the very pairs the
+  // request waits for (vLLM prefill TP2 -> decode TP1: every slot held by rank 0, rank 1 never
+  // credited, every request at its deadline).
+  void ReportStagedChunks(CtxRequest& r);
   // Reports the terminal state; a complete request's pairs get their last CHUNK saying complete
-  // (Foldable) or COMPLETE.
+  // (one-sided without checksums, not reported yet) or COMPLETE.
   void Finish(CtxRequest& r);
   // PathHost: a pair's path failed the request (r is one of this side's CtxRequests).
   void Fail(PathRequest& r, Status why) override {

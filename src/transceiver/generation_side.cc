@@ -205,9 +205,20 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       }
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
       // COMPLETE answers every pair's DONE, ours included: one before it is an error (a pair with
-      // no chunks sends none, and takes COMPLETE as its only answer).
+      // no chunks sends none, and takes COMPLETE as its only answer). A pair that folds says no
+      // DONE: COMPLETE follows its last CHUNK when that came on its own (wire version 11).
       if (auto [r, p] = find(c->request_id, c->transfer_id); p) {
-        if (p->state.Is(PairPhase::kFetched) && !p->plan.chunks.empty()) {
+        if (p->state.Is(PairPhase::kAccepted) && p->path->folds(*p)) {
+          if (!p->path->reported_all(*p)) {
+            End(*r, TransferState::kError,
+                Status::InvalidArgument(
+                    fmt::format("request {}: context rank {} said COMPLETE before its last CHUNK",
+                                r->id, p->rank)),
+                true);
+          } else {
+            Step(*r, *p, PairEvent::kCompleteAfterChunks);
+          }
+        } else if (p->state.Is(PairPhase::kFetched) && !p->plan.chunks.empty()) {
           End(*r, TransferState::kError,
               Status::InvalidArgument(fmt::format(
                   "request {}: context rank {} said COMPLETE before any of its {} chunks", r->id,

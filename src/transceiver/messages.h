@@ -61,7 +61,7 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // generation rank's memory (only the unpacking of staged rows, its own work, is left); no DONE, no
 // COMPLETE. A 128-token request by UCX puts took the DONE -> COMPLETE round trip, two more
 // wake-ups of the progress threads, on its critical path.
-inline constexpr uint8_t kMessageVersion = 10;
+inline constexpr uint8_t kMessageVersion = 11;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 

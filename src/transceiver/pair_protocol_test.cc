@@ -112,6 +112,39 @@ TEST(PairProtocol, CompleteChunkForAPairWithoutPeerMemoryFailsTheRequest) {
   ASSERT_TRUE(cl.ctx_[0]->Cancel(33).ok());  // the genuine context rank never heard a FETCH
 }
 
+// A pair by puts without checksums says no DONE; its COMPLETE may follow a last CHUNK sent on its
+// own (wire version 11), never precede it: a COMPLETE before the pair's chunks were reported fails
+// the request naming why, and the context rank is told.
+TEST(PairProtocol, CompleteBeforeTheLastChunkOfAPutPairFailsTheRequest) {
+  ASSERT_TRUE(Config::Global().Set("transfer.peer_memory", "off").ok());
+  TransceiverOptions o;
+  o.timeout = milliseconds(20000);
+  o.checksum = false;
+  Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  auto fake_ctx = cl.Transport();  // plays context rank 0
+  auto fetch = FetchRedirectedTo(cl, *fake_ctx, 35);
+  ASSERT_TRUE(fetch.has_value()) << "no FETCH reached the fake context rank";
+  const auto [gen_peer, f] = *fetch;
+  ASSERT_TRUE(
+      fake_ctx->SendControl(gen_peer, EncodeMessage(AcceptMsg{35, f.transfer_id, true, false}))
+          .ok());
+  ASSERT_TRUE(fake_ctx->SendControl(gen_peer, EncodeMessage(CompleteMsg{35, f.transfer_id})).ok());
+
+  auto st = cl.gen_[0]->Poll(1, DeadlineIn(milliseconds(3000)));
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+  ASSERT_EQ(st.size(), 1u) << "a COMPLETE before the last CHUNK left the request waiting";
+  EXPECT_EQ(st[0].state, TransferState::kError) << TransferStateName(st[0].state);
+  const std::string why(st[0].reason.message());
+  EXPECT_NE(why.find("request 35: context rank 0 said COMPLETE before its last CHUNK"),
+            std::string::npos)
+      << why;
+  auto abort = WaitFor<AbortMsg>(*fake_ctx);
+  ASSERT_TRUE(abort.has_value()) << "the context rank was not told";
+  EXPECT_EQ(abort->second.transfer_id, f.transfer_id);
+  EXPECT_EQ(cl.gen_[0]->stats().staging_slots_in_use, 0);
+  ASSERT_TRUE(cl.ctx_[0]->Cancel(35).ok());  // the genuine context rank never heard a FETCH
+}
+
 // The context side: a generation rank posts receives (CREDIT) only until it has every chunk and
 // says DONE. A CREDIT after DONE has no step in phase "done": the request fails naming it, and
 // the chunks already packed into staging slots and being sent give their slots back. It used to

@@ -44,6 +44,8 @@ std::string_view PairEventName(PairEvent event) {
       return "CHUNK (complete)";
     case PairEvent::kCompleteFolded:
       return "COMPLETE folded into CHUNK";
+    case PairEvent::kCompleteAfterChunks:
+      return "COMPLETE after the last CHUNK";
   }
   return "?";
 }
@@ -72,6 +74,9 @@ PairTransition GenerationNext(PairPhase from, PairEvent event) {
       return from == P::kAccepted ? Move(P::kDone) : illegal;
     case E::kComplete:  // in phase fetched: a pair with no chunks, which only COMPLETE answers
       if (from == P::kDone || from == P::kFetched) return Move(P::kCompleted);
+      return from == P::kCompleted ? ignore : illegal;
+    case E::kCompleteAfterChunks:
+      if (from == P::kAccepted) return Move(P::kCompleted);
       return from == P::kCompleted ? ignore : illegal;
     case E::kReject:
       if (from == P::kFetched) return Move(P::kClosed);
@@ -113,6 +118,7 @@ PairTransition ContextNext(PairPhase from, PairEvent event) {
     case E::kReject:
     case E::kPeerLost:
     case E::kChunkComplete:
+    case E::kCompleteAfterChunks:
       return illegal;  // generation-side events
   }
   return illegal;

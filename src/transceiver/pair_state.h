@@ -10,8 +10,10 @@
 //     fetched   --ACCEPT--> accepted --DONE sent--> done --COMPLETE--> completed
 //     fetched   --CHUNK--> accepted  (peer memory: the first CHUNK stands for ACCEPT)
 //     fetched   --COMPLETE--> completed  (a pair with no chunks: nothing else answers it)
-//     fetched, accepted --CHUNK saying complete--> completed  (peer copies without checksums:
+//     fetched, accepted --CHUNK saying complete--> completed  (one-sided without checksums:
 //                          no DONE; in fetched it stands for ACCEPT with peer memory too)
+//     accepted  --COMPLETE after its chunks--> completed  (the same pair, its last CHUNK sent on
+//                          its own to free a staging slot)
 //     fetched   --REJECT--> closed
 //     fetched, accepted, done --ABORT / context rank lost--> closed
 //     within accepted: CHUNK
@@ -58,6 +60,9 @@ enum class PairEvent : uint8_t {
   kChunkComplete,
   // context: the pair's last CHUNK went out saying complete (every pair's copies landed)
   kCompleteFolded,
+  // generation: COMPLETE received by a pair whose last CHUNK would say complete but came on its
+  // own, since its packed rows held a staging slot (wire version 11)
+  kCompleteAfterChunks,
 };
 
 // What an event does in a phase.

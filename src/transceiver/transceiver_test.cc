@@ -515,7 +515,10 @@ class MessageLog final : public TestTransport {
 // complete, as a peer-memory pair does: no DONE, no COMPLETE. Measured on the 2-core machine, the
 // DONE -> COMPLETE round trip (two more wake-ups of loaded progress threads) was on the critical
 // path of a 128-token request by UCX puts (docs/vllm.md). With checksums the pair still says
-// DONE and gets COMPLETE (the generation rank could refuse a chunk).
+// DONE and gets COMPLETE (the generation rank could refuse a chunk). Version 11: a last chunk that
+// came packed into a staging slot is reported at once when the request still waits for other
+// pairs or context ranks, and COMPLETE follows (HeldLastChunksDoNotStarveTheOtherContextRanks);
+// a lone pair, or one whose rows were all put, still folds.
 TEST(Transceiver, PutPairsFoldCompleteIntoTheLastChunk) {
   ASSERT_TRUE(Config::Global().Set("transfer.peer_memory", "off").ok());
   const struct {
@@ -564,10 +567,13 @@ TEST(Transceiver, PutPairsFoldCompleteIntoTheLastChunk) {
           EXPECT_EQ(gen_sent["DONE"], ctx_sent["ACCEPT"]);
           EXPECT_EQ(ctx_sent["COMPLETE"], ctx_sent["ACCEPT"]);
         } else {
-          // One complete CHUNK per pair with chunks (every ACCEPT), nothing after.
-          EXPECT_EQ(ctx_sent["CHUNK(complete)"], ctx_sent["ACCEPT"]);
-          EXPECT_EQ(ctx_sent["COMPLETE"], 0);
+          // Each pair with chunks (every ACCEPT) ends by a CHUNK saying complete or, its last
+          // chunk staged and reported early, by COMPLETE; no DONE.
+          EXPECT_EQ(ctx_sent["CHUNK(complete)"] + ctx_sent["COMPLETE"], ctx_sent["ACCEPT"]);
           EXPECT_EQ(gen_sent["DONE"], 0);
+          if (std::string_view(row_min) == "1" || std::string_view(c.name) == "tp1_to_tp1") {
+            EXPECT_EQ(ctx_sent["CHUNK(complete)"], ctx_sent["ACCEPT"]);
+          }
         }
         EXPECT_EQ(ctx_sent["ABORT"] + gen_sent["ABORT"], 0);
       }
@@ -575,6 +581,45 @@ TEST(Transceiver, PutPairsFoldCompleteIntoTheLastChunk) {
   }
   EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
   EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+}
+
+// The last CHUNK of a pair by puts must not wait in a generation staging slot for the other
+// context ranks (wire version 11). Seen in vLLM, prefill TP2 -> decode TP1 (scripts/test-vllm):
+// the decode rank offered its pool as peer memory, which the prefill workers could not map (an
+// engine's tensors, not shared memory), so each pair put and was credited after its ACCEPT.
+// Context rank 0 answered first, got every staging slot, and held each pair's last CHUNK until
+// rank 1 said SIBLING, while that chunk's packed rows sat unpacked in the slot: rank 1 was never
+// credited and every request ran into its deadline. Here rank 1 marks the requests ready only
+// after rank 0's pairs landed, and there are twice as many requests as slots.
+TEST(Transceiver, HeldLastChunksDoNotStarveTheOtherContextRanks) {
+  PeerMemoryKnob on;
+  ASSERT_TRUE(Config::Global().Set("transfer.rma_row_min_bytes", "1048576").ok());  // all packed
+  TransceiverOptions o = SmallChunks(true);
+  o.checksum = false;
+  o.timeout = milliseconds(3000);
+  auto unmappable = [](FetchMsg& f) {
+    PeerHandle h = DecodePeerHandle(f.rma_target.peer_pool[0]).value();
+    h.pid = NoSuchPid();
+    f.rma_target.peer_pool[0] = EncodePeerHandle(h);
+  };
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o, {},
+             [&](auto t) { return std::make_unique<FetchTamperer>(std::move(t), unmappable); });
+  const int kRequests = 2 * static_cast<int>(o.staging_chunks);
+  std::vector<std::vector<std::byte>> handles;
+  for (int i = 0; i < kRequests; ++i) {
+    handles.push_back(cl.Publish(200 + i, {i}, 3, 0, false, /*only_rank=*/0));
+    ASSERT_TRUE(cl.Fetch(handles.back(), {10 + i}).ok());
+  }
+  std::this_thread::sleep_for(milliseconds(300));  // rank 0's chunks land in staging slots
+  for (int i = 0; i < kRequests; ++i) {
+    EXPECT_EQ(cl.Publish(200 + i, {i}, 3, 0, false, /*only_rank=*/1), handles[i]);
+  }
+  const auto start = Clock::now();
+  ExpectAllComplete(cl.Drain(0, 0, kRequests, milliseconds(5000)), 3 * kRequests);
+  EXPECT_LT(Clock::now() - start, milliseconds(2000)) << "a rank waited for its deadline";
+  for (int i = 0; i < kRequests; ++i) cl.Verify(200 + i, {10 + i}, 3);
+  EXPECT_EQ(cl.gen_[0]->stats().staging_slots_in_use, 0);
+  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
 }
 
 }  // namespace

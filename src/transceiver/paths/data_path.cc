@@ -20,6 +20,14 @@ std::string_view DataPathName(DataPathKind kind) {
 
 int64_t RecvPath::unpack_row_min() const { return kNoDirect; }
 
+bool RecvPath::reported_all(const PathPair& p) const {
+  if (next_post_ < p.plan.chunks.size()) return false;
+  for (const RecvOp& o : inflight_) {
+    if (!o.notified) return false;
+  }
+  return true;  // the ops gone landed, and a one-sided op lands only once notified
+}
+
 bool RecvPath::work_pending() const {
   for (const RecvOp& o : inflight_) {
     if (o.op || o.unpacked) return true;

@@ -56,6 +56,9 @@ std::string_view DataPathName(DataPathKind kind);  // "tagged", "one-sided", "pe
 struct LandedChunks {
   size_t first = 0;
   uint32_t count = 0;
+  // Their packed rows wait in the generation rank's staging slots until it hears of them (puts):
+  // such a report is not held while the request waits for other pairs or context ranks.
+  bool staged = false;
   void Add(size_t chunk, uint32_t n) {
     if (count == 0) first = chunk;
     count += n;
@@ -149,7 +152,9 @@ class SendPath {
   // The grace period passed: forgets what is still outstanding.
   virtual void Abandon() = 0;
   // Every chunk landed and the pair's last CHUNK waits to say the request is complete (one-sided
-  // without checksums: neither DONE nor COMPLETE is exchanged); null otherwise.
+  // without checksums: neither DONE nor COMPLETE is exchanged); null otherwise. The side sends it
+  // (DropHeldReport after) when the request completes, or at once, not saying complete, when it
+  // is staged and the request still waits for others (the pair then gets COMPLETE).
   virtual const LandedChunks* held_report() const { return nullptr; }
   virtual void DropHeldReport() {}
 
@@ -208,6 +213,9 @@ class RecvPath {
   Status CheckComplete(const PathRequest& r, const PathPair& p, const ChunkMsg& k) const;
   // The pair's last CHUNK says complete (one-sided without checksums): no DONE.
   virtual bool folds(const PathPair& /*p*/) const { return false; }
+  // Every chunk of the pair was posted and reported by a CHUNK (a folding pair may then take
+  // COMPLETE: its last CHUNK came on its own).
+  bool reported_all(const PathPair& p) const;
   // The pair waits only for the context rank's messages (its CHUNK or ACCEPT), nothing of ours
   // to drive (the side may nap).
   virtual bool awaits_messages(const PathPair& /*p*/) const { return false; }

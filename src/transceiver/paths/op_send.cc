@@ -22,7 +22,8 @@ void OpSendPath::ChunkSent(PathHost& host, PathRequest& r, const PathPair& p, co
   }
   if (!one_sided() && !s.has_checksum) return;
   if (Folds(p) && s.chunk + s.count == p.plan.chunks.size()) {
-    last_report_ = LandedChunks{s.chunk, s.count};  // sent saying complete once the request is
+    // Sent saying complete once the request is (ContextSideImpl::Finish).
+    last_report_ = LandedChunks{s.chunk, s.count, /*staged=*/static_cast<bool>(s.slot)};
     return;
   }
   host.SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(s.chunk), s.count,

@@ -52,7 +52,8 @@ class OpSendPath : public SendPath {
   // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed):
   // counted, and reported by CHUNK where the path or a checksum needs one. A one-sided pair
   // without checksums holds its last CHUNK instead (Folds): the side's Finish sends it saying the
-  // request is complete, and neither DONE nor COMPLETE is exchanged (wire version 10).
+  // request is complete, and neither DONE nor COMPLETE is exchanged (wire version 10), unless it
+  // came packed and the request waits for others (wire version 11, ReportStagedChunks).
   void ChunkSent(PathHost& host, PathRequest& r, const PathPair& p, const SendOp& s);
   // The pair's last CHUNK says complete: one-sided (its chunks are in the generation rank's
   // memory once flushed; only unpacking staged rows is left, the generation rank's own work)
