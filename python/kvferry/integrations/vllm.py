@@ -89,27 +89,40 @@ _LIVE: "weakref.WeakSet[KvferryConnector]" = weakref.WeakSet()
 
 class Overhead:
     """What the connector costs vLLM's engine thread: the time of each hook vLLM calls (its
-    Python and the kvferry calls it makes, which `library_ns` counts on their own), per process.
-    The fetch threads' rendezvous lookups and fetches run beside the step and are not counted.
-    The connector's own overhead per request is (hooks - library) / requests."""
+    Python and the kvferry calls it makes, which `library_ns` counts on their own), per process,
+    as wall time and as the engine thread's CPU time (`*_cpu_ns`: what a loaded machine does not
+    inflate; the wall time also counts the thread waiting for a core or the GIL). The fetch
+    threads' rendezvous lookups and fetches run beside the step and are not counted. The
+    connector's own overhead per request is (hooks - library) / requests."""
 
     def __init__(self) -> None:
-        self.hooks: dict[str, list[int]] = {}  # hook -> [calls, ns]
+        self.hooks: dict[str, list[int]] = {}  # hook -> [calls, ns, cpu ns]
         self.library_ns = 0  # kvferry calls made from hooks (mark_ready, poll, put, cancel)
+        self.library_cpu_ns = 0
         self.requests = 0  # requests the worker saw end (sent or received)
+        # P/D requests the scheduler saw (a ticket returned, a load scheduled): the count where no
+        # worker shares the process (TP > 1 runs the workers in processes of their own).
+        self.scheduler_requests = 0
 
-    def hook(self, name: str, ns: int) -> None:
-        calls = self.hooks.setdefault(name, [0, 0])
+    def hook(self, name: str, ns: int, cpu_ns: int) -> None:
+        calls = self.hooks.setdefault(name, [0, 0, 0])
         calls[0] += 1
         calls[1] += ns
+        calls[2] += cpu_ns
 
     def snapshot(self) -> dict[str, Any]:
-        total = sum(ns for _, ns in self.hooks.values())
-        per = max(self.requests, 1)
-        return {"hooks": {k: {"calls": c, "ns": ns} for k, (c, ns) in self.hooks.items()},
-                "hook_ns": total, "library_ns": self.library_ns, "requests": self.requests,
+        total = sum(h[1] for h in self.hooks.values())
+        total_cpu = sum(h[2] for h in self.hooks.values())
+        per = max(self.requests or self.scheduler_requests, 1)
+        return {"hooks": {k: {"calls": c, "ns": ns, "cpu_ns": cpu}
+                          for k, (c, ns, cpu) in self.hooks.items()},
+                "hook_ns": total, "library_ns": self.library_ns,
+                "hook_cpu_ns": total_cpu, "library_cpu_ns": self.library_cpu_ns,
+                "requests": self.requests or self.scheduler_requests,
                 "connector_ns_per_request": (total - self.library_ns) / per,
-                "library_ns_per_request": self.library_ns / per}
+                "library_ns_per_request": self.library_ns / per,
+                "connector_cpu_ns_per_request": (total_cpu - self.library_cpu_ns) / per,
+                "library_cpu_ns_per_request": self.library_cpu_ns / per}
 
     def reset(self) -> None:
         self.__init__()
@@ -119,15 +132,15 @@ OVERHEAD = Overhead()
 
 
 def _timed(fn):
-    """Counts a hook's time in OVERHEAD (two clock reads, ~0.1 us)."""
+    """Counts a hook's time in OVERHEAD (four clock reads, ~1 us)."""
     name = fn.__name__
 
     def hook(self, *args, **kwargs):
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return fn(self, *args, **kwargs)
         finally:
-            OVERHEAD.hook(name, time.perf_counter_ns() - t0)
+            OVERHEAD.hook(name, time.perf_counter_ns() - t0, time.thread_time_ns() - c0)
 
     hook.__name__ = name
     hook.__doc__ = fn.__doc__
@@ -138,13 +151,19 @@ class _Library:
     """`with _LIBRARY:` around a kvferry call made from a hook counts its time as the library's."""
 
     def __enter__(self) -> None:
-        self.t0 = time.perf_counter_ns()
+        self.t0, self.c0 = time.perf_counter_ns(), time.thread_time_ns()
 
     def __exit__(self, *exc: Any) -> None:
         OVERHEAD.library_ns += time.perf_counter_ns() - self.t0
+        OVERHEAD.library_cpu_ns += time.thread_time_ns() - self.c0
 
 
 _LIBRARY = _Library()  # hooks run on the engine thread, one at a time
+
+# How long the engine thread looks up a request's handle before leaving the wait to a fetch thread
+# (one round trip when it is there; the rendezvous holds the lookup at most ~3 ms otherwise).
+_INLINE_LOOKUP_S = 0.005
+_ERASE_BATCH = 16  # fetched handles' keys erased together, by a fetch thread
 
 
 def live_connectors() -> list["KvferryConnector"]:
@@ -393,6 +412,7 @@ class _Scheduler:
         ids = [b.block_id for b in group][:want]
         reused = sum(1 for b in group[:want] if b.block_hash is not None and not b.is_null)
         self._meta.recvs.append(RecvReq(request.request_id, dict(ticket), ids, reused))
+        OVERHEAD.scheduler_requests += 1
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvferryMetadata:
         meta, self._meta = self._meta, KvferryMetadata()
@@ -425,6 +445,7 @@ class _Scheduler:
             return True, None
         self._meta.send_finished.append(req_id)
         self._holding.add(req_id)
+        OVERHEAD.scheduler_requests += 1
         ticket = {
             "instance": self.engine_id,
             "request_id": req_id,
@@ -466,6 +487,7 @@ class _Worker:
         self.receiving: dict[int, str] = {}  # u64 -> vLLM request id (consumer)
         self.recv_failed: set[str] = set()  # failed before the fetch started (lookup, refusal)
         self.records: list[dict[str, Any]] = []  # per finished transfer, for tests/benchmarks
+        self.erase_keys: list[str] = []  # fetched handles' rendezvous keys, erased in batches
         self.fetchers = ThreadPoolExecutor(max_workers=max(1, options.fetch_threads),
                                            thread_name_prefix="kvferry-fetch")
 
@@ -569,12 +591,42 @@ class _Worker:
             rid = request_id_u64(r.ticket["instance"], r.ticket["request_id"])
             with self.lock:
                 self.receiving[rid] = r.request_id
-            self.fetchers.submit(self._fetch, r, rid, blocks)
-
-    def _fetch(self, r: RecvReq, rid: int, blocks: list[int]) -> None:
-        try:
+            # The producer published the handle when its prefill step ended, before the ticket
+            # reached us: one lookup and the fetch (which only posts) right here. Handing every
+            # request to a fetch thread cost the engine thread a thread wake-up and the GIL
+            # hand-over, 0.8 ms a request on the 2-core machine (docs/vllm.md).
             key = handle_key(r.ticket["instance"], r.ticket["request_id"])
-            handle = self.rv.get(key, timeout=self.o.transfer_timeout_s)
+            try:
+                with _LIBRARY:
+                    handle = self.rv.get(key, timeout=_INLINE_LOOKUP_S)
+            except kvferry.errors.Error:
+                # Not published yet (a router that sent the request here early), or the
+                # rendezvous is slow: a fetch thread waits for it.
+                self.fetchers.submit(self._fetch, r, rid, blocks)
+                continue
+            with _LIBRARY:
+                self._fetch(r, rid, blocks, handle)
+        with self.lock:
+            erase = self.erase_keys if len(self.erase_keys) >= _ERASE_BATCH else []
+            if erase:
+                self.erase_keys = []
+        if erase:
+            self.fetchers.submit(self._erase, erase)
+
+    def _erase(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.rv.erase(key, timeout=10.0)
+            except kvferry.errors.Error as e:
+                logger.warning("kvferry: erasing %s: %s", key, e)
+
+    def _fetch(self, r: RecvReq, rid: int, blocks: list[int], handle: bytes | None = None) -> None:
+        """Fetches `r` into `blocks` (on the engine thread with the handle looked up, or on a
+        fetch thread that waits for it)."""
+        key = handle_key(r.ticket["instance"], r.ticket["request_id"])
+        try:
+            if handle is None:
+                handle = self.rv.get(key, timeout=self.o.transfer_timeout_s)
             self.gen.fetch(handle, blocks, reused_blocks=r.reused_blocks)
         except Exception as e:  # noqa: BLE001 - every failure fails this request, nothing else
             logger.error("kvferry: fetch of %s (producer %s request %s) failed: %s", r.request_id,
@@ -584,17 +636,17 @@ class _Worker:
                 self.recv_failed.add(r.request_id)
             return
         if self.tp_size == 1:  # the only reader: keep the rendezvous store small
-            try:
-                self.rv.erase(key, timeout=10.0)
-            except kvferry.errors.Error as e:
-                logger.warning("kvferry: erasing %s: %s", key, e)
+            with self.lock:
+                self.erase_keys.append(key)
 
     # -- both
     def transfer_results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         if self.ctx is not None:
-            with _LIBRARY:
-                sent = self.ctx.poll(0, 0.0)
+            sent = []
+            if self.sending:  # nothing in flight: no call (most steps of a serving instance)
+                with _LIBRARY:
+                    sent = self.ctx.poll(0, 0.0)
             for st in sent:
                 with self.lock:
                     req_id = self.sending.pop(st.request_id, None)
@@ -608,10 +660,10 @@ class _Worker:
                 self.send_finished -= done
             out.finished_sending = done
             OVERHEAD.requests += len(done)
-        if self.gen is not None:
+        if self.gen is not None and (self.receiving or self.recv_failed):
             now = time.time()
             with _LIBRARY:
-                received = self.gen.poll(0, 0.0)
+                received = self.gen.poll(0, 0.0) if self.receiving else []
             for st in received:
                 with self.lock:
                     req_id = self.receiving.pop(st.request_id, None)
@@ -635,6 +687,12 @@ class _Worker:
 
     def close(self) -> None:
         self.fetchers.shutdown(wait=False, cancel_futures=True)
+        if self.erase_keys:
+            keys, self.erase_keys = self.erase_keys, []
+            try:
+                self._erase(keys)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
         for obj in (self.gen, self.ctx, self.rv, self.server):
             if obj is not None:
                 obj.close()
