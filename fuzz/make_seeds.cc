@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "rendezvous/frame.h"
-#include "transceiver/wire_seeds.h"
+#include "transceiver/wire/seeds.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {

@@ -13,8 +13,8 @@
 #include "kvferry/kv_model.h"
 #include "planner/planner.h"
 #include "transceiver/engine.h"
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {

@@ -30,7 +30,7 @@
 
 #include "kvferry/kv_model.h"
 #include "kvferry/status.h"
-#include "transceiver/handle.h"
+#include "transceiver/wire/handle.h"
 
 namespace kvferry {
 

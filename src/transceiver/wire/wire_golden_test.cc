@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
-#include "transceiver/wire_seeds.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
+#include "transceiver/wire/seeds.h"
 
 namespace kvferry {
 namespace {

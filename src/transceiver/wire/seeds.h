@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

@@ -3,9 +3,9 @@
 
 #include <random>
 
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
-#include "transceiver/wire_fuzz_body.h"
+#include "transceiver/wire/fuzz_body.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 namespace {

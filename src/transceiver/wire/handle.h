@@ -64,15 +64,4 @@ AccessToken HandleToken(const std::array<uint8_t, 16>& secret, const HandleDiges
 AccessToken MakeSiblingToken(const std::array<uint8_t, 16>& secret, const AccessToken& request,
                              int32_t ctx_rank, uint8_t code);
 
-class WireWriter;
-class WireReader;
-// Shared with the control messages.
-void EncodeShape(WireWriter& w, const KvShape& s);
-KvShape DecodeShape(WireReader& r);
-void EncodeParallel(WireWriter& w, const ParallelConfig& p);
-ParallelConfig DecodeParallel(WireReader& r);
-LayoutKind DecodeLayout(WireReader& r);
-void EncodeBlocks(WireWriter& w, const std::vector<int64_t>& blocks);
-std::vector<int64_t> DecodeBlocks(WireReader& r);
-
 }  // namespace kvferry
