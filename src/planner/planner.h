@@ -69,6 +69,7 @@ struct InstanceDesc {
   ParallelConfig parallel;  // for the context side, dp_rank is the DP group serving the request
   LayoutKind layout = LayoutKind::kBlockMajor;
   int64_t pool_blocks = 0;  // blocks in each rank's pool (for the layout's strides)
+  bool operator==(const InstanceDesc&) const = default;
 };
 
 struct PlanInput {

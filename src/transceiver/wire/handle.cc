@@ -33,10 +33,7 @@ void Fields(Io& io, Ref<Io, ContextHandle> h) {
   io.Set(h.ctx_direct, (flags & kFlagCtxDirect) != 0);
   io.U64(h.request_id, "request_id");
   io.Fixed(h.token, "token");
-  Fields(io, h.shape);
-  Fields(io, h.parallel);
-  LayoutField(io, h.layout);
-  io.I64(h.pool_blocks, "pool_blocks");
+  InstanceFields(io, h);
   io.I64(h.prompt_tokens, "prompt_tokens");
   io.I64(h.chunk_bytes, "chunk_bytes");
   BlocksField(io, h.blocks);

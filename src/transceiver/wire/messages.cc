@@ -77,6 +77,17 @@ void RmaTargetFields(Io& io, Ref<Io, RmaTarget> t, bool peer_pool) {
   });
 }
 
+// The plan inputs block of a FETCH, after transfer_id.
+template <typename Io>
+void PlanInputFields(Io& io, Ref<Io, FetchPlanInputs> p) {
+  InstanceFields(io, p);
+  io.I64(p.prompt_tokens, "prompt_tokens");
+  io.I64(p.reused_blocks, "reused_blocks");
+  io.I64(p.chunk_bytes, "chunk_bytes");
+  io.I64(p.direct_min_bytes, "direct_min_bytes");
+  BlocksField(io, p.blocks);
+}
+
 template <typename Io>
 void Fields(Io& io, Ref<Io, FetchMsg> m) {
   io.U64(m.request_id, "request_id");
@@ -85,15 +96,7 @@ void Fields(Io& io, Ref<Io, FetchMsg> m) {
   io.U64(m.gen_instance, "gen_instance");
   io.I32(m.gen_rank, "gen_rank");
   io.U32(m.transfer_id, "transfer_id");
-  Fields(io, m.shape);
-  Fields(io, m.parallel);
-  LayoutField(io, m.layout);
-  io.I64(m.pool_blocks, "pool_blocks");
-  io.I64(m.prompt_tokens, "prompt_tokens");
-  io.I64(m.reused_blocks, "reused_blocks");
-  io.I64(m.chunk_bytes, "chunk_bytes");
-  io.I64(m.direct_min_bytes, "direct_min_bytes");
-  BlocksField(io, m.blocks);
+  PlanInputFields(io, m);
   io.Str(m.reply_address, "reply_address", kMaxText);
   uint8_t flags = (m.rma ? kFetchRma : 0) | (m.checksum ? kFetchChecksum : 0) |
                   (m.rma && !m.rma_target.peer_pool.empty() ? kFetchPeerPool : 0);

@@ -1,5 +1,6 @@
 // The records the handle and the control messages share (docs/wire_format.md), each described
-// once (field_io.h): a KV shape, a parallel config, a named layout and a list of block ids.
+// once (field_io.h): a KV shape, a parallel config, a named layout, the instance they describe
+// with its pool size, and a list of block ids.
 #pragma once
 
 #include <fmt/format.h>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "kvferry/kv_model.h"
+#include "planner/planner.h"
 #include "transceiver/wire/field_io.h"
 
 namespace kvferry::wire {
@@ -55,6 +57,16 @@ void LayoutField(Io& io, Ref<Io, LayoutKind> layout) {
                            static_cast<int>(kLastLayoutKind));
       });
   io.Set(layout, v);
+}
+
+// An instance as both sides plan with it (the handle's context, a FETCH's generation instance):
+// shape, parallel config, layout, i64 pool_blocks.
+template <typename Io>
+void InstanceFields(Io& io, Ref<Io, InstanceDesc> d) {
+  Fields(io, d.shape);
+  Fields(io, d.parallel);
+  LayoutField(io, d.layout);
+  io.I64(d.pool_blocks, "pool_blocks");
 }
 
 // u32 n, n x i64 block ids.
