@@ -8,8 +8,7 @@
 #include <vector>
 
 #include "rendezvous/frame.h"
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/seeds.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {
@@ -45,74 +44,8 @@ constexpr std::string_view kWorker =
     "0000000000000308e9a6e9d73644c627a7d377cc2b320000705077ccab33004f23008899390000040000c00408"
     "e9a6e9d73644c627478bbd37063600242e5077ccab330092210084993900008680";
 
-ContextHandle SmallHandle() {
-  ContextHandle h;
-  h.request_id = 7;
-  h.token = {1, 2, 3};
-  h.shape = KvShape{4, 4, 8, DType::kBf16, 2, 4};
-  h.parallel = ParallelConfig{2, 1, {}, 1, 0};
-  h.pool_blocks = 32;
-  h.prompt_tokens = 10;
-  h.chunk_bytes = 4096;
-  h.blocks = {5, 6, 7};
-  h.addresses = {"inproc:1", "inproc:2"};
-  return h;
-}
-
-FetchMsg SmallFetch() {
-  FetchMsg f;
-  f.request_id = 7;
-  f.gen_instance = 3;
-  f.transfer_id = 1;
-  f.shape = KvShape{4, 4, 8, DType::kBf16, 2, 4};
-  f.parallel = ParallelConfig{1, 1, {}, 1, 0};
-  f.pool_blocks = 16;
-  f.prompt_tokens = 10;
-  f.chunk_bytes = 1024;
-  f.direct_min_bytes = 512;
-  f.blocks = {3, 2, 1};
-  f.reply_address = "inproc:3";
-  return f;
-}
-
 void WriteAll(const std::filesystem::path& root) {
-  ContextHandle h = SmallHandle();
-  Write(root / "handle_fuzz", "block_major", 0, EncodeHandle(h));
-  h.layout = LayoutKind::kPerLayer;
-  h.layer_wise = true;
-  Write(root / "handle_fuzz", "per_layer_layer_wise", 1 | (5 << 1), EncodeHandle(h));
-  h = SmallHandle();
-  h.parallel = ParallelConfig{4, 1, {}, 2, 1};
-  h.addresses = {"a", "b", "c", "d"};
-  h.ctx_direct = false;
-  Write(root / "handle_fuzz", "dp2", 1 | (3 << 1), EncodeHandle(h));
-
-  const std::pair<const char*, ControlMsg> msgs[] = {
-      {"fetch", SmallFetch()},
-      {"accept", AcceptMsg{7, 1}},
-      {"reject", RejectMsg{7, 1, 1, "no"}},
-      {"credit", CreditMsg{7, 1, 4, {}}},
-      {"credit_slots", CreditMsg{7, 1, 4, {0, 1, kNoSlot}}},
-      {"chunk", ChunkMsg{7, 1, 2, 1, true, 0x1234}},
-      {"chunk_complete", ChunkMsg{7, 1, 0, 3, false, 0, true}},
-      {"done", DoneMsg{7, 1, 4096}},
-      {"abort", AbortMsg{7, 1, 6, "cancelled"}},
-      {"complete", CompleteMsg{7, 1}},
-      {"sibling", SiblingMsg{7, {1, 2, 3}, 1, 0, {}}},
-      {"sibling_failed", SiblingMsg{7, {1, 2, 3}, 0, 4, "timed out"}},
-  };
-  for (const auto& [name, m] : msgs) Write(root / "message_fuzz", name, 0, EncodeMessage(m));
-  FetchMsg f = SmallFetch();
-  f.layout = LayoutKind::kPerLayer;
-  f.parallel = ParallelConfig{2, 2, {}, 1, 0};
-  Write(root / "message_fuzz", "fetch_resealed_tp2pp2", 1 | 16 | (1 << 5), EncodeMessage(f));
-  f = SmallFetch();
-  f.checksum = true;
-  f.rma = true;
-  f.rma_target.pool = {RemoteRegion{}};
-  f.rma_target.slot_bytes = 1024;
-  f.rma_target.slots = 2;
-  Write(root / "message_fuzz", "fetch_rma", 0, EncodeMessage(f));
+  for (const WireSeed& s : WireSeeds()) Write(root / s.target, s.name, s.mode, s.bytes);
 
   const uint8_t addr[] = {0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 1, 2, 3};
   std::string text = EncodeUcxAddress(addr, sizeof(addr));

@@ -13,8 +13,8 @@
 #include "kvferry/kv_model.h"
 #include "planner/planner.h"
 #include "transceiver/engine.h"
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {
@@ -139,7 +139,7 @@ int HandleFuzzOne(const uint8_t* data, size_t size) {
   Local local = PickLocal(h->shape, static_cast<uint8_t>(mode >> 1));
   if (!local.desc.parallel.Validate(local.desc.shape).ok()) return 0;
   PlanInput pin;
-  pin.ctx = InstanceDesc{h->shape, h->parallel, h->layout, h->pool_blocks};
+  pin.ctx = *h;  // the context instance the handle describes (an InstanceDesc)
   pin.gen = local.desc;
   pin.prompt_tokens = h->prompt_tokens;
   pin.ctx_blocks = h->blocks;
@@ -200,7 +200,7 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
   }
   PlanInput pin;
   pin.ctx = local.desc;
-  pin.gen = InstanceDesc{f->shape, f->parallel, f->layout, f->pool_blocks};
+  pin.gen = *f;  // the generation instance the FETCH describes
   pin.prompt_tokens = kCtxTokens;
   pin.ctx_blocks = {5, 6, 7};
   pin.gen_blocks = f->blocks;

@@ -38,8 +38,8 @@
 namespace kvferry {
 
 // The most chunks one (context rank, generation rank) pair may exchange: a chunk's index travels
-// in the low 20 bits of its data tag (transceiver/messages.h, kChunkTagBits). A plan needing more
-// (tiny chunk_bytes for a large request) is refused with kInvalidArgument.
+// in the low 20 bits of its data tag (transceiver/wire/messages.h, kChunkTagBits). A plan needing
+// more (tiny chunk_bytes for a large request) is refused with kInvalidArgument.
 inline constexpr int64_t kMaxChunksPerPair = int64_t{1} << 20;
 
 // What one chunk costs the plan's budget (max_plan_bytes): its memory (the Chunk, its first Piece
@@ -69,6 +69,7 @@ struct InstanceDesc {
   ParallelConfig parallel;  // for the context side, dp_rank is the DP group serving the request
   LayoutKind layout = LayoutKind::kBlockMajor;
   int64_t pool_blocks = 0;  // blocks in each rank's pool (for the layout's strides)
+  bool operator==(const InstanceDesc&) const = default;
 };
 
 struct PlanInput {

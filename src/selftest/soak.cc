@@ -27,7 +27,7 @@ extern "C" size_t __sanitizer_get_current_allocated_bytes();
 #include <thread>
 
 #include "selftest/fault_rig.h"
-#include "transceiver/handle.h"
+#include "transceiver/wire/handle.h"
 
 namespace kvferry {
 namespace {

@@ -10,18 +10,6 @@
 #include "transceiver/context_side_impl.h"
 
 namespace kvferry {
-namespace {
-
-bool SamePlanInputs(const FetchMsg& a, const FetchMsg& b) {
-  return a.shape == b.shape && a.parallel.tp == b.parallel.tp && a.parallel.pp == b.parallel.pp &&
-         a.parallel.stage_layers == b.parallel.stage_layers &&
-         a.parallel.dp_size == b.parallel.dp_size && a.parallel.dp_rank == b.parallel.dp_rank &&
-         a.layout == b.layout && a.pool_blocks == b.pool_blocks &&
-         a.reused_blocks == b.reused_blocks && a.blocks == b.blocks &&
-         a.chunk_bytes == b.chunk_bytes && a.direct_min_bytes == b.direct_min_bytes;
-}
-
-}  // namespace
 
 void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> credits) {
   const PeerId peer = from;  // the transport connects back to a control sender by itself
@@ -103,10 +91,10 @@ Status ContextSideImpl::CheckFetch(const CtxRequest& r, const FetchMsg& f) const
 }
 
 Status ContextSideImpl::Plan(CtxRequest& r, const FetchMsg& f) {
-  if (!r.planned || !SamePlanInputs(r.plan_key, f)) {
+  if (!r.planned || r.plan_key.plan_inputs() != f.plan_inputs()) {
     PlanInput in;
     in.ctx = SelfDesc();
-    in.gen = InstanceDesc{f.shape, f.parallel, f.layout, f.pool_blocks};
+    in.gen = f;  // the generation instance the FETCH describes (an InstanceDesc)
     in.prompt_tokens = r.tokens;
     in.ctx_blocks = r.blocks;
     in.gen_blocks = f.blocks;

@@ -26,7 +26,6 @@
 #include "kvferry/transport.h"
 #include "planner/planner.h"
 #include "transceiver/leases.h"
-#include "transceiver/messages.h"
 #include "transceiver/paths/choose.h"
 #include "transceiver/paths/data_path.h"
 #include "transceiver/paths/pack.h"
@@ -35,6 +34,7 @@
 #include "transceiver/progress_wakeup.h"
 #include "transceiver/rma.h"
 #include "transceiver/side_metrics.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

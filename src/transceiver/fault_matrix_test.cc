@@ -25,7 +25,7 @@
 
 #include "kvferry/config.h"
 #include "selftest/fault_rig.h"
-#include "transceiver/handle.h"
+#include "transceiver/wire/handle.h"
 
 namespace kvferry {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "base/log.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 namespace {

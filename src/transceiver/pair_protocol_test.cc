@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "kvferry/config.h"
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
 #include "transceiver/transceiver_test_cluster.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 namespace {

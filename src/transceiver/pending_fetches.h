@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kvferry/transport.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

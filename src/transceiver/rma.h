@@ -31,7 +31,7 @@
 #include "kvferry/pool.h"
 #include "kvferry/transport.h"
 #include "planner/planner.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

@@ -18,9 +18,9 @@
 #include "kvferry/transport_wrapper.h"
 #include "testing/testdata.h"
 #include "transceiver/engine.h"
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
 #include "transceiver/transceiver_test_cluster.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 namespace {

@@ -17,8 +17,8 @@
 #include "kvferry/transceiver.h"
 #include "testing/testdata.h"
 #include "transceiver/engine.h"
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry::txtest {
 

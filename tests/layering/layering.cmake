@@ -10,6 +10,13 @@ add_test(NAME layering.planner_includes_tiering_fails
          COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/planner ${_dir}/planner_includes_tiering.cc)
 set_tests_properties(layering.planner_includes_tiering_fails PROPERTIES
                      PASS_REGULAR_EXPRESSION "tiering/copy_plan.h'?${_missing}")
+add_test(NAME layering.wire_includes_below_compiles
+         COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/wire -I${KVFERRY_XXHASH_INCLUDE}
+                 ${_dir}/wire_includes_below.cc)
+add_test(NAME layering.wire_includes_engine_fails
+         COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/wire ${_dir}/wire_includes_engine.cc)
+set_tests_properties(layering.wire_includes_engine_fails PROPERTIES
+                     PASS_REGULAR_EXPRESSION "transceiver/engine.h'?${_missing}")
 add_test(NAME layering.base_includes_transceiver_api_fails
          COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/base ${_dir}/base_includes_transceiver_api.cc)
 set_tests_properties(layering.base_includes_transceiver_api_fails PROPERTIES

@@ -39,8 +39,8 @@
 #include "kvferry/transport.h"
 #include "planner/planner.h"
 #include "transceiver/leases.h"
-#include "transceiver/messages.h"
 #include "transceiver/pair_state.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

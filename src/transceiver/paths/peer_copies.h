@@ -25,9 +25,9 @@
 #include "kvferry/status.h"
 #include "planner/planner.h"
 #include "transceiver/leases.h"
-#include "transceiver/messages.h"
 #include "transceiver/paths/data_path.h"
 #include "transceiver/progress_profile.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

@@ -11,6 +11,7 @@
 
 #include "kvferry/kv_model.h"
 #include "kvferry/status.h"
+#include "planner/planner.h"
 
 namespace kvferry {
 
@@ -23,13 +24,11 @@ using AccessToken = std::array<uint8_t, 16>;
 // XXH3-128 of a handle's bytes with its token and checksum left out (HandleDigestOf).
 using HandleDigest = std::array<uint8_t, 16>;
 
-struct ContextHandle {
+// The context instance it describes (InstanceDesc: shape, parallel config, whose dp_rank is the DP
+// group that served the request, layout, pool blocks) is the context side of the plan's inputs.
+struct ContextHandle : InstanceDesc {
   uint64_t request_id = 0;
   AccessToken token{};
-  KvShape shape;
-  ParallelConfig parallel;  // dp_rank: the DP group that served the request
-  LayoutKind layout = LayoutKind::kBlockMajor;
-  int64_t pool_blocks = 0;
   int64_t prompt_tokens = 0;
   bool layer_wise = false;  // flag bit 0: layers become ready one by one; plan one layer per piece
   bool ctx_direct = true;   // flag bit 1: the context can send chunks straight from its pool
@@ -63,16 +62,5 @@ AccessToken HandleToken(const std::array<uint8_t, 16>& secret, const HandleDiges
 // generation instance holds the access token, not the secret.
 AccessToken MakeSiblingToken(const std::array<uint8_t, 16>& secret, const AccessToken& request,
                              int32_t ctx_rank, uint8_t code);
-
-class WireWriter;
-class WireReader;
-// Shared with the control messages.
-void EncodeShape(WireWriter& w, const KvShape& s);
-KvShape DecodeShape(WireReader& r);
-void EncodeParallel(WireWriter& w, const ParallelConfig& p);
-ParallelConfig DecodeParallel(WireReader& r);
-LayoutKind DecodeLayout(WireReader& r);
-void EncodeBlocks(WireWriter& w, const std::vector<int64_t>& blocks);
-std::vector<int64_t> DecodeBlocks(WireReader& r);
 
 }  // namespace kvferry

@@ -30,7 +30,8 @@
 
 #include "kvferry/kv_model.h"
 #include "kvferry/status.h"
-#include "transceiver/handle.h"
+#include "planner/planner.h"
+#include "transceiver/wire/handle.h"
 
 namespace kvferry {
 
@@ -91,28 +92,34 @@ struct RmaTarget {
 
 inline constexpr uint32_t kNoSlot = 0xFFFFFFFF;
 
-struct FetchMsg {
-  uint64_t request_id = 0;
-  AccessToken token{};
-  HandleDigest handle_digest{};  // of the handle the generation rank decoded
-  uint64_t gen_instance = 0;
-  int32_t gen_rank = 0;
-  uint32_t transfer_id = 0;
-  KvShape shape;
-  ParallelConfig parallel;  // dp_rank: the generation DP group decoding the request
-  LayoutKind layout = LayoutKind::kBlockMajor;
-  int64_t pool_blocks = 0;
+// What a FETCH tells a context rank to plan with: the generation instance (InstanceDesc: shape,
+// parallel config, whose dp_rank is the generation DP group decoding the request, layout, pool
+// blocks) and the generation side's part of the request (planner.h PlanInput). One value: every
+// generation rank of a request sends the same, and a context rank plans again only for a FETCH
+// whose plan inputs differ (==) from those it planned with.
+struct FetchPlanInputs : InstanceDesc {
   int64_t prompt_tokens = 0;
   int64_t reused_blocks = 0;
   // The chunking both sides plan with, chosen by the generation rank within the context's limits
   // (the handle's chunk_bytes and direct flag): identical plans on both sides depend on it.
   int64_t chunk_bytes = 0;
   int64_t direct_min_bytes = 0;
-  std::vector<int64_t> blocks;
+  std::vector<int64_t> blocks;  // destination blocks on every generation rank
+  bool operator==(const FetchPlanInputs&) const = default;
+};
+
+struct FetchMsg : FetchPlanInputs {
+  uint64_t request_id = 0;
+  AccessToken token{};
+  HandleDigest handle_digest{};  // of the handle the generation rank decoded
+  uint64_t gen_instance = 0;
+  int32_t gen_rank = 0;
+  uint32_t transfer_id = 0;
   std::string reply_address;
   bool checksum = false;  // send each chunk's digest in a CHUNK message
   bool rma = false;       // rma_target is set: the context rank may put
   RmaTarget rma_target;
+  const FetchPlanInputs& plan_inputs() const { return *this; }
   bool operator==(const FetchMsg&) const = default;
 };
 struct AcceptMsg {

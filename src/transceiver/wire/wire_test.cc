@@ -3,9 +3,9 @@
 
 #include <random>
 
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
-#include "transceiver/wire_fuzz_body.h"
+#include "transceiver/wire/fuzz_body.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 namespace {
@@ -223,6 +223,45 @@ TEST(Messages, EveryTypeRoundTrips) {
     bytes.push_back(std::byte{0});
     EXPECT_FALSE(DecodeMessage(bytes).ok()) << "trailing bytes";
   }
+}
+
+// A context rank plans once per request and again only for a FETCH whose plan inputs differ
+// (context_side_fetch.cc): the one value compares every field it plans with, and nothing else.
+TEST(Messages, FetchPlanInputsCompareEveryPlanFieldAndNothingElse) {
+  FetchMsg a;
+  a.shape = KvShape{4, 2, 8, DType::kFp16, 2, 16};
+  a.parallel = ParallelConfig{2, 1, {}, 1, 0};
+  a.pool_blocks = 8;
+  a.prompt_tokens = 20;
+  a.chunk_bytes = 4096;
+  a.blocks = {1, 2};
+  const std::vector<void (*)(FetchMsg&)> plan_changes = {
+      [](FetchMsg& f) { f.shape.head_dim = 16; },
+      [](FetchMsg& f) { f.parallel.tp = 1; },
+      [](FetchMsg& f) { f.parallel.stage_layers = {4}; },
+      [](FetchMsg& f) { f.parallel.dp_rank = 1; },
+      [](FetchMsg& f) { f.layout = LayoutKind::kPerLayer; },
+      [](FetchMsg& f) { f.pool_blocks = 9; },
+      [](FetchMsg& f) { f.prompt_tokens = 21; },
+      [](FetchMsg& f) { f.reused_blocks = 1; },
+      [](FetchMsg& f) { f.chunk_bytes = 2048; },
+      [](FetchMsg& f) { f.direct_min_bytes = 1; },
+      [](FetchMsg& f) { f.blocks[1] = 3; },
+  };
+  for (size_t i = 0; i < plan_changes.size(); ++i) {
+    FetchMsg b = a;
+    plan_changes[i](b);
+    EXPECT_NE(a.plan_inputs(), b.plan_inputs()) << "change " << i;
+  }
+  FetchMsg other_rank = a;  // what differs between the generation ranks of one request
+  other_rank.gen_rank = 1;
+  other_rank.transfer_id = 7;
+  other_rank.reply_address = "inproc:9";
+  other_rank.checksum = true;
+  other_rank.rma = true;
+  other_rank.rma_target.slots = 4;
+  EXPECT_EQ(a.plan_inputs(), other_rank.plan_inputs());
+  EXPECT_NE(a, other_rank);
 }
 
 // The fuzz body over mutated valid encodings and random bytes, so CI exercises the decoders.

@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <span>
 
-#include "transceiver/handle.h"
-#include "transceiver/messages.h"
+#include "transceiver/wire/handle.h"
+#include "transceiver/wire/messages.h"
 
 namespace kvferry {
 

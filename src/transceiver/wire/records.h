@@ -1,0 +1,79 @@
+// The records the handle and the control messages share (docs/wire_format.md), each described
+// once (field_io.h): a KV shape, a parallel config, a named layout, the instance they describe
+// with its pool size, and a list of block ids.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kvferry/kv_model.h"
+#include "planner/planner.h"
+#include "transceiver/wire/field_io.h"
+
+namespace kvferry::wire {
+
+inline constexpr uint32_t kMaxRanks = 1 << 16;
+inline constexpr uint32_t kMaxBlocks = 1 << 24;
+
+// i32 layers, i32 kv_heads, i32 head_dim, u8 dtype, u8 kv_factor, i32 tokens_per_block.
+template <typename Io>
+void Fields(Io& io, Ref<Io, KvShape> s) {
+  io.I32(s.layers, "shape.layers");
+  io.I32(s.kv_heads, "shape.kv_heads");
+  io.I32(s.head_dim, "shape.head_dim");
+  uint8_t dtype = static_cast<uint8_t>(s.dtype);
+  io.U8(dtype, "shape.dtype");
+  io.Check(dtype <= static_cast<uint8_t>(DType::kInt8),
+           [&] { return fmt::format("shape.dtype {} is unknown", dtype); });
+  io.Set(s.dtype, dtype);
+  uint8_t kv_factor = static_cast<uint8_t>(s.kv_factor);
+  io.U8(kv_factor, "shape.kv_factor");
+  io.Set(s.kv_factor, kv_factor);
+  io.I32(s.tokens_per_block, "shape.tokens_per_block");
+}
+
+// i32 tp, i32 pp, u32 n + n x i32 stage_layers, i32 dp_size, i32 dp_rank.
+template <typename Io>
+void Fields(Io& io, Ref<Io, ParallelConfig> p) {
+  io.I32(p.tp, "parallel.tp");
+  io.I32(p.pp, "parallel.pp");
+  io.List(p.stage_layers, "parallel.stage_layers", Limit{.max = kMaxRanks, .min_bytes = 4},
+          [](auto& io, auto& layers) { io.I32(layers, "parallel.stage_layers[]"); });
+  io.I32(p.dp_size, "parallel.dp_size");
+  io.I32(p.dp_rank, "parallel.dp_rank");
+}
+
+// u8: a named layout (kCustom is never sent: the planner needs layouts every rank derives).
+template <typename Io>
+void LayoutField(Io& io, Ref<Io, LayoutKind> layout) {
+  uint8_t v = static_cast<uint8_t>(layout);
+  io.U8(v, "layout");
+  io.Check(
+      v <= static_cast<uint8_t>(kLastLayoutKind) && v != static_cast<uint8_t>(LayoutKind::kCustom),
+      [&] {
+        return fmt::format("layout {} is unknown (named layouts are 0, 1 and 3..{})", v,
+                           static_cast<int>(kLastLayoutKind));
+      });
+  io.Set(layout, v);
+}
+
+// An instance as both sides plan with it (the handle's context, a FETCH's generation instance):
+// shape, parallel config, layout, i64 pool_blocks.
+template <typename Io>
+void InstanceFields(Io& io, Ref<Io, InstanceDesc> d) {
+  Fields(io, d.shape);
+  Fields(io, d.parallel);
+  LayoutField(io, d.layout);
+  io.I64(d.pool_blocks, "pool_blocks");
+}
+
+// u32 n, n x i64 block ids.
+template <typename Io>
+void BlocksField(Io& io, Ref<Io, std::vector<int64_t>> blocks) {
+  io.List(blocks, "blocks", Limit{.max = kMaxBlocks, .min_bytes = 8},
+          [](auto& io, auto& b) { io.I64(b, "blocks[]"); });
+}
+
+}  // namespace kvferry::wire
