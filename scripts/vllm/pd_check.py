@@ -20,7 +20,10 @@ Then (kvferry only) the prefill instance makes more tickets nobody fetches but a
 which starts one fetch and dies at once: the blocks must come back by the hold deadline
 (--hold-timeout-s) and the instance must serve a new request correctly.
 
-    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|nixl] [--prefill-tp 2]
+After the decode side is done, the prefill instance checks that the rendezvous no longer holds
+the handles of the requests that ended (the producer erases them).
+
+    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|nixl] [--prefill-tp 2] [--decode-tp 2]
 """
 
 from __future__ import annotations
@@ -147,10 +150,32 @@ def role_prefill(args) -> None:
 
         # Every hook of this process's connector (scheduler and worker) over rounds A1-C.
         write_json(os.path.join(args.work, "kvferry-prefill-overhead.json"), OVERHEAD.snapshot())
+        check_erased(args, llm, [t for ts in tickets.values() for t in ts])
         hold_phase(args, llm, ps)
     serve_until(llm, os.path.join(args.work, f"{conn}-release"), 600)
     print(f"prefill({conn}): released", flush=True)
     os._exit(0)  # NIXL may crash at interpreter teardown after its work is done
+
+
+def check_erased(args, llm, tickets: list[dict]) -> None:
+    """Every fetched request has ended: after a few more steps (the producer erases ended
+    requests' handle keys in batches, at most a second apart) none of them is in the rendezvous."""
+    import kvferry
+    from kvferry.integrations.vllm import handle_key
+
+    serve_until(llm, "", 3.0, until=lambda: False)
+    rv = kvferry.Rendezvous(args.rendezvous, bytes.fromhex(args.rendezvous_key))
+    left = []
+    for t in tickets:
+        key = handle_key(t["kvferry"]["instance"], t["kvferry"]["request_id"])
+        try:
+            rv.get(key, timeout=0.05)
+            left.append(key)
+        except kvferry.errors.DeadlineExceededError:
+            pass
+    rv.close()
+    write_json(os.path.join(args.work, "kvferry-erased.json"),
+               {"tickets": len(tickets), "left": left})
 
 
 def hold_phase(args, llm, ps) -> None:
@@ -223,6 +248,30 @@ def find_connector_worker():
     return found[0] if found else None
 
 
+def _on_worker(worker, fn, *a):
+    """Runs in each vLLM worker process (collective_rpc): fn(that process's connector, *a)."""
+    from kvferry.integrations.vllm import live_connectors
+
+    return fn(live_connectors()[0], *a)
+
+
+def on_workers(llm, fn, *a) -> list:
+    """fn(connector, *a) on every worker rank: here with TP1 (the worker shares this process),
+    through vLLM's collective_rpc with TP > 1 (each rank its own process)."""
+    local = find_connector_worker()
+    if local is not None:
+        return [fn(local, *a)]
+    return llm.collective_rpc(_on_worker, args=(fn, *a))
+
+
+def records_of(conn) -> list:
+    return conn.transfer_records()
+
+
+def set_option(conn, name: str, value) -> None:
+    setattr(conn._worker.o, name, value)
+
+
 def role_decode(args) -> None:
     if args.connector == "nixl":
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -231,7 +280,7 @@ def role_decode(args) -> None:
     else:
         from kvferry.integrations.vllm import KvferryConnector as cls
     timings = Timings(cls)
-    llm = make_llm(args.model, kv_config(args.connector, "kv_consumer", args))
+    llm = make_llm(args.model, kv_config(args.connector, "kv_consumer", args), tp=args.decode_tp)
     open(os.path.join(args.work, f"{args.connector}-decode-ready"), "w").close()
     wait_for(os.path.join(args.work, f"{args.connector}-tickets.json"), 600)
     with open(os.path.join(args.work, f"{args.connector}-tickets.json")) as f:
@@ -246,15 +295,14 @@ def role_decode(args) -> None:
 
     result["A1"] = run(A1, tickets["A1"])
     result["A2"] = run(A2, tickets["A2"])
-    worker = find_connector_worker() if args.connector == "kvferry" else None
-    if worker is not None:
-        recs = worker.transfer_records()
-        result["records_A"] = recs
+    kvf = args.connector == "kvferry"
+    if kvf:  # every rank's records (each moves its heads of every request)
+        result["records_A"] = [x for recs in on_workers(llm, records_of) for x in recs]
     # Round T: one request at a time, nothing cached locally.
-    if worker is not None:
+    if kvf:
         from kvferry.integrations.vllm import OVERHEAD
 
-        OVERHEAD.reset()
+        OVERHEAD.reset()  # this process's hooks: the scheduler's, and the worker's at TP1
     ttft, xfer = [], []
     for i, p in enumerate(tickets["T"]):
         llm.reset_prefix_cache()
@@ -266,21 +314,22 @@ def role_decode(args) -> None:
         xfer.append(timings.end[done[-1]] - timings.start[done[-1]] if done else None)
     result["ttft"] = ttft
     result["xfer"] = xfer
-    if worker is not None:
-        result["lib_seconds_T"] = [r["seconds"] for r in worker.transfer_records()[-len(ttft):]]
+    if kvf:
+        rank0 = on_workers(llm, records_of)[0]
+        result["lib_seconds_T"] = [r["seconds"] for r in rank0[-len(ttft):]]
         result["overhead_T"] = OVERHEAD.snapshot()
         # Round C: corrupted placement (test-only option), nothing cached locally.
         llm.reset_prefix_cache()
-        worker._worker.o.test_corrupt = "reverse-blocks"
+        on_workers(llm, set_option, "test_corrupt", "reverse-blocks")
         result["C"] = run(A1, tickets["C"])
-        worker._worker.o.test_corrupt = ""
+        on_workers(llm, set_option, "test_corrupt", "")
         # Round F: a ticket nobody published: the lookup times out, vLLM recomputes.
         llm.reset_prefix_cache()
-        worker._worker.o.transfer_timeout_s = 2.0
+        on_workers(llm, set_option, "transfer_timeout_s", 2.0)
         bogus = dict(tickets["A1"][0])
         bogus["kvferry"] = dict(bogus["kvferry"], request_id="never-published")
         result["F"] = run([A1[0]], [bogus])
-        result["records_F"] = worker.transfer_records()[-1:]
+        result["records_F"] = [recs[-1] for recs in on_workers(llm, records_of)]
     write_json(os.path.join(args.work, f"{args.connector}-decode.json"), result)
     open(os.path.join(args.work, f"{args.connector}-decode-done"), "w").close()
     print(f"decode({args.connector}): done", flush=True)
@@ -307,7 +356,8 @@ class Checks:
 def spawn(args, role: str, connector: str, log: str, env_extra: dict | None = None):
     cmd = [sys.executable, __file__, args.model, args.work, "--role", role, "--connector",
            connector, "--rendezvous", args.rendezvous, "--rendezvous-key", args.rendezvous_key,
-           "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp)]
+           "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp),
+           "--decode-tp", str(args.decode_tp)]
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
@@ -326,6 +376,31 @@ def wait_proc(p, name: str, timeout: float, log: str, expect: int = 0) -> bool:
     return rc == 0
 
 
+def released_keys(args) -> tuple[int, int]:
+    """(keys holding the connector's 'released' mark, requests) of round D, whose requests the
+    producer freed at the hold deadline; waits up to 5 s for the producer's eraser thread."""
+    import kvferry
+    from kvferry.integrations.vllm import _RELEASED, handle_key
+
+    with open(os.path.join(args.work, "kvferry-D-tickets.json")) as f:
+        keys = [handle_key(t["kvferry"]["instance"], t["kvferry"]["request_id"])
+                for t in json.load(f)]
+    rv = kvferry.Rendezvous(args.rendezvous, bytes.fromhex(args.rendezvous_key))
+    end, n = time.time() + 5, 0
+    while time.time() < end:
+        n = 0
+        for key in keys:
+            try:
+                n += rv.get(key, timeout=0.05) == _RELEASED
+            except kvferry.errors.DeadlineExceededError:
+                pass
+        if n == len(keys):
+            break
+        time.sleep(0.2)
+    rv.close()
+    return n, len(keys)
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")
@@ -341,7 +416,7 @@ def orchestrate(args) -> int:
     checks = Checks()
     ps = prompts()
     t_start = time.time()
-    print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP1", flush=True)
+    print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP{args.decode_tp}", flush=True)
     logs = {n: os.path.join(args.work, f"{n}.log") for n in
             ("baseline", "kvferry-prefill", "kvferry-decode", "nixl-prefill", "nixl-decode")}
     base = spawn(args, "baseline", "none", logs["baseline"])
@@ -355,6 +430,9 @@ def orchestrate(args) -> int:
                 str(r % os.cpu_count()) for r in range(args.prefill_tp))
         pre = spawn(args, "prefill", conn, logs[f"{conn}-prefill"], env)
         env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port + 10)} if conn == "nixl" else {}
+        if args.decode_tp > 1:
+            env_d["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(r % os.cpu_count()) for r in range(args.decode_tp))
         dec = spawn(args, "decode", conn, logs[f"{conn}-decode"], env_d)
         ok = wait_proc(dec, f"{conn} decode", 900, logs[f"{conn}-decode"])
         if conn == "kvferry" and ok:
@@ -370,9 +448,11 @@ def orchestrate(args) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 results[conn] = json.load(f)
+    released = None
     for conn, pre in pending:
         try:
             wait_for(os.path.join(args.work, "kvferry-D.json"), args.hold_timeout_s + 180)
+            released = released_keys(args)
         except TimeoutError as e:
             print(e)
         open(os.path.join(args.work, f"{conn}-release"), "w").close()
@@ -414,10 +494,21 @@ def orchestrate(args) -> int:
             checks.check("kvferry: corrupted transfer (reversed block ids) changes outputs",
                          changed >= multi, f"{changed}/{len(A1)} changed, {multi} prompts of "
                          "more than one block")
-            f_ok = r["F"][0] == baseline[A1[0]] and not r["records_F"][0]["ok"]
+            f_ok = r["F"][0] == baseline[A1[0]] and not any(x["ok"] for x in r["records_F"])
             checks.check("kvferry: a failed fetch (ticket never published) is recomputed by vLLM",
                          f_ok, "the load failed; outputs equal the baseline")
         if conn == "kvferry":
+            epath = os.path.join(args.work, "kvferry-erased.json")
+            e = json.load(open(epath)) if os.path.exists(epath) else None
+            checks.check("kvferry: the rendezvous no longer holds the handles of ended requests",
+                         e is not None and not e["left"],
+                         "no result" if e is None else
+                         f"{len(e['left'])} of {e['tickets']} handle keys left")
+            checks.check("kvferry: requests freed at the hold deadline leave 'released' under "
+                         "their keys (a decode side that comes later fails at once)",
+                         released is not None and released[0] == released[1] > 0,
+                         "no result" if released is None else
+                         f"{released[0]} of {released[1]} keys say released")
             dpath = os.path.join(args.work, "kvferry-D.json")
             d = json.load(open(dpath)) if os.path.exists(dpath) else None
             checks.check("kvferry: blocks of requests whose decode side never came or died "
@@ -474,6 +565,7 @@ def main() -> int:
     ap.add_argument("--hold-timeout-s", type=float, default=30.0)
     ap.add_argument("--nixl-port", type=int, default=25600)
     ap.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of prefill")
+    ap.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode")
     args = ap.parse_args()
     if args.role is None:
         return orchestrate(args)

@@ -153,6 +153,24 @@ TEST(Transceiver, ReusedPrefixMovesOnlyMissingBlocks) {
   cl.Verify(5, gb, 16, 2);
 }
 
+// A generation side that holds the whole prompt already (an engine's local prefix hit) still
+// fetches, with every block reused: nothing moves, and both sides end the request at once (the
+// context side frees its blocks then, not at its hold deadline).
+TEST(Transceiver, FetchWithEveryBlockReusedEndsBothSidesAtOnce) {
+  TransceiverOptions o;
+  o.timeout = std::chrono::seconds(60);
+  Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}}, o);
+  std::vector<int64_t> cb{0, 1, 2, 3}, gb{4, 5, 6, 7};
+  auto h = cl.Publish(6, cb, 16);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(cl.Fetch(h, gb, 4).ok());
+  auto st = cl.Drain(0, 0, 1);
+  ExpectAllComplete(st, 3);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  for (const auto& s : st) EXPECT_EQ(s.bytes, 0) << "nothing to move";
+  cl.Verify(6, gb, 16, 4);
+}
+
 TEST(Transceiver, LayerWiseSendsLayersAsTheyBecomeReady) {
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
   std::vector<int64_t> cb{0, 1}, gb{2, 3};

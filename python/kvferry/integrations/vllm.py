@@ -163,7 +163,11 @@ _LIBRARY = _Library()  # hooks run on the engine thread, one at a time
 # How long the engine thread looks up a request's handle before leaving the wait to a fetch thread
 # (one round trip when it is there; the rendezvous holds the lookup at most ~3 ms otherwise).
 _INLINE_LOOKUP_S = 0.005
-_ERASE_BATCH = 16  # fetched handles' keys erased together, by a fetch thread
+_ERASE_PERIOD_S = 0.5  # ended requests' handle keys are erased together, this often at most
+# What a producer leaves under the handle key of a request that ended without being fetched (hold
+# deadline, abort, failure), for hold_timeout_s more: a decode side that comes late fails at once,
+# naming why, instead of waiting transfer_timeout_s for a handle that will not come.
+_RELEASED = b"kvferry-vllm:released"
 
 
 def live_connectors() -> list["KvferryConnector"]:
@@ -487,7 +491,18 @@ class _Worker:
         self.receiving: dict[int, str] = {}  # u64 -> vLLM request id (consumer)
         self.recv_failed: set[str] = set()  # failed before the fetch started (lookup, refusal)
         self.records: list[dict[str, Any]] = []  # per finished transfer, for tests/benchmarks
-        self.erase_keys: list[str] = []  # fetched handles' rendezvous keys, erased in batches
+        # Handle keys this rank published (producer rank 0) whose requests ended: erased in
+        # batches. The writer erases, once its side is done with the request, so the keys go
+        # whatever the number of decode ranks that read them.
+        self.erase_keys: list[tuple[str, bool]] = []  # (key, fetched), guarded by erase_cv
+        self.tombstones: list[tuple[float, str]] = []  # (erase at, key): eraser thread only
+        self.erase_cv = threading.Condition()
+        self.closing = False
+        self.eraser = None
+        if producer and self.tp_rank == 0:
+            self.eraser = threading.Thread(target=self._erase_loop, name="kvferry-erase",
+                                           daemon=True)
+            self.eraser.start()
         self.fetchers = ThreadPoolExecutor(max_workers=max(1, options.fetch_threads),
                                            thread_name_prefix="kvferry-fetch")
 
@@ -606,12 +621,33 @@ class _Worker:
                 continue
             with _LIBRARY:
                 self._fetch(r, rid, blocks, handle)
-        with self.lock:
-            erase = self.erase_keys if len(self.erase_keys) >= _ERASE_BATCH else []
-            if erase:
-                self.erase_keys = []
-        if erase:
-            self.fetchers.submit(self._erase, erase)
+
+    def _erase_loop(self) -> None:
+        """Producer rank 0: erases the handle keys it published once their requests ended,
+        gathering what ends within _ERASE_PERIOD_S; a request that ended unfetched leaves
+        _RELEASED under its key for hold_timeout_s first. Until close."""
+        while True:
+            with self.erase_cv:
+                due = self.tombstones[0][0] - time.monotonic() if self.tombstones else None
+                self.erase_cv.wait_for(lambda: self.erase_keys or self.closing, timeout=due)
+                if self.closing:
+                    return
+            if self.erase_keys:
+                time.sleep(_ERASE_PERIOD_S)
+            with self.erase_cv:
+                ended, self.erase_keys = self.erase_keys, []
+            now = time.monotonic()
+            gone = [key for key, fetched in ended if fetched]
+            while self.tombstones and self.tombstones[0][0] <= now:
+                gone.append(self.tombstones.pop(0)[1])
+            self._erase(gone)
+            for key, fetched in ended:
+                if not fetched:
+                    try:
+                        self.rv.put(key, _RELEASED, timeout=10.0)
+                        self.tombstones.append((now + self.o.hold_timeout_s, key))
+                    except kvferry.errors.Error as e:
+                        logger.warning("kvferry: releasing %s: %s", key, e)
 
     def _erase(self, keys: list[str]) -> None:
         for key in keys:
@@ -627,6 +663,9 @@ class _Worker:
         try:
             if handle is None:
                 handle = self.rv.get(key, timeout=self.o.transfer_timeout_s)
+            if handle == _RELEASED:
+                raise RuntimeError("the producer released the request before this fetch (its "
+                                   "hold deadline passed, or it was aborted or failed there)")
             self.gen.fetch(handle, blocks, reused_blocks=r.reused_blocks)
         except Exception as e:  # noqa: BLE001 - every failure fails this request, nothing else
             logger.error("kvferry: fetch of %s (producer %s request %s) failed: %s", r.request_id,
@@ -635,9 +674,6 @@ class _Worker:
                 self.receiving.pop(rid, None)
                 self.recv_failed.add(r.request_id)
             return
-        if self.tp_size == 1:  # the only reader: keep the rendezvous store small
-            with self.lock:
-                self.erase_keys.append(key)
 
     # -- both
     def transfer_results(self) -> KVConnectorTransferResults:
@@ -654,6 +690,11 @@ class _Worker:
                         self.send_terminal.add(req_id)
                 if req_id is not None and not st.ok:
                     logger.warning("kvferry: send of %s ended %s", req_id, st)
+                if req_id is not None and self.eraser is not None:
+                    with self.erase_cv:  # the eraser wakes once per batch
+                        if not self.erase_keys:
+                            self.erase_cv.notify()
+                        self.erase_keys.append((handle_key(self.engine_id, req_id), st.ok))
             with self.lock:
                 done = self.send_terminal & self.send_finished
                 self.send_terminal -= done
@@ -687,12 +728,18 @@ class _Worker:
 
     def close(self) -> None:
         self.fetchers.shutdown(wait=False, cancel_futures=True)
-        if self.erase_keys:
-            keys, self.erase_keys = self.erase_keys, []
-            try:
-                self._erase(keys)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        with self.erase_cv:
+            self.closing = True
+            self.erase_cv.notify()
+        if self.eraser is not None:
+            self.eraser.join(timeout=30.0)
+        with self.erase_cv:
+            keys = [key for key, _ in self.erase_keys] + [key for _, key in self.tombstones]
+            self.erase_keys, self.tombstones = [], []
+        try:
+            self._erase(keys)  # best effort at shutdown
+        except Exception:  # noqa: BLE001
+            pass
         for obj in (self.gen, self.ctx, self.rv, self.server):
             if obj is not None:
                 obj.close()
