@@ -194,24 +194,28 @@ void ParentDiesAndLeavesNothing(int signal) {
   ASSERT_EQ(kill(parent, signal), 0);
   ASSERT_EQ(waitpid(parent, nullptr, 0), parent);
   // Everything of the run, grandchildren included, is reparented here; reap what ends.
+  // The ranks' own children (the background sleeps) were in the group and go too; a killed
+  // process may take a moment to exit on a loaded machine, so they are awaited like the ranks.
+  const auto run_children = [&before] {
+    std::string out;
+    for (const std::string& child : LiveChildren()) {
+      if (!before.contains(child)) out += child + " ";
+    }
+    return out;
+  };
   const Deadline limit = DeadlineIn(milliseconds(5000));
   int left = 0;
+  std::string out;
   do {
     std::this_thread::sleep_for(milliseconds(20));
     while (waitpid(-1, nullptr, WNOHANG) > 0) {
     }
     left = 0;
     for (pid_t p : pids) left += Alive(p) ? 1 : 0;
-  } while ((left > 0 || fs::exists(dir)) && Clock::now() < limit);
+    out = run_children();
+  } while ((left > 0 || fs::exists(dir) || !out.empty()) && Clock::now() < limit);
   EXPECT_EQ(left, 0) << "rank or janitor processes still running";
   EXPECT_FALSE(fs::exists(dir));
-  // The ranks' own children (the background sleeps) were in the group and are gone too.
-  while (waitpid(-1, nullptr, WNOHANG) > 0) {
-  }
-  std::string out;
-  for (const std::string& child : LiveChildren()) {
-    if (!before.contains(child)) out += child + " ";
-  }
   EXPECT_EQ(out, "") << "processes of the run left";
   EXPECT_TRUE(sentinel.Running());
   ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 0), 0);
