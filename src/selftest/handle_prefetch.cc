@@ -36,17 +36,22 @@ std::optional<std::vector<std::byte>> HandlePrefetch::Take(size_t i,
 }
 
 void HandlePrefetch::Run() {
+  // The rendezvous server holds the Get until the handle is published (WAIT), so a handle
+  // published late is seen at once, in one call; the deadline only bounds how long a stop waits
+  // for this thread. Over a slow link (hosts apart) one round trip can take longer than a short
+  // deadline, so a call that times out doubles the next one's, up to kMaxWait: a fixed 200 ms
+  // fetched nothing at all behind a 100 ms delay each way.
+  constexpr std::chrono::milliseconds kFirstWait{200}, kMaxWait{2000};
+  std::chrono::milliseconds wait = kFirstWait;
   for (size_t i = 0; i < ids_.size();) {
     {
       MutexLock lock(mu_);
       lock.Wait(cv_, [&]() REQUIRES(mu_) { return stop_ || i < taken_ + depth_; });
       if (stop_) return;
     }
-    // The rendezvous server holds the Get until the handle is published (WAIT), so a handle
-    // published late is seen at once, in one call; the deadline only bounds how long a stop
-    // waits for this thread.
-    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(std::chrono::milliseconds(200)));
-    if (!handle.ok()) {  // not published yet (or the rendezvous is slow): ask again
+    auto handle = FetchHandle(*rv_, ids_[i], DeadlineIn(wait));
+    if (!handle.ok()) {  // not published yet, or the rendezvous is slow: ask again
+      wait = std::min(wait * 2, kMaxWait);
       MutexLock lock(mu_);
       if (stop_) return;
       continue;
