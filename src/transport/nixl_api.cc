@@ -104,6 +104,38 @@ struct Loaded {
   Status status;
 };
 
+// NIXL's wheel carries its own UCX, whose transport modules (libuct_cma, libuct_cuda, ...) sit in
+// `<site>/<wheel>.libs/ucx` and are loaded by that UCX's module loader without RTLD_DEEPBIND: their
+// uct_/ucs_ calls then bind to the UCX already in the process (kvferry's, same symbol names), they
+// register with the wrong UCX, and NIXL's UCX runs without them ("transport 'cma' is not
+// available": NIXL between processes on one host fell back to TCP). Loading them first with
+// RTLD_DEEPBIND binds them to their own UCX; the module loader's dlopen then finds them loaded
+// (same file). Only the one-host modules, CMA and CUDA (cuda_copy, cuda_ipc): preloading the
+// InfiniBand ones crashed the process at exit in their libnl-route's destructor (measured), so they
+// stay as UCX loads them (RDMA through NIXL is not covered here). A module whose dependencies are
+// absent (CUDA without a driver) fails to load and is left to UCX. Returns how many were loaded.
+int PreloadWheelUcxModules(const fs::path& library) {
+  int loaded = 0;
+  std::error_code ec;
+  const fs::path site = library.parent_path().parent_path();
+  for (const auto& libs : fs::directory_iterator(site, ec)) {
+    const std::string name = libs.path().filename().string();
+    if (name.rfind("nixl", 0) != 0 || !name.ends_with(".libs")) continue;
+    for (const auto& m : fs::directory_iterator(libs.path() / "ucx", ec)) {
+      const std::string file = m.path().filename().string();
+      if (file.rfind("libuct_cma.so", 0) != 0 && file.rfind("libuct_cuda.so", 0) != 0) continue;
+      if (dlopen(m.path().c_str(), RTLD_LAZY | RTLD_LOCAL | RTLD_DEEPBIND) != nullptr) {
+        ++loaded;
+      } else {
+        const char* e = dlerror();
+        Log(LogLevel::kDebug, "nixl: UCX module {} not preloaded: {}", m.path().string(),
+            e ? e : "unknown error");
+      }
+    }
+  }
+  return loaded;
+}
+
 Loaded Load() {
   Loaded out;
   std::vector<fs::path> tried;
@@ -174,6 +206,7 @@ Loaded Load() {
   // the process (kvferry's), which hangs in uct_md_query_tl_resources. NIXL loads the plugin with
   // RTLD_DEEPBIND when NIXL_UCX_DEEPBIND is set: its own UCX first. Set only when not set already.
   setenv("NIXL_UCX_DEEPBIND", "1", 0);
+  const int modules = PreloadWheelUcxModules(out.api.library_path);
   // RTLD_LOCAL: NIXL's symbols stay out of the process's global scope.
   void* h = dlopen(out.api.library_path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (h == nullptr) {
@@ -193,7 +226,8 @@ Loaded Load() {
                                                  out.api.library_path, out.api.version, missing));
     return out;
   }
-  Log(LogLevel::kDebug, "nixl: loaded {} (NIXL {})", out.api.library_path, out.api.version);
+  Log(LogLevel::kDebug, "nixl: loaded {} (NIXL {}), {} of its UCX modules preloaded",
+      out.api.library_path, out.api.version, modules);
   return out;
 }
 
