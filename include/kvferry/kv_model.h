@@ -108,10 +108,14 @@ enum class LayoutKind : uint8_t {
   kFlashInferHnd = 7,  // FlashInfer paged HND: one region per layer [block][kv][head][token][dim]
   kBlockMajorNhd = 8,  // one region [block][layer][kv][token][head][dim] (vLLM cross-layer blocks)
   kVllmCpu = 9,        // vLLM CPU backend: one region per layer [block][head][kv][token][dim]
+  // vLLM 0.32's CUDA backends: per layer a logical [block][head][token][2*dim] tensor (K then V
+  // in the content dim) whose stride order is its KV cache layout (LBHNC or LBNHC).
+  kVllmHnd = 10,  // one region per layer [block][head][token][kv][dim]
+  kVllmNhd = 11,  // one region per layer [block][token][head][kv][dim]
 };
-inline constexpr LayoutKind kLastLayoutKind = LayoutKind::kVllmCpu;
+inline constexpr LayoutKind kLastLayoutKind = LayoutKind::kVllmNhd;
 // "block-major", "per-layer", "custom", "per-layer-hnd", "per-layer-kv", "per-layer-kv-hnd",
-// "flashinfer", "flashinfer-hnd", "block-major-nhd", "vllm-cpu".
+// "flashinfer", "flashinfer-hnd", "block-major-nhd", "vllm-cpu", "vllm-hnd", "vllm-nhd".
 std::string_view LayoutKindName(LayoutKind kind);
 StatusOr<LayoutKind> ParseLayoutKind(std::string_view name);  // any name above but "custom"
 // The named kinds, in wire order, without kCustom.

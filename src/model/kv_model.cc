@@ -228,6 +228,8 @@ constexpr KindName kKindNames[] = {
     {LayoutKind::kFlashInferHnd, "flashinfer-hnd"},
     {LayoutKind::kBlockMajorNhd, "block-major-nhd"},
     {LayoutKind::kVllmCpu, "vllm-cpu"},
+    {LayoutKind::kVllmHnd, "vllm-hnd"},
+    {LayoutKind::kVllmNhd, "vllm-nhd"},
 };
 
 bool IsRegionAxis(RegionSplit split, int a) {
@@ -408,6 +410,12 @@ StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
                     element_bytes);
     case LayoutKind::kVllmCpu:
       return VllmCpu(dims, element_bytes);
+    case LayoutKind::kVllmHnd:
+      return Packed(LayoutKind::kVllmHnd, dims, {kBlockAxis, kHeadAxis, kTokenAxis, kKvAxis},
+                    RegionSplit::kPerLayer, element_bytes);
+    case LayoutKind::kVllmNhd:
+      return Packed(LayoutKind::kVllmNhd, dims, {kBlockAxis, kTokenAxis, kHeadAxis, kKvAxis},
+                    RegionSplit::kPerLayer, element_bytes);
     case LayoutKind::kCustom:
       break;
   }

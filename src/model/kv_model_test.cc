@@ -203,6 +203,32 @@ TEST(PoolLayout, VllmCpuPreset) {
   EXPECT_EQ(*ParseLayoutKind("vllm-cpu"), LayoutKind::kVllmCpu);
 }
 
+// vLLM 0.32's CUDA backends: per layer a logical [B][H][T][2*D] tensor, K then V in the content
+// dim (flash_attn.py: kv_cache.transpose(1, 2).split(head_size, dim=-1)), its stride order the KV
+// cache layout: LBHNC (physical [B][H][T][2D]) or LBNHC ([B][T][H][2D]).
+TEST(PoolLayout, VllmCudaLayoutsPackKAndVInTheContentDim) {
+  const PoolDims d{10, 4, 2, 8, 16, 64};
+  auto hnd = *PoolLayout::Make(LayoutKind::kVllmHnd, d, 2);
+  EXPECT_EQ(hnd.ToString(),
+            "vllm-hnd (blk,L,kv,h,t,d)=(10,4,2,8,16,64):(16384,0,64,2048,128,1) regions "
+            "per-layer 2B/elem");
+  auto nhd = *PoolLayout::Make(LayoutKind::kVllmNhd, d, 2);
+  EXPECT_EQ(nhd.ToString(),
+            "vllm-nhd (blk,L,kv,h,t,d)=(10,4,2,8,16,64):(16384,0,64,128,1024,1) regions "
+            "per-layer 2B/elem");
+  // One head's K of one token is one run of 64 elements; its K and V together one of 128.
+  EXPECT_EQ(hnd.Extents(BlockBox{2, {1, 2}, {0, 1}, {3, 4}, {5, 6}}),
+            (std::vector<Extent>{{1, (2LL * 16384 + 3 * 2048 + 5 * 128) * 2, 64 * 2}}));
+  EXPECT_EQ(nhd.Extents(BlockBox{2, {1, 2}, {0, 2}, {3, 4}, {5, 6}}),
+            (std::vector<Extent>{{1, (2LL * 16384 + 5 * 1024 + 3 * 128) * 2, 128 * 2}}));
+  // torch's byte strides of the LBNHC tensor viewed as (block, -, kv, head, token, dim).
+  auto same = PoolLayout::FromByteStrides(d, {16384 * 2, 0, 64 * 2, 128 * 2, 1024 * 2, 2},
+                                          RegionSplit::kPerLayer, 2);
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_EQ(same->kind(), LayoutKind::kVllmNhd);
+  EXPECT_EQ(*ParseLayoutKind("vllm-hnd"), LayoutKind::kVllmHnd);
+}
+
 TEST(PoolLayout, CoalescesPartialRanges) {
   PoolLayout l = PoolLayout::BlockMajor({4, 2, 2, 4, 8, 16}, 1);
   // First 3 tokens of each (layer, kv, head) plane: 2*2*4 runs of 3*16 bytes.

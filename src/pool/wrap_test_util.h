@@ -44,6 +44,10 @@ inline EngineIndex EngineElement(LayoutKind kind, const PoolDims& n, int64_t b, 
       return {0, ((((b * L + l) * KV + kv) * T + t) * H + h) * D + d};
     case LayoutKind::kVllmCpu:  // vLLM CPU backend kv_caches[l]: [B][H][T][2*D], K rows then V
       return {r(l), ((b * H + h) * T * KV + kv * T + t) * D + d};
+    case LayoutKind::kVllmHnd:  // vLLM 0.32 CUDA kv_caches[l], LBHNC: [B][H][T][2*D], K then V
+      return {r(l), (((b * H + h) * T + t) * KV + kv) * D + d};
+    case LayoutKind::kVllmNhd:  // vLLM 0.32 CUDA kv_caches[l], LBNHC: [B][T][H][2*D]
+      return {r(l), (((b * T + t) * H + h) * KV + kv) * D + d};
     case LayoutKind::kCustom:
       break;
   }

@@ -73,7 +73,7 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->delimiter(',');
   const char* const layouts =
       "a named layout: block-major|per-layer|per-layer-hnd|per-layer-kv|per-layer-kv-hnd|"
-      "flashinfer|flashinfer-hnd|block-major-nhd|vllm-cpu";
+      "flashinfer|flashinfer-hnd|block-major-nhd|vllm-cpu|vllm-hnd|vllm-nhd";
   cmd->add_option("--ctx-layout", f.ctx_layout, layouts)->capture_default_str();
   cmd->add_option("--gen-layout", f.gen_layout, layouts)->capture_default_str();
   cmd->add_option("--requests", f.requests,

@@ -478,7 +478,7 @@ class _Worker:
             host, port = options.rendezvous.rsplit(":", 1)
             self.server = kvferry.RendezvousServer(host, int(port), options.rendezvous_key)
         self.rv = kvferry.Rendezvous(options.rendezvous, options.rendezvous_key)
-        self.device = kvferry.Device("cpu")
+        self.device = None  # the KV tensors' device, from register_kv_caches
         self.pool = None
         self.block_size = vllm_config.cache_config.block_size
         self.whole_blocks = False  # move whole blocks (the token order inside is the kernel's)
@@ -522,6 +522,9 @@ class _Worker:
         bs = self.vllm_config.cache_config.block_size
         dtype = _kvferry_dtype(tensors[0].dtype)
         layout, strides, blocks = _detect_layout(tensors[0], local_heads, bs, head_dim)
+        t0 = tensors[0]
+        self.device = kvferry.Device("cpu" if t0.device.type == "cpu"
+                                     else f"cuda:{t0.device.index or 0}")
         shape = kvferry.KvShape(layers=len(tensors), kv_heads=heads, head_dim=head_dim,
                                 dtype=dtype, tokens_per_block=bs)
         parallel = kvferry.ParallelConfig(tp=self.tp_size)
@@ -760,6 +763,14 @@ def _detect_layout(t: torch.Tensor, heads: int, bs: int,
     one layer's KV tensor, or ValueError naming what was not understood."""
     es = t.element_size()
     shape, st = tuple(t.shape), t.stride()
+    if t.dim() == 4 and t.device.type != "cpu" and st[3] == 1 and (
+            shape[1:] == (heads, bs, 2 * d) or shape[1:] == (bs, heads, 2 * d)):
+        # vLLM 0.32's CUDA backends: per layer [blocks, heads, block_size, 2 * head_size] or
+        # [blocks, block_size, heads, ...] (flash_attn.py splits the content dim: K, then V),
+        # strides in the order of the KV cache layout (LBHNC: head-major, LBNHC: token-major).
+        h_st, t_st = (st[1], st[2]) if shape[1] == heads else (st[2], st[1])
+        kind = "vllm-hnd" if h_st > t_st or heads == 1 else "vllm-nhd"
+        return kind, [st[0] * es, 0, d * es, h_st * es, t_st * es, es], shape[0]
     if t.dim() == 4 and shape[1:] == (heads, bs, 2 * d) and st[3] == 1 and st[2] == 2 * d:
         # CPU backend: each (block, head) page is the block's K half, then its V half
         # (cpu_attn.py: view [blocks, heads, 2 * block_size, head_size], chunk(2, dim=2)). The
@@ -774,5 +785,6 @@ def _detect_layout(t: torch.Tensor, heads: int, bs: int,
     raise ValueError(
         f"KvferryConnector: vLLM KV cache tensor of shape {shape}, strides {st} "
         f"({heads} local KV heads, block_size {bs}, head_size {d}) is not a layout kvferry "
-        "understands (CPU [blocks, heads, block_size, 2*head_size]; "
+        "understands (CPU [blocks, heads, block_size, 2*head_size]; CUDA "
+        "[blocks, heads, block_size, 2*head_size] HND or NHD strides; "
         "[2, blocks, block_size, heads, head_size] NHD or HND)")
