@@ -160,8 +160,10 @@ constexpr KnobDecl kKnobs[] = {
      "slots stay leased until it ends)",
      1, 3600 * 1000, ""},
     {"cuda.copy_engine_min_row_bytes", KnobType::kInt, "65536",
-     "2-D fragments with rows narrower than this go to the gather kernel even when their total "
-     "reaches cuda.copy_kernel_threshold (the copy engine is slow on narrow rows); 0: never",
+     "2-D fragments with rows narrower than this, and device-to-device 2-D fragments of any "
+     "width, go to the gather kernel even when their total reaches cuda.copy_kernel_threshold "
+     "(the copy engine is slow on narrow rows, and slower than the kernel between two places in "
+     "GPU memory); 0: never",
      0, kMaxInt, ""},
     {"cuda.copy_engine_list_row_bytes", KnobType::kInt, "16384",
      "2-D fragments on the copy engine with rows at least this wide (and at most 256 rows) are "

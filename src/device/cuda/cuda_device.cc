@@ -5,9 +5,10 @@
 // stream is created):
 //  - total bytes (rows * bytes) >= cuda.copy_kernel_threshold -> copy engine, unless it is 2-D
 //    with rows narrower than cuda.copy_engine_min_row_bytes (a partial-token copy: the engine
-//    crawls over narrow rows), its direction is not listed in cuda.copy_engine_2d_directions (one
-//    direction on the copy engine, the other as a kernel) and a kernel can reach both ends ->
-//    gather kernel;
+//    crawls over narrow rows) or 2-D from device memory to device memory (any row width: measured
+//    faster in the kernel, see ToKernel), its direction is not listed in
+//    cuda.copy_engine_2d_directions (one direction on the copy engine, the other as a kernel) and a
+//    kernel can reach both ends -> gather kernel;
 //  - smaller, and both ends addressable by a kernel on this GPU (its device memory, or mapped
 //    pinned host memory through UVA) -> the gather kernel, all of them in ONE launch, unless its
 //    direction (host->device, device->host) is listed in cuda.copy_engine_directions: then the
@@ -549,8 +550,14 @@ class CudaStream final : public Stream {
     const bool h2d = src.cls == PtrClass::kMappedHost && dst.cls == PtrClass::kDevice;
     const bool d2h = src.cls == PtrClass::kDevice && dst.cls == PtrClass::kMappedHost;
     if (total >= routing_.kernel_threshold) {
-      return rows > 1 && c.bytes < routing_.min_ce_row &&
-             !((h2d && routing_.ce2d_h2d) || (d2h && routing_.ce2d_d2h));
+      // 2-D: the copy engine walks narrow rows slowly; between two places in this GPU's memory
+      // (its own allocations, or a peer process's pool mapped through CUDA IPC) it lost to the
+      // kernel at every row width measured (H200, vLLM HND pools, TP2->TP1: 2 MiB fragments of
+      // 64 KiB rows, 23 GB/s listed row by row, 303-553 GB/s as cudaMemcpy2DAsync, 490-1182 GB/s
+      // in the kernel; TP1->TP2 1460 GB/s, 0.97 of one cudaMemcpy of the same bytes).
+      const bool d2d = src.cls == PtrClass::kDevice && dst.cls == PtrClass::kDevice;
+      const bool kernel_rows = routing_.min_ce_row != 0 && (d2d || c.bytes < routing_.min_ce_row);
+      return rows > 1 && kernel_rows && !((h2d && routing_.ce2d_h2d) || (d2h && routing_.ce2d_d2h));
     }
     return !((h2d && routing_.ce_h2d) || (d2h && routing_.ce_d2h));
   }
