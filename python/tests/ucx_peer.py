@@ -1,5 +1,6 @@
-"""Generation rank in its own process for test_ucx_between_two_processes: fetches the handle
-given as hex on the command line into blocks [2, 0] and checks the bytes."""
+"""Generation rank in its own process for test_ucx_between_two_processes (and the NIXL pair):
+fetches the handle given as hex on the command line into blocks [2, 0] over the transport named
+second (default ucx) and checks the bytes."""
 
 import os
 import sys
@@ -11,10 +12,12 @@ import kv_check  # noqa: E402
 
 
 def main() -> int:
+    transport = sys.argv[2] if len(sys.argv) > 2 else "ucx"
     shape = kvferry.KvShape(layers=4, kv_heads=4, head_dim=8, dtype="fp32", tokens_per_block=4)
     with kvferry.Device("cpu") as dev, \
             kvferry.Pool.allocate(dev, shape, memory="host", blocks=4) as pool, \
-            kvferry.GenerationSide(dev, pool, transport="ucx", instance_id=3, timeout=20.0) as gen:
+            kvferry.GenerationSide(dev, pool, transport=transport, instance_id=3,
+                                   timeout=20.0) as gen:
         gen.fetch(bytes.fromhex(sys.argv[1]), [2, 0])
         (st,) = gen.poll(at_least=1, timeout=20.0)
         if not st.ok:
