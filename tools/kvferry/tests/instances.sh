@@ -6,10 +6,14 @@
 # (veth pair 10.77.0.1 <-> 10.77.0.2, the rendezvous in the context's), in its own IPC and mount
 # namespaces too: nothing shared but the network, so peer memory and UCX's shared memory must be
 # found unusable and the KV goes over the network (TCP).
-# Usage: instances.sh KVFERRY [--netns]     (exit 77: --netns needs root and `ip netns`)
+# With --link-cut too (one generation command then), the link between the hosts goes down for
+# 1.5 s while requests flow, and comes back: a cut shorter than the request deadline costs no
+# request (TCP retransmits, UCX keeps its endpoints), and requests go on after it.
+# Usage: instances.sh KVFERRY [--netns [--link-cut]]     (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
 netns=0; [ "${2:-}" = --netns ] && netns=1
+cut=0; [ "${3:-}" = --link-cut ] && cut=1
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -58,6 +62,42 @@ done
 [ -n "$addr" ] || { echo "FAIL: the rendezvous did not start"; cat "$tmp/rv.out"; exit 1; }
 echo "rendezvous at $addr"
 common=(--rendezvous "$addr" --rendezvous-key-file "$tmp/key")
+if ((cut)); then
+  # Long enough to span the cut (about 1,000 requests a second here), a deadline well past it
+  # and past TCP's retransmission backoff after it (the next retransmission up to 3 s after the
+  # cut began).
+  requests=6000
+  shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --requests $requests
+         --concurrency 2 --prompt-tokens 20,37 --timeout-ms 8000 --transport ucx)
+  "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" >"$tmp/ctx.out" 2>&1 &
+  ctx=$!
+  pids+=($ctx)
+  "${run_b[@]}" "$kvferry" instance --role generation "${common[@]}" "${shape[@]}" --progress \
+    >"$tmp/gen.out" 2>&1 &
+  gen=$!
+  pids+=($gen)
+  done_now() { sed -n 's/.*requests done per generation rank: \([0-9]*\).*/\1/p' "$tmp/gen.out" | tail -1; }
+  for _ in $(seq 1 600); do [ -n "$(done_now)" ] && break; sleep 0.05; done
+  at_cut=$(done_now)
+  ip -n "$ns_b" link set "vb-$$" down
+  sleep 1.5
+  ip -n "$ns_b" link set "vb-$$" up
+  echo "link down for 1.5 s after ${at_cut:-no} requests of $requests"
+  fail=0
+  for p in ctx gen; do
+    timeout 120 tail --pid="${!p}" -f /dev/null
+    wait "${!p}"; rc=$?
+    echo "== $p (exit $rc)"; grep -v "requests done per" "$tmp/$p.out"
+    ((rc == 0)) || fail=1
+  done
+  if [ -z "$at_cut" ] || ((at_cut >= requests)); then
+    echo "FAIL: the cut did not fall inside the run (${at_cut:-no} requests done at the cut)"; fail=1
+  fi
+  grep -q "generation rank 0: $requests requests, 0 failed, $requests verified" "$tmp/gen.out" || {
+    echo "FAIL: a 1.5 s cut cost requests"; fail=1; }
+  ((fail == 0)) && echo PASS
+  exit "$fail"
+fi
 "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" >"$tmp/ctx.out" 2>&1 &
 ctx=$!
 "${run_b[@]}" "$kvferry" instance --role generation --ranks 0 "${common[@]}" "${shape[@]}" \
