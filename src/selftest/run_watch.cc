@@ -10,6 +10,7 @@
 namespace kvferry {
 
 std::chrono::milliseconds StallLimit(const SelftestConfig& cfg) {
+  if (cfg.give_up.count() > 0) return cfg.give_up;
   return cfg.timeout + std::chrono::milliseconds(Config::Global().Int("transfer.abort_grace_ms")) +
          std::chrono::milliseconds(1000);
 }

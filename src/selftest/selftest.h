@@ -54,6 +54,11 @@ struct SelftestConfig {
   // e.g. "ctx:1:CREDIT:3:crash" (a crash ends the rank's process). Empty: none.
   std::string fault;
   std::chrono::milliseconds timeout{60000};
+  // How long a rank (and, kParentGrace more, the parent) waits without progress before it gives up
+  // on the rest of the run; 0: StallLimit's default (a deadline + abort grace + 1 s). Longer
+  // lets a run outlive a network cut longer than the deadline: the requests in flight fail, the
+  // later ones go on once the link is back.
+  std::chrono::milliseconds give_up{0};
   std::string dir;  // run directory: results, progress, the stop file
   // The run's RendezvousServer ("host:port") and its group key (32 hex digits).
   std::string rendezvous;

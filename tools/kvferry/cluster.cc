@@ -69,6 +69,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["verify"] = c.verify;
   j["baseline"] = c.baseline;
   j["timeout_ms"] = c.timeout.count();
+  j["give_up_ms"] = c.give_up.count();
   j["dir"] = c.dir;
   j["rendezvous"] = c.rendezvous;
   j["rendezvous_key"] = c.rendezvous_key;
@@ -104,6 +105,7 @@ StatusOr<SelftestConfig> ConfigFromJson(const std::string& s) try {
   c.verify = j["verify"];
   c.baseline = j["baseline"];
   c.timeout = std::chrono::milliseconds(j["timeout_ms"].get<int64_t>());
+  c.give_up = std::chrono::milliseconds(j.value("give_up_ms", int64_t{0}));
   c.dir = j["dir"];
   c.rendezvous = j.value("rendezvous", "");
   c.rendezvous_key = j.value("rendezvous_key", "");

@@ -46,6 +46,7 @@ struct Flags {
   std::vector<int> gpus;
   bool checksum = true;
   int timeout_ms = 60000;
+  int give_up_ms = 0;
   std::string model;
   int warmup = 1;
 };
@@ -97,6 +98,12 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
                   "blocks every request shares (a system prompt): fetched once, then reused")
       ->capture_default_str();
   cmd->add_option("--timeout-ms", f.timeout_ms, "deadline of each request")->capture_default_str();
+  cmd->add_option("--give-up-ms", f.give_up_ms,
+                  "how long a rank waits without a request completing or failing before it gives "
+                  "up on the rest (0: the deadline + abort grace + 1 s); longer outlives network "
+                  "cuts longer than the deadline")
+      ->check(CLI::Range(0, 24 * 3600 * 1000))
+      ->capture_default_str();
   AddOutputFlags(cmd, f.out);
   cmd->add_option("--metrics-port", f.metrics_port,
                   "each rank serves Prometheus metrics on 127.0.0.1: context rank r at PORT + r, "
@@ -134,6 +141,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.gpus = f.gpus;
   c.checksum = f.checksum;
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
+  c.give_up = std::chrono::milliseconds(f.give_up_ms);
   c.metrics_port = f.metrics_port;
   c.dir = "(set by RunCluster)";
   KVF_RETURN_IF_ERROR(ValidateSelftest(c));

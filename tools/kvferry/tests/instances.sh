@@ -8,12 +8,16 @@
 # found unusable and the KV goes over the network (TCP).
 # With --link-cut too (one generation command then), the link between the hosts goes down for
 # 1.5 s while requests flow, and comes back: a cut shorter than the request deadline costs no
-# request (TCP retransmits, UCX keeps its endpoints), and requests go on after it.
-# Usage: instances.sh KVFERRY [--netns [--link-cut]]     (exit 77: --netns needs root and `ip netns`)
+# request (TCP retransmits, UCX keeps its endpoints), and requests go on after it. With
+# --long-cut, down 3.5 s against a 2 s deadline and --give-up-ms 20000: the requests in flight
+# fail by their deadline, the rest go on once the link is back (no restart).
+# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut]]
+#   (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
 netns=0; [ "${2:-}" = --netns ] && netns=1
 cut=0; [ "${3:-}" = --link-cut ] && cut=1
+[ "${3:-}" = --long-cut ] && cut=2
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -66,9 +70,10 @@ if ((cut)); then
   # Long enough to span the cut (about 1,000 requests a second here), a deadline well past it
   # and past TCP's retransmission backoff after it (the next retransmission up to 3 s after the
   # cut began).
-  requests=6000
+  requests=6000 down=1.5 deadline=(--timeout-ms 8000)
+  ((cut == 2)) && down=3.5 deadline=(--timeout-ms 2000 --give-up-ms 20000)
   shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --requests $requests
-         --concurrency 2 --prompt-tokens 20,37 --timeout-ms 8000 --transport ucx)
+         --concurrency 2 --prompt-tokens 20,37 --transport ucx "${deadline[@]}")
   "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" >"$tmp/ctx.out" 2>&1 &
   ctx=$!
   pids+=($ctx)
@@ -80,21 +85,33 @@ if ((cut)); then
   for _ in $(seq 1 600); do [ -n "$(done_now)" ] && break; sleep 0.05; done
   at_cut=$(done_now)
   ip -n "$ns_b" link set "vb-$$" down
-  sleep 1.5
+  sleep "$down"
   ip -n "$ns_b" link set "vb-$$" up
-  echo "link down for 1.5 s after ${at_cut:-no} requests of $requests"
+  echo "link down for $down s after ${at_cut:-no} requests of $requests"
   fail=0
   for p in ctx gen; do
     timeout 120 tail --pid="${!p}" -f /dev/null
     wait "${!p}"; rc=$?
     echo "== $p (exit $rc)"; grep -v "requests done per" "$tmp/$p.out"
-    ((rc == 0)) || fail=1
+    ((rc == 0 || cut == 2)) || fail=1
   done
   if [ -z "$at_cut" ] || ((at_cut >= requests)); then
     echo "FAIL: the cut did not fall inside the run (${at_cut:-no} requests done at the cut)"; fail=1
   fi
-  grep -q "generation rank 0: $requests requests, 0 failed, $requests verified" "$tmp/gen.out" || {
-    echo "FAIL: a 1.5 s cut cost requests"; fail=1; }
+  line=$(grep -o "generation rank 0: $requests requests, [0-9]* failed, [0-9]* verified" "$tmp/gen.out")
+  failed=$(sed -n 's/.* \([0-9]*\) failed.*/\1/p' <<<"$line")
+  verified=$(sed -n 's/.* \([0-9]*\) verified.*/\1/p' <<<"$line")
+  echo "cut $down s: ${failed:-?} failed, ${verified:-?} verified of $requests"
+  if [ -z "$line" ] || ((failed + verified != requests)); then
+    echo "FAIL: the generation rank did not account for every request"; fail=1
+  elif ((cut == 1 && failed != 0)); then
+    echo "FAIL: a cut shorter than the deadline cost requests"; fail=1
+  elif ((cut == 2 && (failed < 1 || failed > 8))); then
+    # Those in flight (2) end by the deadline, and at most a few started during the cut; all the
+    # others must go through once the link is back.
+    echo "FAIL: a cut longer than the deadline should fail the requests in flight, 1-8, not $failed"
+    fail=1
+  fi
   ((fail == 0)) && echo PASS
   exit "$fail"
 fi
