@@ -182,6 +182,7 @@ nlohmann::json ConfigJson(const Flags& f, const SelftestConfig& c) {
           {"verify", c.verify},
           {"checksum", c.checksum},
           {"timeout_ms", c.timeout.count()},
+          {"give_up_ms", c.give_up.count()},
           {"fault", c.fault},
           {"crash_ctx_rank", c.crash_ctx_rank},
           {"metrics_port", c.metrics_port}};
