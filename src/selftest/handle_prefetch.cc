@@ -40,7 +40,7 @@ void HandlePrefetch::Run() {
   // published late is seen at once, in one call; the deadline only bounds how long a stop waits
   // for this thread. Over a slow link (hosts apart) one round trip can take longer than a short
   // deadline, so a call that times out doubles the next one's, up to kMaxWait: a fixed 200 ms
-  // fetched nothing at all behind a 100 ms delay each way.
+  // fetched nothing at all behind a slower round trip (handle_prefetch_test: 300 ms).
   constexpr std::chrono::milliseconds kFirstWait{200}, kMaxWait{2000};
   std::chrono::milliseconds wait = kFirstWait;
   for (size_t i = 0; i < ids_.size();) {
