@@ -20,6 +20,7 @@
 #include <string>
 
 #include "kvferry/device.h"
+#include "kvferry/transceiver.h"
 #include "selftest/selftest.h"
 
 namespace kvferry {
@@ -38,6 +39,12 @@ class RunWatch {
   // A request started; a request ended (`progress`: by anything but its deadline).
   void Started();
   void Ended(bool progress);
+  // A request's end: progress unless a deadline ended it, its own (timed out) or a sibling
+  // rank's relayed to it ("context rank 1 ended it: not delivered within ...", an error with
+  // DEADLINE_EXCEEDED), which a stopped peer causes on every rank of the instance.
+  void Ended(const TransferStatus& s) {
+    Ended(s.state != TransferState::kTimedOut && s.reason.code() != StatusCode::kDeadlineExceeded);
+  }
   bool Stalled() const { return Clock::now() > last_ + limit_; }
   // The parent asked the ranks to stop (checked at most every 100 ms); stop_reason() says why.
   bool Stopped();

@@ -31,13 +31,6 @@
 namespace kvferry {
 namespace {
 
-// A request's end is progress unless a deadline ended it: its own (timed out) or a sibling rank's
-// relayed to it ("context rank 1 ended it: not delivered within ..."), which a stopped peer causes
-// on every rank of the instance and which must not keep a stuck run going.
-bool IsProgress(const TransferStatus& s) {
-  return s.state != TransferState::kTimedOut && s.reason.code() != StatusCode::kDeadlineExceeded;
-}
-
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 
@@ -541,7 +534,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     }
     for (const TransferStatus& s : side->Poll(1, DeadlineIn(milliseconds(20)))) {
       ++done;
-      watch.Ended(IsProgress(s));
+      watch.Ended(s);
       std::erase(live, s.request_id);
       busy[slot_of[s.request_id]] = false;
       events.erase(s.request_id);
@@ -689,7 +682,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                                                       : std::chrono::microseconds(20000);
     for (const TransferStatus& s : side->Poll(1, Clock::now() + wait)) {
       ++done;
-      watch.Ended(IsProgress(s));
+      watch.Ended(s);
       auto [i, slot] = inflight[s.request_id];
       inflight.erase(s.request_id);
       if (warming.erase(s.request_id) == 0) {

@@ -10,8 +10,8 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
-#include <set>
 #include <thread>
 
 namespace kvferry::tools {
@@ -148,14 +148,14 @@ TEST(RankGroup, HowEachRankEndedIsNamed) {
   EXPECT_EQ(r[2].Describe(), fmt::format("generation rank 1 (pid {}): exit code 127", r[2].pid));
 }
 
-// "pid(comm)" of each child of this process that is not a zombie.
-std::set<std::string> LiveChildren() {
-  std::set<std::string> children;
+// pid -> "(comm)" of each child of this process that is not a zombie.
+std::map<std::string, std::string> LiveChildren() {
+  std::map<std::string, std::string> children;
   for (const auto& e : fs::directory_iterator("/proc")) {
     std::ifstream st(e.path() / "stat");
     std::string pid_s, comm, state, ppid;
     if (st >> pid_s >> comm >> state >> ppid && ppid == std::to_string(getpid()) && state != "Z")
-      children.insert(pid_s + comm);
+      children.emplace(pid_s, comm);
   }
   return children;
 }
@@ -170,8 +170,7 @@ void ParentDiesAndLeavesNothing(int signal) {
   // llvm-symbolizer, started when UCX's constructors matched a suppression) are not the run's.
   // Compared by pid alone: a child forked just before may not have exec'd yet (the sentinel's
   // `sleep` still named after this binary under load), so its name changes later.
-  std::set<std::string> before;
-  for (const std::string& child : LiveChildren()) before.insert(child.substr(0, child.find('(')));
+  const std::map<std::string, std::string> before = LiveChildren();
   fs::path dir = MakeDir();
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
@@ -201,8 +200,8 @@ void ParentDiesAndLeavesNothing(int signal) {
   // process may take a moment to exit on a loaded machine, so they are awaited like the ranks.
   const auto run_children = [&before] {
     std::string out;
-    for (const std::string& child : LiveChildren()) {
-      if (!before.contains(child.substr(0, child.find('(')))) out += child + " ";
+    for (const auto& [pid, comm] : LiveChildren()) {
+      if (!before.contains(pid)) out += pid + comm + " ";
     }
     return out;
   };

@@ -18,6 +18,7 @@ kvferry=$1
 netns=0; [ "${2:-}" = --netns ] && netns=1
 cut=0; [ "${3:-}" = --link-cut ] && cut=1
 [ "${3:-}" = --long-cut ] && cut=2
+((cut && !netns)) && { echo "FAIL: --link-cut and --long-cut need --netns"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
