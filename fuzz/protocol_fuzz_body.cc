@@ -17,7 +17,7 @@
 #include "kvferry/transceiver.h"
 #include "kvferry/transport.h"
 #include "testing/testdata.h"
-#include "transceiver/engine.h"
+#include "transceiver/engine/engine.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
 

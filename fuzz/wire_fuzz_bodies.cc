@@ -12,7 +12,7 @@
 
 #include "kvferry/kv_model.h"
 #include "planner/planner.h"
-#include "transceiver/engine.h"
+#include "transceiver/engine/engine.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
 #include "transport/ucx_address.h"

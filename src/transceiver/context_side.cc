@@ -50,7 +50,7 @@ void ContextSideImpl::Release(uint64_t id) {
 }
 
 Status ContextSideImpl::MarkLayersReady(uint64_t id, int32_t local_layers) {
-  return Call([&]() -> Status {
+  return engine_.loop().Call([&]() -> Status {
     CtxRequest* r = Find(id);
     if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
     if (local_layers < 0 || local_layers > pool_.slice().layer_count) {
@@ -65,7 +65,7 @@ Status ContextSideImpl::MarkLayersReady(uint64_t id, int32_t local_layers) {
 Status ContextSideImpl::MarkLayerReadyOn(uint64_t id, int32_t local_layer,
                                          std::shared_ptr<Event> event) {
   if (!event) return Status::InvalidArgument("MarkLayerReadyOn: null event");
-  return Call([&]() -> Status {
+  return engine_.loop().Call([&]() -> Status {
     CtxRequest* r = Find(id);
     if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
     if (local_layer < 0 || local_layer >= pool_.slice().layer_count) {
@@ -78,7 +78,7 @@ Status ContextSideImpl::MarkLayerReadyOn(uint64_t id, int32_t local_layer,
 }
 
 Status ContextSideImpl::Cancel(uint64_t id) {
-  return Call([&]() -> Status {
+  return engine_.loop().Call([&]() -> Status {
     CtxRequest* r = Find(id);
     if (!r) return Status::NotFound(fmt::format("request {} is not live on this context rank", id));
     End(*r, TransferState::kCancelled, Status::Cancelled("cancelled by the context side"), true);
@@ -131,7 +131,7 @@ bool ContextSideImpl::Advance() {
       }
     }
     std::erase_if(r.layer_events, [](const auto& e) { return !e.second; });
-    for (auto& [g, p] : r.pairs) busy |= p.path->Advance(*this, r, p);
+    for (auto& [g, p] : r.pairs) busy |= p.path->Advance(engine_, r, p);
     if (r.ending) peer_copies_.Discard(r.id);  // its senders abandoned its waiting batches
     TellSiblings(r);
     if (Finished(r)) {
@@ -148,10 +148,11 @@ bool ContextSideImpl::Advance() {
   // for the stream to drain to fewer than transfer.peer_hold_launches launches, or for the other
   // pairs of their requests (PeerLaunch::due).
   if (peer_copies_.due([this](uint64_t id) { return AwaitsPairs(id); })) {
-    peer_copies_.Flush(*this);
+    peer_copies_.Flush(engine_);
     busy = true;
   }
-  if (peer_copies_.TakeLaunched()) WakeAtStreamEnd();  // after every copy this pass submitted
+  if (peer_copies_.TakeLaunched())
+    engine_.WakeAtStreamEnd();  // after every copy this pass submitted
   return busy;
 }
 
@@ -165,7 +166,7 @@ bool ContextSideImpl::AwaitsPairs(uint64_t id) const {
 // next thing this side must do is reap a batch, and a FETCH arriving meanwhile would queue its
 // copies behind these.
 std::chrono::microseconds ContextSideImpl::QuietNap() const {
-  if (peer_copies_.copying() == 0 || !host_visible_pool() || device_.info().platform != "cpu")
+  if (peer_copies_.copying() == 0 || !engine_.host_visible_pool() || !engine_.cpu_device())
     return {};
   for (const auto& [id, r] : requests_) {
     for (const auto& [rank, p] : r.pairs) {
@@ -195,6 +196,7 @@ void ContextSideImpl::OnTick(Clock::time_point now) {
           true);
     }
   }
+  engine_.peer_mappings().Sweep(now);
 }
 
 bool ContextSideImpl::OnStop() {
@@ -207,7 +209,7 @@ bool ContextSideImpl::OnStop() {
   bool watched = false;
   for (auto& [rank, link] : sibling_links_) {
     if (link.watch && !link.watch->Done()) {
-      transport_->Cancel(*link.watch);
+      engine_.transport().Cancel(*link.watch);
       watched = true;
     }
   }
@@ -244,12 +246,12 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   ContextHandle h;
   h.request_id = id;
   h.shape = shape;
-  h.parallel = SelfDesc().parallel;
+  h.parallel = engine_.SelfDesc().parallel;
   h.layout = pool_.spec().layout;
   h.pool_blocks = pool_.blocks();
   h.prompt_tokens = tokens;
   h.layer_wise = !all_ready;
-  h.ctx_direct = direct_ok();
+  h.ctx_direct = engine_.direct_ok();
   h.chunk_bytes = options_.chunk_bytes;
   h.blocks = r.blocks;
   {
@@ -266,7 +268,7 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   auto [bytes, token] = SealHandle(std::move(h), options_.secret);
   r.token = token;
   // Can't fail: an id not claimed above is not live in the status table either.
-  if (Status st = Reserve(id, "is live on this rank"); !st.ok()) {
+  if (Status st = engine_.statuses().Reserve(id, "is live on this rank"); !st.ok()) {
     MutexLock lock(ids_mu_);
     live_ids_.erase(id);
     return st;
@@ -274,14 +276,16 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   // The rest runs on the progress thread, and this call does not wait for it (a blocking call
   // cost a wake-up of the caller per request). Public calls about the request reach the progress
   // thread after it, and a FETCH that overtakes it waits with the pending ones.
-  Post([this, r = std::make_shared<CtxRequest>(std::move(r))] { Open(std::move(*r)); });
+  engine_.loop().Post(
+      [this, r = std::make_shared<CtxRequest>(std::move(r))] { Open(std::move(*r)); });
   return std::move(bytes);
 }
 
 void ContextSideImpl::Open(CtxRequest r) {
   const uint64_t id = r.id;
   requests_.emplace(id, std::move(r));
-  SetStatus(TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});  // the metrics' start
+  engine_.statuses().Set(
+      TransferStatus{id, TransferState::kInit, Status::Ok(), 0, 0});  // the metrics' start
   // Fetches that arrived before this rank knew the request.
   for (PendingFetch& pf : pending_.Take(id))
     OnFetch(pf.from, std::move(pf.fetch), std::move(pf.credits));
@@ -320,16 +324,16 @@ StatusOr<PeerId> ContextSideImpl::SiblingPeer(int32_t rank, Deadline deadline) {
     address = addresses_.at(static_cast<size_t>(rank));
   }
   auto peer = [&] {
-    ProfileScope timed(profile(), ProfilePhase::kConnect);
-    return transport_->Connect(address, deadline);
+    ProfileScope timed(engine_.profile(), ProfilePhase::kConnect);
+    return engine_.transport().Connect(address, deadline);
   }();
   if (!peer.ok()) return peer.status().WithContext(fmt::format("context rank {}", rank));
   SiblingLink& link = sibling_links_[rank];
   link.peer = *peer;
-  if (transport_->caps().detects_crashed_peers) {
+  if (engine_.transport().caps().detects_crashed_peers) {
     // Context ranks send each other control messages only: no data tag is ever sent here.
-    auto watch = transport_->Recv(*peer, DataTag(0, kSiblingWatchChunk), link.watch_buf,
-                                  sizeof(link.watch_buf), MemoryKind::kHost);
+    auto watch = engine_.transport().Recv(*peer, DataTag(0, kSiblingWatchChunk), link.watch_buf,
+                                          sizeof(link.watch_buf), MemoryKind::kHost);
     if (watch.ok()) link.watch = std::move(watch).value();
   }
   return *peer;
@@ -359,7 +363,8 @@ void ContextSideImpl::TellSiblings(CtxRequest& r) {
     auto peer = SiblingPeer(s, r.deadline);
     if (!peer.ok()) return Fail(r, peer.status());
     const int32_t me = pool_.slice().rank;
-    SendMsg(*peer, SiblingMsg{r.id, MakeSiblingToken(options_.secret, r.token, me, 0), me, 0, {}});
+    engine_.SendMsg(*peer,
+                    SiblingMsg{r.id, MakeSiblingToken(options_.secret, r.token, me, 0), me, 0, {}});
   }
 }
 
@@ -411,8 +416,8 @@ void ContextSideImpl::ReportStagedChunks(CtxRequest& r) {
   for (auto& [g, p] : r.pairs) {
     const LandedChunks* held = p.path->held_report();
     if (!held || !held->staged) continue;
-    SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(held->first), held->count,
-                             false, 0});
+    engine_.SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(held->first),
+                                     held->count, false, 0});
     p.path->DropHeldReport();
     p.reported = true;
   }
@@ -426,12 +431,12 @@ void ContextSideImpl::Finish(CtxRequest& r) {
     for (auto& [g, p] : r.pairs) {
       const LandedChunks* held = p.path->held_report();
       if (!held) {
-        SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
+        engine_.SendMsg(p.peer, CompleteMsg{r.id, p.transfer_id});
         continue;
       }
       ChunkMsg last{r.id, p.transfer_id, static_cast<uint32_t>(held->first), held->count, false, 0};
       last.complete = true;
-      SendMsg(p.peer, last);
+      engine_.SendMsg(p.peer, last);
       p.path->DropHeldReport();
       Step(r, p, PairEvent::kCompleteFolded);
     }
@@ -439,12 +444,13 @@ void ContextSideImpl::Finish(CtxRequest& r) {
     // One-sided pairs: no more puts from here; the generation rank may reuse its slots.
     for (auto& [g, p] : r.pairs) {
       if (p.path->one_sided()) {
-        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
+        engine_.SendMsg(p.peer,
+                        AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
                                  "context rank stopped: " + std::string(r.reason.message())});
       }
     }
   }
-  SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
+  engine_.statuses().Set(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
 }
 
 // Decides the terminal state; operations still in flight are cancelled and drained before the
@@ -463,15 +469,16 @@ void ContextSideImpl::End(CtxRequest& r, TransferState state, Status why, bool t
     const SiblingMsg m{r.id, MakeSiblingToken(options_.secret, r.token, me, code), me, code,
                        std::string(r.reason.message())};
     for (int32_t s : siblings_) {
-      if (auto peer = SiblingPeer(s, Clock::now() + options_.timeout); peer.ok()) SendMsg(*peer, m);
+      if (auto peer = SiblingPeer(s, Clock::now() + options_.timeout); peer.ok())
+        engine_.SendMsg(*peer, m);
     }
   }
   for (auto& [g, p] : r.pairs) {
-    p.path->Cancel(*transport_);
+    p.path->Cancel(engine_.transport());
     // Generation ranks that said DONE wait for COMPLETE, which will not come: they are told too.
     if (tell_peers && !p.state.Is(PairPhase::kClosed)) {
-      SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
-                               std::string(r.reason.message())});
+      engine_.SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
+                                       std::string(r.reason.message())});
     }
   }
 }
@@ -516,7 +523,6 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
   }
   auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options, device),
                                                 std::move(transport));
-  side->InitAddress();
   KVF_RETURN_IF_ERROR(side->Start());
   return std::unique_ptr<ContextSide>(std::move(side));
 }

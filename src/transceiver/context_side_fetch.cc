@@ -75,12 +75,12 @@ Status ContextSideImpl::CheckFetch(const CtxRequest& r, const FetchMsg& f) const
         "request {}: generation rank {} already fetched it (replayed handle)", r.id, f.gen_rank));
   }
   if (f.chunk_bytes < 1 || f.chunk_bytes > options_.chunk_bytes ||
-      (!direct_ok() && f.direct_min_bytes != kNoDirect)) {
+      (!engine_.direct_ok() && f.direct_min_bytes != kNoDirect)) {
     return Status::InvalidArgument(
         fmt::format("request {}: fetch asks for chunks of {} bytes (direct from {}); this "
                     "context rank stages at most {} and {} send from its pool",
                     r.id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
-                    direct_ok() ? "can" : "can't"));
+                    engine_.direct_ok() ? "can" : "can't"));
   }
   if (f.prompt_tokens != r.tokens) {
     return Status::InvalidArgument(
@@ -93,7 +93,7 @@ Status ContextSideImpl::CheckFetch(const CtxRequest& r, const FetchMsg& f) const
 Status ContextSideImpl::Plan(CtxRequest& r, const FetchMsg& f) {
   if (!r.planned || r.plan_key.plan_inputs() != f.plan_inputs()) {
     PlanInput in;
-    in.ctx = SelfDesc();
+    in.ctx = engine_.SelfDesc();
     in.gen = f;  // the generation instance the FETCH describes (an InstanceDesc)
     in.prompt_tokens = r.tokens;
     in.ctx_blocks = r.blocks;
@@ -102,13 +102,13 @@ Status ContextSideImpl::Plan(CtxRequest& r, const FetchMsg& f) {
     in.chunk_bytes = f.chunk_bytes;
     in.direct_min_bytes = f.direct_min_bytes;
     in.layer_wise = r.layer_wise;
-    in.max_plan_bytes = plan_budget();
-    in.max_chunks = plan_chunk_cap();
+    in.max_plan_bytes = engine_.plan_budget();
+    in.max_chunks = engine_.plan_chunk_cap();
     if (!r.heard) {
       KVF_ASSIGN_OR_RETURN(r.expected, GenRanksFetching(in, pool_.slice().rank));
     }
     auto plan = [&] {
-      ProfileScope timed(profile(), ProfilePhase::kPlan);
+      ProfileScope timed(engine_.profile(), ProfilePhase::kPlan);
       return PlanForCtxRank(in, pool_.slice().rank);
     }();
     if (!plan.ok()) return plan.status();
@@ -139,15 +139,15 @@ void ContextSideImpl::AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f,
   p.transfer_id = f.transfer_id;
   p.checksum = f.checksum;
   p.path = std::move(path);
-  NotePathUsed(p.path->kind());
+  engine_.NotePathUsed(p.path->kind());
   for (const PairPlan& pp : r.plan) {
     if (pp.gen_rank == f.gen_rank) p.plan = pp;
   }
   r.state = TransferState::kInProgress;
-  SetStatus(TransferStatus{r.id, r.state, Status::Ok(), r.bytes, 0});
+  engine_.statuses().Set(TransferStatus{r.id, r.state, Status::Ok(), r.bytes, 0});
   // The answer says which data path the pair takes (ACCEPT, wire version 7; a peer-memory pair's
   // first CHUNK instead); a pair with no chunks is answered by COMPLETE alone.
-  p.path->Open(*this, r, p);
+  p.path->Open(engine_, r, p);
   SendPair& added = r.pairs.emplace(f.gen_rank, std::move(p)).first->second;
   for (const CreditMsg& c : credits) ApplyCredit(r, added, c);
 }
@@ -166,8 +166,8 @@ void ContextSideImpl::NoteUnauthenticated(std::string_view what) {
 void ContextSideImpl::Reject(PeerId peer, const FetchMsg& f, const Status& why) {
   Log(LogLevel::kInfo, "context side: refused fetch of request {} from generation rank {}: {}",
       f.request_id, f.gen_rank, why.ToString());
-  SendMsg(peer, RejectMsg{f.request_id, f.transfer_id, static_cast<uint8_t>(why.code()),
-                          std::string(why.message())});
+  engine_.SendMsg(peer, RejectMsg{f.request_id, f.transfer_id, static_cast<uint8_t>(why.code()),
+                                  std::string(why.message())});
 }
 
 }  // namespace kvferry

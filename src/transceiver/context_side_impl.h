@@ -3,7 +3,7 @@
 // taken: checked, planned, its pair's data path chosen, paths/choose.h). Each pair moves its
 // chunks through its SendPath (paths/). Internal to the transceiver layer; everything here runs on
 // the engine's progress thread unless a method says otherwise (the public ContextSide calls reach
-// it through Engine::Call).
+// it through the loop's Call).
 #pragma once
 
 #include <deque>
@@ -14,7 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "transceiver/engine.h"
+#include "kvferry/transceiver.h"
+#include "transceiver/engine/engine.h"
 #include "transceiver/pair_state.h"
 #include "transceiver/paths/choose.h"
 #include "transceiver/paths/data_path.h"
@@ -58,15 +59,18 @@ struct CtxRequest : PathRequest {
   bool told_siblings = false;  // this rank's SIBLING "done" went out
 };
 
-// Runs on the engine's progress thread except the public calls, which reach it through Call, and
-// MarkReady, which claims its id and builds the handle on the caller's thread and posts the rest.
-class ContextSideImpl final : public ContextSide, public Engine {
+// Runs on the engine's progress thread except the public calls, which reach it through the loop's
+// Call, and MarkReady, which claims its id and builds the handle on the caller's thread and posts
+// the rest.
+class ContextSideImpl final : public SideSurface<ContextSide, ContextSideImpl>, EngineSide {
  public:
-  using Engine::Engine;
-  ~ContextSideImpl() override { Stop(); }
+  static constexpr std::string_view kName = "context";
+  ContextSideImpl(Device& device, const BlockPool& pool, EngineOptions options,
+                  std::unique_ptr<Transport> transport)
+      : engine_(device, pool, options, std::move(transport), *this) {}
+  ~ContextSideImpl() override { engine_.Stop(); }
 
-  std::string address() const override { return address_; }
-  void InitAddress() { address_ = transport_->LocalAddress(); }
+  Status Start() { return engine_.Start(); }
 
   Status SetInstanceAddresses(std::vector<std::string> addresses) override;
 
@@ -82,17 +86,15 @@ class ContextSideImpl final : public ContextSide, public Engine {
   Status MarkLayersReady(uint64_t id, int32_t local_layers) override;
   Status MarkLayerReadyOn(uint64_t id, int32_t local_layer, std::shared_ptr<Event> event) override;
 
-  std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) override {
-    return PollStatuses(at_least, deadline);
-  }
-  StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
-  TransceiverStats stats() const override { return Stats(); }
-  TransceiverMetrics metrics() const override { return Metrics("context"); }
-  std::vector<RequestTimeline> timelines() const override { return Timelines(); }
-
   Status Cancel(uint64_t id) override;
 
- protected:
+  // The parts (tests read them).
+  Engine& engine() { return engine_; }
+
+ private:
+  friend class SideSurface<ContextSide, ContextSideImpl>;
+
+  // EngineSide: the progress loop's steps (context_side.cc).
   void OnControl(PeerId from, ControlMsg msg) override;
   bool Advance() override;
   void OnTick(Clock::time_point now) override;
@@ -105,7 +107,6 @@ class ContextSideImpl final : public ContextSide, public Engine {
   bool QuietNapHearsPeers() const override { return false; }
   bool OnStop() override;
 
- private:
   // Requests, FETCH, credits and ending (context_side.cc).
   StatusOr<std::vector<std::byte>> Begin(uint64_t id, std::span<const int64_t> blocks,
                                          int64_t tokens, bool all_ready);
@@ -158,7 +159,7 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Reports the terminal state; a complete request's pairs get their last CHUNK saying complete
   // (one-sided without checksums, not reported yet) or COMPLETE.
   void Finish(CtxRequest& r);
-  // PathHost: a pair's path failed the request (r is one of this side's CtxRequests).
+  // EngineSide: a pair's path failed the request (r is one of this side's CtxRequests).
   void Fail(PathRequest& r, Status why) override {
     End(static_cast<CtxRequest&>(r), TransferState::kError, std::move(why), true);
   }
@@ -175,7 +176,9 @@ class ContextSideImpl final : public ContextSide, public Engine {
   // Request `id` still awaits the FETCH of another pair here (PeerLaunch::due).
   bool AwaitsPairs(uint64_t id) const;
 
-  std::string address_;
+  Engine engine_;  // first: it goes last, after Stop ended every request
+  const EngineOptions& options_ = engine_.options();
+  const BlockPool& pool_ = engine_.pool();
   // The ids a public call may start: MarkReady claims one on its caller's thread (no wait for the
   // progress thread); it stays taken while the request lives and for the next 4096 requests
   // after it ended (a replayed handle, a reused id).
@@ -193,14 +196,15 @@ class ContextSideImpl final : public ContextSide, public Engine {
   PendingFetches pending_;                   // progress thread
   // The peer-memory pairs' copies: one completion tracker, the batches found ready launched
   // together (transfer.peer_merge_pairs, PeerLaunch).
-  PeerMemoryCopies peer_copies_{profile(), options_.peer_batch_bytes, options_.peer_hold_launches,
-                                options_.peer_merge_pairs};
+  PeerMemoryCopies peer_copies_{engine_.profile(), options_.peer_batch_bytes,
+                                options_.peer_hold_launches, options_.peer_merge_pairs};
   // Chooses each pair's data path once (paths/choose.h).
   SendPathChooser chooser_{
-      local_paths(),
+      engine_.local_paths(),
       SendSettings{options_.max_inflight, options_.peer_batch_bytes, options_.peer_memory},
-      peer_copies_, profile(),
-      [this](const std::vector<std::vector<std::byte>>& handles) { return MapPeerPool(handles); }};
+      peer_copies_, engine_.profile(), [this](const std::vector<std::vector<std::byte>>& handles) {
+        return engine_.peer_mappings().Map(handles);
+      }};
   int64_t unauthenticated_ = 0;  // FETCHes dropped for a token that authenticates nothing
   // The other context ranks of this rank's DP group, ascending, and their connections.
   const std::vector<int32_t> siblings_ = SiblingRanks(pool_);

@@ -10,7 +10,7 @@
 #include <deque>
 
 #include "base/log.h"
-#include "transceiver/engine.h"
+#include "transceiver/engine/engine.h"
 #include "transceiver/pair_state.h"
 #include "transceiver/paths/choose.h"
 #include "transceiver/paths/data_path.h"
@@ -45,13 +45,16 @@ struct GenRequest : PathRequest {
   RecvSettings path_settings;  // what its pairs' paths are made with (paths/choose.h)
 };
 
-class GenerationSideImpl final : public GenerationSide, public Engine {
+class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSideImpl>,
+                                 EngineSide {
  public:
-  using Engine::Engine;
-  ~GenerationSideImpl() override { Stop(); }
+  static constexpr std::string_view kName = "generation";
+  GenerationSideImpl(Device& device, const BlockPool& pool, EngineOptions options,
+                     std::unique_ptr<Transport> transport)
+      : engine_(device, pool, options, std::move(transport), *this) {}
+  ~GenerationSideImpl() override { engine_.Stop(); }
 
-  std::string address() const override { return address_; }
-  void InitAddress() { address_ = transport_->LocalAddress(); }
+  Status Start() { return engine_.Start(); }
 
   Status Fetch(std::span<const std::byte> handle_bytes, std::span<const int64_t> blocks,
                int64_t reused_blocks) override {
@@ -60,7 +63,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     const HandleDigest digest = HandleDigestOf(handle_bytes);
     PlanInput in;
     in.ctx = InstanceDesc{h.shape, h.parallel, h.layout, h.pool_blocks};
-    in.gen = SelfDesc();
+    in.gen = engine_.SelfDesc();
     in.prompt_tokens = h.prompt_tokens;
     in.ctx_blocks = h.blocks;
     in.gen_blocks.assign(blocks.begin(), blocks.end());
@@ -68,19 +71,22 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     // Chunking both sides agree on: packed chunks fit both sides' staging slots; direct chunks
     // only when both can move bytes straight from and into their pools.
     in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
-    in.direct_min_bytes = h.ctx_direct && direct_ok() ? options_.direct_min_bytes : kNoDirect;
+    in.direct_min_bytes =
+        h.ctx_direct && engine_.direct_ok() ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
-    in.max_plan_bytes = plan_budget();
-    in.max_chunks = plan_chunk_cap();
+    in.max_plan_bytes = engine_.plan_budget();
+    in.max_chunks = engine_.plan_chunk_cap();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
     KVF_ASSIGN_OR_RETURN(std::vector<int32_t> ctx_ranks, CtxRanksToFetch(in, pool_.slice().rank));
     // The rest runs on the progress thread, and this call does not wait for it (a blocking call
     // cost a wake-up of the caller per request); what fails there (a context rank unreachable)
     // ends the request through Poll.
-    KVF_RETURN_IF_ERROR(Reserve(h.request_id, "is already being fetched on this rank"));
-    Post([this, h = std::move(h), in = std::move(in), plan = std::move(plan),
-          ctx_ranks = std::move(ctx_ranks), reused_blocks, digest, start = Clock::now()] {
+    KVF_RETURN_IF_ERROR(
+        engine_.statuses().Reserve(h.request_id, "is already being fetched on this rank"));
+    engine_.loop().Post([this, h = std::move(h), in = std::move(in), plan = std::move(plan),
+                         ctx_ranks = std::move(ctx_ranks), reused_blocks, digest,
+                         start = Clock::now()] {
       StartFetch(h, digest, in, plan, ctx_ranks, reused_blocks, start);
     });
     return Status::Ok();
@@ -109,11 +115,11 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     f.chunk_bytes = in.chunk_bytes;
     f.direct_min_bytes = in.direct_min_bytes;
     f.blocks = in.gen_blocks;
-    f.reply_address = address_;
+    f.reply_address = engine_.address();
     f.checksum = options_.checksum;
-    DescribeOffer(local_paths(), options_.chunk_bytes,
+    DescribeOffer(engine_.local_paths(), options_.chunk_bytes,
                   static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct), f);
-    const PathOffer offer = OfferOf(local_paths());
+    const PathOffer offer = OfferOf(engine_.local_paths());
     r.path_settings = Settings(f);
     // Only the context ranks with something to send us hear from us (wire version 8), and, from
     // the group's first rank, those with nothing to send anyone (planner.h CtxRanksToFetch): the
@@ -123,14 +129,14 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
       p.rank = c;
       p.transfer_id = NextTransferId();
       p.path = RecvPathForOffer(offer, r.path_settings);
-      NotePathUsed(p.path->kind());
+      engine_.NotePathUsed(p.path->kind());
       p.checksum = f.checksum;
       for (const PairPlan& pp : plan) {
         if (pp.ctx_rank == c) p.plan = pp;
       }
       auto peer = [&] {
-        ProfileScope timed(profile(), ProfilePhase::kConnect);
-        return transport_->Connect(h.addresses[c], r.deadline);
+        ProfileScope timed(engine_.profile(), ProfilePhase::kConnect);
+        return engine_.transport().Connect(h.addresses[c], r.deadline);
       }();
       if (!peer.ok()) {
         Status why =
@@ -138,33 +144,27 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         // The context ranks already asked would hold the request's blocks leased until their
         // deadline: tell them it is off.
         for (const RecvPair& sent : r.pairs) {
-          SendMsg(sent.peer, AbortMsg{r.id, sent.transfer_id, static_cast<uint8_t>(why.code()),
-                                      std::string(why.message())});
+          engine_.SendMsg(sent.peer,
+                          AbortMsg{r.id, sent.transfer_id, static_cast<uint8_t>(why.code()),
+                                   std::string(why.message())});
         }
-        SetStatus(TransferStatus{r.id, TransferState::kError, std::move(why), 0,
-                                 std::chrono::duration<double>(Clock::now() - start).count()});
+        engine_.statuses().Set(
+            TransferStatus{r.id, TransferState::kError, std::move(why), 0,
+                           std::chrono::duration<double>(Clock::now() - start).count()});
         return;
       }
       p.peer = *peer;
       f.transfer_id = p.transfer_id;
-      SendMsg(p.peer, f);
+      engine_.SendMsg(p.peer, f);
       r.pairs.push_back(std::move(p));
     }
     r.state = TransferState::kInProgress;
-    SetStatus(TransferStatus{r.id, r.state, Status::Ok(), 0, 0});
+    engine_.statuses().Set(TransferStatus{r.id, r.state, Status::Ok(), 0, 0});
     requests_.emplace(r.id, std::move(r));
   }
 
-  std::vector<TransferStatus> Poll(size_t at_least, Deadline deadline) override {
-    return PollStatuses(at_least, deadline);
-  }
-  StatusOr<TransferStatus> Query(uint64_t id) const override { return QueryStatus(id); }
-  TransceiverStats stats() const override { return Stats(); }
-  TransceiverMetrics metrics() const override { return Metrics("generation"); }
-  std::vector<RequestTimeline> timelines() const override { return Timelines(); }
-
   Status Cancel(uint64_t id) override {
-    return Call([&]() -> Status {
+    return engine_.loop().Call([&]() -> Status {
       auto it = requests_.find(id);
       if (it == requests_.end())
         return Status::NotFound(fmt::format("request {} is not live on this generation rank", id));
@@ -174,7 +174,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     });
   }
 
- protected:
+ private:
+  friend class SideSurface<GenerationSide, GenerationSideImpl>;
+
+  // EngineSide: the progress loop's steps.
   void OnControl(PeerId from, ControlMsg msg) override {
     // A pair hears only from its own context rank: another peer can't accept, complete or end
     // someone else's transfer (transfer ids are small numbers, easily guessed).
@@ -200,7 +203,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
           End(*r, TransferState::kError, st, true);
         } else if (Step(*r, *p, e)) {
           if (accepts) OnAccept(*r, *p, AcceptMsg{k->request_id, k->transfer_id, true, true});
-          p->path->OnChunk(*this, *r, *p, *k);
+          p->path->OnChunk(engine_, *r, *p, *k);
         }
       }
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
@@ -260,20 +263,20 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
         // memory without checksums) or it has none (COMPLETE answers it alone).
         if (!r.ending && in_place && p.state.Is(PairPhase::kAccepted) && !p.path->folds(p) &&
             Step(r, p, PairEvent::kDoneSent)) {
-          SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
+          engine_.SendMsg(p.peer, DoneMsg{r.id, p.transfer_id, p.plan.bytes});
           busy = true;
         }
         all_done &= p.state.Is(PairPhase::kCompleted);
         // The watch stays until nothing of ours waits for this context rank to stop putting.
         if (p.watch && !p.watch->Done() &&
             (p.state.Is(PairPhase::kCompleted) || (r.ending && p.path->idle())))
-          transport_->Cancel(*p.watch);
+          engine_.transport().Cancel(*p.watch);
         drained &= p.path->idle() && (!p.watch || p.watch->Done());
       }
       if ((r.ending && drained) || (!r.ending && all_done && local_done)) {
         double secs = std::chrono::duration<double>(Clock::now() - r.start).count();
         if (!r.ending) r.state = TransferState::kComplete;
-        SetStatus(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
+        engine_.statuses().Set(TransferStatus{r.id, r.state, r.reason, r.bytes, secs});
         it = requests_.erase(it);
         busy = true;
       } else {
@@ -320,7 +323,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   // not at all where it wakes this thread (QuietNapHearsPeers). (On a GPU the copies take no core:
   // poll as before.)
   std::chrono::microseconds QuietNap() const override {
-    if (requests_.empty() || device_.info().platform != "cpu") return {};
+    if (requests_.empty() || !engine_.cpu_device()) return {};
     // With one request live a message ends the nap at once: then pairs whose context rank puts
     // wait asleep too (its puts need nothing from us where the transport writes our memory
     // itself, and wake us where it emulates them by messages). A 128-token request by UCX puts on
@@ -359,7 +362,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
 
  private:
   uint32_t NextTransferId() {
-    const int bits = std::min(32, transport_->caps().tag_bits - kChunkTagBits);
+    const int bits = std::min(32, engine_.transport().caps().tag_bits - kChunkTagBits);
     const uint64_t mask = bits >= 32 ? 0xFFFFFFFFull : ((1ull << bits) - 1);
     next_transfer_ = static_cast<uint32_t>((next_transfer_ + 1) & mask);
     return next_transfer_;
@@ -374,7 +377,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     return RecvSettings{options_.max_inflight, options_.abort_grace, f.rma_target.row_min_bytes};
   }
 
-  // PathHost: a pair's path failed the request (r is one of this side's GenRequests).
+  // EngineSide: a pair's path failed the request (r is one of this side's GenRequests).
   void Fail(PathRequest& r, Status why) override {
     End(static_cast<GenRequest&>(r), TransferState::kError, std::move(why), true);
   }
@@ -386,10 +389,10 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
   // The pair's path posts and lands; a context rank that writes into this rank's memory is
   // watched, since no operation of ours would notice its death.
   bool AdvancePair(GenRequest& r, RecvPair& p) {
-    bool busy = p.path->Post(*this, r, p);
+    bool busy = p.path->Post(engine_, r, p);
     if (p.path->one_sided() && !p.watch && !r.ending && !p.state.final()) {
-      auto op = transport_->Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
-                                 sizeof(p.watch_buf), MemoryKind::kHost);
+      auto op = engine_.transport().Recv(p.peer, DataTag(p.transfer_id, kWatchChunk), p.watch_buf,
+                                         sizeof(p.watch_buf), MemoryKind::kHost);
       if (op.ok()) p.watch = std::move(op).value();
     }
     if (p.watch && p.watch->Done() && !p.watch->status().ok() &&
@@ -401,7 +404,7 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
           true);
       busy = true;
     }
-    return p.path->Land(*this, r, p) || busy;
+    return p.path->Land(engine_, r, p) || busy;
   }
 
   // The context rank answered (ACCEPT, or a first CHUNK standing for ACCEPT with peer memory):
@@ -411,8 +414,8 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     if (!next.ok()) return End(r, TransferState::kError, next.status(), true);
     if (!*next) return;
     p.path = std::move(next).value();  // the old path's slots go back: nothing was put
-    NotePathUsed(p.path->kind());
-    p.path->Start(*this, r, p);  // CHUNK messages may follow in the same drain
+    engine_.NotePathUsed(p.path->kind());
+    p.path->Start(engine_, r, p);  // CHUNK messages may follow in the same drain
   }
 
   // Applies a protocol event to the pair (pair_state.h): true when the caller acts on it. An
@@ -435,15 +438,17 @@ class GenerationSideImpl final : public GenerationSide, public Engine {
     r.state = state;
     r.reason = std::move(why);
     for (RecvPair& p : r.pairs) {
-      p.path->Cancel(*transport_);
+      p.path->Cancel(engine_.transport());
       if (tell_peers && !p.state.final()) {
-        SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
-                                 std::string(r.reason.message())});
+        engine_.SendMsg(p.peer, AbortMsg{r.id, p.transfer_id, static_cast<uint8_t>(r.reason.code()),
+                                         std::string(r.reason.message())});
       }
     }
   }
 
-  std::string address_;
+  Engine engine_;  // first: it goes last, after Stop ended every request
+  const EngineOptions& options_ = engine_.options();
+  const BlockPool& pool_ = engine_.pool();
   std::map<uint64_t, GenRequest> requests_;  // progress thread
   uint32_t next_transfer_ = 0;
 };
@@ -469,7 +474,6 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
   }
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options, device),
                                                    std::move(transport));
-  side->InitAddress();
   KVF_RETURN_IF_ERROR(side->Start());
   return std::unique_ptr<GenerationSide>(std::move(side));
 }

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "device/peer_memory.h"
-#include "transceiver/engine.h"
+#include "transceiver/context_side_impl.h"
 #include "transceiver/paths/peer_copies.h"
 #include "transceiver/transceiver_test_cluster.h"
 
@@ -113,8 +113,9 @@ TEST(PeerMemory, MappedRegionsAreBoundedAndThoseOfAGoneExporterReleased) {
   ASSERT_TRUE(Config::Global().Set("transfer.peer_max_mapped", "1").ok());
   TransceiverOptions o = SmallChunks(true);
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {2, 1, {}, 1, 0}}, o);
-  auto* engine = dynamic_cast<Engine*>(cl.ctx_[0].get());
-  ASSERT_NE(engine, nullptr);
+  auto* side = dynamic_cast<ContextSideImpl*>(cl.ctx_[0].get());
+  ASSERT_NE(side, nullptr);
+  Engine* engine = &side->engine();
   auto settles_at = [&](size_t want) {
     for (auto end = DeadlineIn(milliseconds(4000)); Clock::now() < end;) {
       if (engine->mapped_peer_regions() == want) return true;
@@ -189,8 +190,9 @@ TEST(PeerMemory, ShortLivedGenerationProcessesLeaveNoSharedMemoryMapped) {
   auto ctx = ContextSide::Create(*dev, *pool, o);
   if (!ctx.ok()) GTEST_SKIP() << ctx.status().ToString();
   ASSERT_TRUE((*ctx)->SetInstanceAddresses({(*ctx)->address()}).ok());
-  auto* engine = dynamic_cast<Engine*>(ctx->get());
-  ASSERT_NE(engine, nullptr);
+  auto* side = dynamic_cast<ContextSideImpl*>(ctx->get());
+  ASSERT_NE(side, nullptr);
+  Engine* engine = &side->engine();
   const std::string dir = fmt::format("/tmp/kvferry-gen-child-{}", getpid());
   std::filesystem::create_directories(dir);
   // This process's resident shared pages (the host's Shmem moves with every other process).

@@ -19,7 +19,7 @@
 #include <iterator>
 #include <thread>
 
-#include "transceiver/engine.h"
+#include "transceiver/engine/engine.h"
 #include "transceiver/paths/peer_copies.h"
 #include "transceiver/transceiver_test_cluster.h"
 

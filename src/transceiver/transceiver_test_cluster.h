@@ -16,7 +16,7 @@
 #include "kvferry/inproc_transport.h"
 #include "kvferry/transceiver.h"
 #include "testing/testdata.h"
-#include "transceiver/engine.h"
+#include "transceiver/engine/engine.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
 

@@ -16,7 +16,7 @@ add_test(NAME layering.wire_includes_below_compiles
 add_test(NAME layering.wire_includes_engine_fails
          COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/wire ${_dir}/wire_includes_engine.cc)
 set_tests_properties(layering.wire_includes_engine_fails PROPERTIES
-                     PASS_REGULAR_EXPRESSION "transceiver/engine.h'?${_missing}")
+                     PASS_REGULAR_EXPRESSION "transceiver/engine/engine.h'?${_missing}")
 add_test(NAME layering.base_includes_transceiver_api_fails
          COMMAND ${_cc} -I${KVFERRY_LAYER_ROOTS}/base ${_dir}/base_includes_transceiver_api.cc)
 set_tests_properties(layering.base_includes_transceiver_api_fails PROPERTIES

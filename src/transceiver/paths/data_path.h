@@ -38,7 +38,7 @@
 #include "kvferry/status.h"
 #include "kvferry/transport.h"
 #include "planner/planner.h"
-#include "transceiver/leases.h"
+#include "transceiver/engine/leases.h"
 #include "transceiver/pair_state.h"
 #include "transceiver/wire/messages.h"
 
@@ -87,7 +87,8 @@ struct PathPair {
 };
 
 // What a path needs of its side: the engine's resources, and the side's answers. Implemented by
-// the Engine (resources) and each side (Fail); every call on the progress thread.
+// the Engine (engine/engine.h), which passes Fail on to its side; every call on the progress
+// thread.
 class PathHost {
  public:
   virtual ~PathHost() = default;

@@ -11,7 +11,7 @@
 #include "kvferry/device.h"
 #include "kvferry/pool.h"
 #include "planner/planner.h"
-#include "transceiver/leases.h"
+#include "transceiver/engine/leases.h"
 
 namespace kvferry {
 

@@ -1,6 +1,6 @@
 // The context side's peer-memory copies (transfer.peer_memory; paths/peer_memory.h): a
 // generation rank on the same host offers its pool regions as Device::ExportMemory handles; this
-// rank maps them once (Engine::MapPeerPool) and its own stream copies every piece of a chunk
+// rank maps them once (PeerMappings::Map) and its own stream copies every piece of a chunk
 // straight into the destination blocks: no transport operation, staging slot or credit. Many
 // chunks go out in one CopyBatch (one gather-kernel launch and one batched copy-engine submission
 // on a GPU), and the CHUNK messages that tell the generation rank its bytes are in place are
@@ -24,9 +24,9 @@
 #include "kvferry/pool.h"
 #include "kvferry/status.h"
 #include "planner/planner.h"
-#include "transceiver/leases.h"
+#include "transceiver/engine/leases.h"
+#include "transceiver/engine/progress_profile.h"
 #include "transceiver/paths/data_path.h"
-#include "transceiver/progress_profile.h"
 #include "transceiver/wire/messages.h"
 
 namespace kvferry {

@@ -1,6 +1,6 @@
 // The peer-memory path (one host, transfer.peer_memory): the generation rank offers its pool
 // regions as Device::ExportMemory handles in its FETCH; a context rank that maps them
-// (Engine::MapPeerPool) copies every piece straight into the generation pool with its own stream
+// (PeerMappings::Map) copies every piece straight into the generation pool with its own stream
 // (paths/peer_copies.h: batches, merged launches, one completion tracker). No transport puts, no
 // staging, no credits: the generation rank posts nothing, and learns what landed from CHUNK
 // messages (coalesced: one per run of batches that landed while nothing else copied). The pair's
@@ -13,13 +13,13 @@
 #include <vector>
 
 #include "device/peer_memory.h"
+#include "transceiver/engine/progress_profile.h"
 #include "transceiver/paths/data_path.h"
 #include "transceiver/paths/peer_copies.h"
-#include "transceiver/progress_profile.h"
 
 namespace kvferry {
 
-// A generation pool's regions mapped by a context rank (Engine::MapPeerPool): raw pointers for the
+// A generation pool's regions mapped by a context rank (PeerMappings::Map): raw pointers for the
 // copies, and the references that keep them mapped while the pair that uses them lives.
 struct MappedPeerPool {
   std::vector<PeerMapping*> regions;

@@ -2,7 +2,7 @@
 // counts the time a stream had work once, however completions are observed; PeerCompletions
 // queries events only up to the first batch still copying; a side's metrics carry the profile
 // only with the knob on.
-#include "transceiver/progress_profile.h"
+#include "transceiver/engine/progress_profile.h"
 
 #include <gtest/gtest.h>
 

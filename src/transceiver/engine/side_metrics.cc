@@ -1,4 +1,4 @@
-#include "transceiver/side_metrics.h"
+#include "transceiver/engine/side_metrics.h"
 
 #include <algorithm>
 

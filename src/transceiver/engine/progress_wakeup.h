@@ -1,7 +1,7 @@
 // ProgressWakeup: lets a side's progress thread sleep until something it waits for may have
 // happened, instead of waking on a timer to look. What can bring work while a side only waits:
 // a peer's control message (the transport's WakeupFd: UCX's control worker, the in-process
-// fabric), a public call or a stream callback (Engine::Post, which calls Notify).
+// fabric), a public call or a stream callback (ProgressLoop::Post, which calls Notify).
 //
 // Why: on the CPU device the progress threads nap so as to leave the cores to the threads that
 // copy (2 cores: 50 us polling preempted the copying thread about 10,000 times a second), but a

@@ -1,4 +1,4 @@
-#include "transceiver/progress_wakeup.h"
+#include "transceiver/engine/progress_wakeup.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>

@@ -1,7 +1,7 @@
 // ProgressWakeup: a sleep that hears peers arms the transport and ends on a control message; one
 // that does not hear them leaves the transport unarmed (its peers send without waking this
 // thread), ends on a Notify or at its timeout, and the message waits for the next look.
-#include "transceiver/progress_wakeup.h"
+#include "transceiver/engine/progress_wakeup.h"
 
 #include <gtest/gtest.h>
 

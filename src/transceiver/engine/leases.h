@@ -14,7 +14,7 @@
 // lease inside the operation that uses it and drop it with that operation.
 //
 // Thread-compatible: used on the engine's progress thread only, except StagingPool::in_use(),
-// which Engine::Stats() reads from any thread. A pool must outlive its leases (the engine's pools
+// which Engine::Stats reads from any thread. A pool must outlive its leases (the engine's pools
 // are members of the Engine base, destroyed after the sides' requests).
 #pragma once
 

@@ -1,4 +1,4 @@
-#include "transceiver/progress_profile.h"
+#include "transceiver/engine/progress_profile.h"
 
 #include <time.h>
 

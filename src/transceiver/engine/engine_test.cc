@@ -1,5 +1,5 @@
 // The engine's teardown: copies still queued on its stream finish before staging is freed.
-#include "transceiver/engine.h"
+#include "transceiver/engine/engine.h"
 
 #include <gtest/gtest.h>
 
@@ -43,15 +43,9 @@ class RecordingDevice final : public Device {
   std::map<std::byte*, Buffer> owned_;
 };
 
-class IdleEngine final : public Engine {
+// A side with nothing to do: the engine's parts alone.
+class IdleSide final : public EngineSide {
  public:
-  using Engine::Engine;
-  ~IdleEngine() override { Stop(); }
-  using Engine::AcquireSlot;
-  using Engine::SlotData;
-  Stream& stream() override { return *stream_; }
-
- protected:
   void Fail(PathRequest&, Status) override {}
   void FailById(uint64_t, const Status&) override {}
   void OnControl(PeerId, ControlMsg) override {}
@@ -59,6 +53,8 @@ class IdleEngine final : public Engine {
   void OnTick(Clock::time_point) override {}
   bool OnStop() override { return true; }
   bool InFlight() const override { return false; }
+  std::chrono::microseconds QuietNap() const override { return {}; }
+  bool QuietNapHearsPeers() const override { return true; }
 };
 
 TEST(Engine, DestructionWaitsForCopiesQueuedOnItsStreamBeforeFreeingStaging) {
@@ -82,7 +78,8 @@ TEST(Engine, DestructionWaitsForCopiesQueuedOnItsStreamBeforeFreeingStaging) {
   t.fabric = InProcFabric::Create();
   auto transport = CreateTransport(t);
   ASSERT_TRUE(transport.ok()) << transport.status().ToString();
-  auto engine = std::make_unique<IdleEngine>(device, *pool, opt, std::move(transport).value());
+  IdleSide side;
+  auto engine = std::make_unique<Engine>(device, *pool, opt, std::move(transport).value(), side);
   ASSERT_TRUE(engine->Start().ok());
 
   // The copy into a staging slot is queued behind a slow callback, as a chunk's unpack or pack

@@ -1,6 +1,6 @@
-// Staging-slot and pooled-event leases (transceiver/leases.h) and the per-pair protocol state
-// (transceiver/pair_state.h).
-#include "transceiver/leases.h"
+// Staging-slot and pooled-event leases (transceiver/engine/leases.h) and the per-pair protocol
+// state (transceiver/pair_state.h).
+#include "transceiver/engine/leases.h"
 
 #include <gtest/gtest.h>
 
