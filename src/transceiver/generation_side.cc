@@ -179,71 +179,78 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
 
   // EngineSide: the progress loop's steps.
   void OnControl(PeerId from, ControlMsg msg) override {
-    // A pair hears only from its own context rank: another peer can't accept, complete or end
-    // someone else's transfer (transfer ids are small numbers, easily guessed).
-    auto find = [&](uint64_t id, uint32_t tid) -> std::pair<GenRequest*, RecvPair*> {
-      auto it = requests_.find(id);
-      if (it == requests_.end()) return {nullptr, nullptr};
-      for (RecvPair& p : it->second.pairs) {
-        if (p.transfer_id == tid && p.peer == from) return {&it->second, &p};
-      }
-      return {nullptr, nullptr};
-    };
     if (auto* a = std::get_if<AcceptMsg>(&msg)) {
-      if (auto [r, p] = find(a->request_id, a->transfer_id); p && Step(*r, *p, PairEvent::kAccept))
+      if (auto [r, p] = FindPair(from, a->request_id, a->transfer_id);
+          p && Step(*r, *p, PairEvent::kAccept))
         OnAccept(*r, *p, *a);
     } else if (auto* k = std::get_if<ChunkMsg>(&msg)) {
-      // A CHUNK saying complete ends the pair (the context rank stopped copying), also when this
-      // request is ending already.
-      // In phase fetched any CHUNK also stands for ACCEPT with peer memory (wire version 7).
-      const PairEvent e = k->complete ? PairEvent::kChunkComplete : PairEvent::kChunk;
-      if (auto [r, p] = find(k->request_id, k->transfer_id); p) {
-        const bool accepts = p->state.Is(PairPhase::kFetched);
-        if (Status st = p->path->CheckComplete(*r, *p, *k); !st.ok()) {
-          End(*r, TransferState::kError, st, true);
-        } else if (Step(*r, *p, e)) {
-          if (accepts) OnAccept(*r, *p, AcceptMsg{k->request_id, k->transfer_id, true, true});
-          p->path->OnChunk(engine_, *r, *p, *k);
-        }
-      }
+      if (auto [r, p] = FindPair(from, k->request_id, k->transfer_id); p) OnChunk(*r, *p, *k);
     } else if (auto* c = std::get_if<CompleteMsg>(&msg)) {
-      // COMPLETE answers every pair's DONE, ours included: one before it is an error (a pair with
-      // no chunks sends none, and takes COMPLETE as its only answer). A pair that folds says no
-      // DONE: COMPLETE follows its last CHUNK when that came on its own (wire version 11).
-      if (auto [r, p] = find(c->request_id, c->transfer_id); p) {
-        if (p->state.Is(PairPhase::kAccepted) && p->path->folds(*p)) {
-          if (!p->path->reported_all(*p)) {
-            End(*r, TransferState::kError,
-                Status::InvalidArgument(
-                    fmt::format("request {}: context rank {} said COMPLETE before its last CHUNK",
-                                r->id, p->rank)),
-                true);
-          } else {
-            Step(*r, *p, PairEvent::kCompleteAfterChunks);
-          }
-        } else if (p->state.Is(PairPhase::kFetched) && !p->plan.chunks.empty()) {
-          End(*r, TransferState::kError,
-              Status::InvalidArgument(fmt::format(
-                  "request {}: context rank {} said COMPLETE before any of its {} chunks", r->id,
-                  p->rank, p->plan.chunks.size())),
-              true);
-        } else {
-          Step(*r, *p, PairEvent::kComplete);
-        }
-      }
+      if (auto [r, p] = FindPair(from, c->request_id, c->transfer_id); p) OnComplete(*r, *p);
     } else if (auto* j = std::get_if<RejectMsg>(&msg)) {
-      if (auto [r, p] = find(j->request_id, j->transfer_id);
+      if (auto [r, p] = FindPair(from, j->request_id, j->transfer_id);
           p && Step(*r, *p, PairEvent::kReject)) {
         End(*r, TransferState::kError,
             PeerStatus(j->code, fmt::format("context rank {} refused: {}", p->rank, j->reason)),
             true);
       }
     } else if (auto* b = std::get_if<AbortMsg>(&msg)) {
-      if (auto [r, p] = find(b->request_id, b->transfer_id); p && Step(*r, *p, PairEvent::kAbort)) {
+      if (auto [r, p] = FindPair(from, b->request_id, b->transfer_id);
+          p && Step(*r, *p, PairEvent::kAbort)) {
         End(*r, TransferState::kError,
             PeerStatus(b->code, fmt::format("context rank {} aborted: {}", p->rank, b->reason)),
             true);
       }
+    }
+  }
+
+  // The pair (request `id`, transfer `tid`) of peer `from`, or nulls: a pair hears only from its
+  // own context rank, so another peer can't accept, complete or end someone else's transfer
+  // (transfer ids are small numbers, easily guessed).
+  std::pair<GenRequest*, RecvPair*> FindPair(PeerId from, uint64_t id, uint32_t tid) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return {nullptr, nullptr};
+    for (RecvPair& p : it->second.pairs) {
+      if (p.transfer_id == tid && p.peer == from) return {&it->second, &p};
+    }
+    return {nullptr, nullptr};
+  }
+
+  // A CHUNK saying complete ends the pair (the context rank stopped copying), also when this
+  // request is ending already. In phase fetched any CHUNK also stands for ACCEPT with peer memory
+  // (wire version 7).
+  void OnChunk(GenRequest& r, RecvPair& p, const ChunkMsg& k) {
+    const PairEvent e = k.complete ? PairEvent::kChunkComplete : PairEvent::kChunk;
+    const bool accepts = p.state.Is(PairPhase::kFetched);
+    if (Status st = p.path->CheckComplete(r, p, k); !st.ok()) {
+      End(r, TransferState::kError, st, true);
+    } else if (Step(r, p, e)) {
+      if (accepts) OnAccept(r, p, AcceptMsg{k.request_id, k.transfer_id, true, true});
+      p.path->OnChunk(engine_, r, p, k);
+    }
+  }
+
+  // COMPLETE answers every pair's DONE, ours included: one before it is an error (a pair with no
+  // chunks sends none, and takes COMPLETE as its only answer). A pair that folds says no DONE:
+  // COMPLETE follows its last CHUNK when that came on its own (wire version 11).
+  void OnComplete(GenRequest& r, RecvPair& p) {
+    if (p.state.Is(PairPhase::kAccepted) && p.path->folds(p)) {
+      if (p.path->reported_all(p)) {
+        Step(r, p, PairEvent::kCompleteAfterChunks);
+        return;
+      }
+      End(r, TransferState::kError,
+          Status::InvalidArgument(fmt::format(
+              "request {}: context rank {} said COMPLETE before its last CHUNK", r.id, p.rank)),
+          true);
+    } else if (p.state.Is(PairPhase::kFetched) && !p.plan.chunks.empty()) {
+      End(r, TransferState::kError,
+          Status::InvalidArgument(
+              fmt::format("request {}: context rank {} said COMPLETE before any of its {} chunks",
+                          r.id, p.rank, p.plan.chunks.size())),
+          true);
+    } else {
+      Step(r, p, PairEvent::kComplete);
     }
   }
 
