@@ -32,6 +32,7 @@ class OffloadOptions:
     file_slots: int = 0  # file tier capacity, in vLLM blocks
     file_backend: str = ""  # posix | io_uring | cufile ("": the files.backend knob)
     io_timeout_s: float = 60.0  # worker: longest wait for a job vLLM asks to wait for
+    promote: bool = True  # a load from files also copies the block into the host tier
 
     @staticmethod
     def from_extra(extra: Mapping[str, Any]) -> "OffloadOptions":
@@ -39,7 +40,8 @@ class OffloadOptions:
                  "kvferry_file_dir": ("file_dir", str),
                  "kvferry_file_slots": ("file_slots", int),
                  "kvferry_file_backend": ("file_backend", str),
-                 "kvferry_io_timeout_s": ("io_timeout_s", float)}
+                 "kvferry_io_timeout_s": ("io_timeout_s", float),
+                 "kvferry_promote": ("promote", _flag)}
         values: dict[str, Any] = {}
         for k, v in extra.items():
             if not k.startswith("kvferry_"):
@@ -64,6 +66,16 @@ class OffloadOptions:
 
 # ---------------------------------------------------------------------------------------------
 # Identity and keys
+
+
+def _flag(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"KvferryOffloadingSpec: kvferry_promote={v!r} is not a boolean")
 
 
 def identity_of(config: Any) -> dict[str, Any]:
@@ -132,18 +144,23 @@ def _write_json(path: str, obj: Any) -> None:
 class KvferrySpecEntries:
     """The LoadStoreSpec of a kvferry job: per block (in vLLM's order) its host block (-1: none),
     its file slot (-1: none) and its 128-bit key. A store writes every tier named; a load reads
-    the host block when there is one, else the slot."""
+    the host block when there is one, else the slot, and then copies a block read from its slot
+    into the host block `promote` names (-1: none), a promotion into the host tier."""
 
-    def __init__(self, host: list[int], slots: list[int], keys: list[int]):
+    def __init__(self, host: list[int], slots: list[int], keys: list[int],
+                 promote: list[int] | None = None):
         self.host = np.asarray(host, dtype=np.int64)
         self.slots = np.asarray(slots, dtype=np.int64)
         self.keys = keys
+        self.promote = (np.full(len(keys), -1, dtype=np.int64) if promote is None
+                        else np.asarray(promote, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __repr__(self) -> str:
-        return f"KvferrySpecEntries(host={self.host.tolist()}, slots={self.slots.tolist()})"
+        return (f"KvferrySpecEntries(host={self.host.tolist()}, slots={self.slots.tolist()}, "
+                f"promote={self.promote.tolist()})")
 
 
 @dataclass
@@ -154,6 +171,7 @@ class _Entry:
     ready: bool = False  # stored (loadable)
     refs: int = 0  # loads in flight
     bad: bool = False  # a load of it failed: forgotten once no load holds it
+    promoting: bool = False  # `host` taken by a load's promotion; its copy not written yet
 
 
 @dataclass
@@ -167,6 +185,7 @@ class ManagerStats:
     loaded_file: int = 0
     evicted_host: int = 0
     evicted_file: int = 0
+    promoted: int = 0  # blocks loaded from a file slot and copied into the host tier by the load
     store_skipped: int = 0  # no tier had room
     discarded: int = 0  # blocks whose load failed (forgotten: stored again when recomputed)
     recovered: int = 0
@@ -177,14 +196,22 @@ class KvferryOffloadingManager:
     """Index of offloaded blocks by key: which host block and/or file slot holds each, LRU
     eviction per tier, vLLM's events. Runs on the scheduler's thread (vLLM calls it serially).
 
+    Promotion: a load of a block that only a file slot holds also takes a host block (a free one,
+    else the host tier's least recently used block that no load holds and that is not part of the
+    same load), and the worker copies the loaded block there after the read. The host copy counts
+    once every load holding the block has completed (``complete_load``); until then lookups and
+    loads use the slot. A block whose load failed is forgotten with its host copy (``discard``).
+
     It implements vLLM's OffloadingManager interface (``KvferryOffloadingSpec.get_manager``
     wraps it in a subclass of vLLM's base class) and needs nothing of vLLM itself, so its logic
     is tested without vLLM (python/tests/test_vllm_offload.py)."""
 
     def __init__(self, digest: bytes, host_blocks: int, file_slots: int,
-                 recovered: Iterable[tuple[int, int]] = (), enable_events: bool = False):
+                 recovered: Iterable[tuple[int, int]] = (), enable_events: bool = False,
+                 promote: bool = True):
         self._digest = digest
         self._host_blocks = host_blocks
+        self._promote_on_load = promote
         self._file_slots = file_slots
         self._entries: dict[int, _Entry] = {}
         self._host_lru: OrderedDict[int, None] = OrderedDict()
@@ -223,7 +250,7 @@ class KvferryOffloadingManager:
             return "pending"
         if e.okey is None:
             e.okey = okey
-        if e.host >= 0:
+        if _host_copy(e):
             self.stats.hits_host += 1
         else:
             self.stats.hits_file += 1
@@ -234,24 +261,29 @@ class KvferryOffloadingManager:
 
     def source(self, okey: bytes) -> str:
         e = self._entries.get(self.key_of(okey))
-        return "host" if e is not None and e.host >= 0 else "disk"
+        return "host" if e is not None and _host_copy(e) else "disk"
 
     def prepare_load(self, okeys: Collection[bytes]) -> KvferrySpecEntries:
-        host, slots, keys = [], [], []
+        protected = {self.key_of(o) for o in okeys}
+        host, slots, keys, promote = [], [], [], []
         for okey in okeys:
             k = self.key_of(okey)
             e = self._entries[k]
             assert e.ready, "prepare_load of a block not stored"
             e.refs += 1
             self._touch(k, e)
-            host.append(e.host)
-            slots.append(e.slot if e.host < 0 else -1)
             keys.append(k)
-            if e.host >= 0:
+            if _host_copy(e):
                 self.stats.loaded_host += 1
+                host.append(e.host)
+                slots.append(-1)
+                promote.append(-1)
             else:
                 self.stats.loaded_file += 1
-        return KvferrySpecEntries(host, slots, keys)
+                host.append(-1)
+                slots.append(e.slot)
+                promote.append(self._promote(k, e, protected))
+        return KvferrySpecEntries(host, slots, keys, promote)
 
     def touch(self, okeys: Collection[bytes]) -> None:
         for okey in okeys:
@@ -261,13 +293,23 @@ class KvferryOffloadingManager:
                 self._touch(k, e)
 
     def complete_load(self, okeys: Collection[bytes]) -> None:
+        promoted: list[bytes] = []
         for okey in okeys:
             k = self.key_of(okey)
             e = self._entries.get(k)
-            if e is not None and e.refs > 0:
-                e.refs -= 1
-                if e.bad and e.refs == 0:
-                    self._forget(k, e)
+            if e is None or e.refs == 0:
+                continue
+            e.refs -= 1
+            if e.refs > 0:
+                continue
+            if e.bad:
+                self._forget(k, e)
+            elif e.promoting:  # the promoting load is done (it held a reference until now)
+                e.promoting = False
+                self.stats.promoted += 1
+                promoted.append(e.okey)
+        if promoted and self.events is not None:
+            self.events.append((promoted, "host", False))
 
     def discard(self, keys: Iterable[int]) -> None:
         """Forgets blocks (by 128-bit key) whose load failed: a slot that failed its checks is
@@ -377,6 +419,17 @@ class KvferryOffloadingManager:
                 return h
         return -1
 
+    def _promote(self, k: int, e: _Entry, protected: set[int]) -> int:
+        """A host block for a copy of file-only block `k` (-1: none, or promotion under way)."""
+        if not self._host_blocks or not self._promote_on_load or e.host >= 0:
+            return -1
+        h = self._take_host(protected, [])  # vLLM reads evicted keys only from prepare_store
+        if h < 0:
+            return -1
+        e.host, e.promoting = h, True
+        self._host_lru[k] = None
+        return h
+
     def _take_slot(self, protected: set[int], evicted: list[bytes]) -> int:
         if self._free_slots:
             return self._free_slots.pop()
@@ -401,7 +454,7 @@ class KvferryOffloadingManager:
 
     def _forget(self, k: int, e: _Entry) -> None:
         if self.events is not None and e.okey is not None:
-            for tier, held in (("host", e.host), ("file", e.slot)):
+            for tier, held in (("host", -1 if e.promoting else e.host), ("file", e.slot)):
                 if held >= 0:
                     self.events.append(([e.okey], tier, True))
         self._recovered_keys.discard(k)
@@ -415,6 +468,11 @@ class KvferryOffloadingManager:
             self._file_lru.pop(k, None)
             self._free_slots.append(e.slot)
         del self._entries[k]
+
+
+def _host_copy(e: _Entry) -> bool:
+    """Whether the host tier holds a written copy of the block."""
+    return e.host >= 0 and not e.promoting
 
 
 def read_sessions(file_dir: str, world_size: int, identity: Mapping[str, Any],

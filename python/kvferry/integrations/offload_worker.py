@@ -32,18 +32,28 @@ logger = logging.getLogger("kvferry.vllm_offload")
 # Worker side
 
 
+# Blocks per file batch: the TransferManager's pinned file staging (a larger batch is refused,
+# so a job's file blocks go in batches of at most this many).
+FILE_STAGING_BLOCKS = 32
+
+
 @dataclass
 class _Job:
     load: bool
-    batches: list[tuple[Any, np.ndarray]] = field(default_factory=list)  # (batch, gpu ids)
+    # (batch, vLLM block ids, kind): "copy" moves the job's blocks; "promote" copies blocks a
+    # load read from files into the host tier (after the read: the TransferManager orders a
+    # read of a primary block after the batch that wrote it).
+    batches: list[tuple[Any, np.ndarray, str]] = field(default_factory=list)
     start: float = 0.0
     bytes: int = 0
 
 
 class KvferryOffloadingWorker:
     """Moves blocks between vLLM's KV tensors (wrapped zero-copy) and the host pool / file tier
-    through one kvferry TransferManager. submit_* queue batches and return at once; get_finished
-    polls them (TransferBatch.query), never waits."""
+    through one kvferry TransferManager. submit_* queue batches and return at once (a file batch
+    waits only for pinned staging, FILE_STAGING_BLOCKS blocks, when earlier file batches hold
+    it); get_finished polls them (TransferBatch.query), never waits. Not thread-safe: vLLM calls
+    it from its worker thread."""
 
     def __init__(self, tensors: list[Any], tokens_per_block: int, options: OffloadOptions,
                  identity: Mapping[str, Any], rank: int, engine_id: str,
@@ -55,6 +65,7 @@ class KvferryOffloadingWorker:
         self.failed_blocks: set[int] = set()  # vLLM block ids whose load failed, not yet reported
         self.load_failures = 0
         self.store_failures = 0
+        self.promote_failures = 0
         self.file_refused = ""
         t0 = tensors[0]
         page = int(t0.shape[1])
@@ -83,7 +94,8 @@ class KvferryOffloadingWorker:
         self.store = None
         if options.file_slots:
             self.store = self._open_store(identity, rank, engine_id)
-        self.tm = kvferry.TransferManager(self.device, self.primary, self.host, file=self.store)
+        self.tm = kvferry.TransferManager(self.device, self.primary, self.host, file=self.store,
+                                          file_staging_blocks=FILE_STAGING_BLOCKS)
         self.jobs: dict[int, _Job] = {}
 
     def _open_store(self, identity: Mapping[str, Any], rank: int, engine_id: str):
@@ -139,16 +151,27 @@ class KvferryOffloadingWorker:
         hm = dst.host >= 0
         if self.host is not None and hm.any():
             moves = np.stack([gpu[hm], dst.host[hm]], axis=1)
-            job.batches.append((self.tm.offload(moves, kvferry.Tier.HOST), gpu[hm]))
+            job.batches.append((self.tm.offload(moves, kvferry.Tier.HOST), gpu[hm], "copy"))
         fm = dst.slots >= 0
         if self.store is not None and fm.any():
-            idx = np.nonzero(fm)[0]
-            moves = np.stack([gpu[fm], dst.slots[fm]], axis=1)
-            keys = [dst.keys[i] for i in idx]
-            job.batches.append((self.tm.offload(moves, kvferry.Tier.FILE, keys=keys), gpu[fm]))
-        job.bytes = sum(len(g) for _, g in job.batches) * self.block_bytes
+            self._file_batches(job, np.nonzero(fm)[0], gpu, dst.slots, dst.keys, load=False)
+        job.bytes = sum(len(g) for _, g, _ in job.batches) * self.block_bytes
         self.jobs[job_id] = job
         return True
+
+    def _file_batches(self, job: _Job, idx: np.ndarray, gpu: np.ndarray, slots: np.ndarray,
+                      keys: list[int], load: bool) -> None:
+        """The file part of a job: items `idx` in batches the file staging holds."""
+        for i in range(0, len(idx), FILE_STAGING_BLOCKS):
+            part = idx[i:i + FILE_STAGING_BLOCKS]
+            pk = [keys[j] for j in part]
+            if load:
+                b = self.tm.onboard(np.stack([slots[part], gpu[part]], axis=1),
+                                    kvferry.Tier.FILE, keys=pk)
+            else:
+                b = self.tm.offload(np.stack([gpu[part], slots[part]], axis=1),
+                                    kvferry.Tier.FILE, keys=pk)
+            job.batches.append((b, gpu[part], "copy"))
 
     def submit_load(self, job_id: int, src: KvferrySpecEntries, gpu_ids: np.ndarray) -> bool:
         gpu = np.asarray(gpu_ids, dtype=np.int64)
@@ -157,18 +180,21 @@ class KvferryOffloadingWorker:
         hm = src.host >= 0
         if hm.any():
             moves = np.stack([src.host[hm], gpu[hm]], axis=1)
-            job.batches.append((self.tm.onboard(moves, kvferry.Tier.HOST), gpu[hm]))
+            job.batches.append((self.tm.onboard(moves, kvferry.Tier.HOST), gpu[hm], "copy"))
         fm = ~hm
         if fm.any():
             if self.store is None:  # never: the manager names slots only when the tier is on
                 self.failed_blocks.update(int(b) for b in gpu[fm])
             else:
-                idx = np.nonzero(fm)[0]
-                moves = np.stack([src.slots[fm], gpu[fm]], axis=1)
-                keys = [src.keys[i] for i in idx]
-                job.batches.append((self.tm.onboard(moves, kvferry.Tier.FILE, keys=keys),
-                                    gpu[fm]))
-        job.bytes = sum(len(g) for _, g in job.batches) * self.block_bytes
+                self._file_batches(job, np.nonzero(fm)[0], gpu, src.slots, src.keys, load=True)
+        job.bytes = sum(len(g) for _, g, _ in job.batches) * self.block_bytes
+        # Promotion: blocks read from files are copied on into the host blocks the manager took
+        # (after their read, by the manager's ordering); a failed read's copy is never used (the
+        # block is reported and the manager forgets it, host copy included).
+        pm = (src.promote >= 0) & fm
+        if self.host is not None and self.store is not None and pm.any():
+            moves = np.stack([gpu[pm], src.promote[pm]], axis=1)
+            job.batches.append((self.tm.offload(moves, kvferry.Tier.HOST), gpu[pm], "promote"))
         self.jobs[job_id] = job
         return True
 
@@ -176,7 +202,7 @@ class KvferryOffloadingWorker:
         """(job id, success, bytes, seconds) of the jobs finished since the last call."""
         out = []
         for job_id, job in list(self.jobs.items()):
-            if not all(b.query() for b, _ in job.batches):
+            if not all(b.query() for b, _, _ in job.batches):
                 continue
             del self.jobs[job_id]
             ok = self._account(job_id, job)
@@ -185,18 +211,25 @@ class KvferryOffloadingWorker:
 
     def _account(self, job_id: int, job: _Job) -> bool:
         ok = True
-        for b, gpu in job.batches:
+        failed: set[int] = set()
+        for b, gpu, kind in job.batches:
             for i, err in enumerate(b.items):
                 if err is None:
                     continue
                 ok = False
-                if job.load:
+                if kind == "promote":
+                    # The vLLM block is fine, but the manager will count the host copy: report
+                    # the block so that the key is forgotten (and the block recomputed).
+                    self.promote_failures += 1
+                elif job.load:
                     self.load_failures += 1
-                    self.failed_blocks.add(int(gpu[i]))
                 else:
                     self.store_failures += 1
-                logger.error("kvferry offload: %s job %d: %s", "load" if job.load else "store",
-                             job_id, err)
+                if job.load:
+                    failed.add(int(gpu[i]))
+                logger.error("kvferry offload: %s job %d: %s", kind if kind == "promote" else
+                             "load" if job.load else "store", job_id, err)
+        self.failed_blocks |= failed
         if not job.load:
             # A failed store is a later miss or failed load (the slot reads as not written, or
             # fails its checks), never wrong data; vLLM's worker accepts no failed job.
@@ -208,7 +241,7 @@ class KvferryOffloadingWorker:
             job = self.jobs.get(job_id)
             if job is None:
                 continue
-            for b, _ in job.batches:
+            for b, _, _ in job.batches:
                 try:
                     b.wait(timeout=self.o.io_timeout_s)
                 except kvferry.Error as e:  # item errors: reported by get_finished

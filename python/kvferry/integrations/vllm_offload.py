@@ -21,9 +21,10 @@ way.
 
 Tiers. The file tier (a ``kvferry.SlabStore``) keeps every stored block (write-through) while it
 has room; the host tier (a pinned ``kvferry.Pool``) keeps the recently stored or loaded ones. A
-store writes both, a load reads the host copy when there is one, else the file slot. Each tier
-evicts least recently used blocks that no transfer holds; a block leaves the index when it is in
-neither tier.
+store writes both, a load reads the host copy when there is one, else the file slot, and then
+copies a block it read from files into the host tier too (promotion, when the host tier has a free
+block or a least recently used one no transfer holds). Each tier evicts least recently used blocks
+that no transfer holds; a block leaves the index when it is in neither tier.
 
 Keys. vLLM names a block by its ``OffloadKey`` (its prefix block hash, a hash chain over the
 tokens and extra keys of the block and every block before it, plus the KV group index). kvferry's
@@ -100,7 +101,7 @@ if _base is not None:
     class KvferryLoadStoreSpec(LoadStoreSpec, KvferrySpecEntries):
         def __init__(self, entries: KvferrySpecEntries):
             KvferrySpecEntries.__init__(self, entries.host.tolist(), entries.slots.tolist(),
-                                        entries.keys)
+                                        entries.keys, entries.promote.tolist())
 
     _LOOKUP = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING,
                "miss": LookupResult.MISS}
@@ -196,7 +197,8 @@ if _base is not None:
                         logger.error("kvferry offload: file tier off: %s", why)
                 core = KvferryOffloadingManager(
                     self.digest, o.host_blocks, 0 if why else o.file_slots, recovered,
-                    enable_events=self.kv_events_config.enable_kv_cache_events)
+                    enable_events=self.kv_events_config.enable_kv_cache_events,
+                    promote=o.promote)
                 core.stats.file_refused = why
                 self._manager = _Manager(core)
             return self._manager
