@@ -76,7 +76,9 @@ class KvferryOffloadingWorker:
             raise ValueError(f"KvferryOffloadingSpec: page of {page} bytes is not a multiple of "
                              f"2 x {tokens_per_block} tokens")
         blocks = int(t0.shape[0])
-        self.device = kvferry.Device("cpu" if t0.device.type == "cpu"
+        self._torch_device = t0.device
+        self._cuda = t0.device.type == "cuda"
+        self.device = kvferry.Device("cpu" if not self._cuda
                                      else f"cuda:{t0.device.index or 0}")
         # Whole pages move: inside a page kvferry needs no structure, so each layer's page is
         # described as [kv=2][head=1][token][bytes] of int8.
@@ -148,6 +150,7 @@ class KvferryOffloadingWorker:
         gpu = np.asarray(gpu_ids, dtype=np.int64)
         assert len(gpu) == len(dst), f"store job {job_id}: {len(gpu)} blocks for {len(dst)} keys"
         job = _Job(load=False, start=time.perf_counter())
+        self._after_compute()
         hm = dst.host >= 0
         if self.host is not None and hm.any():
             moves = np.stack([gpu[hm], dst.host[hm]], axis=1)
@@ -158,6 +161,16 @@ class KvferryOffloadingWorker:
         job.bytes = sum(len(g) for _, g, _ in job.batches) * self.block_bytes
         self.jobs[job_id] = job
         return True
+
+    def _after_compute(self) -> None:
+        """On CUDA, the job's copies wait for the work vLLM queued so far on its current stream: a
+        store reads blocks the last forward may still be writing, a load writes blocks a
+        finished request's kernels may still read. (On the CPU the forward has returned.)"""
+        if self._cuda:
+            import torch
+
+            native = torch.cuda.current_stream(self._torch_device)
+            self.tm.wait_for_compute(self.device.wrap_stream(native))
 
     def _file_batches(self, job: _Job, idx: np.ndarray, gpu: np.ndarray, slots: np.ndarray,
                       keys: list[int], load: bool) -> None:
@@ -177,6 +190,7 @@ class KvferryOffloadingWorker:
         gpu = np.asarray(gpu_ids, dtype=np.int64)
         assert len(gpu) == len(src), f"load job {job_id}: {len(gpu)} blocks for {len(src)} keys"
         job = _Job(load=True, start=time.perf_counter())
+        self._after_compute()
         hm = src.host >= 0
         if hm.any():
             moves = np.stack([src.host[hm], gpu[hm]], axis=1)
