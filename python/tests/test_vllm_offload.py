@@ -329,3 +329,34 @@ def test_jobs_larger_than_the_file_staging_go_in_several_batches(tmp_path):
     for t, ref in zip(kv, want):
         assert torch.equal(t[n:], ref)
     w.shutdown()
+
+
+@pytest.mark.gpu
+def test_cuda_worker_orders_jobs_after_the_engines_stream(tmp_path):
+    """CUDA tensors as vLLM's offloading worker hands them over (per-layer [blocks, page] int8
+    views of one layer-compact buffer): a store submitted while the engine's stream is still
+    writing the blocks copies what the stream wrote, through the pinned host tier and the file
+    tier; a load brings the bytes back into other blocks."""
+    raw = torch.zeros(LAYERS * BLOCKS * PAGE, dtype=torch.int8, device="cuda")
+    kv = [raw[i * BLOCKS * PAGE:(i + 1) * BLOCKS * PAGE].view(BLOCKS, PAGE) for i in range(LAYERS)]
+    w, m, why = open_tier(tmp_path, kv, {"format": vo.FORMAT, "model": "cuda"}, host=2, slots=4)
+    assert why == "" and w.device.info["platform"] == "cuda"
+    torch.cuda._sleep(50_000_000)  # the engine's stream is busy ...
+    for t in kv:
+        t[0:4].fill_(5)  # ... then writes blocks 0-3, the ones stored next
+    keys = [ok(i) for i in range(4)]
+    to_store, where, _ = m.prepare_store(keys)
+    w.submit_store(1, np.arange(4), where)
+    assert finish(w, 1)[0]
+    m.complete_store(to_store)
+    torch.cuda.synchronize()
+    for t in kv:
+        t[0:4].zero_()
+    spec = m.prepare_load(keys)  # two from host, two from files
+    assert spec.host.tolist() == [0, 1, -1, -1]
+    w.submit_load(2, spec, np.array([4, 5, 6, 7]))
+    assert finish(w, 2)[0] and w.take_failed_blocks() == set()
+    torch.cuda.synchronize()
+    for t in kv:
+        assert bool((t[4:8] == 5).all()) and bool((t[0:4] == 0).all())
+    w.shutdown()
