@@ -503,7 +503,25 @@ def orchestrate(args) -> int:
     base = spawn(args, "baseline", "none", logs["baseline"])
     results = {}
     pending = []  # (connector, prefill process) still serving
-    for conn in (["kvferry", "multi", "nixl"] if args.only is None else [args.only]):
+    released = None
+
+    def finish_pending():
+        """The kvferry prefill's hold phase: its 'released' marks live hold_timeout_s, so they
+        are read before the next pair after the one that overlaps the hold phase."""
+        nonlocal released
+        for conn, pre in pending:
+            try:
+                wait_for(os.path.join(args.work, "kvferry-D.json"), args.hold_timeout_s + 180)
+                released = released_keys(args)
+            except TimeoutError as e:
+                print(e)
+            open(os.path.join(args.work, f"{conn}-release"), "w").close()
+            wait_proc(pre, f"{conn} prefill", 60, logs[f"{conn}-prefill"])
+        pending.clear()
+
+    for conn in (["kvferry", "nixl", "multi"] if args.only is None else [args.only]):
+        if conn == "multi":
+            finish_pending()
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port)} if conn == "nixl" else {}
         if args.prefill_tp > 1:
             # vLLM's CPU workers bind one NUMA node each unless told which cores to use.
@@ -529,15 +547,7 @@ def orchestrate(args) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 results[conn] = json.load(f)
-    released = None
-    for conn, pre in pending:
-        try:
-            wait_for(os.path.join(args.work, "kvferry-D.json"), args.hold_timeout_s + 180)
-            released = released_keys(args)
-        except TimeoutError as e:
-            print(e)
-        open(os.path.join(args.work, f"{conn}-release"), "w").close()
-        wait_proc(pre, f"{conn} prefill", 60, logs[f"{conn}-prefill"])
+    finish_pending()
     ok = wait_proc(base, "baseline", 600, logs["baseline"])
     checks.check("baseline: one instance ran", ok)
     if not ok:
