@@ -98,6 +98,11 @@ class KvferryOffloadingWorker:
             self.store = self._open_store(identity, rank, engine_id)
         self.tm = kvferry.TransferManager(self.device, self.primary, self.host, file=self.store,
                                           file_staging_blocks=FILE_STAGING_BLOCKS)
+        if self._cuda:
+            # A side stream that waits for vLLM's current stream at each job: kvferry wraps only
+            # real streams (not the legacy default stream torch's current stream usually is).
+            self._order_stream = torch.cuda.Stream(device=t0.device)
+            self._order = self.device.wrap_stream(self._order_stream)
         self.jobs: dict[int, _Job] = {}
 
     def _open_store(self, identity: Mapping[str, Any], rank: int, engine_id: str):
@@ -169,8 +174,8 @@ class KvferryOffloadingWorker:
         if self._cuda:
             import torch
 
-            native = torch.cuda.current_stream(self._torch_device)
-            self.tm.wait_for_compute(self.device.wrap_stream(native))
+            self._order_stream.wait_stream(torch.cuda.current_stream(self._torch_device))
+            self.tm.wait_for_compute(self._order)
 
     def _file_batches(self, job: _Job, idx: np.ndarray, gpu: np.ndarray, slots: np.ndarray,
                       keys: list[int], load: bool) -> None:
