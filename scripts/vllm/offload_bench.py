@@ -20,7 +20,9 @@
              (a) none     no offloading
              (c) kvferry  KvferryOffloadingConnector, host HOST_BLOCKS blocks + FILE_SLOTS slots
            Reports prompt tokens computed, hit rate, TTFT p50/p99, throughput (prompt + generated
-           tokens per second of generate time); outputs of (c) must equal (a)'s.
+           tokens per second of generate time, and per CPU second of the engine's process: on a
+           machine shared with other jobs wall time also counts waiting for a core, CPU time
+           does not); outputs of (c) must equal (a)'s.
            (b), vLLM's own CPU offloading, does not run on vLLM's CPU build (offload_check.py).
 
     python offload_bench.py worker [--device cuda] [--json PATH]       (torch + kvferry only)
@@ -209,10 +211,10 @@ def serve(model: str, mode: str, files: str, log: str, conn) -> None:
         prompts = conn.recv()
         if prompts is None:
             break
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        conn.send({"wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        conn.send({"wall_s": wall, "cpu_s": cpu, "outputs": [list(o.outputs[0].token_ids) for o in outs],
                    "cached": [o.num_cached_tokens or 0 for o in outs],
                    "ttft": [o.metrics.first_token_latency if o.metrics else None for o in outs]})
     stats = {}
@@ -272,6 +274,7 @@ def bench_trace(a) -> dict:
         ttft = [t for r in rounds for t in r["ttft"] if t is not None]
         later = [t for r in rounds[1:] for t in r["ttft"] if t is not None]
         gen_s = sum(r["wall_s"] for r in rounds)
+        cpu_s = sum(r["cpu_s"] for r in rounds)
         generated = sum(len(o) for r in rounds for o in r["outputs"])
         out["engines"][m] = {
             "startup_s": res[m]["startup_s"], "prompt_tokens": prompt, "computed": computed,
@@ -279,7 +282,9 @@ def bench_trace(a) -> dict:
             "ttft_p99_s": pct(ttft, 0.99), "ttft_p50_later_s": pct(later, 0.5),
             "ttft_p99_later_s": pct(later, 0.99), "generate_s": gen_s,
             "tokens_per_s": (prompt + generated) / gen_s, "requests_per_s": len(ttft) / gen_s,
-            "round_wall_s": [r["wall_s"] for r in rounds], "manager": res[m]["manager"],
+            "cpu_s": cpu_s, "tokens_per_cpu_s": (prompt + generated) / cpu_s,
+            "round_wall_s": [r["wall_s"] for r in rounds],
+            "round_cpu_s": [r["cpu_s"] for r in rounds], "manager": res[m]["manager"],
             "outputs": [r["outputs"] for r in rounds]}
     base = out["engines"]["none"]["outputs"]
     got = out["engines"]["kvferry"]["outputs"]
@@ -295,12 +300,12 @@ def print_trace(r: dict) -> None:
           f"{r['gpu_blocks']} blocks of {r['block']}; kvferry host {r['host_blocks']} blocks + "
           f"{r['file_slots']} file slots; rounds interleaved; {r['wall_s']:.1f} s")
     print(f"{'engine':8} {'computed':>9} {'hit rate':>9} {'TTFT p50':>9} {'p99':>9} "
-          f"{'p50 t>1':>9} {'p99 t>1':>9} {'tok/s':>8} {'req/s':>6}")
+          f"{'p50 t>1':>9} {'p99 t>1':>9} {'tok/s':>8} {'req/s':>6} {'tok/CPU-s':>9}")
     for m, e in r["engines"].items():
         print(f"{m:8} {e['computed']:9d} {e['hit_rate']:9.3f} {e['ttft_p50_s'] * 1e3:7.1f}ms "
               f"{e['ttft_p99_s'] * 1e3:7.1f}ms {e['ttft_p50_later_s'] * 1e3:7.1f}ms "
               f"{e['ttft_p99_later_s'] * 1e3:7.1f}ms {e['tokens_per_s']:8.0f} "
-              f"{e['requests_per_s']:6.1f}")
+              f"{e['requests_per_s']:6.1f} {e['tokens_per_cpu_s']:9.0f}")
     k = r["engines"]["kvferry"]["manager"]
     if k:
         print(f"kvferry: {k['stored']} blocks stored; loaded {k['loaded_host']} from host, "
