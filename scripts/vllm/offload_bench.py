@@ -8,7 +8,8 @@
            other vLLM blocks), submit to finish, against one torch copy (one cudaMemcpy) of the
            same bytes between a device buffer and pinned host memory, measured in the same run,
            interleaved rep by rep; checks the loaded bytes. Block ids in order, and shuffled (a
-           job of scattered blocks). Prints the ratio; --json for a machine-readable result.
+           job of scattered blocks). Prints the ratio, and how long the submit calls took (what
+           vLLM's step pays); --json for a machine-readable result.
 
   trace    Replays a multi-turn trace with a shared system prompt against the real vLLM (the CPU
            build here): SESSIONS conversations of TURNS turns, each turn's prompt the whole
@@ -57,15 +58,17 @@ def sync(torch, device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_job(worker, job_id: int, submit) -> float:
+def run_job(worker, job_id: int, submit) -> tuple[float, float]:
+    """(seconds from submit to finished, seconds the submit call took: what vLLM's step pays)."""
     t0 = time.perf_counter()
     submit()
+    t1 = time.perf_counter()
     worker.wait([job_id])
     done = worker.get_finished()
     dt = time.perf_counter() - t0
     if [(j, ok) for j, ok, _, _ in done] != [(job_id, True)]:
         raise SystemExit(f"offload_bench: job {job_id} finished as {done}")
-    return dt
+    return dt, t1 - t0
 
 
 def copy_once(torch, device: str, dst, src) -> float:
@@ -106,16 +109,19 @@ def bench_worker(a) -> dict:
             if order == "shuffled":
                 rng.shuffle(ids)
             src, dst = ids[:n], ids[n:2 * n]
-            st, ld, cd2h, ch2d = [], [], [], []
+            st, ld, cd2h, ch2d, sub = [], [], [], [], []
             job = 0
             for _ in range(a.reps + 1):  # the first rep warms up (not counted)
                 sync(torch, dev)
                 job += 1
-                st.append(run_job(w, job, lambda: w.submit_store(job, src, host)))
+                t, ts = run_job(w, job, lambda: w.submit_store(job, src, host))
+                st.append(t)
                 cd2h.append(copy_once(torch, dev, flat_host, flat_dev))
                 job += 1
-                ld.append(run_job(w, job, lambda: w.submit_load(job, host, dst)))
+                t, tl = run_job(w, job, lambda: w.submit_load(job, host, dst))
+                ld.append(t)
                 ch2d.append(copy_once(torch, dev, flat_dev, flat_host))
+                sub += [ts, tl]
             sync(torch, dev)
             s_src, s_dst = torch.as_tensor(src, device=dev), torch.as_tensor(dst, device=dev)
             same = all(bool(torch.equal(v.index_select(0, s_src), v.index_select(0, s_dst)))
@@ -124,7 +130,9 @@ def bench_worker(a) -> dict:
             gb = n * block_bytes / 1e9
             row = {"layout": layout, "order": order, "blocks": n, "bytes": n * block_bytes,
                    "store_s": p50(st), "load_s": p50(ld), "copy_d2h_s": p50(cd2h),
-                   "copy_h2d_s": p50(ch2d), "verified": same}
+                   "copy_h2d_s": p50(ch2d), "verified": same,
+                   "submit_p50_us": statistics.median(sub[2:]) * 1e6,
+                   "submit_max_us": max(sub[2:]) * 1e6}
             row.update(store_gbps=gb / row["store_s"], load_gbps=gb / row["load_s"],
                        copy_d2h_gbps=gb / row["copy_d2h_s"], copy_h2d_gbps=gb / row["copy_h2d_s"])
             row.update(store_ratio=row["store_gbps"] / row["copy_d2h_gbps"],
@@ -147,11 +155,13 @@ def print_worker(r: dict) -> None:
           f"tokens ({s['page_bytes']} B per layer page), jobs of {s['tokens']} tokens; "
           f"median of {r['reps']} reps; baseline: one torch copy of the same bytes, same run")
     print(f"{'layout':8} {'order':>8} {'MiB':>6} {'store GB/s':>10} {'copy d2h':>9} "
-          f"{'ratio':>6} {'load GB/s':>10} {'copy h2d':>9} {'ratio':>6}  verified")
+          f"{'ratio':>6} {'load GB/s':>10} {'copy h2d':>9} {'ratio':>6} "
+          f"{'submit us p50/max':>17}  verified")
     for x in r["rows"]:
         print(f"{x['layout']:8} {x['order']:>8} {x['bytes'] / 2**20:6.0f} "
               f"{x['store_gbps']:10.1f} {x['copy_d2h_gbps']:9.1f} {x['store_ratio']:6.2f} "
-              f"{x['load_gbps']:10.1f} {x['copy_h2d_gbps']:9.1f} {x['load_ratio']:6.2f}  "
+              f"{x['load_gbps']:10.1f} {x['copy_h2d_gbps']:9.1f} {x['load_ratio']:6.2f} "
+              f"{x['submit_p50_us']:8.0f}/{x['submit_max_us']:<8.0f}  "
               f"{'yes' if x['verified'] else 'NO'}")
 
 
