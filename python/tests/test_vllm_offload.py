@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvferry
+from kvferry.integrations import offload_worker
 from kvferry.integrations import vllm_offload as vo
 
 torch = pytest.importorskip("torch")
@@ -70,6 +71,59 @@ def test_file_tier_keeps_blocks_the_host_tier_evicts():
     to_store, where, _ = m.prepare_store([ok(5)])
     m.complete_store(to_store, success=False)
     assert m.lookup(ok(5)) == "miss" and m.stats.evicted_file == 2
+
+
+def test_loads_from_files_promote_into_the_host_tier():
+    m = vo.KvferryOffloadingManager(DIGEST, host_blocks=1, file_slots=3, enable_events=True)
+    stored(m, [ok(1)])
+    stored(m, [ok(2)])  # the host block goes to 2; 1 keeps its slot only
+    assert m.where(ok(1)) == (-1, 0) and m.where(ok(2)) == (0, 1)
+    m.take_events()
+    # Loading 1 from its slot takes the host tier's LRU block (2's, not held) for a copy.
+    a = m.prepare_load([ok(1)])
+    assert a.host.tolist() == [-1] and a.slots.tolist() == [0] and a.promote.tolist() == [0]
+    assert m.where(ok(2)) == (-1, 1) and m.where(ok(1)) == (0, 0)
+    # Until the promoting load completes the copy is not there: lookups and loads use the slot.
+    assert m.source(ok(1)) == "disk"
+    b = m.prepare_load([ok(1)])  # a second load meanwhile: from the slot, no second promotion
+    assert b.host.tolist() == [-1] and b.slots.tolist() == [0] and b.promote.tolist() == [-1]
+    m.complete_load([ok(1)])
+    assert m.source(ok(1)) == "disk" and m.stats.promoted == 0  # one load still holds it
+    m.complete_load([ok(1)])
+    assert m.source(ok(1)) == "host" and m.stats.promoted == 1
+    assert m.take_events() == [([ok(2)], "host", True), ([ok(1)], "host", False)]
+    c = m.prepare_load([ok(1)])
+    assert c.host.tolist() == [0] and c.slots.tolist() == [-1] and c.promote.tolist() == [-1]
+    # The only host block is held by that load: loading 2 from files promotes nothing.
+    d = m.prepare_load([ok(2)])
+    assert d.promote.tolist() == [-1] and m.where(ok(1)) == (0, 0)
+    m.complete_load([ok(1)])
+    m.complete_load([ok(2)])
+    # Nor does a load take the host copy of a block it loads itself.
+    e = m.prepare_load([ok(1), ok(2)])
+    assert e.host.tolist() == [0, -1] and e.promote.tolist() == [-1, -1]
+    m.complete_load([ok(1), ok(2)])
+    # A promoting load that fails: the block is forgotten with the host block it took.
+    f = m.prepare_load([ok(2)])
+    assert f.promote.tolist() == [0] and m.where(ok(1)) == (-1, 0)
+    m.take_events()
+    m.complete_load([ok(2)])
+    m.discard([f.keys[0]])  # the connector reports the failed block right after
+    assert m.where(ok(2)) is None and m.stats.discarded == 1
+    assert ([ok(2)], "file", True) in m.take_events()
+    _, where, _ = stored(m, [ok(3)])  # the host block and slot are free again
+    assert where.host.tolist() == [0] and where.slots.tolist() == [1]
+    # No host tier, or promotion off (kvferry_promote): nothing is promoted.
+    n = vo.KvferryOffloadingManager(DIGEST, host_blocks=0, file_slots=2)
+    stored(n, [ok(1)])
+    assert n.prepare_load([ok(1)]).promote.tolist() == [-1]
+    off = vo.OffloadOptions.from_extra({"kvferry_host_blocks": 1, "kvferry_promote": "false"})
+    n = vo.KvferryOffloadingManager(DIGEST, host_blocks=1, file_slots=2, promote=off.promote)
+    stored(n, [ok(1)])
+    stored(n, [ok(2)])
+    assert n.prepare_load([ok(1)]).promote.tolist() == [-1] and n.where(ok(2)) == (0, 1)
+    with pytest.raises(ValueError, match="not a boolean"):
+        vo.OffloadOptions.from_extra({"kvferry_host_blocks": 1, "kvferry_promote": "maybe"})
 
 
 def test_recovered_slots_are_hits_and_keep_their_slots():
@@ -179,32 +233,48 @@ def test_worker_round_trip_restart_and_corruption(tmp_path):
     w, m, why = open_tier(tmp_path, kv2, ident, engine="e2")
     assert why == "" and m.stats.recovered == 4
     assert all(m.lookup(k) == "hit" for k in keys) and m.stats.hits_recovered == 4
-    spec = m.prepare_load(keys)
+    spec = m.prepare_load(keys)  # all from files; the first two also promoted into the host tier
+    assert spec.slots.tolist() == [0, 1, 2, 3] and spec.promote.tolist() == [0, 1, -1, -1]
     w.submit_load(1, spec, np.array([0, 1, 2, 3]))
-    assert finish(w, 1)[0] and w.take_failed_blocks() == set()
+    success, nbytes = finish(w, 1)
+    assert success and nbytes == 4 * LAYERS * PAGE and w.take_failed_blocks() == set()
     m.complete_load(keys)
     for t, ref in zip(kv2, want):
         assert torch.equal(t[0:4], ref[0:4])
+    # The promoted copies are the blocks' bytes: loaded from the host tier into blocks 6, 7.
+    spec = m.prepare_load(keys[:2])
+    assert spec.host.tolist() == [0, 1] and m.stats.promoted == 2
+    w.submit_load(3, spec, np.array([6, 7]))
+    assert finish(w, 3)[0]
+    m.complete_load(keys[:2])
+    for t, ref in zip(kv2, want):
+        assert torch.equal(t[6:8], ref[0:2])
     # A slot altered while the store is open: its load fails, its block is reported and left
-    # as it was (the checksum is checked before any byte reaches the pool).
+    # as it was (the checksum is checked before any byte reaches the pool); the host block its
+    # promotion took is forgotten with it.
     slab = tmp_path / "rank0" / "kvferry-slab-00000.kvf"
     slot_bytes = 4096 + -(-w.block_bytes // 4096) * 4096
     with open(slab, "r+b") as f:
-        f.seek(1 * slot_bytes + 4096 + 10)  # slot 1's payload
+        f.seek(3 * slot_bytes + 4096 + 10)  # slot 3's payload
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
     for t in kv2:
         t[5].fill_(7)
-    w.submit_load(2, m.prepare_load([ok(1)]), np.array([5]))
+    spec = m.prepare_load([ok(3)])
+    assert spec.promote.tolist() == [0]  # the host tier's LRU block (ok(0)'s)
+    w.submit_load(2, spec, np.array([5]))
     assert finish(w, 2)[0]  # report_load_errors: success, the block named instead
-    assert w.take_failed_blocks() == {5} and w.load_failures == 1
+    assert w.take_failed_blocks() == {5} and w.load_failures == 1 and w.promote_failures == 0
     assert all(bool((t[5] == 7).all()) for t in kv2)
+    m.complete_load([ok(3)])
+    m.discard(spec.keys)  # what KvferryOffloadingConnector does with the reported block
+    assert m.where(ok(3)) is None and m.where(ok(0)) == (-1, 0)
     w.shutdown()
 
     # Restart after the corruption: recovery verifies every slot, the bad one is not offered.
     w, m, why = open_tier(tmp_path, [torch.zeros_like(t) for t in kv], ident, engine="e3")
-    assert m.stats.recovered == 3 and m.lookup(ok(1)) == "miss" and m.lookup(ok(0)) == "hit"
+    assert m.stats.recovered == 3 and m.lookup(ok(3)) == "miss" and m.lookup(ok(0)) == "hit"
     w.shutdown()
 
     # Another model's engine: the directory is refused by name and left untouched.
@@ -235,3 +305,58 @@ def test_unusable_directory_leaves_the_engine_serving(tmp_path):
     second.shutdown()
     first.shutdown()
 
+
+
+def test_jobs_larger_than_the_file_staging_go_in_several_batches(tmp_path):
+    """A vLLM job may name more blocks than the TransferManager's file staging holds (a long
+    prompt): the worker splits its file part, and the job finishes when every part has."""
+    n = offload_worker.FILE_STAGING_BLOCKS + 8
+    g = torch.Generator().manual_seed(5)
+    kv = [torch.randint(-128, 127, (2 * n, PAGE), dtype=torch.int8, generator=g)
+          for _ in range(LAYERS)]
+    want = [t[:n].clone() for t in kv]
+    ident = {"format": vo.FORMAT, "model": "long"}
+    w, m, _ = open_tier(tmp_path, kv, ident, host=0, slots=n)
+    keys = [ok(i) for i in range(n)]
+    to_store, where, _ = m.prepare_store(keys)
+    assert len(to_store) == n
+    w.submit_store(1, np.arange(n), where)
+    assert finish(w, 1) == (True, n * LAYERS * PAGE)
+    m.complete_store(to_store)
+    assert len(w.jobs) == 0 and w.store_failures == 0
+    w.submit_load(2, m.prepare_load(keys), np.arange(n, 2 * n))
+    assert finish(w, 2) == (True, n * LAYERS * PAGE)
+    for t, ref in zip(kv, want):
+        assert torch.equal(t[n:], ref)
+    w.shutdown()
+
+
+@pytest.mark.gpu
+def test_cuda_worker_orders_jobs_after_the_engines_stream(tmp_path):
+    """CUDA tensors as vLLM's offloading worker hands them over (per-layer [blocks, page] int8
+    views of one layer-compact buffer): a store submitted while the engine's stream is still
+    writing the blocks copies what the stream wrote, through the pinned host tier and the file
+    tier; a load brings the bytes back into other blocks."""
+    raw = torch.zeros(LAYERS * BLOCKS * PAGE, dtype=torch.int8, device="cuda")
+    kv = [raw[i * BLOCKS * PAGE:(i + 1) * BLOCKS * PAGE].view(BLOCKS, PAGE) for i in range(LAYERS)]
+    w, m, why = open_tier(tmp_path, kv, {"format": vo.FORMAT, "model": "cuda"}, host=2, slots=4)
+    assert why == "" and w.device.info["platform"] == "cuda"
+    torch.cuda._sleep(50_000_000)  # the engine's stream is busy ...
+    for t in kv:
+        t[0:4].fill_(5)  # ... then writes blocks 0-3, the ones stored next
+    keys = [ok(i) for i in range(4)]
+    to_store, where, _ = m.prepare_store(keys)
+    w.submit_store(1, np.arange(4), where)
+    assert finish(w, 1)[0]
+    m.complete_store(to_store)
+    torch.cuda.synchronize()
+    for t in kv:
+        t[0:4].zero_()
+    spec = m.prepare_load(keys)  # two from host, two from files
+    assert spec.host.tolist() == [0, 1, -1, -1]
+    w.submit_load(2, spec, np.array([4, 5, 6, 7]))
+    assert finish(w, 2)[0] and w.take_failed_blocks() == set()
+    torch.cuda.synchronize()
+    for t in kv:
+        assert bool((t[4:8] == 5).all()) and bool((t[0:4] == 0).all())
+    w.shutdown()

@@ -281,6 +281,12 @@ def main() -> int:
         p50 = lambda xs: f"{statistics.median(xs) * 1e3:.1f} ms" if xs else "n/a"  # noqa: E731
         print(f"{mode:10} {comp:9d} {1 - comp / total:9.3f} {p50(t1):>19} {p50(t2):>15} "
               f"{r['startup_s']:8.1f}")
+    for mode in ("kvferry", "restart"):
+        ms = res[mode].get("manager")
+        if ms:
+            print(f"{mode}: blocks loaded {ms['loaded_host']} from host, {ms['loaded_file']} from "
+                  f"files ({ms['promoted']} of those promoted into the host tier), "
+                  f"{ms['stored']} stored")
     for mode in ("vllm-cpu", "kvferry", "restart"):
         r = res[mode]
         if "error" in r:

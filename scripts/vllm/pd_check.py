@@ -23,7 +23,14 @@ which starts one fetch and dies at once: the blocks must come back by the hold d
 After the decode side is done, the prefill instance checks that the rendezvous no longer holds
 the handles of the requests that ended (the producer erases them).
 
-    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|nixl] [--prefill-tp 2] [--decode-tp 2]
+`multi`: kvferry's P/D connector and kvferry's offloading (host + file tier) together in each
+instance, through vLLM's MultiConnector (P/D first: a request with a ticket loads from the
+producer, any other request from the offloaded tiers). Rounds A1 and A2 as above, then
+  O   the prefix cache reset, A1's prompts again without tickets: the decode instance's own
+      offloaded blocks serve them (hits from host and files); outputs must equal the baseline
+
+    python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|multi|nixl] [--prefill-tp 2]
+                       [--decode-tp 2]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import time
 
 BLOCK = 32
 MAX_TOKENS = 16
+MULTI_HOST_BLOCKS = 4  # `multi`: fewer than A1's blocks, so round O also loads from files
 
 
 def prompts() -> list[list[int]]:
@@ -86,6 +94,18 @@ def tokens_prompt(ids: list[int]) -> dict:
 
 
 def kv_config(connector: str, role: str, args) -> dict:
+    if connector == "multi":
+        side = "prefill" if role == "kv_producer" else "decode"
+        offload = {"kv_connector": "KvferryOffloadingConnector",
+                   "kv_connector_module_path": "kvferry.integrations.vllm_offload",
+                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {
+                       "kvferry_host_blocks": MULTI_HOST_BLOCKS, "kvferry_file_slots": 64,
+                       "kvferry_file_dir": os.path.join(args.work, f"multi-files-{side}")}}
+        return {"kv_connector": "MultiConnector", "kv_role": role,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"connectors": [kv_config("kvferry", role, args),
+                                                             offload]}}
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
                 "kv_load_failure_policy": "recompute"}
@@ -138,6 +158,8 @@ def role_prefill(args) -> None:
     wait_for(os.path.join(args.work, f"{conn}-decode-ready"), 900)
     ps = prompts()
     rounds = {"A1": A1, "A2": A2, "T": list(range(len(ps))), "C": A1}
+    if conn == "multi":
+        rounds = {"A1": A1, "A2": A2}
     tickets = {}
     for name, idx in rounds.items():
         outs = llm.generate([tokens_prompt(ps[i]) for i in idx],
@@ -272,6 +294,33 @@ def set_option(conn, name: str, value) -> None:
     setattr(conn._worker.o, name, value)
 
 
+def multi_round_o(llm, result: dict, run) -> None:
+    """Round O of `multi`: A1's prompts without tickets after a prefix cache reset, served from
+    the offloaded tiers; the offloading manager's and worker's counts before and after."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    manager = sched._connectors[1].connector_scheduler.manager.core
+    worker = get_kv_transfer_group()._connectors[1].connector_worker.worker.core
+    settle(llm, sched)  # A1/A2's stores finish: round O looks them up
+    before = dict(vars(manager.stats))
+    llm.reset_prefix_cache()
+    result["O"] = run(A1, [None] * len(A1))
+    settle(llm, sched)
+    result["O_stats"] = {"before": before, "after": dict(vars(manager.stats)),
+                         "load_failures": worker.load_failures,
+                         "store_failures": worker.store_failures,
+                         "file_refused": worker.file_refused}
+
+
+def settle(llm, sched, timeout: float = 60.0) -> None:
+    """Steps the engine while a connector has work in flight (offloading stores)."""
+    end = time.monotonic() + timeout
+    while sched.has_pending_push_work() and time.monotonic() < end:
+        llm.llm_engine.step()
+        time.sleep(0.01)
+
+
 def role_decode(args) -> None:
     if args.connector == "nixl":
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
@@ -296,9 +345,21 @@ def role_decode(args) -> None:
     result["A1"] = run(A1, tickets["A1"])
     result["A2"] = run(A2, tickets["A2"])
     kvf = args.connector == "kvferry"
-    if kvf:  # every rank's records (each moves its heads of every request)
+    if kvf or args.connector == "multi":  # every rank's records (each moves its heads)
         result["records_A"] = [x for recs in on_workers(llm, records_of) for x in recs]
-    # Round T: one request at a time, nothing cached locally.
+    if args.connector == "multi":
+        multi_round_o(llm, result, run)
+    else:
+        round_t(llm, tickets, ps, result, timings, kvf, run)
+    write_json(os.path.join(args.work, f"{args.connector}-decode.json"), result)
+    open(os.path.join(args.work, f"{args.connector}-decode-done"), "w").close()
+    print(f"decode({args.connector}): done", flush=True)
+    os._exit(0)
+
+
+def round_t(llm, tickets: dict, ps, result: dict, timings, kvf: bool, run) -> None:
+    """Round T (one request at a time, nothing cached locally: TTFT and transfer time), then for
+    kvferry rounds C and F."""
     if kvf:
         from kvferry.integrations.vllm import OVERHEAD
 
@@ -330,10 +391,6 @@ def role_decode(args) -> None:
         bogus["kvferry"] = dict(bogus["kvferry"], request_id="never-published")
         result["F"] = run([A1[0]], [bogus])
         result["records_F"] = [recs[-1] for recs in on_workers(llm, records_of)]
-    write_json(os.path.join(args.work, f"{args.connector}-decode.json"), result)
-    open(os.path.join(args.work, f"{args.connector}-decode-done"), "w").close()
-    print(f"decode({args.connector}): done", flush=True)
-    os._exit(0)
 
 
 # ---- orchestrator -------------------------------------------------------------------------------
@@ -401,6 +458,29 @@ def released_keys(args) -> tuple[int, int]:
     return n, len(keys)
 
 
+def multi_checks(checks: Checks, r: dict, baseline: list) -> None:
+    """`multi`: P/D loads through the MultiConnector, then round O served by the offloading."""
+    recs = r["records_A"]
+    checks.check("multi: every P/D load of rounds A1 and A2 went through kvferry's P/D connector "
+                 "inside the MultiConnector and succeeded",
+                 len(recs) == len(A1 + A2) and all(x["ok"] for x in recs),
+                 f"{sum(x['ok'] for x in recs)} of {len(recs)} loads succeeded, "
+                 f"{len(A1 + A2)} requests")
+    same = sum(g == baseline[i] for g, i in zip(r["O"], A1))
+    st = r["O_stats"]
+    d = {k: st["after"][k] - st["before"][k] for k in ("loaded_host", "loaded_file", "promoted",
+                                                       "stored")}
+    checks.check("multi: round O (prefix cache reset, no tickets) identical to one instance",
+                 same == len(A1), f"{same}/{len(A1)} prompts")
+    checks.check("multi: round O loads the decode instance's own offloaded blocks from host "
+                 "and files (stored during A1/A2, none failed)",
+                 d["loaded_host"] > 0 and d["loaded_file"] > 0 and st["load_failures"] == 0
+                 and st["store_failures"] == 0 and not st["file_refused"],
+                 f"{st['before']['stored']} blocks stored in A1/A2; round O loaded "
+                 f"{d['loaded_host']} from host, {d['loaded_file']} from files, promoted "
+                 f"{d['promoted']}; {st['load_failures']} failed loads")
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")
@@ -418,11 +498,30 @@ def orchestrate(args) -> int:
     t_start = time.time()
     print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP{args.decode_tp}", flush=True)
     logs = {n: os.path.join(args.work, f"{n}.log") for n in
-            ("baseline", "kvferry-prefill", "kvferry-decode", "nixl-prefill", "nixl-decode")}
+            ("baseline", "kvferry-prefill", "kvferry-decode", "multi-prefill", "multi-decode",
+             "nixl-prefill", "nixl-decode")}
     base = spawn(args, "baseline", "none", logs["baseline"])
     results = {}
     pending = []  # (connector, prefill process) still serving
-    for conn in (["kvferry", "nixl"] if args.only is None else [args.only]):
+    released = None
+
+    def finish_pending():
+        """The kvferry prefill's hold phase: its 'released' marks live hold_timeout_s, so they
+        are read before the next pair after the one that overlaps the hold phase."""
+        nonlocal released
+        for conn, pre in pending:
+            try:
+                wait_for(os.path.join(args.work, "kvferry-D.json"), args.hold_timeout_s + 180)
+                released = released_keys(args)
+            except TimeoutError as e:
+                print(e)
+            open(os.path.join(args.work, f"{conn}-release"), "w").close()
+            wait_proc(pre, f"{conn} prefill", 60, logs[f"{conn}-prefill"])
+        pending.clear()
+
+    for conn in (["kvferry", "nixl", "multi"] if args.only is None else [args.only]):
+        if conn == "multi":
+            finish_pending()
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port)} if conn == "nixl" else {}
         if args.prefill_tp > 1:
             # vLLM's CPU workers bind one NUMA node each unless told which cores to use.
@@ -448,15 +547,7 @@ def orchestrate(args) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 results[conn] = json.load(f)
-    released = None
-    for conn, pre in pending:
-        try:
-            wait_for(os.path.join(args.work, "kvferry-D.json"), args.hold_timeout_s + 180)
-            released = released_keys(args)
-        except TimeoutError as e:
-            print(e)
-        open(os.path.join(args.work, f"{conn}-release"), "w").close()
-        wait_proc(pre, f"{conn} prefill", 60, logs[f"{conn}-prefill"])
+    finish_pending()
     ok = wait_proc(base, "baseline", 600, logs["baseline"])
     checks.check("baseline: one instance ran", ok)
     if not ok:
@@ -471,6 +562,8 @@ def orchestrate(args) -> int:
         checks.check(f"{conn}: P/D greedy outputs identical to one instance", same == len(want),
                      f"{same}/{len(want)} prompts, {len(ps)} prompts of {min(map(len, ps))}-"
                      f"{max(map(len, ps))} tokens, {MAX_TOKENS} tokens each")
+        if conn == "multi":
+            multi_checks(checks, r, baseline)
         if conn == "kvferry":
             recs = {x["request_id"]: x for x in r["records_A"]}
             ok_recs = [x for x in r["records_A"] if x["ok"]]
@@ -518,6 +611,8 @@ def orchestrate(args) -> int:
                          "no result" if d is None else
                          f"free blocks {d['free0']} -> {d['free1']} held -> {d['free2']} after "
                          f"{d['freed_s']:.1f} s (hold {args.hold_timeout_s:.0f} s)")
+        if "ttft" not in r:
+            continue
         print(f"{conn}: decode TTFT median {median(r['ttft']) * 1e3:.1f} ms, "
               f"transfer (scheduler-seen) median {median(r['xfer']) * 1e3:.1f} ms over "
               f"{len(r['ttft'])} requests (one at a time, {min(map(len, ps))}-"
@@ -559,7 +654,7 @@ def main() -> int:
     ap.add_argument("work")
     ap.add_argument("--role", choices=["baseline", "prefill", "decode", "victim"])
     ap.add_argument("--connector", default="kvferry")
-    ap.add_argument("--only", choices=["kvferry", "nixl"])
+    ap.add_argument("--only", choices=["kvferry", "multi", "nixl"])
     ap.add_argument("--rendezvous", default="")
     ap.add_argument("--rendezvous-key", default="")
     ap.add_argument("--hold-timeout-s", type=float, default=30.0)
