@@ -11,14 +11,20 @@
 # request (TCP retransmits, UCX keeps its endpoints), and requests go on after it. With
 # --long-cut, down 3.5 s against a 2 s deadline and --give-up-ms 20000: the requests in flight
 # fail by their deadline, the rest go on once the link is back (no restart).
-# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut]]
+# With --vanish, the context host vanishes mid-run without a word: its link goes down, every
+# process of it is killed (its PID namespaces) and its network namespace deleted, the rendezvous
+# with it. The generation instance
+# must end on its own within its deadlines (2 s, plus the abort grace and 1 s without progress),
+# naming what failed, with every request accounted for.
+# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut|--vanish]]
 #   (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
 netns=0; [ "${2:-}" = --netns ] && netns=1
 cut=0; [ "${3:-}" = --link-cut ] && cut=1
 [ "${3:-}" = --long-cut ] && cut=2
-((cut && !netns)) && { echo "FAIL: --link-cut and --long-cut need --netns"; exit 1; }
+[ "${3:-}" = --vanish ] && cut=3
+((cut && !netns)) && { echo "FAIL: --link-cut, --long-cut and --vanish need --netns"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -73,6 +79,7 @@ if ((cut)); then
   # cut began).
   requests=6000 down=1.5 deadline=(--timeout-ms 8000)
   ((cut == 2)) && down=3.5 deadline=(--timeout-ms 2000 --give-up-ms 20000)
+  ((cut == 3)) && deadline=(--timeout-ms 2000)
   shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --requests $requests
          --concurrency 2 --prompt-tokens 20,37 --transport ucx "${deadline[@]}")
   "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" >"$tmp/ctx.out" 2>&1 &
@@ -85,6 +92,39 @@ if ((cut)); then
   done_now() { sed -n 's/.*requests done per generation rank: \([0-9]*\).*/\1/p' "$tmp/gen.out" | tail -1; }
   for _ in $(seq 1 600); do [ -n "$(done_now)" ] && break; sleep 0.05; done
   at_cut=$(done_now)
+  if ((cut == 3)); then
+    # Silently, as a host that loses power: the link goes first, so no reset or FIN of its dying
+    # sockets reaches the generation host; then every process of it (the context's and the
+    # rendezvous's PID namespaces) and its network namespace.
+    ip -n "$ns_b" link set "vb-$$" down
+    kill -KILL "$ctx" "${pids[0]}"
+    ip netns del "$ns_a"
+    vanished=$(date +%s%N)
+    echo "context host vanished after ${at_cut:-no} requests of $requests"
+    timeout 60 tail --pid="$gen" -f /dev/null
+    wait "$gen"; rc=$?
+    ended_ms=$((($(date +%s%N) - vanished) / 1000000))
+    echo "== gen (exit $rc, ${ended_ms} ms after the host vanished)"; grep -v "requests done per" "$tmp/gen.out"
+    fail=0
+    if [ -z "$at_cut" ] || ((at_cut >= requests)); then
+      echo "FAIL: the host did not vanish inside the run"; fail=1
+    fi
+    ((rc != 0)) || { echo "FAIL: the generation instance reported success without its peer"; fail=1; }
+    # 2 s deadline, the abort grace and 1 s without progress, with room for a loaded machine.
+    ((ended_ms <= 15000)) || { echo "FAIL: the generation instance took ${ended_ms} ms to end"; fail=1; }
+    # "generation rank 0: S requests, F failed, V verified": those not started count as failed.
+    line=$(grep -o "generation rank 0: [0-9]* requests, [0-9]* failed, [0-9]* verified" "$tmp/gen.out")
+    failed=$(sed -n 's/.* \([0-9]*\) failed.*/\1/p' <<<"$line")
+    verified=$(sed -n 's/.* \([0-9]*\) verified.*/\1/p' <<<"$line")
+    echo "host vanished: ${failed:-?} failed, ${verified:-?} verified of $requests"
+    if [ -z "$line" ] || ((failed + verified != requests)); then
+      echo "FAIL: the generation rank did not account for its $requests requests"; fail=1
+    fi
+    grep -qiE "deadline|gave up|unreachable|not delivered|lost|closed" "$tmp/gen.out" ||
+      { echo "FAIL: no error says what failed"; fail=1; }
+    ((fail == 0)) && echo PASS
+    exit "$fail"
+  fi
   ip -n "$ns_b" link set "vb-$$" down
   sleep "$down"
   ip -n "$ns_b" link set "vb-$$" up
