@@ -16,7 +16,10 @@
 # with it. The generation instance
 # must end on its own within its deadlines (2 s, plus the abort grace and 1 s without progress),
 # naming what failed, with every request accounted for.
-# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut|--vanish]]
+# With --lossy, the hosts are joined not by a veth pair but by link_emulator.py (this kernel has
+# no sch_netem): 1% of packets lost and 50 ms of delay each way, 1% reordered; every request of a
+# TP2 -> TP2 run must still be fetched and verified within its deadline.
+# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut|--vanish|--lossy]]
 #   (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
@@ -24,18 +27,22 @@ netns=0; [ "${2:-}" = --netns ] && netns=1
 cut=0; [ "${3:-}" = --link-cut ] && cut=1
 [ "${3:-}" = --long-cut ] && cut=2
 [ "${3:-}" = --vanish ] && cut=3
-((cut && !netns)) && { echo "FAIL: --link-cut, --long-cut and --vanish need --netns"; exit 1; }
+lossy=0; [ "${3:-}" = --lossy ] && lossy=1
+((((cut || lossy)) && !netns)) && { echo "FAIL: --link-cut, --long-cut, --vanish and --lossy need --netns"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
+emulator=
 cleanup() {
+  [ -n "$emulator" ] && kill -TERM "$emulator" 2>/dev/null && wait "$emulator"
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do timeout 10 tail --pid="$p" -f /dev/null || kill -KILL "$p" 2>/dev/null; done
   if ((netns)); then ip netns del "$ns_a" 2>/dev/null; ip netns del "$ns_b" 2>/dev/null; fi
   rm -rf "$tmp"
 }
 trap cleanup EXIT
+n=12; ((lossy)) && n=48  # over the lossy link: enough packets that some are lost
 shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --ctx-tp 2 --gen-tp 2
-       --gen-layout per-layer --requests 12 --concurrency 2 --prompt-tokens 20,37 --timeout-ms 20000
+       --gen-layout per-layer --requests $n --concurrency 2 --prompt-tokens 20,37 --timeout-ms 20000
        --transport ucx)
 run_a=() run_b=() bind=127.0.0.1:0
 if ((netns)); then
@@ -44,6 +51,15 @@ if ((netns)); then
   fi
   ns_a=kvf-a-$$ ns_b=kvf-b-$$
   ip netns add "$ns_a" && ip netns add "$ns_b" || { echo "SKIP: ip netns add failed"; exit 77; }
+fi
+if ((lossy)); then
+  [ -c /dev/net/tun ] || { echo "SKIP: no /dev/net/tun"; exit 77; }
+  python3 "$(dirname "$0")/link_emulator.py" "$ns_a" 10.77.0.1 "$ns_b" 10.77.0.2 --delay-ms 50 \
+    --loss 0.01 --reorder 0.01 --ready-file "$tmp/link.ready" >"$tmp/link.out" 2>&1 &
+  emulator=$!
+  for _ in $(seq 1 100); do [ -f "$tmp/link.ready" ] && break; sleep 0.05; done
+  [ -f "$tmp/link.ready" ] || { echo "FAIL: the link emulator did not start"; cat "$tmp/link.out"; exit 1; }
+elif ((netns)); then
   ip link add "va-$$" netns "$ns_a" type veth peer name "vb-$$" netns "$ns_b" || {
     echo "SKIP: no veth pairs here"; exit 77; }
   ip -n "$ns_a" addr add 10.77.0.1/24 dev "va-$$" && ip -n "$ns_a" link set "va-$$" up
@@ -57,6 +73,8 @@ if ((netns)); then
       ip -n "$ns_b" -o link show "vb-$$" | grep -q "state UP" && break
     sleep 0.05
   done
+fi
+if ((netns)); then
   # Each "host": its network namespace, and IPC, mount and PID namespaces of its own.
   run_a=(ip netns exec "$ns_a" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
   run_b=(ip netns exec "$ns_b" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
@@ -171,11 +189,17 @@ for p in ctx gen0 gen1; do
   echo "== $p (exit $rc)"; cat "$tmp/$p.out"
   ((rc == 0)) || fail=1
 done
-# Every generation rank fetched and verified its requests (12 requests, each on both ranks).
+# Every generation rank fetched and verified its requests (each request on both ranks).
 for g in gen0 gen1; do
-  grep -q "generation rank .: 12 requests, 0 failed, 12 verified" "$tmp/$g.out" || {
-    echo "FAIL: $g did not verify 12 requests"; fail=1; }
+  grep -q "generation rank .: $n requests, 0 failed, $n verified" "$tmp/$g.out" || {
+    echo "FAIL: $g did not verify $n requests"; fail=1; }
 done
+if ((lossy)); then
+  kill -TERM "$emulator"; wait "$emulator"; emulator=
+  cat "$tmp/link.out"
+  dropped=$(sed -n 's/.*dropped \([0-9]*\),.*/\1/p' "$tmp/link.out")
+  ((${dropped:-0} > 0)) || { echo "FAIL: the link lost no packet: loss was not tested"; fail=1; }
+fi
 if ((netns)); then
   # Between hosts nothing maps the other's memory: the KV crossed the network.
   if grep -q "peer-memory" "$tmp/gen0.out" "$tmp/gen1.out" "$tmp/ctx.out"; then
