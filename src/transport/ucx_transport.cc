@@ -167,16 +167,31 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   return std::unique_ptr<Transport>(std::move(t));
 }
 
+// Teardown, in order: no peer's data may land in a receive after the byes; the byes go out
+// before the endpoints close; UCX hands back every request before the workers go; states stay
+// alive until then.
 UcxTransport::~UcxTransport() {
   if (!data_worker_) return;
   const Deadline deadline =
       DeadlineIn(std::chrono::milliseconds(Config::Global().Int("transport.close_timeout_ms")));
-  auto progress = [&] {
-    ucp_worker_progress(ctrl_worker_.get());
-    ucp_worker_progress(data_worker_.get());
-  };
-  // Cancel every pending data receive first, so no peer's data lands in them after the byes
-  // (completes them synchronously with UCS_ERR_CANCELED). Control receives complete at once.
+  CancelDataReceives();
+  SendByes(deadline);
+  CloseEndpoints();
+  AwaitClosed(deadline);
+  const std::vector<std::shared_ptr<OpState>> keep = EndInflight();
+  if (wakeup_fd_ >= 0) ::close(wakeup_fd_);
+  data_worker_.reset();
+  ctrl_worker_.reset();
+  context_.reset();
+}
+
+void UcxTransport::ProgressWorkers() {
+  ucp_worker_progress(ctrl_worker_.get());
+  ucp_worker_progress(data_worker_.get());
+}
+
+void UcxTransport::CancelDataReceives() {
+  // Completes them synchronously with UCS_ERR_CANCELED. Control receives complete at once.
   std::vector<OpState*> recvs;
   for (auto& [p, s] : inflight_) {
     if (s->is_recv && s->request && s->payload.empty()) recvs.push_back(p);
@@ -187,7 +202,9 @@ UcxTransport::~UcxTransport() {
       ucp_request_cancel(data_worker_.get(), s->request);
     }
   }
-  // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
+}
+
+void UcxTransport::SendByes(Deadline deadline) {
   std::vector<std::shared_ptr<OpState>> byes;
   for (size_t i = 0; i < peers_.size(); ++i) {
     if (peers_[i].dead || peers_[i].ctrl_ep == nullptr) continue;  // never answered: nothing to end
@@ -203,53 +220,55 @@ UcxTransport::~UcxTransport() {
   };
   // A bye not out within 100 ms goes to a peer that is gone or stuck: don't wait for it.
   const Deadline bye_deadline = std::min(deadline, DeadlineIn(std::chrono::milliseconds(100)));
-  while (!byes_done() && Clock::now() < bye_deadline) progress();
+  while (!byes_done() && Clock::now() < bye_deadline) ProgressWorkers();
+}
+
+void UcxTransport::CloseEndpoints() {
   // Endpoints in error mode PEER are force-closed, as a flushing close would wait for peers that
   // may be gone or not progressing; peers learn of it from the bye (or keepalive). Error mode
-  // NONE does not allow force: flush-close within the deadline, then destroy the workers.
-  // Dead peers' endpoints (error mode NONE) may never finish closing: don't wait for them.
+  // NONE does not allow force: flush-close within the deadline (AwaitClosed), then destroy the
+  // workers. Dead peers' endpoints (error mode NONE) may never finish closing: don't wait for
+  // them.
   for (void* r : closing_) ucp_request_free(r);
   closing_.clear();
-  std::vector<void*> closing;
-  auto close = [&](ucp_ep_h& ep, bool force) {
-    if (!ep) return;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    ep = nullptr;
-    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
-  };
-  for (auto& peer : peers_) {
+  for (Peer& peer : peers_) {
     peer.rkeys.clear();
     peer.last_key = nullptr;
-    close(peer.data_ep, data_peer_errors_);
-    close(peer.ctrl_ep, ctrl_peer_errors_);
+    CloseEp(std::exchange(peer.data_ep, nullptr), data_peer_errors_);
+    CloseEp(std::exchange(peer.ctrl_ep, nullptr), ctrl_peer_errors_);
   }
+}
+
+bool UcxTransport::RequestsPending() const {
+  for (const auto& [p, s] : inflight_) {
+    // Error mode NONE: a detached op's peer is gone and its request never ends; don't wait.
+    if (s->request && (data_peer_errors_ || !s->done)) return true;
+  }
+  return false;
+}
+
+void UcxTransport::AwaitClosed(Deadline deadline) {
   // Closing completes the endpoints' requests (force: cancelled; flush: when done): wait for
-  // them too, so UCX hands back every request before the workers go.
-  auto requests_pending = [&] {
-    for (auto& [p, s] : inflight_) {
-      // Error mode NONE: a detached op's peer is gone and its request never ends; don't wait.
-      if (s->request && (data_peer_errors_ || !s->done)) return true;
-    }
-    return false;
-  };
-  while ((!closing.empty() || requests_pending()) && Clock::now() < deadline) {
-    progress();
-    std::erase_if(closing, [](void* r) {
+  // them too.
+  while ((!closing_.empty() || RequestsPending()) && Clock::now() < deadline) {
+    ProgressWorkers();
+    std::erase_if(closing_, [](void* r) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
       ucp_request_free(r);
       return true;
     });
   }
-  if (!closing.empty()) {
+  if (!closing_.empty()) {
     Log(LogLevel::kWarn, "ucx: {} endpoint(s) did not close within the deadline; destroying",
-        closing.size());
-    for (void* r : closing) ucp_request_free(r);
+        closing_.size());
+    for (void* r : closing_) ucp_request_free(r);
+    closing_.clear();
   }
+}
+
+std::vector<std::shared_ptr<OpState>> UcxTransport::EndInflight() {
   // What UCX did not complete, we do (ucp_request_free: no callback will follow); buffers are
-  // released with the workers. States stay alive until the workers are gone.
+  // released with the workers.
   std::vector<std::shared_ptr<OpState>> keep;
   for (auto& [p, s] : inflight_) {
     if (s->request) ucp_request_free(s->request);
@@ -262,10 +281,7 @@ UcxTransport::~UcxTransport() {
   }
   inflight_.clear();
   control_in_.clear();
-  if (wakeup_fd_ >= 0) ::close(wakeup_fd_);
-  data_worker_.reset();
-  ctrl_worker_.reset();
-  context_.reset();
+  return keep;
 }
 
 void UcxTransport::OpenWakeup() {
