@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "selftest/run_files.h"
-#include "transport/nixl_raw.h"
+#include "testing/nixl_raw.h"
 
 namespace kvferry {
 namespace {

@@ -24,8 +24,8 @@
 #include "selftest/metrics_board.h"
 #include "selftest/run_files.h"
 #include "selftest/run_watch.h"
+#include "testing/faulty_transport.h"
 #include "testing/testdata.h"
-#include "transceiver/faulty_transport.h"
 
 namespace kvferry {
 namespace {

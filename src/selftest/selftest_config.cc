@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kvferry/device.h"
-#include "transceiver/faulty_transport.h"
+#include "testing/faulty_transport.h"
 
 namespace kvferry {
 

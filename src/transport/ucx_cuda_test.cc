@@ -14,7 +14,7 @@
 #include "kvferry/device.h"
 #include "kvferry/transport.h"
 #include "kvferry/ucx_info.h"
-#include "transport/bandwidth.h"
+#include "testing/bandwidth.h"
 #include "transport/ucx_child_for_test.h"
 
 namespace kvferry {

@@ -15,7 +15,7 @@
 
 #include "kvferry/config.h"
 #include "kvferry/transport.h"
-#include "transport/bandwidth.h"
+#include "testing/bandwidth.h"
 #include "transport/ucx_address.h"
 #include "transport/ucx_child_for_test.h"
 
