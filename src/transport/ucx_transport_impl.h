@@ -32,6 +32,9 @@
 
 namespace kvferry::ucx_detail {
 
+// Byte 0 of a control payload (ucx_transport.cc describes the payload byte by byte).
+inline constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
+
 inline constexpr uint64_t kCtrlBit = uint64_t{1} << 63;
 
 class UcxTransport;
