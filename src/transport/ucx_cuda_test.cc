@@ -15,7 +15,7 @@
 #include "kvferry/transport.h"
 #include "kvferry/ucx_info.h"
 #include "testing/bandwidth.h"
-#include "transport/ucx_child_for_test.h"
+#include "testing/ucx_child_for_test.h"
 
 namespace kvferry {
 namespace {
