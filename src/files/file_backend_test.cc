@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "files/posix_io.h"
-#include "files/test_util.h"
+#include "testing/file_test_util.h"
 
 namespace kvferry {
 namespace {

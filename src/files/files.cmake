@@ -1,4 +1,5 @@
-# The file tier (src/files): SlabStore, the FileBackend seam and its backends, tests, bench, fuzz.
+# The file tier (src/files): SlabStore, the FileBackend seam and its backends, tests, fuzz (its
+# bench, slab_store_bench, is test support: src/testing).
 # Included from src/CMakeLists.txt after the files layer (kvferry_files) is declared.
 
 target_sources(kvferry_files PRIVATE
@@ -23,13 +24,6 @@ if(BUILD_TESTING)
   kvferry_test(files_test SOURCES files/slot_header_test.cc files/file_backend_test.cc
                files/slab_store_test.cc files/slab_recovery_test.cc files/slab_store_security_test.cc
                "${PROJECT_SOURCE_DIR}/fuzz/slot_header_fuzz_body.cc")
-endif()
-
-# SlabStore vs raw O_DIRECT throughput, measured in the same run (not a test).
-# Its raw O_DIRECT baseline lives in the testing target, built with the tests or the tools only.
-if(BUILD_TESTING OR KVFERRY_BUILD_TOOLS)
-  add_executable(slab_store_bench files/slab_store_bench.cc)
-  target_link_libraries(slab_store_bench PRIVATE kvferry_internal)
 endif()
 
 # libFuzzer target: clang with -fsanitize=fuzzer only (-DKVFERRY_FUZZ=ON). The decoder is compiled

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "files/slot_header.h"
-#include "files/test_util.h"
 #include "kvferry/slab_store.h"
+#include "testing/file_test_util.h"
 
 namespace kvferry {
 namespace {

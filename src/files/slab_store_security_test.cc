@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "files/test_util.h"
 #include "kvferry/slab_store.h"
+#include "testing/file_test_util.h"
 
 namespace kvferry {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "files/posix_io.h"
 #include "files/slot_header.h"
-#include "files/test_util.h"
+#include "testing/file_test_util.h"
 
 namespace kvferry {
 namespace {

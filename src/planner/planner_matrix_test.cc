@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <set>
 
-#include "planner/planner_test_util.h"
+#include "testing/planner_test_util.h"
 
 namespace kvferry::planner_test {
 namespace {

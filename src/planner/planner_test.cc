@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <ctime>
 
-#include "planner/planner_test_util.h"
+#include "testing/planner_test_util.h"
 
 namespace kvferry::planner_test {
 namespace {

@@ -13,7 +13,7 @@
 #include "kvferry/tiering.h"
 #include "kvferry/transceiver.h"
 #include "kvferry/transport.h"
-#include "pool/wrap_test_util.h"
+#include "testing/wrap_test_util.h"
 
 namespace kvferry::testing {
 namespace {

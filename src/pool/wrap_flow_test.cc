@@ -14,8 +14,8 @@
 #include "kvferry/tiering.h"
 #include "kvferry/transceiver.h"
 #include "kvferry/transport.h"
-#include "pool/wrap_test_util.h"
 #include "testing/memory_slab_store.h"
+#include "testing/wrap_test_util.h"
 
 namespace kvferry::testing {
 namespace {

@@ -8,7 +8,7 @@
 #include <future>
 #include <string>
 
-#include "pool/wrap_test_util.h"
+#include "testing/wrap_test_util.h"
 
 namespace kvferry::testing {
 namespace {

@@ -8,12 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "transport/nixl_raw.h"
+#include "selftest/run_files.h"
+#include "testing/nixl_raw.h"
 
 namespace kvferry {
 namespace {
 
-namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 
 constexpr size_t kBaseMsg = 4 << 20;

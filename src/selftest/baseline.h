@@ -5,20 +5,12 @@
 // transfer on one host.
 #pragma once
 
-#include <filesystem>
 #include <string>
-#include <vector>
 
 #include "kvferry/device.h"
-#include "selftest/selftest.h"
+#include "selftest/selftest_config.h"
 
 namespace kvferry {
-
-// Shared with selftest.cc: rendezvous files and request sizes.
-Status WriteText(const std::filesystem::path& path, const std::string& s);
-StatusOr<std::vector<std::byte>> WaitForFile(const std::filesystem::path& path, Deadline deadline);
-std::string AsString(const std::vector<std::byte>& b);
-int64_t TokensOf(const SelftestConfig& cfg, int i);
 
 struct BaselineResult {
   double gbps = 0;

@@ -17,7 +17,7 @@
 #include "kvferry/inproc_transport.h"
 #include "kvferry/pool.h"
 #include "kvferry/transceiver.h"
-#include "transceiver/faulty_transport.h"
+#include "testing/faulty_transport.h"
 
 namespace kvferry {
 

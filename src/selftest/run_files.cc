@@ -1,17 +1,13 @@
-// The selftest's run directory and rendezvous: files written atomically, waited for, and the
-// run's TCP rendezvous from its address and hex key.
+#include "selftest/run_files.h"
+
 #include <fmt/format.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <string>
-#include <thread>
 #include <vector>
-
-#include "selftest/baseline.h"
-#include "selftest/selftest.h"
 
 namespace kvferry {
 
@@ -40,25 +36,6 @@ Status WriteFileAtomic(const fs::path& path, std::span<const std::byte> bytes) {
 
 Status WriteText(const fs::path& path, const std::string& s) {
   return WriteFileAtomic(path, std::as_bytes(std::span(s.data(), s.size())));
-}
-
-StatusOr<std::vector<std::byte>> WaitForFile(const fs::path& path, Deadline deadline) {
-  while (true) {
-    std::ifstream f(path, std::ios::binary);
-    if (f) {
-      std::vector<char> c((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-      std::vector<std::byte> out(c.size());
-      std::memcpy(out.data(), c.data(), c.size());
-      return out;
-    }
-    if (Clock::now() > deadline) {
-      return Status::DeadlineExceeded(fmt::format("waited too long for {}", path.string()));
-    }
-    // Short naps: a handle published by the context rank is picked up within ~0.1 ms, so bench
-    // transfer measures transfers rather than this poll (2 ms naps capped 4k-token GPU requests,
-    // 0.7 ms each, at a third of their speed).
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
 }
 
 std::string RendezvousKeyHex(const RendezvousKey& key) {

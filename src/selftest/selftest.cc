@@ -1,12 +1,10 @@
 #include "selftest/selftest.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -24,9 +22,10 @@
 #include "selftest/baseline.h"
 #include "selftest/handle_prefetch.h"
 #include "selftest/metrics_board.h"
+#include "selftest/run_files.h"
 #include "selftest/run_watch.h"
+#include "testing/faulty_transport.h"
 #include "testing/testdata.h"
-#include "transceiver/faulty_transport.h"
 
 namespace kvferry {
 namespace {
@@ -40,14 +39,6 @@ double CpuSeconds() {
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
-}  // namespace
-
-int64_t TokensOf(const SelftestConfig& cfg, int i) {
-  return cfg.prompt_tokens[i % cfg.prompt_tokens.size()];
-}
-
-namespace {
-
 int64_t BlocksFor(const SelftestConfig& cfg, int64_t tokens) {
   return (tokens + cfg.shape.tokens_per_block - 1) / cfg.shape.tokens_per_block;
 }
@@ -60,11 +51,6 @@ constexpr std::string_view kContextInstance = "ctx";
 // Test-data seed of the shared prefix blocks (they hold the same values for every request).
 constexpr uint64_t kPrefixSeed = 0x5E1FFFFFFFFFFFFFULL;
 
-// Request slots of a side's pool: the generation side keeps `concurrency` requests in flight;
-// the context side holds `ctx_ahead` more, marked ready and published before they are fetched.
-int SlotsOf(const SelftestConfig& cfg, bool context) {
-  return cfg.concurrency + (context ? cfg.ctx_ahead : 0);
-}
 // Block b of a request in slot `slot` of `slots`: the resident prefix area, or the slot's own
 // blocks.
 int64_t BlockId(const SelftestConfig& cfg, int64_t bpr, int slots, int slot, int64_t b) {
@@ -136,15 +122,6 @@ class PoolAccess {
   std::unique_ptr<Stream> stream_;
 };
 
-std::vector<int> GroupRanks(const KvShape& shape, const ParallelConfig& p, int group) {
-  std::vector<int> out;
-  for (int r = 0; r < p.world_size(); ++r) {
-    const auto slice = SliceOf(shape, p, r);  // fails only for a config Validate refuses
-    if (slice.ok() && slice->dp_group == group) out.push_back(r);
-  }
-  return out;
-}
-
 void AddError(RankResult& r, std::string e) {
   if (r.errors.size() < 8) r.errors.push_back(std::move(e));
 }
@@ -194,128 +171,6 @@ void AwaitGenerationStart(const SelftestConfig& cfg, Clock::time_point deadline)
 }
 
 }  // namespace
-
-std::string RankDevice(const SelftestConfig& cfg, bool context, int rank) {
-  if (cfg.device.rfind("cuda", 0) != 0) return cfg.device;
-  if (cfg.gpus.empty() && cfg.device != "cuda") return cfg.device;  // "cuda:N": every rank on N
-  // Local rank: context ranks first, then generation ranks, so the two instances land on
-  // different GPUs when there are several.
-  const int local = context ? rank : cfg.ctx.world_size() + rank;
-  if (!cfg.gpus.empty()) return fmt::format("cuda:{}", cfg.gpus[local % cfg.gpus.size()]);
-  int visible = 0;
-  for (const std::string& d : ListDevices()) visible += d.rfind("cuda:", 0) == 0;
-  return fmt::format("cuda:{}", visible > 0 ? local % visible : 0);
-}
-
-Status ValidateSelftest(const SelftestConfig& cfg) {
-  // Bounds first, so that nothing below sizes anything by an absurd value.
-  for (const auto& [side, p] : {std::pair{"ctx", &cfg.ctx}, std::pair{"gen", &cfg.gen}}) {
-    for (const auto& [name, v] :
-         {std::pair{"tp", p->tp}, std::pair{"pp", p->pp}, std::pair{"dp", p->dp_size}}) {
-      if (v < 1 || v > kSelftestMaxRanks) {
-        return Status::InvalidArgument(
-            fmt::format("--{}-{} {} must be in [1, {}]", side, name, v, kSelftestMaxRanks));
-      }
-    }
-  }
-  const int ranks = cfg.ctx.world_size() + cfg.gen.world_size();
-  if (ranks > kSelftestMaxRanks) {
-    return Status::InvalidArgument(fmt::format(
-        "{} context + {} generation ranks: a run on one host has at most {} ranks (processes, "
-        "or threads with --transport inproc)",
-        cfg.ctx.world_size(), cfg.gen.world_size(), kSelftestMaxRanks));
-  }
-  if (cfg.requests > kSelftestMaxRequests) {
-    return Status::InvalidArgument(
-        fmt::format("--requests {} is more than {}", cfg.requests, kSelftestMaxRequests));
-  }
-  if (cfg.metrics_port < -1 || cfg.metrics_port > 65535 ||
-      (cfg.metrics_port > 0 && cfg.metrics_port + ranks - 1 > 65535)) {
-    return Status::InvalidArgument(fmt::format(
-        "--metrics-port {}: the {} ranks serve on ports {} to {}; the last must be at most 65535",
-        cfg.metrics_port, ranks, cfg.metrics_port, int64_t{cfg.metrics_port} + ranks - 1));
-  }
-  if (cfg.concurrency > kSelftestMaxConcurrency || cfg.ctx_ahead > kSelftestMaxConcurrency) {
-    return Status::InvalidArgument(fmt::format("--concurrency {} must be at most {}",
-                                               std::max(cfg.concurrency, cfg.ctx_ahead),
-                                               kSelftestMaxConcurrency));
-  }
-  KVF_RETURN_IF_ERROR(cfg.shape.Validate());
-  // The pools hold every request in flight: bounded before any is allocated (in doubles: the
-  // product of absurd flags overflows int64).
-  for (int64_t t : cfg.prompt_tokens) {
-    for (bool context : {true, false}) {
-      const double blocks =
-          std::ceil(static_cast<double>(t) / cfg.shape.tokens_per_block) * SlotsOf(cfg, context) +
-          std::max(0, cfg.shared_prefix_blocks);
-      const double bytes =
-          blocks * cfg.shape.tokens_per_block * static_cast<double>(cfg.shape.BytesPerToken());
-      if (bytes > static_cast<double>(kSelftestMaxPoolBytes)) {
-        return Status::InvalidArgument(fmt::format(
-            "{}-token requests, {} in flight: the {} instance's pools would hold {:.1f} GiB; at "
-            "most {} GiB (fewer or shorter requests, or a smaller shape)",
-            t, SlotsOf(cfg, context), context ? "context" : "generation", bytes / (1 << 30),
-            kSelftestMaxPoolBytes >> 30));
-      }
-    }
-  }
-  KVF_RETURN_IF_ERROR(cfg.ctx.Validate(cfg.shape).WithContext("context split"));
-  KVF_RETURN_IF_ERROR(cfg.gen.Validate(cfg.shape).WithContext("generation split"));
-  if (cfg.requests < 1) return Status::InvalidArgument("--requests must be at least 1");
-  if (cfg.concurrency < 1) return Status::InvalidArgument("--concurrency must be at least 1");
-  if (cfg.ctx_ahead < 0)
-    return Status::InvalidArgument(fmt::format("ctx_ahead {} must not be negative", cfg.ctx_ahead));
-  if (cfg.prompt_tokens.empty()) return Status::InvalidArgument("--prompt-tokens is empty");
-  for (int64_t t : cfg.prompt_tokens) {
-    if (t < 1)
-      return Status::InvalidArgument(fmt::format("--prompt-tokens {} must be positive", t));
-  }
-  if (cfg.dir.empty()) return Status::InvalidArgument("no run directory");
-  const std::vector<std::string> transports = AvailableTransports();
-  if (std::find(transports.begin(), transports.end(), cfg.transport) == transports.end())
-    return Status::InvalidArgument(fmt::format("--transport {}: this build has {}", cfg.transport,
-                                               fmt::join(transports, ", ")));
-  if (cfg.timeout.count() < 1)
-    return Status::InvalidArgument(
-        fmt::format("--timeout-ms {} must be at least 1", cfg.timeout.count()));
-  if (cfg.crash_ctx_rank < -1 || cfg.crash_ctx_rank >= cfg.ctx.world_size())
-    return Status::InvalidArgument(
-        fmt::format("--crash-ctx-rank {} is not a context rank (0 to {}, or -1 for none)",
-                    cfg.crash_ctx_rank, cfg.ctx.world_size() - 1));
-  if (!cfg.fault.empty()) {
-    KVF_ASSIGN_OR_RETURN(FaultPoint f, ParseFaultPoint(cfg.fault));
-    const int world = f.context ? cfg.ctx.world_size() : cfg.gen.world_size();
-    if (f.rank >= world) {
-      return Status::InvalidArgument(
-          fmt::format("--fault {}: rank {} is outside the {} ranks of the "
-                      "{} instance",
-                      cfg.fault, f.rank, world, f.context ? "context" : "generation"));
-    }
-    if (f.spec.kind == FaultKind::kCrash && cfg.transport == "inproc") {
-      return Status::InvalidArgument(
-          fmt::format("--fault {}: a crash ends a rank's process; inproc runs every rank in one "
-                      "(use --transport ucx)",
-                      cfg.fault));
-    }
-  }
-  if (!cfg.gpus.empty() && cfg.device.rfind("cuda", 0) != 0) {
-    return Status::InvalidArgument(
-        fmt::format("--gpus needs --device cuda (the device is {})", cfg.device));
-  }
-  for (int g : cfg.gpus) {
-    if (g < 0) return Status::InvalidArgument(fmt::format("--gpus: {} is not a GPU ordinal", g));
-  }
-  for (int64_t t : cfg.prompt_tokens) {
-    if (cfg.shared_prefix_blocks < 0 ||
-        t <= int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block) {
-      return Status::InvalidArgument(fmt::format(
-          "--shared-prefix-blocks {} ({} tokens) must be shorter than every prompt ({} tokens)",
-          cfg.shared_prefix_blocks, int64_t{cfg.shared_prefix_blocks} * cfg.shape.tokens_per_block,
-          t));
-    }
-  }
-  return Status::Ok();
-}
 
 // The rank's transport, wrapped in a FaultyTransport when cfg.fault names this rank (`fault`
 // points at it; the side that owns the transport keeps it alive). A crash fault ends the process
@@ -767,78 +622,6 @@ StatusOr<std::vector<RankResult>> RunInProcess(const SelftestConfig& cfg) {
     out.push_back(std::move(r).value());
   }
   return out;
-}
-
-SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
-  SelftestSummary s;
-  s.requests = cfg.requests;
-  std::vector<double> lat;
-  double cpu = 0, control_cpu = 0;
-  // A request is verified when every generation rank of its decoding group verified it: count
-  // per rank and compare with the number of (request, rank) pairs expected.
-  int expected_pairs = 0, verified_pairs = 0, failed_pairs = 0;
-  for (int i = 0; i < cfg.requests; ++i) {
-    expected_pairs += static_cast<int>(GroupRanks(cfg.shape, cfg.gen, i % cfg.gen.dp_size).size());
-  }
-  for (const RankResult& r : ranks) {
-    cpu += r.cpu_seconds;
-    control_cpu += r.control_cpu_seconds;
-    // Every rank is heard: its first errors, and its last (why it stopped, when it gave up).
-    const char* side = r.context ? "context" : "generation";
-    s.fault_missed |= r.fault_missed;
-    for (size_t i = 0; i < r.errors.size(); ++i) {
-      if (i < 3 || i + 1 == r.errors.size())
-        s.errors.push_back(fmt::format("{} rank {}: {}", side, r.rank, r.errors[i]));
-      else if (i == 3)
-        s.errors.push_back(fmt::format("{} rank {}: ({} more)", side, r.rank, r.errors.size() - 4));
-    }
-    if (r.context) {
-      if (r.failed) s.failed = std::max(s.failed, r.failed);
-      if (r.baseline_gbps > 0) {
-        s.baseline_gbps = r.baseline_gbps;
-        s.baseline_name = r.baseline_name;
-        s.copy_gbps = r.copy_gbps;
-        s.copy_name = r.copy_name;
-      }
-      continue;
-    }
-    s.bytes += r.bytes;
-    s.prefix_hits += r.prefix_hits;
-    s.warmup_overlap += r.warmup_overlap;
-    if (!r.data_path.empty() && s.data_path.find(r.data_path) == std::string::npos)
-      s.data_path += (s.data_path.empty() ? "" : "+") + r.data_path;
-    s.seconds = std::max(s.seconds, r.seconds);
-    verified_pairs += r.verified;
-    failed_pairs += r.failed;
-    lat.insert(lat.end(), r.latencies.begin(), r.latencies.end());
-  }
-  s.completed =
-      (verified_pairs == expected_pairs && failed_pairs == 0)
-          ? cfg.requests
-          : static_cast<int>(std::min<int64_t>(
-                cfg.requests, int64_t{verified_pairs} * cfg.requests /
-                                  std::max(1, expected_pairs)));  // --requests 1000000: 64 bits
-  s.verified = cfg.verify ? s.completed : 0;
-  s.failed = std::max(s.failed, cfg.requests - s.completed);
-  s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
-  std::sort(lat.begin(), lat.end());
-  auto pct = [&](double p) {
-    return lat.empty() ? 0.0
-                       : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))] * 1e3;
-  };
-  s.p50_ms = pct(0.5);
-  s.p90_ms = pct(0.9);
-  s.p99_ms = pct(0.99);
-  s.cpu_us_per_request = cpu / cfg.requests * 1e6;
-  s.control_cpu_with_warmup_us_per_request = control_cpu / cfg.requests * 1e6;
-  s.control_cpu_us_per_request = MeasuredCpu(cfg, ranks, &RankResult::control_cpu_seconds,
-                                             &RankResult::control_cpu_warm_seconds) *
-                                 1e6;
-  s.thread_cpu_us_per_request = MeasuredCpu(cfg, ranks, &RankResult::thread_cpu_seconds,
-                                            &RankResult::thread_cpu_warm_seconds) *
-                                1e6;
-  s.profile = MeasuredProfile(cfg, ranks);
-  return s;
 }
 
 }  // namespace kvferry

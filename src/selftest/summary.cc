@@ -1,5 +1,6 @@
-// Summarize's measured-request parts (selftest.h): the control-plane CPU and the transfer.profile
-// rows of the requests after each rank's warm-up (the set-up those carry left out).
+// Summarize (selftest.h): the aggregate over all ranks that the command prints, with its
+// measured-request parts: the control-plane CPU and the transfer.profile rows of the requests
+// after each rank's warm-up (the set-up those carry left out).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -105,6 +106,78 @@ std::optional<RequestTimeline> MedianTimeline(const std::vector<RequestTimeline>
   m.bytes = static_cast<int64_t>(median(bytes));
   m.chunks = static_cast<int64_t>(median(chunks));
   return m;
+}
+
+SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResult>& ranks) {
+  SelftestSummary s;
+  s.requests = cfg.requests;
+  std::vector<double> lat;
+  double cpu = 0, control_cpu = 0;
+  // A request is verified when every generation rank of its decoding group verified it: count
+  // per rank and compare with the number of (request, rank) pairs expected.
+  int expected_pairs = 0, verified_pairs = 0, failed_pairs = 0;
+  for (int i = 0; i < cfg.requests; ++i) {
+    expected_pairs += static_cast<int>(GroupRanks(cfg.shape, cfg.gen, i % cfg.gen.dp_size).size());
+  }
+  for (const RankResult& r : ranks) {
+    cpu += r.cpu_seconds;
+    control_cpu += r.control_cpu_seconds;
+    // Every rank is heard: its first errors, and its last (why it stopped, when it gave up).
+    const char* side = r.context ? "context" : "generation";
+    s.fault_missed |= r.fault_missed;
+    for (size_t i = 0; i < r.errors.size(); ++i) {
+      if (i < 3 || i + 1 == r.errors.size())
+        s.errors.push_back(fmt::format("{} rank {}: {}", side, r.rank, r.errors[i]));
+      else if (i == 3)
+        s.errors.push_back(fmt::format("{} rank {}: ({} more)", side, r.rank, r.errors.size() - 4));
+    }
+    if (r.context) {
+      if (r.failed) s.failed = std::max(s.failed, r.failed);
+      if (r.baseline_gbps > 0) {
+        s.baseline_gbps = r.baseline_gbps;
+        s.baseline_name = r.baseline_name;
+        s.copy_gbps = r.copy_gbps;
+        s.copy_name = r.copy_name;
+      }
+      continue;
+    }
+    s.bytes += r.bytes;
+    s.prefix_hits += r.prefix_hits;
+    s.warmup_overlap += r.warmup_overlap;
+    if (!r.data_path.empty() && s.data_path.find(r.data_path) == std::string::npos)
+      s.data_path += (s.data_path.empty() ? "" : "+") + r.data_path;
+    s.seconds = std::max(s.seconds, r.seconds);
+    verified_pairs += r.verified;
+    failed_pairs += r.failed;
+    lat.insert(lat.end(), r.latencies.begin(), r.latencies.end());
+  }
+  s.completed =
+      (verified_pairs == expected_pairs && failed_pairs == 0)
+          ? cfg.requests
+          : static_cast<int>(std::min<int64_t>(
+                cfg.requests, int64_t{verified_pairs} * cfg.requests /
+                                  std::max(1, expected_pairs)));  // --requests 1000000: 64 bits
+  s.verified = cfg.verify ? s.completed : 0;
+  s.failed = std::max(s.failed, cfg.requests - s.completed);
+  s.gbps = s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0;
+  std::sort(lat.begin(), lat.end());
+  auto pct = [&](double p) {
+    return lat.empty() ? 0.0
+                       : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))] * 1e3;
+  };
+  s.p50_ms = pct(0.5);
+  s.p90_ms = pct(0.9);
+  s.p99_ms = pct(0.99);
+  s.cpu_us_per_request = cpu / cfg.requests * 1e6;
+  s.control_cpu_with_warmup_us_per_request = control_cpu / cfg.requests * 1e6;
+  s.control_cpu_us_per_request = MeasuredCpu(cfg, ranks, &RankResult::control_cpu_seconds,
+                                             &RankResult::control_cpu_warm_seconds) *
+                                 1e6;
+  s.thread_cpu_us_per_request = MeasuredCpu(cfg, ranks, &RankResult::thread_cpu_seconds,
+                                            &RankResult::thread_cpu_warm_seconds) *
+                                1e6;
+  s.profile = MeasuredProfile(cfg, ranks);
+  return s;
 }
 
 }  // namespace kvferry

@@ -6,8 +6,8 @@
 #include <new>
 
 #include "kvferry/block_manager.h"
+#include "testing/block_manager_test_env.h"
 #include "tiering/block_manager_impl.h"
-#include "tiering/block_manager_test_env.h"
 
 // Counts the heap allocations of the calling thread while g_count_allocs is set (the test of the
 // allocation-free BlockManager calls below); every other allocation goes straight to malloc. Not

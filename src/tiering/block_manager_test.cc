@@ -8,11 +8,11 @@
 #include <numeric>
 #include <thread>
 
-#include "files/test_util.h"
+#include "testing/block_manager_test_env.h"
+#include "testing/file_test_util.h"
 #include "testing/memory_slab_store.h"
+#include "testing/tiering_test_util.h"
 #include "tiering/block_manager_impl.h"
-#include "tiering/block_manager_test_env.h"
-#include "tiering/tiering_test_util.h"
 
 namespace kvferry::tiering {
 namespace {

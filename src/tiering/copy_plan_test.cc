@@ -4,8 +4,8 @@
 
 #include <random>
 
+#include "testing/tiering_test_util.h"
 #include "tiering/priority_lru.h"
-#include "tiering/tiering_test_util.h"
 
 namespace kvferry::tiering {
 namespace {

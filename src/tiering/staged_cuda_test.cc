@@ -12,7 +12,7 @@
 #include "device/cuda_entry.h"
 #include "kvferry/tiering.h"
 #include "testing/host_mirror.h"
-#include "tiering/tiering_test_util.h"
+#include "testing/tiering_test_util.h"
 
 namespace kvferry::tiering {
 namespace {

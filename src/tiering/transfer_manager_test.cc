@@ -5,7 +5,7 @@
 
 #include "kvferry/tiering.h"
 #include "testing/memory_slab_store.h"
-#include "tiering/tiering_test_util.h"
+#include "testing/tiering_test_util.h"
 
 namespace kvferry::tiering {
 namespace {

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "kvferry/config.h"
-#include "transceiver/transceiver_test_cluster.h"
+#include "testing/transceiver_test_cluster.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
 

@@ -13,9 +13,9 @@
 #include <thread>
 
 #include "device/peer_memory.h"
+#include "testing/transceiver_test_cluster.h"
 #include "transceiver/context_side_impl.h"
 #include "transceiver/paths/peer_copies.h"
-#include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {
 namespace {

@@ -19,9 +19,9 @@
 #include <iterator>
 #include <thread>
 
+#include "testing/transceiver_test_cluster.h"
 #include "transceiver/engine/engine.h"
 #include "transceiver/paths/peer_copies.h"
-#include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {
 namespace {

@@ -17,8 +17,8 @@
 #include "kvferry/transceiver.h"
 #include "kvferry/transport_wrapper.h"
 #include "testing/testdata.h"
+#include "testing/transceiver_test_cluster.h"
 #include "transceiver/engine/engine.h"
-#include "transceiver/transceiver_test_cluster.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
 

@@ -14,8 +14,8 @@
 #include "kvferry/device.h"
 #include "kvferry/transport.h"
 #include "kvferry/ucx_info.h"
-#include "transport/bandwidth.h"
-#include "transport/ucx_child_for_test.h"
+#include "testing/bandwidth.h"
+#include "testing/ucx_child_for_test.h"
 
 namespace kvferry {
 namespace {

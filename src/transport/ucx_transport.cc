@@ -1,6 +1,6 @@
 // The UCX transport: one ucp_context (TAG | RMA), a control worker and a data worker, and per
 // peer a control endpoint and a data endpoint (see ucx_transport_impl.h for why). One-sided
-// operations are in ucx_rma.cc.
+// operations are in ucx_rma.cc, the teardown (the destructor and its steps) in ucx_teardown.cc.
 //
 // ucx.error_mode: split (default): control endpoints in error mode PEER, data endpoints in NONE
 // (shared memory, CMA, cuda_ipc on one host; a crash is noticed on the control endpoint).
@@ -60,8 +60,6 @@
 namespace kvferry {
 namespace ucx_detail {
 namespace {
-
-constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
 
 // libucs takes SIGHUP when it loads, before any transport exists: kvferry gives it back as soon
 // as it loads too (libucs, a dependency, was initialized before), so a process that never makes
@@ -165,107 +163,6 @@ StatusOr<std::unique_ptr<Transport>> UcxTransport::Create(const TransportOptions
   Log(LogLevel::kDebug, "ucx transport up: error mode {}, cuda={}, address {} + {} bytes", mode,
       t->cuda_, addresses.control.size(), addresses.data.size());
   return std::unique_ptr<Transport>(std::move(t));
-}
-
-UcxTransport::~UcxTransport() {
-  if (!data_worker_) return;
-  const Deadline deadline =
-      DeadlineIn(std::chrono::milliseconds(Config::Global().Int("transport.close_timeout_ms")));
-  auto progress = [&] {
-    ucp_worker_progress(ctrl_worker_.get());
-    ucp_worker_progress(data_worker_.get());
-  };
-  // Cancel every pending data receive first, so no peer's data lands in them after the byes
-  // (completes them synchronously with UCS_ERR_CANCELED). Control receives complete at once.
-  std::vector<OpState*> recvs;
-  for (auto& [p, s] : inflight_) {
-    if (s->is_recv && s->request && s->payload.empty()) recvs.push_back(p);
-  }
-  for (OpState* s : recvs) {
-    if (inflight_.count(s) && s->request) {
-      s->forced = Status::Cancelled("ucx transport destroyed");
-      ucp_request_cancel(data_worker_.get(), s->request);
-    }
-  }
-  // Tell live peers we are going, so their pending ops fail at once instead of at keepalive.
-  std::vector<std::shared_ptr<OpState>> byes;
-  for (size_t i = 0; i < peers_.size(); ++i) {
-    if (peers_[i].dead || peers_[i].ctrl_ep == nullptr) continue;  // never answered: nothing to end
-    auto bye = PostControl(static_cast<PeerId>(i), kKindBye, {});
-    if (bye.ok()) byes.push_back(std::move(bye).value());
-  }
-  // Byes are eager sends: they complete locally once handed to the wire.
-  auto byes_done = [&] {
-    for (auto& b : byes) {
-      if (!b->done) return false;
-    }
-    return true;
-  };
-  // A bye not out within 100 ms goes to a peer that is gone or stuck: don't wait for it.
-  const Deadline bye_deadline = std::min(deadline, DeadlineIn(std::chrono::milliseconds(100)));
-  while (!byes_done() && Clock::now() < bye_deadline) progress();
-  // Endpoints in error mode PEER are force-closed, as a flushing close would wait for peers that
-  // may be gone or not progressing; peers learn of it from the bye (or keepalive). Error mode
-  // NONE does not allow force: flush-close within the deadline, then destroy the workers.
-  // Dead peers' endpoints (error mode NONE) may never finish closing: don't wait for them.
-  for (void* r : closing_) ucp_request_free(r);
-  closing_.clear();
-  std::vector<void*> closing;
-  auto close = [&](ucp_ep_h& ep, bool force) {
-    if (!ep) return;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-    ep = nullptr;
-    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
-  };
-  for (auto& peer : peers_) {
-    peer.rkeys.clear();
-    peer.last_key = nullptr;
-    close(peer.data_ep, data_peer_errors_);
-    close(peer.ctrl_ep, ctrl_peer_errors_);
-  }
-  // Closing completes the endpoints' requests (force: cancelled; flush: when done): wait for
-  // them too, so UCX hands back every request before the workers go.
-  auto requests_pending = [&] {
-    for (auto& [p, s] : inflight_) {
-      // Error mode NONE: a detached op's peer is gone and its request never ends; don't wait.
-      if (s->request && (data_peer_errors_ || !s->done)) return true;
-    }
-    return false;
-  };
-  while ((!closing.empty() || requests_pending()) && Clock::now() < deadline) {
-    progress();
-    std::erase_if(closing, [](void* r) {
-      if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
-      ucp_request_free(r);
-      return true;
-    });
-  }
-  if (!closing.empty()) {
-    Log(LogLevel::kWarn, "ucx: {} endpoint(s) did not close within the deadline; destroying",
-        closing.size());
-    for (void* r : closing) ucp_request_free(r);
-  }
-  // What UCX did not complete, we do (ucp_request_free: no callback will follow); buffers are
-  // released with the workers. States stay alive until the workers are gone.
-  std::vector<std::shared_ptr<OpState>> keep;
-  for (auto& [p, s] : inflight_) {
-    if (s->request) ucp_request_free(s->request);
-    s->request = nullptr;
-    if (!s->done) {
-      s->status = s->forced.ok() ? Status::Cancelled("ucx transport destroyed") : s->forced;
-      s->done = true;
-    }
-    keep.push_back(s);
-  }
-  inflight_.clear();
-  control_in_.clear();
-  if (wakeup_fd_ >= 0) ::close(wakeup_fd_);
-  data_worker_.reset();
-  ctrl_worker_.reset();
-  context_.reset();
 }
 
 void UcxTransport::OpenWakeup() {

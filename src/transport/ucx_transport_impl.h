@@ -32,6 +32,9 @@
 
 namespace kvferry::ucx_detail {
 
+// Byte 0 of a control payload (ucx_transport.cc describes the payload byte by byte).
+inline constexpr uint8_t kKindData = 0, kKindHello = 1, kKindBye = 2;
+
 inline constexpr uint64_t kCtrlBit = uint64_t{1} << 63;
 
 class UcxTransport;
@@ -147,6 +150,25 @@ class UcxTransport final : public Transport {
   StatusOr<ucp_ep_h> CreateEp(ucp_worker_h worker, const std::vector<uint8_t>& address,
                               bool peer_errors, EpErrorArg* arg);
   void CloseEp(ucp_ep_h ep, bool force);
+  // The destructor's steps, in its order (ucx_transport.cc says why).
+  // Drives both workers once.
+  void ProgressWorkers();
+  // Cancels every pending data receive, so no peer's data lands in one after the byes.
+  void CancelDataReceives();
+  // Tells every live peer with endpoints that this transport goes, so their pending ops fail at
+  // once instead of at keepalive; waits up to 100 ms (and `deadline`) for the byes to go out.
+  void SendByes(Deadline deadline);
+  // Closes every endpoint (force in error mode PEER, flush otherwise); the close requests go to
+  // closing_, those of earlier closes are released first.
+  void CloseEndpoints();
+  // The inflight ops whose requests UCX has yet to hand back.
+  bool RequestsPending() const;
+  // Drives the workers until closing_ and the pending requests are done or `deadline` passes;
+  // releases whatever close request is left.
+  void AwaitClosed(Deadline deadline);
+  // Frees the requests UCX still holds and ends every unfinished op (cancelled, or its forced
+  // status); returns the states, which must outlive the workers.
+  std::vector<std::shared_ptr<OpState>> EndInflight();
   void MarkDead(PeerId peer, Status why);
   void HandleDeaths();
   void DrainControl();
@@ -194,7 +216,8 @@ class UcxTransport final : public Transport {
   std::unordered_map<uint64_t, std::deque<std::vector<std::byte>>> held_;
   size_t held_count_ = 0;
   std::vector<std::pair<PeerId, ucs_status_t>> deaths_;  // reported by OnEpError
-  std::vector<void*> closing_;  // close requests of dead peers' endpoints (error mode none)
+  // Close requests not complete yet: dead peers' endpoints (error mode none); in teardown, all.
+  std::vector<void*> closing_;
 };
 
 }  // namespace kvferry::ucx_detail

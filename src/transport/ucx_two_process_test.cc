@@ -15,9 +15,9 @@
 
 #include "kvferry/config.h"
 #include "kvferry/transport.h"
-#include "transport/bandwidth.h"
+#include "testing/bandwidth.h"
+#include "testing/ucx_child_for_test.h"
 #include "transport/ucx_address.h"
-#include "transport/ucx_child_for_test.h"
 
 namespace kvferry {
 namespace {

@@ -28,6 +28,24 @@ if(KVFERRY_BUILD_TOOLS)
   set_tests_properties(layering.tool_includes_src_fails PROPERTIES
                        PASS_REGULAR_EXPRESSION "transport/ucx_transport_impl.h'?${_missing}")
 endif()
+# Test support is not in the layers' folders: outside src/testing and src/selftest only the tests
+# themselves (*_test.cc) include a testing/ or selftest/ header; the control must report its
+# fixture's helper (test_support_in_layer.sh says why).
+set(_layer_dirs)
+foreach(l ${KVFERRY_LAYERS})
+  list(APPEND _layer_dirs ${KVFERRY_LAYER_${l}_DIRS})
+endforeach()
+list(REMOVE_DUPLICATES _layer_dirs)
+add_test(NAME layering.layer_folders_hold_no_test_support
+         COMMAND sh ${_dir}/test_support_in_layer.sh ${CMAKE_CURRENT_SOURCE_DIR} ${_layer_dirs})
+set_tests_properties(layering.layer_folders_hold_no_test_support PROPERTIES
+                     PASS_REGULAR_EXPRESSION "^PASS" FAIL_REGULAR_EXPRESSION "FAIL")
+add_test(NAME layering.test_support_in_layer_folder_fails
+         COMMAND sh ${_dir}/test_support_in_layer.sh ${_dir} test_support_fixture)
+set_tests_properties(layering.test_support_in_layer_folder_fails PROPERTIES
+                     PASS_REGULAR_EXPRESSION
+                     "FAIL: test_support_fixture/shared_helper.h:[0-9]+:#include \"testing/testdata.h\""
+                     FAIL_REGULAR_EXPRESSION "thing_test.cc")
 # Every public header compiles on its own against include/ alone (no src/ header, no vendor
 # header: the CUDA, UCX and MPI include directories are not given).
 file(GLOB _public RELATIVE "${PROJECT_SOURCE_DIR}/include" "${PROJECT_SOURCE_DIR}/include/kvferry/*.h")

@@ -18,8 +18,8 @@
 
 #include <random>
 
+#include "testing/faulty_transport.h"
 #include "tools/kvferry/cluster.h"
-#include "transceiver/faulty_transport.h"
 
 namespace kvferry::tools {
 namespace {

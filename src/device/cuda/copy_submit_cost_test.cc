@@ -16,8 +16,8 @@
 #include <cstring>
 #include <vector>
 
-#include "device/cuda/copy_test_support.h"
 #include "kvferry/device.h"
+#include "testing/cuda_copy_test_support.h"
 
 namespace kvferry {
 namespace {

@@ -17,11 +17,11 @@
 #include <thread>
 #include <vector>
 
-#include "device/cuda/copy_test_support.h"
 #include "device/cuda_entry.h"
 #include "device/device_conformance.h"
 #include "device/peer_memory.h"
 #include "kvferry/config.h"
+#include "testing/cuda_copy_test_support.h"
 
 namespace kvferry::testing {
 

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "device/cuda/copy_test_support.h"
 #include "kvferry/config.h"
 #include "kvferry/device.h"
+#include "testing/cuda_copy_test_support.h"
 
 namespace kvferry {
 namespace {

@@ -6,8 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "testing/transceiver_test_cluster.h"
 #include "transceiver/paths/peer_copies.h"
-#include "transceiver/transceiver_test_cluster.h"
 
 namespace kvferry {
 namespace {

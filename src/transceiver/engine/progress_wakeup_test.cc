@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "kvferry/inproc_transport.h"
-#include "transceiver/transceiver_test_cluster.h"
+#include "testing/transceiver_test_cluster.h"
 
 namespace kvferry {
 namespace {

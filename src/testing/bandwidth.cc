@@ -1,4 +1,4 @@
-#include "transport/bandwidth.h"
+#include "testing/bandwidth.h"
 
 #include <deque>
 #include <functional>

@@ -1,4 +1,4 @@
-#include "transport/nixl_raw.h"
+#include "testing/nixl_raw.h"
 
 #include <fmt/format.h>
 #include <unistd.h>

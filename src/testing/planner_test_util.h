@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "planner/plan_executor_for_test.h"
 #include "planner/planner.h"
+#include "testing/plan_executor_for_test.h"
 #include "testing/testdata.h"
 
 namespace kvferry::planner_test {

@@ -10,7 +10,7 @@
 
 #include "kvferry/block_manager.h"
 #include "testing/memory_slab_store.h"
-#include "tiering/tiering_test_util.h"
+#include "testing/tiering_test_util.h"
 
 namespace kvferry::tiering {
 

@@ -22,7 +22,7 @@
 
 #include "kvferry/device.h"
 #include "kvferry/transport.h"
-#include "transport/bandwidth.h"
+#include "testing/bandwidth.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {

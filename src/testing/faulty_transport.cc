@@ -1,4 +1,4 @@
-#include "transceiver/faulty_transport.h"
+#include "testing/faulty_transport.h"
 
 #include <fmt/format.h>
 

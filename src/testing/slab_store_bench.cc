@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "files/slot_header.h"
-#include "files/test_util.h"
 #include "kvferry/slab_store.h"
+#include "testing/file_test_util.h"
 #include "testing/raw_io_bench.h"
 
 namespace kvferry {
