@@ -352,6 +352,14 @@ TEST(Transceiver, ForgedCompleteFromAnotherPeerIsIgnored) {
   Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
   auto h = cl.Publish(25, {0, 1}, 8, 0, /*layer_wise=*/true);  // nothing ready: no data yet
   ASSERT_TRUE(cl.Fetch(h, {4, 5}).ok());
+  // Fetch returns before its progress thread sent the FETCHes: forged messages that came before
+  // would be dropped as unknown and prove nothing (on a loaded machine that took over 100 ms).
+  for (auto end = Clock::now() + milliseconds(5000); Clock::now() < end;) {
+    auto q = cl.gen_[0]->Query(25);
+    ASSERT_TRUE(q.ok()) << q.status().ToString();
+    if (q->state != TransferState::kInit) break;
+    std::this_thread::sleep_for(milliseconds(1));
+  }
   auto hostile = cl.Transport();
   auto peer = hostile->Connect(cl.gen_[0]->address(), DeadlineIn(milliseconds(1000)));
   ASSERT_TRUE(peer.ok());
