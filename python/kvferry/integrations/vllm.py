@@ -204,7 +204,7 @@ def nixl_environment() -> None:
         os.environ["UCX_MODULES"] = "^ib*"
         logger.info("kvferry: transport nixl: UCX_MODULES='^ib*' set in this process (NIXL's "
                     "UCX InfiniBand modules crash the process at exit: docs/nixl.md)")
-    elif mods.replace(" ", "") not in ("^ib*", "^ib"):
+    elif not (mods.startswith("^") and "ib*" in mods[1:].replace(" ", "").split(",")):
         raise ValueError(f"KvferryConnector: transport nixl needs UCX_MODULES='^ib*' (or unset) "
                          f"in the vLLM instance's environment, found {mods!r}: NIXL's UCX "
                          f"InfiniBand modules crash the process at exit (docs/nixl.md)")
