@@ -30,7 +30,14 @@ producer, any other request from the offloaded tiers). Rounds A1 and A2 as above
       offloaded blocks serve them (hits from host and files); outputs must equal the baseline
 
     python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|multi|nixl] [--prefill-tp 2]
-                       [--decode-tp 2]
+                       [--decode-tp 2] [--transport ucx|nixl]
+
+--transport names the kvferry transport of the `kvferry` and `multi` pairs (the connector's
+kv_connector_extra_config `transport`; `nixl` is kvferry's transport over NIXL's C API, not vLLM's
+NixlConnector, which is the `nixl` pair). With `nixl` the connector sets UCX_MODULES='^ib*' in
+each instance (docs/nixl.md) and the decode instance ends with a normal interpreter exit (not
+os._exit), which must be clean: NIXL's UCX would crash there without it. Exit 77 when the
+transport is not usable here (not compiled in, or NIXL not found).
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ def kv_config(connector: str, role: str, args) -> dict:
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
                 "kv_load_failure_policy": "recompute"}
     extra = {"rendezvous": args.rendezvous, "rendezvous_key": args.rendezvous_key,
-             "hold_timeout_s": args.hold_timeout_s}
+             "hold_timeout_s": args.hold_timeout_s, "transport": args.transport}
     return {"kv_connector": "KvferryConnector", "kv_connector_module_path":
             "kvferry.integrations.vllm", "kv_role": role, "kv_connector_extra_config": extra,
             "kv_load_failure_policy": "recompute"}
@@ -233,7 +240,8 @@ def role_victim(args) -> None:
     shape = kvferry.KvShape(layers=4, kv_heads=2, head_dim=64, dtype="fp32",
                             tokens_per_block=BLOCK)
     pool = kvferry.Pool.allocate(dev, shape, layout="vllm-cpu", memory="host", blocks=16)
-    gen = kvferry.GenerationSide(dev, pool, instance_secret=kvferry.random_key(), instance_id=99)
+    gen = kvferry.GenerationSide(dev, pool, instance_secret=kvferry.random_key(), instance_id=99,
+                                 transport=args.transport)
     gen.fetch(handle, list(range(t["blocks"])))
     print("victim: fetch started; dying", flush=True)
     os._exit(3)
@@ -288,6 +296,11 @@ def on_workers(llm, fn, *a) -> list:
 
 def records_of(conn) -> list:
     return conn.transfer_records()
+
+
+def address_of(conn) -> str:
+    """The transport address of this rank's generation side ('nixl1:...' over NIXL)."""
+    return conn._worker.gen.address
 
 
 def set_option(conn, name: str, value) -> None:
@@ -347,6 +360,7 @@ def role_decode(args) -> None:
     kvf = args.connector == "kvferry"
     if kvf or args.connector == "multi":  # every rank's records (each moves its heads)
         result["records_A"] = [x for recs in on_workers(llm, records_of) for x in recs]
+        result["addresses"] = on_workers(llm, address_of)
     if args.connector == "multi":
         multi_round_o(llm, result, run)
     else:
@@ -354,6 +368,13 @@ def role_decode(args) -> None:
     write_json(os.path.join(args.work, f"{args.connector}-decode.json"), result)
     open(os.path.join(args.work, f"{args.connector}-decode-done"), "w").close()
     print(f"decode({args.connector}): done", flush=True)
+    if args.transport == "nixl" and args.connector != "nixl":
+        # A normal interpreter exit (atexit, _dl_fini): the one that crashes in NIXL's UCX
+        # InfiniBand modules when UCX_MODULES does not keep them out (docs/nixl.md).
+        print(f"decode({args.connector}): UCX_MODULES={os.environ.get('UCX_MODULES')!r}; "
+              "exiting normally", flush=True)
+        sys.stdout.flush()
+        return
     os._exit(0)
 
 
@@ -414,7 +435,7 @@ def spawn(args, role: str, connector: str, log: str, env_extra: dict | None = No
     cmd = [sys.executable, __file__, args.model, args.work, "--role", role, "--connector",
            connector, "--rendezvous", args.rendezvous, "--rendezvous-key", args.rendezvous_key,
            "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp),
-           "--decode-tp", str(args.decode_tp)]
+           "--decode-tp", str(args.decode_tp), "--transport", args.transport]
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
@@ -486,17 +507,55 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+NIXL_PROBE = """
+import kvferry, sys
+if "nixl" not in kvferry.transports():
+    print("kvferry built without NIXL (transports: %s)" % kvferry.transports()); sys.exit(77)
+shape = kvferry.KvShape(layers=1, kv_heads=1, head_dim=8, dtype="fp32", tokens_per_block=4)
+dev = kvferry.Device("cpu")
+pool = kvferry.Pool.allocate(dev, shape, memory="host", blocks=2)
+try:
+    kvferry.ContextSide(dev, pool, transport="nixl", instance_secret=b"s" * 16).close()
+except kvferry.UnavailableError as e:
+    print("NIXL unavailable:", e); sys.exit(77)
+"""
+
+
+def transport_usable(args) -> str:
+    """'' when args.transport can be used here, else why not (a process of its own for nixl:
+    NIXL is loaded there, with UCX_MODULES='^ib*')."""
+    import kvferry
+
+    if args.transport not in kvferry.transports():
+        return f"kvferry built without transport {args.transport!r} ({kvferry.transports()})"
+    if args.transport != "nixl":
+        return ""
+    p = subprocess.run([sys.executable, "-c", NIXL_PROBE], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, UCX_MODULES="^ib*"))
+    if p.returncode == 77:
+        return p.stdout.strip()
+    if p.returncode != 0:
+        raise RuntimeError(f"NIXL probe exited {p.returncode}: {p.stdout}{p.stderr}")
+    return ""
+
+
 def orchestrate(args) -> int:
     import kvferry
 
     os.makedirs(args.work, exist_ok=True)
+    if args.only in (None, "kvferry", "multi"):
+        why = transport_usable(args)
+        if why:
+            print(f"pd_check: SKIPPED (--transport {args.transport}: {why})")
+            return 77
     key = kvferry.random_key()
     server = kvferry.RendezvousServer("127.0.0.1", 0, key)
     args.rendezvous, args.rendezvous_key = server.address, key.hex()
     checks = Checks()
     ps = prompts()
     t_start = time.time()
-    print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP{args.decode_tp}", flush=True)
+    print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP{args.decode_tp}, kvferry "
+          f"transport {args.transport}", flush=True)
     logs = {n: os.path.join(args.work, f"{n}.log") for n in
             ("baseline", "kvferry-prefill", "kvferry-decode", "multi-prefill", "multi-decode",
              "nixl-prefill", "nixl-decode")}
@@ -536,7 +595,8 @@ def orchestrate(args) -> int:
         ok = wait_proc(dec, f"{conn} decode", 900, logs[f"{conn}-decode"])
         if conn == "kvferry" and ok:
             # The hold phase (waiting out the hold deadline) overlaps the next pair's start-up.
-            victim = spawn(args, "victim", conn, os.path.join(args.work, "victim.log"))
+            victim = spawn(args, "victim", conn, os.path.join(args.work, "victim.log"),
+                           {"UCX_MODULES": "^ib*"} if args.transport == "nixl" else None)
             wait_proc(victim, "victim", 120, os.path.join(args.work, "victim.log"), expect=3)
             pending.append((conn, pre))
         else:
@@ -562,6 +622,12 @@ def orchestrate(args) -> int:
         checks.check(f"{conn}: P/D greedy outputs identical to one instance", same == len(want),
                      f"{same}/{len(want)} prompts, {len(ps)} prompts of {min(map(len, ps))}-"
                      f"{max(map(len, ps))} tokens, {MAX_TOKENS} tokens each")
+        if conn in ("kvferry", "multi"):
+            addrs = r.get("addresses", [])
+            nixl_addr = [a.startswith("nixl1:") for a in addrs]
+            checks.check(f"{conn}: every decode rank's transport is {args.transport}",
+                         bool(addrs) and all(x == (args.transport == "nixl") for x in nixl_addr),
+                         f"{sum(nixl_addr)} of {len(addrs)} rank addresses are NIXL agents")
         if conn == "multi":
             multi_checks(checks, r, baseline)
         if conn == "kvferry":
@@ -661,6 +727,8 @@ def main() -> int:
     ap.add_argument("--nixl-port", type=int, default=25600)
     ap.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of prefill")
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode")
+    ap.add_argument("--transport", default="ucx",
+                    help="kvferry transport of the kvferry and multi pairs (ucx, nixl)")
     args = ap.parse_args()
     if args.role is None:
         return orchestrate(args)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -192,6 +193,23 @@ def handle_key(instance: str, request_id: str) -> str:
     return f"kvferry/vllm/{instance}/handle/{request_id}"
 
 
+def nixl_environment() -> None:
+    """Before this process first creates a NIXL transport: NIXL's UCX must leave its InfiniBand
+    modules out (UCX_MODULES='^ib*'), or the process dies with SIGSEGV at exit in their
+    libnl-route (NIXL's wheel, not kvferry: docs/nixl.md). Unset, it is set here (NIXL's UCX reads
+    it when the transport loads it); set to something that does not exclude them, it is refused:
+    the crash would come at exit, long after the cause."""
+    mods = os.environ.get("UCX_MODULES")
+    if mods is None:
+        os.environ["UCX_MODULES"] = "^ib*"
+        logger.info("kvferry: transport nixl: UCX_MODULES='^ib*' set in this process (NIXL's "
+                    "UCX InfiniBand modules crash the process at exit: docs/nixl.md)")
+    elif not (mods.startswith("^") and "ib*" in mods[1:].replace(" ", "").split(",")):
+        raise ValueError(f"KvferryConnector: transport nixl needs UCX_MODULES='^ib*' (or unset) "
+                         f"in the vLLM instance's environment, found {mods!r}: NIXL's UCX "
+                         f"InfiniBand modules crash the process at exit (docs/nixl.md)")
+
+
 @dataclass
 class Options:
     """kv_connector_extra_config keys (docs/vllm.md)."""
@@ -233,6 +251,9 @@ class Options:
         if not o.rendezvous or not o.rendezvous_key:
             raise ValueError("KvferryConnector needs kv_connector_extra_config 'rendezvous' "
                              "(host:port) and 'rendezvous_key' (32 hex digits)")
+        if o.transport not in kvferry.transports():
+            raise ValueError(f"KvferryConnector: transport={o.transport!r} is not compiled into "
+                             f"this kvferry; it has {kvferry.transports()}")
         if o.test_corrupt not in ("", "reverse-blocks"):
             raise ValueError(f"KvferryConnector: test_corrupt={o.test_corrupt!r}; "
                              "expected '' or 'reverse-blocks'")
@@ -539,6 +560,8 @@ class _Worker:
                              f"strides {tensors[0].stride()} read as {layout} gives kvferry "
                              f"layout '{self.pool.layout}', not a named one: refused")
         instance = f"vllm-{self.engine_id}"
+        if self.o.transport == "nixl":
+            nixl_environment()
         common = dict(transport=self.o.transport, instance_id=self.instance_id)
         if self.producer:
             secret = self._instance_secret(instance)
