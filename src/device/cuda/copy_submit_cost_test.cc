@@ -118,30 +118,26 @@ TEST_F(CopySubmitCost, ManyAllocationsAgainstOne) {
   dst_one.push_back(Alloc(MemoryKind::kDevice, kRegionBytes * kRegions));
   src_one.push_back(Alloc(MemoryKind::kDevice, kRegionBytes * kRegions));
   ASSERT_TRUE(s->Fill(src_one[0].data(), 0x3C, kRegionBytes * kRegions).ok());
-  for (bool two_d : {false, true}) {
-    const auto many = Descs(dst_many, src_many, two_d);
-    const auto one = Descs(dst_one, src_one, two_d);
+  // Times both batches, checks their bytes and prints them beside each other.
+  auto compare = [&](const std::vector<CopyDesc>& many, const std::vector<CopyDesc>& one,
+                     const char* what) {
     const double many_us = SubmitUs(*s, many);
     const double one_us = SubmitUs(*s, one);
     ExpectCopied(*s, many);
     ExpectCopied(*s, one);
     std::printf(
-        "copy submit, 64 descriptors (%s): 32+32 allocations %.1f us, 1+1 allocation %.1f us "
-        "(median of 200, host clock, CopyBatch + Record)\n",
-        two_d ? "2-D, 16 rows of 32 KiB" : "1-D, 512 KiB", many_us, one_us);
+        "copy submit, %s: 32+32 allocations %.1f us, 1+1 allocation %.1f us (median of 200, "
+        "host clock, CopyBatch + Record)\n",
+        what, many_us, one_us);
     EXPECT_GT(many_us, 0);
     EXPECT_GT(one_us, 0);
-  }
-  const auto many = Scattered(dst_many, src_many);
-  const auto one = Scattered(dst_one, src_one);
-  const double many_us = SubmitUs(*s, many);
-  const double one_us = SubmitUs(*s, one);
-  ExpectCopied(*s, many);
-  ExpectCopied(*s, one);
-  std::printf(
-      "copy submit, 4096 descriptors of 32 KiB: 32+32 allocations in turn %.1f us, 1+1 "
-      "allocation %.1f us\n",
-      many_us, one_us);
+  };
+  compare(Descs(dst_many, src_many, false), Descs(dst_one, src_one, false),
+          "64 descriptors of 512 KiB");
+  compare(Descs(dst_many, src_many, true), Descs(dst_one, src_one, true),
+          "64 descriptors of 16 rows of 32 KiB");
+  compare(Scattered(dst_many, src_many), Scattered(dst_one, src_one),
+          "4096 descriptors of 32 KiB, the allocations in turn");
 }
 
 }  // namespace

@@ -31,6 +31,15 @@ lossy=0; [ "${3:-}" = --lossy ] && lossy=1
 ((((cut || lossy)) && !netns)) && { echo "FAIL: --link-cut, --long-cut, --vanish and --lossy need --netns"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
+# The generation rank's summary, "generation rank 0: S requests, F failed, V verified" (requests
+# never started count as failed), into $failed and $verified; false without one.
+tally() {
+  local line
+  line=$(grep -o "generation rank 0: [0-9]* requests, [0-9]* failed, [0-9]* verified" "$1")
+  failed=$(sed -n 's/.* \([0-9]*\) failed.*/\1/p' <<<"$line")
+  verified=$(sed -n 's/.* \([0-9]*\) verified.*/\1/p' <<<"$line")
+  [ -n "$line" ]
+}
 emulator=
 cleanup() {
   [ -n "$emulator" ] && kill -TERM "$emulator" 2>/dev/null && wait "$emulator"
@@ -130,12 +139,9 @@ if ((cut)); then
     ((rc != 0)) || { echo "FAIL: the generation instance reported success without its peer"; fail=1; }
     # 2 s deadline, the abort grace and 1 s without progress, with room for a loaded machine.
     ((ended_ms <= 15000)) || { echo "FAIL: the generation instance took ${ended_ms} ms to end"; fail=1; }
-    # "generation rank 0: S requests, F failed, V verified": those not started count as failed.
-    line=$(grep -o "generation rank 0: [0-9]* requests, [0-9]* failed, [0-9]* verified" "$tmp/gen.out")
-    failed=$(sed -n 's/.* \([0-9]*\) failed.*/\1/p' <<<"$line")
-    verified=$(sed -n 's/.* \([0-9]*\) verified.*/\1/p' <<<"$line")
+    tally "$tmp/gen.out"; got=$?
     echo "host vanished: ${failed:-?} failed, ${verified:-?} verified of $requests"
-    if [ -z "$line" ] || ((failed + verified != requests)); then
+    if ((got != 0 || failed + verified != requests)); then
       echo "FAIL: the generation rank did not account for its $requests requests"; fail=1
     fi
     grep -qiE "deadline|gave up|unreachable|not delivered|lost|closed" "$tmp/gen.out" ||
@@ -157,11 +163,9 @@ if ((cut)); then
   if [ -z "$at_cut" ] || ((at_cut >= requests)); then
     echo "FAIL: the cut did not fall inside the run (${at_cut:-no} requests done at the cut)"; fail=1
   fi
-  line=$(grep -o "generation rank 0: $requests requests, [0-9]* failed, [0-9]* verified" "$tmp/gen.out")
-  failed=$(sed -n 's/.* \([0-9]*\) failed.*/\1/p' <<<"$line")
-  verified=$(sed -n 's/.* \([0-9]*\) verified.*/\1/p' <<<"$line")
+  tally "$tmp/gen.out"; got=$?
   echo "cut $down s: ${failed:-?} failed, ${verified:-?} verified of $requests"
-  if [ -z "$line" ] || ((failed + verified != requests)); then
+  if ((got != 0 || failed + verified != requests)); then
     echo "FAIL: the generation rank did not account for every request"; fail=1
   elif ((cut == 1 && failed != 0)); then
     echo "FAIL: a cut shorter than the deadline cost requests"; fail=1
