@@ -98,7 +98,6 @@ class Engine final : public PathHost {
 
   // The parts.
   const EngineOptions& options() const { return options_; }
-  Device& device() { return device_; }
   ProgressLoop& loop() { return loop_; }
   StatusTable& statuses() { return statuses_; }
   const StatusTable& statuses() const { return statuses_; }
