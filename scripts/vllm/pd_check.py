@@ -493,9 +493,12 @@ def multi_checks(checks: Checks, r: dict, baseline: list) -> None:
                                                        "stored")}
     checks.check("multi: round O (prefix cache reset, no tickets) identical to one instance",
                  same == len(A1), f"{same}/{len(A1)} prompts")
-    checks.check("multi: round O loads the decode instance's own offloaded blocks from host "
-                 "and files (stored during A1/A2, none failed)",
-                 d["loaded_host"] > 0 and d["loaded_file"] > 0 and st["load_failures"] == 0
+    # Which tier serves a block depends on the host tier's LRU order at the time (promotion moves
+    # file hits into it): 0 or 1 of 24 came from the 4-block host tier in runs of the same code,
+    # so the check asks for tier loads, not for both tiers.
+    checks.check("multi: round O loads the decode instance's own offloaded blocks from its tiers "
+                 "(stored during A1/A2, none failed)",
+                 d["loaded_host"] + d["loaded_file"] > 0 and st["load_failures"] == 0
                  and st["store_failures"] == 0 and not st["file_refused"],
                  f"{st['before']['stored']} blocks stored in A1/A2; round O loaded "
                  f"{d['loaded_host']} from host, {d['loaded_file']} from files, promoted "
