@@ -77,8 +77,13 @@ class Buffer {
   MemoryKind kind_ = MemoryKind::kHost;
 };
 
-// One copy of a batch: `rows` rows of `bytes` bytes; row r goes from src + r * src_pitch to
-// dst + r * dst_pitch. rows == 1 is a plain copy (pitches ignored).
+// One copy of a batch: `planes` planes of `rows` rows of `bytes` bytes; row r of plane q goes from
+// src + q * src_plane_pitch + r * src_pitch to dst + q * dst_plane_pitch + r * dst_pitch.
+// rows == 1 is a plain copy (pitches ignored); planes == 1 is a 2-D copy (plane pitches ignored).
+// Planes carry a layout conversion's third axis (HND <-> NHD: heads x tokens of head_dim rows)
+// in one descriptor; the rows of different planes may interleave (plane pitch below the rows'
+// span) as long as no two destination bytes coincide. A Stream implemented outside kvferry must
+// honour planes (device_conformance.h checks it).
 struct CopyDesc {
   void* dst;
   const void* src;
@@ -86,6 +91,9 @@ struct CopyDesc {
   size_t rows = 1;
   size_t dst_pitch = 0;
   size_t src_pitch = 0;
+  size_t planes = 1;
+  size_t dst_plane_pitch = 0;
+  size_t src_plane_pitch = 0;
 };
 
 // One run of bytes for Stream::Digest: `rows` rows of `bytes` bytes, row r at data + r * pitch

@@ -187,12 +187,9 @@ def user_messages() -> list[list[list[int]]]:
 def engine_kv(mode: str, files: str) -> dict | None:
     if mode == "none":
         return None
-    return {"kv_connector": "KvferryOffloadingConnector",
-            "kv_connector_module_path": "kvferry.integrations.vllm_offload",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvferry_host_blocks": HOST_BLOCKS,
-                                          "kvferry_file_dir": files,
-                                          "kvferry_file_slots": FILE_SLOTS}}
+    from offload_check import kvferry_kv
+
+    return kvferry_kv(files, HOST_BLOCKS, FILE_SLOTS)
 
 
 def serve(model: str, mode: str, files: str, log: str, conn) -> None:
@@ -200,9 +197,9 @@ def serve(model: str, mode: str, files: str, log: str, conn) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                 ("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1")):
-        os.environ.setdefault(k, v)
+    from offload_check import engine_env
+
+    engine_env()
     from vllm import LLM, SamplingParams
 
     kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",

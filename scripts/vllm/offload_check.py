@@ -66,12 +66,17 @@ def kv_config(mode: str, files: str) -> dict | None:
         block_bytes = 4 * 2 * 2 * BLOCK * 64 * 4  # layers x K,V x heads x tokens x dim x fp32
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": HOST_BLOCKS * block_bytes}}
+    return kvferry_kv(files, HOST_BLOCKS, FILE_SLOTS)
+
+
+def kvferry_kv(files: str, host_blocks: int, file_slots: int) -> dict:
+    """vLLM's kv_transfer_config for kvferry's offloading connector (host tier + file tier)."""
     return {"kv_connector": "KvferryOffloadingConnector",
             "kv_connector_module_path": "kvferry.integrations.vllm_offload",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvferry_host_blocks": HOST_BLOCKS,
+            "kv_connector_extra_config": {"kvferry_host_blocks": host_blocks,
                                           "kvferry_file_dir": files,
-                                          "kvferry_file_slots": FILE_SLOTS}}
+                                          "kvferry_file_slots": file_slots}}
 
 
 def corrupt_slot(files: str, slot: int) -> None:

@@ -227,6 +227,45 @@ TEST_F(DeviceConformance, CopyBatchScatteredFragments) {
   EXPECT_GT(down.size(), 100u);
 }
 
+TEST_F(DeviceConformance, CopyBatchPlanesTransposeHeadsAndTokens) {
+  // An HND block [head][token][dim] to NHD [token][head][dim] and back, one descriptor per block:
+  // planes are heads, rows tokens; the destination planes interleave (plane pitch = one row).
+  // Twice over: 256-byte rows (the kernel's aligned path) and 6-byte rows (its unaligned one).
+  for (const size_t row : {size_t{256}, size_t{6}}) {
+    const size_t heads = 8, tokens = 16, blocks = 3, block = heads * tokens * row;
+    const size_t n = blocks * block;
+    Buffer src = Alloc(MemoryKind::kPinnedHost, n), back = Alloc(MemoryKind::kPinnedHost, n);
+    Buffer nhd = Alloc(MemoryKind::kDevice, n), hnd = Alloc(MemoryKind::kDevice, n);
+    Pattern(src, 17);
+    std::memset(back.data(), 0, n);
+    std::vector<CopyDesc> to_nhd, to_hnd;
+    for (size_t b = 0; b < blocks; ++b) {
+      // HND: head h, token t at h * tokens * row + t * row; NHD: at t * heads * row + h * row.
+      to_nhd.push_back({nhd.data() + b * block, src.data() + b * block, row, tokens, heads * row,
+                        row, heads, row, tokens * row});
+      to_hnd.push_back({back.data() + b * block, nhd.data() + b * block, row, tokens, row,
+                        heads * row, heads, tokens * row, row});
+    }
+    auto s = NewStream();
+    ASSERT_TRUE(s->CopyBatch(to_nhd).ok());
+    ASSERT_TRUE(s->CopyBatch(to_hnd).ok());
+    Buffer mid = Alloc(MemoryKind::kPinnedHost, n);
+    ASSERT_TRUE(s->Copy(mid.data(), nhd.data(), n).ok());
+    ASSERT_TRUE(s->Synchronize(Soon()).ok());
+    EXPECT_EQ(std::memcmp(back.data(), src.data(), n), 0) << "rows of " << row << " bytes";
+    for (size_t b = 0; b < blocks; ++b) {
+      for (size_t h = 0; h < heads; ++h) {
+        for (size_t t = 0; t < tokens; ++t) {
+          ASSERT_EQ(std::memcmp(mid.data() + b * block + (t * heads + h) * row,
+                                src.data() + b * block + (h * tokens + t) * row, row),
+                    0)
+              << "block " << b << " head " << h << " token " << t << ", rows of " << row;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(DeviceConformance, Copy2DStridedRows) {
   const size_t rows = 64, width = 100, spitch = 256, dpitch = 128;
   Buffer src = Alloc(MemoryKind::kPinnedHost, rows * spitch),

@@ -129,11 +129,11 @@ void CopyHostRows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch
 
 void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes) {
   size_t total = 0;
-  for (const CopyDesc& c : copies) total += c.bytes * std::max<size_t>(c.rows, 1);
+  for (const CopyDesc& c : copies) total += c.bytes * std::max<size_t>(c.rows, 1) * c.planes;
   // Pitched descriptors (a slice of each source row) first, sorted so that the slices of the same
   // rows sit next to each other in source order; the rest keep their order at the end.
   const auto pitched = [](const CopyDesc& c) {
-    return c.rows > 1 && c.bytes > 0 && c.bytes < c.src_pitch;
+    return c.planes == 1 && c.rows > 1 && c.bytes > 0 && c.bytes < c.src_pitch;
   };
   const auto rest = std::stable_partition(copies.begin(), copies.end(), pitched);
   std::sort(copies.begin(), rest, [](const CopyDesc& a, const CopyDesc& b) {
@@ -157,9 +157,12 @@ void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes) {
                       UseStreamingStores(total, width, streaming_min_bytes));
   }
   for (auto it = rest; it != copies.end(); ++it) {
-    CopyHostRows(it->dst, it->dst_pitch, it->src, it->src_pitch, it->bytes,
-                 std::max<size_t>(it->rows, 1),
-                 UseStreamingStores(total, it->bytes, streaming_min_bytes));
+    const bool streaming = UseStreamingStores(total, it->bytes, streaming_min_bytes);
+    for (size_t q = 0; q < it->planes; ++q) {
+      CopyHostRows(static_cast<std::byte*>(it->dst) + q * it->dst_plane_pitch, it->dst_pitch,
+                   static_cast<const std::byte*>(it->src) + q * it->src_plane_pitch, it->src_pitch,
+                   it->bytes, std::max<size_t>(it->rows, 1), streaming);
+    }
   }
 }
 

@@ -6,14 +6,16 @@
 //   2. The share of one block is a 4-D box (layer, kv, head, token) of head_dim-element rows. A
 //      "template" turns the box into 2-D pieces: axes contiguous on both sides merge into the
 //      contiguous run (dim first); the axis, or chain of axes, giving the most rows becomes the row
-//      axis (any pitch on each side); the rest are enumerated. A block that ends mid-prompt has
+//      axis (any pitch on each side); the rest are enumerated, the innermost of them as the
+//      pieces' planes when blocks are enumerated one by one. A block that ends mid-prompt has
 //      its own template (fewer tokens).
 //   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block
 //      (or by the other enumerated axes, then block, when runs of blocks merge), and each is
 //      merged with the previous one when the result is still one 2-D piece: runs of consecutive
 //      block ids on both sides usually collapse to one piece.
 //   4. Merged pieces go to a chunker: big contiguous pieces become direct chunks, others are
-//      packed into chunks of at most chunk_bytes (split by rows, or by bytes for huge rows).
+//      packed into chunks of at most chunk_bytes (split by planes, then rows, or by bytes for
+//      huge rows).
 // The cost is one step per run of consecutive block ids plus one per emitted piece; no step per
 // element or per token.
 #include "planner/planner.h"
@@ -130,6 +132,7 @@ Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src
 // With `one_layer`, pieces of different layers stay apart.
 bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
   if (one_layer && p.layer != next.layer) return false;
+  if (p.planes > 1 || next.planes > 1) return false;
   if (!MergeRuns(p, next, RunMerge::kStrided)) return false;
   p.layer = std::max(p.layer, next.layer);
   return true;
@@ -176,6 +179,10 @@ class Chunker {
 
  private:
   void Place(Piece p) {
+    if (p.planes > 1) {
+      PlacePlanes(p);
+      return;
+    }
     if (p.rows > 1 && p.src_pitch == p.bytes && p.dst_pitch == p.bytes) {
       p.bytes *= p.rows;
       p.rows = 1;
@@ -228,6 +235,29 @@ class Chunker {
         }
         ++row;
       }
+    }
+  }
+
+  // A piece of several planes goes into the open chunk whole when each of its planes would go
+  // there as a packed piece, one after the other; otherwise its planes are placed one by one as
+  // pieces of their own until the rest fits whole. The chunks are then the same as if the planes
+  // had come as separate pieces.
+  void PlacePlanes(const Piece& p) {
+    const bool flat = p.rows == 1 || (p.src_pitch == p.bytes && p.dst_pitch == p.bytes);
+    const bool packed = (flat ? p.bytes * p.rows : p.bytes) < direct_min_;
+    for (int64_t q = 0; q < p.planes && !failed(); ++q) {
+      Piece rest = p.Planes(q, p.planes - q);
+      if (packed && rest.planes > 1 && open_ && rest.total() <= chunk_bytes_ - open_->bytes) {
+        if (p.rows > 1 && flat) {
+          rest.bytes *= rest.rows;
+          rest.rows = 1;
+          rest.src_pitch = rest.dst_pitch = 0;
+        }
+        out_.bytes += rest.total();
+        Append(rest);
+        return;
+      }
+      Place(p.Plane(q));
     }
   }
 
@@ -569,7 +599,9 @@ class PieceWriter {
     }
   }
 
-  // Order (block, enumerated axes).
+  // Order (block, enumerated axes). A block's pieces of 2-D rows become planes of one piece along
+  // the innermost enumerated axis (HND <-> NHD: one piece per block of heads x tokens, not one
+  // per head).
   void WriteBlocks() {
     for (const BlockRun& run : runs_) {
       if (chunker_.failed()) break;
@@ -578,21 +610,29 @@ class PieceWriter {
         Emit(t, run.first, run.count, 0, 0);
         continue;
       }
+      Template outer = t;
+      const bool planes = t.rows > 1;
+      if (planes) --outer.n;
       for (int64_t i = run.first; i < run.first + run.count; ++i) {
-        ForEachIndex(t, [&](int64_t sd, int64_t dd) { Emit(t, i, 1, sd, dd); });
+        ForEachIndex(outer, [&](int64_t sd, int64_t dd) { Emit(t, i, 1, sd, dd, planes); });
       }
     }
   }
 
   // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
-  // (sd, dd), as one piece when they merge.
-  void Emit(const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd) {
+  // (sd, dd), as one piece when they merge. With `planes`, the piece's planes are the template's
+  // innermost enumerated axis (sd, dd then leave it out).
+  void Emit(const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd,
+            bool planes = false) {
     const Side& src = cut_.src;
     const Side& dst = cut_.dst;
     p_.bytes = t.bytes;
     p_.rows = t.rows;
     p_.src_pitch = t.rows > 1 ? t.src_pitch : 0;
     p_.dst_pitch = t.rows > 1 ? t.dst_pitch : 0;
+    p_.planes = planes ? t.ext[t.n - 1] : 1;
+    p_.src_plane_pitch = planes ? t.src_step[t.n - 1] : 0;
+    p_.dst_plane_pitch = planes ? t.dst_step[t.n - 1] : 0;
     if (count > 1 && RunMerges(t, src, dst)) {
       MergeRun(t, src, dst, count, p_);
       count = 1;

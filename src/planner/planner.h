@@ -5,8 +5,9 @@
 // transfer compute the same plan independently, so the message sequence between a pair (chunk k
 // carries these pieces, in this order) needs no negotiation on the wire.
 //
-// Pieces are 2-D strided copies (rows of contiguous bytes), the unit a copy engine, a pack
-// kernel or a memcpy loop handles in one descriptor. A piece whose bytes are contiguous on both
+// Pieces are 2-D strided copies (rows of contiguous bytes), or 3-D (planes of them) when the
+// layouts differ, the unit a copy engine, a pack kernel or a memcpy loop handles in one
+// descriptor. A piece whose bytes are contiguous on both
 // sides and large goes pool to pool directly (a "direct" chunk); smaller or strided pieces are
 // packed back to back into a bounded staging chunk on the sender and unpacked on the receiver.
 //
@@ -96,14 +97,37 @@ struct PlanInput {
   int64_t max_chunks = 0;
 };
 
-// A 2-D copy (model/coalesce.h): `rows` rows of `bytes`, at src_offset + r * src_pitch in the
-// context rank's pool region src_region, to dst_offset + r * dst_pitch in the generation rank's
-// region dst_region.
+// A 3-D copy: `planes` planes of a 2-D copy (model/coalesce.h) of `rows` rows of `bytes`; row r
+// of plane q at src_offset + q * src_plane_pitch + r * src_pitch in the context rank's pool
+// region src_region, to dst_offset + q * dst_plane_pitch + r * dst_pitch in the generation rank's
+// region dst_region. Packed (staging), its rows go back to back, plane by plane. Planes carry a
+// layout conversion's third axis (HND <-> NHD: heads x tokens of head_dim rows per block) in one
+// piece instead of one piece per head; most pieces have one plane.
 struct Piece : StridedRun {
   // Highest global layer among the piece's bytes (a piece may span several layers when the
   // layouts allow it); layer-wise transfer sends a chunk once its layers are ready.
   int32_t layer = 0;
-  int64_t total() const { return bytes * rows; }
+  int64_t planes = 1;
+  int64_t src_plane_pitch = 0;  // unused when planes == 1
+  int64_t dst_plane_pitch = 0;
+  int64_t total() const { return bytes * rows * planes; }
+  // Bytes from src_offset (dst_offset) to the end of the piece's last row on that side.
+  int64_t src_span() const {
+    return (planes - 1) * src_plane_pitch + (rows - 1) * src_pitch + bytes;
+  }
+  int64_t dst_span() const {
+    return (planes - 1) * dst_plane_pitch + (rows - 1) * dst_pitch + bytes;
+  }
+  // Planes [first, first + count) as a piece of their own.
+  Piece Planes(int64_t first, int64_t count) const {
+    Piece p = *this;
+    p.src_offset += first * src_plane_pitch;
+    p.dst_offset += first * dst_plane_pitch;
+    p.planes = count;
+    if (count == 1) p.src_plane_pitch = p.dst_plane_pitch = 0;
+    return p;
+  }
+  Piece Plane(int64_t q) const { return Planes(q, 1); }
   bool operator==(const Piece&) const = default;
 };
 

@@ -37,6 +37,15 @@ int64_t CountPieces(const PairPlan& p) {
   return n;
 }
 
+// 2-D copies: the planes of every piece.
+int64_t CountPlanes(const PairPlan& p) {
+  int64_t n = 0;
+  for (const Chunk& c : p.chunks) {
+    for (const Piece& piece : c.pieces) n += piece.planes;
+  }
+  return n;
+}
+
 TEST(PlannerShape, BlockMajorIdenticalIsOnePiecePerRun) {
   PlanInput in = Llama70B(4096, LayoutKind::kBlockMajor, LayoutKind::kBlockMajor, {1, 1, {}, 1, 0},
                           {1, 1, {}, 1, 0});
@@ -179,14 +188,21 @@ TEST(PlannerShape, AttentionDpOnlyServingAndReceivingGroupsTakePart) {
   EXPECT_TRUE(none->empty());
 }
 
-TEST(PlannerShape, BlockMajorToPerLayerIsRowsOfTokensPerHead) {
+TEST(PlannerShape, BlockMajorToPerLayerIsPlanesOfHeadsOfTokenRows) {
   PlanInput in = Llama70B(4096, LayoutKind::kBlockMajor, LayoutKind::kPerLayer, {1, 1, {}, 1, 0},
                           {1, 1, {}, 1, 0});
   auto plan = PlanTransfer(in);
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->pairs.size(), 1u);
-  EXPECT_EQ(CountPieces(plan->pairs[0]), 80 * 128 * 2 * 8);
-  const Piece& p = plan->pairs[0].chunks[0].pieces[0];
+  // One piece per (layer, block, kv): planes of heads, rows of tokens (a piece a chunk boundary
+  // cuts goes plane by plane).
+  EXPECT_EQ(CountPlanes(plan->pairs[0]), 80 * 128 * 2 * 8);
+  const int64_t cuts = static_cast<int64_t>(plan->pairs[0].chunks.size());
+  EXPECT_LE(CountPieces(plan->pairs[0]), 80 * 128 * 2 + cuts * 8);
+  const Piece& p = plan->pairs[0].chunks[0].pieces.back();
+  EXPECT_EQ(p.planes, 8);
+  EXPECT_EQ(p.src_plane_pitch, 32 * 256);  // HND: a head's tokens follow each other
+  EXPECT_EQ(p.dst_plane_pitch, 256);       // NHD: heads side by side in a token's row
   EXPECT_EQ(p.rows, 32);
   EXPECT_EQ(p.bytes, 256);
   // Staging is bounded by chunk_bytes, whatever the prompt.

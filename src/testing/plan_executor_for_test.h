@@ -30,7 +30,17 @@ inline WriteCounts MakeWriteCounts(const std::vector<BlockPool>& gen_pools) {
   return w;
 }
 
-// Checks that every row of `p` lies inside both pools' regions.
+// Calls fn(plane) for each plane of each piece of `chunk`, in packed order.
+template <typename Fn>
+Status ForEachPlane(const Chunk& chunk, Fn&& fn) {
+  for (const Piece& whole : chunk.pieces) {
+    if (whole.planes < 1) return Status::Internal(fmt::format("piece of {} planes", whole.planes));
+    for (int64_t q = 0; q < whole.planes; ++q) KVF_RETURN_IF_ERROR(fn(whole.Plane(q)));
+  }
+  return Status::Ok();
+}
+
+// Checks that every row of `p` (one plane) lies inside both pools' regions.
 inline Status CheckPieceBounds(const Piece& p, const BlockPool& src, const BlockPool& dst) {
   auto check = [&](const BlockPool& pool, int32_t region, int64_t offset, int64_t pitch,
                    const char* side) -> Status {
@@ -71,9 +81,12 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
       for (int64_t b = 0; b < p.bytes; ++b) c[b] += c[b] < 255 ? 1 : 0;
     };
     for (const Chunk& chunk : pair.chunks) {
-      for (const Piece& p : chunk.pieces) KVF_RETURN_IF_ERROR(CheckPieceBounds(p, src, dst));
+      KVF_RETURN_IF_ERROR(
+          ForEachPlane(chunk, [&](const Piece& p) { return CheckPieceBounds(p, src, dst); }));
       if (before_chunk) before_chunk(pair, chunk);
       if (chunk.direct) {
+        if (chunk.pieces.size() != 1 || chunk.pieces[0].planes != 1)
+          return Status::Internal("a direct chunk is one piece of one plane");
         for (const Piece& p : chunk.pieces) {
           for (int64_t r = 0; r < p.rows; ++r) {
             std::memcpy(dst.region(p.dst_region) + p.dst_offset + r * p.dst_pitch,
@@ -87,7 +100,7 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
       // Sender: pack. Staging is exactly chunk.bytes; extra bytes stay poisoned to catch overrun.
       staging.assign(static_cast<size_t>(chunk.bytes), std::byte{0xEE});
       int64_t at = 0;
-      for (const Piece& p : chunk.pieces) {
+      KVF_RETURN_IF_ERROR(ForEachPlane(chunk, [&](const Piece& p) -> Status {
         for (int64_t r = 0; r < p.rows; ++r) {
           if (at + p.bytes > chunk.bytes)
             return Status::Internal("chunk pieces exceed chunk.bytes");
@@ -96,20 +109,22 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
                       static_cast<size_t>(p.bytes));
           at += p.bytes;
         }
-      }
+        return Status::Ok();
+      }));
       if (at != chunk.bytes) {
         return Status::Internal(fmt::format("chunk.bytes {} but pieces pack {}", chunk.bytes, at));
       }
       // Receiver: unpack.
       at = 0;
-      for (const Piece& p : chunk.pieces) {
+      KVF_RETURN_IF_ERROR(ForEachPlane(chunk, [&](const Piece& p) -> Status {
         for (int64_t r = 0; r < p.rows; ++r) {
           std::memcpy(dst.region(p.dst_region) + p.dst_offset + r * p.dst_pitch,
                       staging.data() + at, static_cast<size_t>(p.bytes));
           mark(p, r);
           at += p.bytes;
         }
-      }
+        return Status::Ok();
+      }));
     }
   }
   return Status::Ok();

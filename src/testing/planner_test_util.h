@@ -112,6 +112,10 @@ inline void CheckStructure(const Case& c, const PlanInput& in, const TransferPla
         last_layer = p.layer;
         EXPECT_GE(p.bytes, 1);
         EXPECT_GE(p.rows, 1);
+        EXPECT_GE(p.planes, 1);
+        if (p.planes > 1) {
+          EXPECT_GT(p.rows, 1) << "planes of single rows (rows would do)";
+        }
         if (p.rows > 1) {
           EXPECT_FALSE(p.src_pitch == p.bytes && p.dst_pitch == p.bytes) << "uncollapsed rows";
         }
@@ -123,6 +127,7 @@ inline void CheckStructure(const Case& c, const PlanInput& in, const TransferPla
       if (chunk.direct) {
         ASSERT_EQ(chunk.pieces.size(), 1u);
         EXPECT_EQ(chunk.pieces[0].rows, 1);
+        EXPECT_EQ(chunk.pieces[0].planes, 1);
         EXPECT_GE(chunk.bytes, in.direct_min_bytes);
       } else {
         EXPECT_LE(chunk.bytes, in.chunk_bytes);

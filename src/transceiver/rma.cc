@@ -110,20 +110,23 @@ Status PutDirectRows(Transport& transport, PeerId peer, const Chunk& chunk, cons
           fmt::format("piece for generation region {} of {}", p.dst_region, target.pool.size()));
     }
     const RemoteRegion& g = target.pool[p.dst_region];
-    const uint64_t last =
-        static_cast<uint64_t>(p.dst_offset) + static_cast<uint64_t>((p.rows - 1) * p.dst_pitch);
-    if (p.dst_offset < 0 || last + static_cast<uint64_t>(p.bytes) > g.bytes) {
+    const uint64_t end = static_cast<uint64_t>(p.dst_offset) + static_cast<uint64_t>(p.dst_span());
+    if (p.dst_offset < 0 || end > g.bytes) {
       return Status::InvalidArgument(fmt::format(
-          "put of {} rows of {} bytes at offset {} (pitch {}) is outside generation region {} "
-          "({} bytes)",
-          p.rows, p.bytes, p.dst_offset, p.dst_pitch, p.dst_region, g.bytes));
+          "put of {} planes of {} rows of {} bytes at offset {} (pitches {}/{}) is outside "
+          "generation region {} ({} bytes)",
+          p.planes, p.rows, p.bytes, p.dst_offset, p.dst_plane_pitch, p.dst_pitch, p.dst_region,
+          g.bytes));
     }
-    const std::byte* src = pool.region(p.src_region) + p.src_offset;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      auto op = transport.Put(peer, src + r * p.src_pitch, static_cast<size_t>(p.bytes), kind,
-                              g.address + p.dst_offset + r * p.dst_pitch, g.rkey);
-      if (!op.ok()) return op.status();
-      ops.push_back(std::move(op).value());
+    for (int64_t q = 0; q < p.planes; ++q) {
+      const std::byte* src = pool.region(p.src_region) + p.src_offset + q * p.src_plane_pitch;
+      const uint64_t dst = g.address + p.dst_offset + q * p.dst_plane_pitch;
+      for (int64_t r = 0; r < p.rows; ++r) {
+        auto op = transport.Put(peer, src + r * p.src_pitch, static_cast<size_t>(p.bytes), kind,
+                                dst + r * p.dst_pitch, g.rkey);
+        if (!op.ok()) return op.status();
+        ops.push_back(std::move(op).value());
+      }
     }
   }
   return Status::Ok();
@@ -144,8 +147,11 @@ StatusOr<uint64_t> ChunkDigester::Of(const Chunk& chunk, bool context_side, cons
     const std::byte* base = context_side ? pool.region(p.src_region) + p.src_offset
                                          : pool.region(p.dst_region) + p.dst_offset;
     const int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;
-    runs_.push_back(DigestRun{base, static_cast<size_t>(p.bytes), static_cast<size_t>(p.rows),
-                              static_cast<size_t>(pitch)});
+    const int64_t plane_pitch = context_side ? p.src_plane_pitch : p.dst_plane_pitch;
+    for (int64_t q = 0; q < p.planes; ++q) {  // a run per plane: the packed order of its rows
+      runs_.push_back(DigestRun{base + q * plane_pitch, static_cast<size_t>(p.bytes),
+                                static_cast<size_t>(p.rows), static_cast<size_t>(pitch)});
+    }
   }
   const size_t n = DigestSegmentCount(runs_);
   if (host) {

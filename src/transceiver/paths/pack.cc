@@ -14,21 +14,28 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
     int32_t region = context_side ? p.src_region : p.dst_region;
     int64_t offset = context_side ? p.src_offset : p.dst_offset;
     int64_t pitch = context_side ? p.src_pitch : p.dst_pitch;
+    int64_t plane_pitch = context_side ? p.src_plane_pitch : p.dst_plane_pitch;
     std::byte* pool_addr = pool.region(region) + offset;
     std::byte* buf = packed + off;
     CopyDesc d{};
     d.bytes = static_cast<size_t>(p.bytes);
     d.rows = static_cast<size_t>(p.rows);
+    d.planes = static_cast<size_t>(p.planes);
+    const size_t packed_plane = static_cast<size_t>(p.rows * p.bytes);
     if (to_packed) {
       d.dst = buf;
       d.dst_pitch = static_cast<size_t>(p.bytes);
+      d.dst_plane_pitch = packed_plane;
       d.src = pool_addr;
       d.src_pitch = static_cast<size_t>(pitch);
+      d.src_plane_pitch = static_cast<size_t>(plane_pitch);
     } else {
       d.dst = pool_addr;
       d.dst_pitch = static_cast<size_t>(pitch);
+      d.dst_plane_pitch = static_cast<size_t>(plane_pitch);
       d.src = buf;
       d.src_pitch = static_cast<size_t>(p.bytes);
+      d.src_plane_pitch = packed_plane;
     }
     out.push_back(d);
     off += p.total();

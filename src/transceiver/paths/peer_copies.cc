@@ -28,6 +28,7 @@ StatusOr<EventLease> SubmitCopies(Stream& stream, EventPool& events,
 
 bool ExtendRows(CopyDesc& prev, const CopyDesc& next) {
   if (prev.rows < 1 || next.rows < 1 || prev.bytes != next.bytes) return false;
+  if (prev.planes > 1 || next.planes > 1) return false;
   // A one-row descriptor takes the pitches of the one it joins (its own are unused).
   const size_t dp = prev.rows > 1 ? prev.dst_pitch : next.rows > 1 ? next.dst_pitch : prev.bytes;
   const size_t sp = prev.rows > 1 ? prev.src_pitch : next.rows > 1 ? next.src_pitch : prev.bytes;
@@ -68,13 +69,14 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
           fmt::format("piece for generation region {} of {}", pc.dst_region, peer_pool.size()));
     }
     const PeerMapping& m = *peer_pool[pc.dst_region];
-    const uint64_t last =
-        static_cast<uint64_t>(pc.dst_offset) + static_cast<uint64_t>((pc.rows - 1) * pc.dst_pitch);
-    if (pc.dst_offset < 0 || last + static_cast<uint64_t>(pc.bytes) > m.size()) {
+    const uint64_t end =
+        static_cast<uint64_t>(pc.dst_offset) + static_cast<uint64_t>(pc.dst_span());
+    if (pc.dst_offset < 0 || end > m.size()) {
       return Status::InvalidArgument(fmt::format(
-          "copy of {} rows of {} bytes at offset {} (pitch {}) is outside generation region {} "
-          "({} bytes mapped)",
-          pc.rows, pc.bytes, pc.dst_offset, pc.dst_pitch, pc.dst_region, m.size()));
+          "copy of {} planes of {} rows of {} bytes at offset {} (pitches {}/{}) is outside "
+          "generation region {} ({} bytes mapped)",
+          pc.planes, pc.rows, pc.bytes, pc.dst_offset, pc.dst_plane_pitch, pc.dst_pitch,
+          pc.dst_region, m.size()));
     }
     CopyDesc d{};
     d.dst = m.data() + pc.dst_offset;
@@ -83,6 +85,9 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.rows = static_cast<size_t>(pc.rows);
     d.dst_pitch = static_cast<size_t>(pc.dst_pitch);
     d.src_pitch = static_cast<size_t>(pc.src_pitch);
+    d.planes = static_cast<size_t>(pc.planes);
+    d.dst_plane_pitch = static_cast<size_t>(pc.dst_plane_pitch);
+    d.src_plane_pitch = static_cast<size_t>(pc.src_plane_pitch);
     // Only within one region at each end (a copy engine copies within one allocation).
     if (!out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
         static_cast<const std::byte*>(out.back().src) >= pool.region(pc.src_region) &&
@@ -134,7 +139,8 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
     next += count;
     int64_t bytes = 0;
     for (const CopyDesc& d : scratch)
-      bytes += static_cast<int64_t>(d.bytes * std::max<size_t>(d.rows, 1));
+      bytes += static_cast<int64_t>(d.bytes * std::max<size_t>(d.rows, 1) *
+                                    std::max<size_t>(d.planes, 1));
     if (merged != nullptr) {  // copied by the caller's PeerLaunch::Flush
       b.ticket = merged->Add(owner, scratch, bytes);
       copying_.push_back(std::move(b));
