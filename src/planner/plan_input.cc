@@ -86,11 +86,18 @@ Status CheckBlocks(std::string_view side, const std::vector<int64_t>& blocks, in
   return Status::Ok();
 }
 
+int64_t BlocksOf(int64_t tokens, int64_t tokens_per_block) {
+  return tokens / tokens_per_block + (tokens % tokens_per_block != 0 ? 1 : 0);  // no overflow
+}
+
 }  // namespace
 
-int64_t NeededBlocks(const PlanInput& in) {
-  const int64_t tpb = in.ctx.shape.tokens_per_block;
-  return in.prompt_tokens / tpb + (in.prompt_tokens % tpb != 0 ? 1 : 0);  // no overflow
+int64_t CtxBlocksNeeded(const PlanInput& in) {
+  return BlocksOf(in.prompt_tokens, in.ctx.shape.tokens_per_block);
+}
+
+int64_t GenBlocksNeeded(const PlanInput& in) {
+  return BlocksOf(in.prompt_tokens, in.gen.shape.tokens_per_block);
 }
 
 Status CheckInput(const PlanInput& in) {
@@ -99,13 +106,15 @@ Status CheckInput(const PlanInput& in) {
     return Status::InvalidArgument(
         fmt::format("prompt_tokens={} must be at least 1", in.prompt_tokens));
   }
-  const int64_t needed = NeededBlocks(in);
-  KVF_RETURN_IF_ERROR(CheckBlocks("ctx_blocks", in.ctx_blocks, needed, in.ctx.pool_blocks));
-  KVF_RETURN_IF_ERROR(CheckBlocks("gen_blocks", in.gen_blocks, needed, in.gen.pool_blocks));
-  if (in.gen_reused_blocks < 0 || in.gen_reused_blocks > needed) {
+  const int64_t gen_needed = GenBlocksNeeded(in);
+  KVF_RETURN_IF_ERROR(
+      CheckBlocks("ctx_blocks", in.ctx_blocks, CtxBlocksNeeded(in), in.ctx.pool_blocks));
+  KVF_RETURN_IF_ERROR(CheckBlocks("gen_blocks", in.gen_blocks, gen_needed, in.gen.pool_blocks));
+  if (in.gen_reused_blocks < 0 || in.gen_reused_blocks > gen_needed) {
     return Status::InvalidArgument(
-        fmt::format("gen_reused_blocks={} is outside [0, {}] (blocks of a {}-token prompt)",
-                    in.gen_reused_blocks, needed, in.prompt_tokens));
+        fmt::format("gen_reused_blocks={} is outside [0, {}] (generation blocks of a {}-token "
+                    "prompt)",
+                    in.gen_reused_blocks, gen_needed, in.prompt_tokens));
   }
   if (in.chunk_bytes < 1) {
     return Status::InvalidArgument(
@@ -126,8 +135,14 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
   if (a.head_dim != b.head_dim) return Mismatch("head_dim", a.head_dim, b.head_dim);
   if (a.dtype != b.dtype) return Mismatch("dtype", DTypeName(a.dtype), DTypeName(b.dtype));
   if (a.kv_factor != b.kv_factor) return Mismatch("kv_factor", a.kv_factor, b.kv_factor);
-  if (a.tokens_per_block != b.tokens_per_block) {
-    return Mismatch("tokens_per_block", a.tokens_per_block, b.tokens_per_block);
+  // Different block sizes: each block of the smaller size lies within one block of the larger.
+  const int32_t lo = std::min(a.tokens_per_block, b.tokens_per_block);
+  const int32_t hi = std::max(a.tokens_per_block, b.tokens_per_block);
+  if (lo > 0 && hi % lo != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "tokens_per_block: context {}, generation {}: one must be a multiple of the other (a "
+        "block of the smaller size must lie within one block of the larger)",
+        a.tokens_per_block, b.tokens_per_block));
   }
   KVF_RETURN_IF_ERROR(CheckSide("context", ctx));
   KVF_RETURN_IF_ERROR(CheckSide("generation", gen));

@@ -9,8 +9,9 @@
 
 namespace kvferry {
 
-// Blocks of the prompt (its tokens, rounded up to whole blocks).
-int64_t NeededBlocks(const PlanInput& in);
+// Blocks of the prompt on each side (its tokens, rounded up to whole blocks of that side's size).
+int64_t CtxBlocksNeeded(const PlanInput& in);
+int64_t GenBlocksNeeded(const PlanInput& in);
 
 // Why `in` can't be planned (the error names the field and both values), or OK.
 Status CheckInput(const PlanInput& in);

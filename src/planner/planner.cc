@@ -3,12 +3,13 @@
 // How a plan is built, per (context rank, generation rank) pair:
 //   1. The pair's share: the global layers both hold, and the global heads both hold for which
 //      this context rank is the chosen sender (one sender per head and generation rank).
-//   2. The share of one block is a 4-D box (layer, kv, head, token) of head_dim-element rows. A
-//      "template" turns the box into 2-D pieces: axes contiguous on both sides merge into the
-//      contiguous run (dim first); the axis, or chain of axes, giving the most rows becomes the row
-//      axis (any pitch on each side); the rest are enumerated, the innermost of them as the
-//      pieces' planes when blocks are enumerated one by one. A block that ends mid-prompt has
-//      its own template (fewer tokens).
+//   2. The share of one block (of one segment, when the sides' block sizes differ: the smaller
+//      size's tokens, inside one block on each side) is a 4-D box (layer, kv, head, token) of
+//      head_dim-element rows. A "template" turns the box into 2-D pieces: axes contiguous on
+//      both sides merge into the contiguous run (dim first); the axis, or chain of axes, giving
+//      the most rows becomes the row axis (any pitch on each side); the rest are enumerated, the
+//      innermost of them as the pieces' planes when blocks are enumerated one by one. A block
+//      that ends mid-prompt has its own template (fewer tokens).
 //   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block
 //      (or by the other enumerated axes, then block, when runs of blocks merge), and each is
 //      merged with the previous one when the result is still one 2-D piece: runs of consecutive
@@ -326,29 +327,45 @@ class Chunker {
 
 // ---- ranks and pairs --------------------------------------------------------------------------
 
-// Consecutive blocks of the request whose ids are consecutive on both sides, and that share a
-// template (the partial last block is a run of its own).
+// The tokens that move, in segments: a segment is min(ctx, gen tokens per block) tokens that lie
+// in one block on each side (the last may be shorter: partial). With equal block sizes a segment
+// is a block, and consecutive blocks whose ids are consecutive on both sides form one run.
 struct BlockRun {
-  int64_t first = 0;  // index into ctx_blocks / gen_blocks
-  int64_t count = 0;
+  int64_t ctx = 0;        // index into ctx_blocks of the run's first segment
+  int64_t gen = 0;        // index into gen_blocks
+  int64_t count = 0;      // segments (more than one only with equal block sizes)
+  int64_t ctx_token = 0;  // the first token's offset within its block, on each side
+  int64_t gen_token = 0;
   bool partial = false;
 };
 
-std::vector<BlockRun> BlockRuns(const PlanInput& in, int64_t needed) {
+struct Segments {
+  int64_t tokens = 0;      // per segment: min(ctx, gen tokens per block)
+  int64_t last_valid = 0;  // tokens of the last segment (== tokens unless the prompt ends mid-way)
   std::vector<BlockRun> runs;
-  const int64_t tpb = in.ctx.shape.tokens_per_block;
-  const bool last_partial = in.prompt_tokens < needed * tpb;
-  for (int64_t i = in.gen_reused_blocks; i < needed; ++i) {
-    const bool partial = last_partial && i == needed - 1;
-    if (!runs.empty() && !partial && !runs.back().partial &&
-        in.ctx_blocks[i] == in.ctx_blocks[i - 1] + 1 &&
-        in.gen_blocks[i] == in.gen_blocks[i - 1] + 1) {
-      ++runs.back().count;
+};
+
+Segments SegmentsOf(const PlanInput& in) {
+  Segments out;
+  const int64_t tc = in.ctx.shape.tokens_per_block;
+  const int64_t tg = in.gen.shape.tokens_per_block;
+  const int64_t seg = std::min(tc, tg);
+  out.tokens = seg;
+  const int64_t end = in.prompt_tokens;
+  out.last_valid = end - (end - 1) / seg * seg;
+  for (int64_t t = in.gen_reused_blocks * tg; t < end; t += seg) {
+    const bool partial = end - t < seg;
+    BlockRun r{t / tc, t / tg, 1, t % tc, t % tg, partial};
+    BlockRun* last = out.runs.empty() ? nullptr : &out.runs.back();
+    if (tc == tg && last && !partial && !last->partial &&
+        in.ctx_blocks[r.ctx] == in.ctx_blocks[r.ctx - 1] + 1 &&
+        in.gen_blocks[r.gen] == in.gen_blocks[r.gen - 1] + 1) {
+      ++last->count;
     } else {
-      runs.push_back(BlockRun{i, 1, partial});
+      out.runs.push_back(r);
     }
   }
-  return runs;
+  return out;
 }
 
 // Whether the pieces of consecutive blocks (consecutive ids on both sides) at the same
@@ -395,8 +412,8 @@ void ForEachIndex(const Template& t, Fn&& fn) {
 
 struct Context {
   const PlanInput& in;
-  int64_t needed = 0;          // blocks of the prompt
-  std::vector<BlockRun> runs;  // the blocks that move
+  int64_t needed = 0;          // generation blocks of the prompt
+  Segments segs;               // the tokens that move
   std::vector<RankSlice> ctx;  // ctx ranks of the serving DP group (ascending rank)
   std::vector<RankSlice> gen;  // gen ranks of the receiving DP group (ascending rank)
 };
@@ -485,21 +502,22 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
       PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
   KVF_ASSIGN_OR_RETURN(
       const PoolLayout gl,
-      PoolLayout::Make(in.gen.layout, RankPoolDims(shape, g, in.gen.pool_blocks), eb));
+      PoolLayout::Make(in.gen.layout, RankPoolDims(in.gen.shape, g, in.gen.pool_blocks), eb));
   PairCut cut;
   cut.src = MakeSide(cl, b.l0 - c.layer_begin, b.h0 - c.head_begin);
   cut.dst = MakeSide(gl, b.l0 - g.layer_begin, b.h0 - g.head_begin);
   const Side& src = cut.src;
   const Side& dst = cut.dst;
-  const int64_t tpb = shape.tokens_per_block;
-  const int64_t last_valid = in.prompt_tokens - (cx.needed - 1) * tpb;
+  const int64_t tpb = cx.segs.tokens;
+  const int64_t last_valid = cx.segs.last_valid;
   cut.row_bytes = shape.head_dim * eb;
   // When either side keeps K and V in separate regions, kv is a loop outside the template (each
   // piece lies in one region on both sides), like layers of per-layer pools.
   const bool kv_outer = src.kv_regions || dst.kv_regions;
   cut.kv_iters = kv_outer ? shape.kv_factor : 1;
   std::array<int64_t, kBoxAxes> ext{b.l1 - b.l0, kv_outer ? 1 : shape.kv_factor, b.h1 - b.h0, tpb};
-  const bool has_full = in.gen_reused_blocks < cx.needed - 1 || last_valid == tpb;
+  const bool has_full =
+      cx.segs.runs.size() > 1 || cx.segs.runs.front().count > 1 || last_valid == tpb;
   cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, in.layer_wise);
   ext[kT] = last_valid;
   cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, in.layer_wise);
@@ -516,7 +534,7 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
   // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
   // order is then (layer, enumerated axes, block) instead of (layer, block, enumerated axes).
   bool long_runs = false;
-  for (const BlockRun& run : cx.runs) long_runs = long_runs || (!run.partial && run.count > 1);
+  for (const BlockRun& run : cx.segs.runs) long_runs = long_runs || (!run.partial && run.count > 1);
   cut.axes_outside = cut.full.n > 0 && long_runs && RunMerges(cut.full, src, dst);
   return cut;
 }
@@ -527,7 +545,8 @@ Status ReserveChunks(const Context& cx, const RankSlice& c, const RankSlice& g, 
                      int64_t row_bytes, int64_t plan_bytes, int64_t plan_chunks, PairPlan& out) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
-  const int64_t moved_tokens = in.prompt_tokens - in.gen_reused_blocks * shape.tokens_per_block;
+  const int64_t moved_tokens =
+      in.prompt_tokens - in.gen_reused_blocks * in.gen.shape.tokens_per_block;
   // Fits: at most the bytes of the request's distinct blocks in a pool (CheckSide).
   const int64_t pair_bytes =
       (b.l1 - b.l0) * shape.kv_factor * (b.h1 - b.h0) * moved_tokens * row_bytes;
@@ -556,7 +575,7 @@ Status ReserveChunks(const Context& cx, const RankSlice& c, const RankSlice& g, 
 class PieceWriter {
  public:
   PieceWriter(const Context& cx, const PairCut& cut, Chunker& chunker)
-      : in_(cx.in), runs_(cx.runs), cut_(cut), chunker_(chunker) {}
+      : in_(cx.in), runs_(cx.segs.runs), cut_(cut), chunker_(chunker) {}
 
   void Write(const PairBox& b) {
     const Side& src = cut_.src;
@@ -589,13 +608,12 @@ class PieceWriter {
   void WriteAxesOutside() {
     ForEachIndex(cut_.full, [&](int64_t sd, int64_t dd) {
       for (const BlockRun& run : runs_) {
-        if (!run.partial) Emit(cut_.full, run.first, run.count, sd, dd);
+        if (!run.partial) Emit(cut_.full, run, sd, dd);
       }
     });
     const BlockRun& last = runs_.back();  // the partial block, if any, is the last run
     if (last.partial) {
-      ForEachIndex(cut_.part,
-                   [&](int64_t sd, int64_t dd) { Emit(cut_.part, last.first, 1, sd, dd); });
+      ForEachIndex(cut_.part, [&](int64_t sd, int64_t dd) { Emit(cut_.part, last, sd, dd); });
     }
   }
 
@@ -607,23 +625,27 @@ class PieceWriter {
       if (chunker_.failed()) break;
       const Template& t = run.partial ? cut_.part : cut_.full;
       if (t.n == 0) {
-        Emit(t, run.first, run.count, 0, 0);
+        Emit(t, run, 0, 0);
         continue;
       }
       Template outer = t;
       const bool planes = t.rows > 1;
       if (planes) --outer.n;
-      for (int64_t i = run.first; i < run.first + run.count; ++i) {
-        ForEachIndex(outer, [&](int64_t sd, int64_t dd) { Emit(t, i, 1, sd, dd, planes); });
+      for (int64_t i = 0; i < run.count; ++i) {
+        BlockRun one = run;
+        one.ctx += i;
+        one.gen += i;
+        one.count = 1;
+        ForEachIndex(outer, [&](int64_t sd, int64_t dd) { Emit(t, one, sd, dd, planes); });
       }
     }
   }
 
-  // Emits the pieces of `count` blocks from block index `first` at enumerated-axes offsets
-  // (sd, dd), as one piece when they merge. With `planes`, the piece's planes are the template's
-  // innermost enumerated axis (sd, dd then leave it out).
-  void Emit(const Template& t, int64_t first, int64_t count, int64_t sd, int64_t dd,
-            bool planes = false) {
+  // Emits the pieces of a run's segments at enumerated-axes offsets (sd, dd), as one piece when
+  // they merge. With `planes`, the piece's planes are the template's innermost enumerated axis
+  // (sd, dd then leave it out).
+  void Emit(const Template& t, const BlockRun& run, int64_t sd, int64_t dd, bool planes = false) {
+    int64_t count = run.count;
     const Side& src = cut_.src;
     const Side& dst = cut_.dst;
     p_.bytes = t.bytes;
@@ -637,9 +659,13 @@ class PieceWriter {
       MergeRun(t, src, dst, count, p_);
       count = 1;
     }
-    for (int64_t i = first; i < first + count; ++i) {
-      p_.src_offset = src.base + in_.ctx_blocks[i] * src.block_stride + src_l_ + src_k_ + sd;
-      p_.dst_offset = dst.base + in_.gen_blocks[i] * dst.block_stride + dst_l_ + dst_k_ + dd;
+    const int64_t src_t = run.ctx_token * src.stride[kT];
+    const int64_t dst_t = run.gen_token * dst.stride[kT];
+    for (int64_t i = 0; i < count; ++i) {
+      p_.src_offset =
+          src.base + in_.ctx_blocks[run.ctx + i] * src.block_stride + src_l_ + src_k_ + src_t + sd;
+      p_.dst_offset =
+          dst.base + in_.gen_blocks[run.gen + i] * dst.block_stride + dst_l_ + dst_k_ + dst_t + dd;
       chunker_.Add(p_);
     }
   }
@@ -689,8 +715,8 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
     return Status::InvalidArgument(fmt::format("generation rank {} is outside [0, {})", *gen_rank,
                                                in.gen.parallel.world_size()));
   }
-  Context cx{in, NeededBlocks(in), {}, {}, {}};
-  cx.runs = BlockRuns(in, cx.needed);
+  Context cx{in, GenBlocksNeeded(in), {}, {}, {}};
+  cx.segs = SegmentsOf(in);
   KVF_ASSIGN_OR_RETURN(cx.ctx, GroupSlices(in.ctx, ctx_rank));
   KVF_ASSIGN_OR_RETURN(cx.gen, GroupSlices(in.gen, gen_rank));
   std::vector<PairPlan> pairs;
@@ -734,7 +760,7 @@ namespace {
 StatusOr<std::vector<int32_t>> FetchPeers(const PlanInput& input, std::optional<int32_t> ctx_rank,
                                           std::optional<int32_t> gen_rank) {
   KVF_RETURN_IF_ERROR(CheckInput(input));
-  const int64_t needed = NeededBlocks(input);
+  const int64_t needed = GenBlocksNeeded(input);
   KVF_ASSIGN_OR_RETURN(std::vector<RankSlice> ctx, GroupSlices(input.ctx, ctx_rank));
   KVF_ASSIGN_OR_RETURN(std::vector<RankSlice> gen, GroupSlices(input.gen, std::nullopt));
   const bool in_group =

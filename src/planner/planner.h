@@ -19,12 +19,14 @@
 //   context rank holding it. When several context ranks hold a head (KV heads < attention TP),
 //   generation rank g takes it from the replica with index g.tp_rank % replicas. Every
 //   generation replica of a duplicated head gets its own copy.
-// - Blocks [gen_reused_blocks, ceil(prompt_tokens / tokens_per_block)) move; a block that ends
-//   mid-prompt moves only its valid tokens; nothing else on the generation side is written.
+// - Generation blocks [gen_reused_blocks, ceil(prompt_tokens / tokens_per_block)) move; a block
+//   that ends mid-prompt moves only its valid tokens; nothing else on the generation side is
+//   written. The sides' tokens per block may differ when one is a multiple of the other: the
+//   tokens move in segments of the smaller block size, each inside one block on both sides.
 //
 // Cost: validation is O(blocks); each pair costs one step per run of consecutive block ids
-// (consecutive on both sides) when a block's share is one 2-D piece, otherwise one step per
-// emitted piece. Never one step per element or token.
+// (consecutive on both sides; with different block sizes, one per segment) when a block's share
+// is one piece, otherwise one step per emitted piece. Never one step per element or token.
 //
 // Thread-safety: all functions are pure and thread-safe.
 #pragma once
@@ -164,7 +166,7 @@ struct TransferPlan {
 };
 
 // Checks that the two sides can exchange caches at all (same layers, heads, head dim, dtype, kv
-// factor, tokens per block); errors name both values.
+// factor; tokens per block equal or one a multiple of the other); errors name both values.
 Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen);
 
 StatusOr<TransferPlan> PlanTransfer(const PlanInput& input);

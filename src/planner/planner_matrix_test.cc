@@ -334,5 +334,44 @@ TEST(PlannerMatrix, EveryNamedLayoutPair) {
   }
 }
 
+// Different block sizes on the two sides (a generation block fed by several context blocks and
+// the reverse, partial last blocks, reuse counted in generation blocks), over every named layout
+// pair and splits that cut heads and layers differently.
+TEST(PlannerMatrix, DifferentBlockSizes) {
+  CountConfigs count;
+  const std::pair<int32_t, int32_t> sizes[] = {{8, 2}, {2, 8}, {4, 16}, {16, 4}, {4, 8}};
+  const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
+                                                              {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
+                                                              {{4, 2, {}, 1, 0}, {1, 3, {}, 1, 0}}};
+  int idx = 0;
+  for (const auto& [ctx_tpb, gen_tpb] : sizes) {
+    const int32_t big = std::max(ctx_tpb, gen_tpb);
+    const int64_t prompts[] = {1, big - 1, big, big + 3, 3 * big + 1};
+    for (LayoutKind cl : NamedLayoutKinds()) {
+      for (LayoutKind gl : NamedLayoutKinds()) {
+        for (int64_t prompt : prompts) {
+          const auto& [cp, gp] = splits[idx % 3];
+          Case c;
+          c.shape = KvShape{7, 8, 8, DType::kBf16, 2, ctx_tpb};
+          c.gen_tokens_per_block = gen_tpb;
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = prompt;
+          c.block_pattern = idx % 3;
+          c.reused = (idx % 5 == 2) ? std::min<int64_t>(2, Needed(c) - 1) : 0;
+          c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
+          c.direct_min = idx % 3 ? 256 << 10 : 0;
+          c.layer_wise = idx % 4 == 1;
+          ++idx;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvferry::planner_test

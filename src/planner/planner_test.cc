@@ -249,9 +249,15 @@ TEST(PlannerErrors, ShapeMismatchNamesBothValues) {
   in.gen.shape.kv_factor = 1;
   ExpectError(in, {"kv_factor mismatch: context 2, generation 1"});
   in = SmallInput();
-  in.ctx.shape.tokens_per_block = 8;
-  ExpectError(in, {"tokens_per_block mismatch: context 8, generation 4"});
+  in.ctx.shape.tokens_per_block = 6;
+  ExpectError(in, {"tokens_per_block: context 6, generation 4: one must be a multiple"});
   EXPECT_FALSE(CheckCompatible(in.ctx, in.gen).ok());
+  in = SmallInput();
+  in.ctx.shape.tokens_per_block = 8;  // 8 -> 4 is compatible
+  EXPECT_TRUE(CheckCompatible(in.ctx, in.gen).ok());
+  EXPECT_TRUE(PlanTransfer(in).ok());
+  in.ctx.shape.tokens_per_block = 2;  // 2 -> 4 too, but 10 tokens need 5 blocks of 2
+  ExpectError(in, {"ctx_blocks has 3 blocks but the prompt needs 5"});
   EXPECT_TRUE(CheckCompatible(SmallInput().ctx, SmallInput().gen).ok());
 }
 

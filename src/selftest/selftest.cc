@@ -39,11 +39,16 @@ double CpuSeconds() {
   return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
-int64_t BlocksFor(const SelftestConfig& cfg, int64_t tokens) {
-  return (tokens + cfg.shape.tokens_per_block - 1) / cfg.shape.tokens_per_block;
+// Tokens per block of one side's pools.
+int64_t TokensPerBlock(const SelftestConfig& cfg, bool context) {
+  return SideShape(cfg, context).tokens_per_block;
 }
-int64_t MaxBlocksPerRequest(const SelftestConfig& cfg) {
-  return BlocksFor(cfg, *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
+int64_t BlocksFor(const SelftestConfig& cfg, bool context, int64_t tokens) {
+  return (tokens + TokensPerBlock(cfg, context) - 1) / TokensPerBlock(cfg, context);
+}
+int64_t MaxBlocksPerRequest(const SelftestConfig& cfg, bool context) {
+  return BlocksFor(cfg, context,
+                   *std::max_element(cfg.prompt_tokens.begin(), cfg.prompt_tokens.end()));
 }
 uint64_t RequestId(int i) { return 0x5E1F000000000000ULL + static_cast<uint64_t>(i) + 1; }
 // The context instance's name on the rendezvous.
@@ -60,7 +65,7 @@ uint64_t SeedOf(const SelftestConfig& cfg, int64_t b, uint64_t id) {
   return b < cfg.shared_prefix_blocks ? kPrefixSeed : id;
 }
 int64_t PoolBlocks(const SelftestConfig& cfg, bool context) {
-  return MaxBlocksPerRequest(cfg) * SlotsOf(cfg, context) + cfg.shared_prefix_blocks;
+  return MaxBlocksPerRequest(cfg, context) * SlotsOf(cfg, context) + cfg.shared_prefix_blocks;
 }
 
 // Fills and checks blocks of a pool that may live in GPU memory, through a host mirror.
@@ -212,7 +217,8 @@ StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, bool context, int
   const LayoutKind layout = context ? cfg.ctx_layout : cfg.gen_layout;
   RankMemory m;
   KVF_ASSIGN_OR_RETURN(m.dev, OpenDevice(RankDevice(cfg, context, rank)));
-  PoolSpec spec{cfg.shape, split, rank, layout, MemoryKind::kDevice, PoolBlocks(cfg, context)};
+  PoolSpec spec{SideShape(cfg, context), split, rank, layout, MemoryKind::kDevice,
+                PoolBlocks(cfg, context)};
   KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*m.dev, spec));
   m.pool = std::make_unique<BlockPool>(std::move(pool));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*m.dev, *m.pool));
@@ -275,7 +281,8 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   Device& dev = *m.dev;
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
-  const int64_t bpr = MaxBlocksPerRequest(cfg);
+  const int64_t bpr = MaxBlocksPerRequest(cfg, true);
+  const int64_t tpb = TokensPerBlock(cfg, true);
   KVF_ASSIGN_OR_RETURN(RankTransportParts parts, RankTransport(cfg, true, rank, make));
   std::unique_ptr<Transport> transport = std::move(parts.transport);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
@@ -323,9 +330,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     KVF_ASSIGN_OR_RETURN(compute, dev.CreateStream());
   }
   for (int64_t b = 0; b < cfg.shared_prefix_blocks; ++b) {
-    KVF_RETURN_IF_ERROR(
-        access.Fill(kPrefixSeed, {BlockId(cfg, bpr, slots, 0, b), b * cfg.shape.tokens_per_block,
-                                  cfg.shape.tokens_per_block}));
+    KVF_RETURN_IF_ERROR(access.Fill(kPrefixSeed, {BlockId(cfg, bpr, slots, 0, b), b * tpb, tpb}));
   }
   size_t next = 0;
   int done = 0;
@@ -348,15 +353,13 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
       uint64_t id = RequestId(i);
       int64_t tokens = TokensOf(cfg, i);
       std::vector<int64_t> blocks;
-      for (int64_t b = 0; b < BlocksFor(cfg, tokens); ++b) {
+      for (int64_t b = 0; b < BlocksFor(cfg, true, tokens); ++b) {
         blocks.push_back(BlockId(cfg, bpr, slots, slot, b));
         // Resident prefix blocks were filled once; without verification (benchmarks) the bytes
         // don't matter and filling would be what is measured.
         if (b < cfg.shared_prefix_blocks || !cfg.verify) continue;
-        int64_t valid =
-            std::min<int64_t>(cfg.shape.tokens_per_block, tokens - b * cfg.shape.tokens_per_block);
-        KVF_RETURN_IF_ERROR(
-            access.Fill(id, {blocks.back(), b * cfg.shape.tokens_per_block, valid}));
+        const int64_t valid = std::min<int64_t>(tpb, tokens - b * tpb);
+        KVF_RETURN_IF_ERROR(access.Fill(id, {blocks.back(), b * tpb, valid}));
       }
       auto handle = cfg.layer_wise ? side->BeginLayerWise(id, blocks, tokens)
                                    : side->MarkReady(id, blocks, tokens);
@@ -453,7 +456,8 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   Device& dev = *m.dev;
   const BlockPool& pool = *m.pool;
   PoolAccess& access = *m.access;
-  const int64_t bpr = MaxBlocksPerRequest(cfg);
+  const int64_t bpr = MaxBlocksPerRequest(cfg, false);
+  const int64_t tpb = TokensPerBlock(cfg, false);
   KVF_ASSIGN_OR_RETURN(RankTransportParts parts, RankTransport(cfg, false, rank, make));
   std::unique_ptr<Transport> transport = std::move(parts.transport);
   KVF_ASSIGN_OR_RETURN(auto side,
@@ -515,7 +519,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
       watch.Started();
       busy[slot] = true;
       std::vector<int64_t> blocks;
-      for (int64_t b = 0; b < BlocksFor(cfg, TokensOf(cfg, i)); ++b)
+      for (int64_t b = 0; b < BlocksFor(cfg, false, TokensOf(cfg, i)); ++b)
         blocks.push_back(BlockId(cfg, bpr, slots, slot, b));
       const int64_t reused = prefix_resident ? cfg.shared_prefix_blocks : 0;
       Status st = side->Fetch(*handle, blocks, reused);
@@ -550,12 +554,10 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                                   s.reason.ToString()));
       if (ok && cfg.verify) {
         int64_t tokens = TokensOf(cfg, i);
-        for (int64_t b = 0; ok && b < BlocksFor(cfg, tokens); ++b) {
-          int64_t valid = std::min<int64_t>(cfg.shape.tokens_per_block,
-                                            tokens - b * cfg.shape.tokens_per_block);
-          auto m = access.Check(
-              SeedOf(cfg, b, s.request_id),
-              {BlockId(cfg, bpr, slots, slot, b), b * cfg.shape.tokens_per_block, valid});
+        for (int64_t b = 0; ok && b < BlocksFor(cfg, false, tokens); ++b) {
+          const int64_t valid = std::min<int64_t>(tpb, tokens - b * tpb);
+          auto m = access.Check(SeedOf(cfg, b, s.request_id),
+                                {BlockId(cfg, bpr, slots, slot, b), b * tpb, valid});
           if (!m.ok() || m->has_value()) {
             ok = false;
             AddError(res, fmt::format("request {} block {}: {}", s.request_id, b,

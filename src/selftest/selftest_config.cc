@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvferry/device.h"
+#include "planner/planner.h"
 #include "testing/faulty_transport.h"
 
 namespace kvferry {
@@ -77,15 +78,28 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
                                                kSelftestMaxConcurrency));
   }
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
+  KVF_RETURN_IF_ERROR(SideShape(cfg, false).Validate().WithContext("generation shape"));
+  if (cfg.gen_tokens_per_block != 0 && cfg.gen_tokens_per_block != cfg.shape.tokens_per_block) {
+    KVF_RETURN_IF_ERROR(
+        CheckCompatible(InstanceDesc{cfg.shape, cfg.ctx, cfg.ctx_layout, 1},
+                        InstanceDesc{SideShape(cfg, false), cfg.gen, cfg.gen_layout, 1}));
+    if (cfg.shared_prefix_blocks > 0) {
+      return Status::InvalidArgument(fmt::format(
+          "--shared-prefix-blocks {} needs the same tokens per block on both sides "
+          "(context {}, generation {})",
+          cfg.shared_prefix_blocks, cfg.shape.tokens_per_block, cfg.gen_tokens_per_block));
+    }
+  }
   // The pools hold every request in flight: bounded before any is allocated (in doubles: the
   // product of absurd flags overflows int64).
   for (int64_t t : cfg.prompt_tokens) {
     for (bool context : {true, false}) {
+      const KvShape shape = SideShape(cfg, context);
       const double blocks =
-          std::ceil(static_cast<double>(t) / cfg.shape.tokens_per_block) * SlotsOf(cfg, context) +
+          std::ceil(static_cast<double>(t) / shape.tokens_per_block) * SlotsOf(cfg, context) +
           std::max(0, cfg.shared_prefix_blocks);
       const double bytes =
-          blocks * cfg.shape.tokens_per_block * static_cast<double>(cfg.shape.BytesPerToken());
+          blocks * shape.tokens_per_block * static_cast<double>(shape.BytesPerToken());
       if (bytes > static_cast<double>(kSelftestMaxPoolBytes)) {
         return Status::InvalidArgument(fmt::format(
             "{}-token requests, {} in flight: the {} instance's pools would hold {:.1f} GiB; at "
@@ -151,6 +165,12 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     }
   }
   return Status::Ok();
+}
+
+KvShape SideShape(const SelftestConfig& cfg, bool context) {
+  KvShape s = cfg.shape;
+  if (!context && cfg.gen_tokens_per_block != 0) s.tokens_per_block = cfg.gen_tokens_per_block;
+  return s;
 }
 
 }  // namespace kvferry

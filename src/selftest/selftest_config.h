@@ -18,7 +18,9 @@
 namespace kvferry {
 
 struct SelftestConfig {
-  KvShape shape;
+  KvShape shape;  // the context instance's; the generation instance's differs in block size only
+  // The generation instance's tokens per block (0: shape's); one must be a multiple of the other.
+  int32_t gen_tokens_per_block = 0;
   ParallelConfig ctx, gen;
   LayoutKind ctx_layout = LayoutKind::kBlockMajor;
   LayoutKind gen_layout = LayoutKind::kBlockMajor;
@@ -84,6 +86,9 @@ inline constexpr int64_t kSelftestMaxPoolBytes = int64_t{64} << 30;
 using TransportMaker = std::function<StatusOr<std::unique_ptr<Transport>>()>;
 
 Status ValidateSelftest(const SelftestConfig& cfg);
+
+// One instance's shape: `shape`, with gen_tokens_per_block on the generation side.
+KvShape SideShape(const SelftestConfig& cfg, bool context);
 // The device a rank process opens ("cpu", "cuda:N").
 std::string RankDevice(const SelftestConfig& cfg, bool context, int rank);
 // The prompt tokens of request i.

@@ -33,50 +33,71 @@ struct Case {
   int64_t chunk_bytes = 4 << 20;
   int64_t direct_min = 256 << 10;
   bool layer_wise = false;
-  bool tight_pools = false;  // pool_blocks = the request's blocks
+  bool tight_pools = false;          // pool_blocks = the request's blocks
+  int32_t gen_tokens_per_block = 0;  // the generation side's block size (0: shape's)
 
   std::string Name() const {
     return fmt::format(
         "shape[{}] ctx[{} {}] gen[{} {}] prompt={} reused={} blocks#{} chunk={} "
-        "direct_min={}{}",
+        "direct_min={}{}{}",
         shape.ToString(), ctx.ToString(), LayoutKindName(ctx_layout), gen.ToString(),
         LayoutKindName(gen_layout), prompt, reused, block_pattern, chunk_bytes, direct_min,
-        layer_wise ? " layer-wise" : "");
+        layer_wise ? " layer-wise" : "",
+        gen_tokens_per_block ? fmt::format(" gen_tokens_per_block={}", gen_tokens_per_block) : "");
   }
 };
 
-inline int64_t Needed(const Case& c) {
-  return (c.prompt + c.shape.tokens_per_block - 1) / c.shape.tokens_per_block;
+inline KvShape GenShape(const Case& c) {
+  KvShape s = c.shape;
+  if (c.gen_tokens_per_block) s.tokens_per_block = c.gen_tokens_per_block;
+  return s;
 }
+
+inline int64_t BlocksFor(const Case& c, int64_t tokens_per_block) {
+  return (c.prompt + tokens_per_block - 1) / tokens_per_block;
+}
+inline int64_t CtxNeeded(const Case& c) { return BlocksFor(c, c.shape.tokens_per_block); }
+// Generation blocks of the prompt (what `reused` counts).
+inline int64_t Needed(const Case& c) { return BlocksFor(c, GenShape(c).tokens_per_block); }
 
 inline PlanInput MakeInput(const Case& c) {
   PlanInput in;
-  const int64_t n = Needed(c);
-  in.ctx = InstanceDesc{c.shape, c.ctx, c.ctx_layout, 2 * n + 3};
-  in.gen = InstanceDesc{c.shape, c.gen, c.gen_layout, 2 * n + 2};
+  const int64_t nc = CtxNeeded(c);
+  const int64_t ng = Needed(c);
+  in.ctx = InstanceDesc{c.shape, c.ctx, c.ctx_layout, 2 * nc + 3};
+  in.gen = InstanceDesc{GenShape(c), c.gen, c.gen_layout, 2 * ng + 2};
   in.prompt_tokens = c.prompt;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < nc; ++i) {
     switch (c.block_pattern) {
       case 0:
         in.ctx_blocks.push_back(i);
+        break;
+      case 1:
+        in.ctx_blocks.push_back(1 + i + i / 3);
+        break;  // runs of three, gaps
+      default:
+        in.ctx_blocks.push_back(2 * nc + 2 - i);
+        break;  // decreasing ids
+    }
+  }
+  for (int64_t i = 0; i < ng; ++i) {
+    switch (c.block_pattern) {
+      case 0:
         in.gen_blocks.push_back(i);
         break;
-      case 1:  // runs of three consecutive ids with gaps; gen runs of two
-        in.ctx_blocks.push_back(1 + i + i / 3);
+      case 1:
         in.gen_blocks.push_back(i + i / 2);
-        break;
-      default:  // decreasing ids
-        in.ctx_blocks.push_back(2 * n + 2 - i);
-        in.gen_blocks.push_back(n - 1 - i);
+        break;  // runs of two, gaps
+      default:
+        in.gen_blocks.push_back(ng - 1 - i);
         break;
     }
   }
   if (c.tight_pools) {  // pools of exactly the request's blocks
-    in.ctx.pool_blocks = in.gen.pool_blocks = n;
-    for (int64_t i = 0; i < n; ++i) {
-      in.ctx_blocks[i] = c.block_pattern == 2 ? n - 1 - i : i;
-      in.gen_blocks[i] = c.block_pattern == 1 ? (i + 1) % n : i;
-    }
+    in.ctx.pool_blocks = nc;
+    in.gen.pool_blocks = ng;
+    for (int64_t i = 0; i < nc; ++i) in.ctx_blocks[i] = c.block_pattern == 2 ? nc - 1 - i : i;
+    for (int64_t i = 0; i < ng; ++i) in.gen_blocks[i] = c.block_pattern == 1 ? (i + 1) % ng : i;
   }
   in.gen_reused_blocks = c.reused;
   in.chunk_bytes = c.chunk_bytes;
@@ -85,8 +106,8 @@ inline PlanInput MakeInput(const Case& c) {
   return in;
 }
 
-inline int64_t ValidTokens(const Case& c, int64_t i) {
-  const int64_t tpb = c.shape.tokens_per_block;
+// Tokens of the prompt in its block i of `tpb` tokens.
+inline int64_t ValidTokens(const Case& c, int64_t i, int64_t tpb) {
   return std::min(tpb, c.prompt - i * tpb);
 }
 
@@ -205,13 +226,15 @@ inline void RunCase(const Case& c) {
   std::vector<BlockPool> ctx =
       MakePools(*dev, c.shape, c.ctx, c.ctx_layout, in.ctx.pool_blocks, kCtxSentinel);
   std::vector<BlockPool> gen =
-      MakePools(*dev, c.shape, c.gen, c.gen_layout, in.gen.pool_blocks, kGenSentinel);
-  const int64_t n = Needed(c);
+      MakePools(*dev, GenShape(c), c.gen, c.gen_layout, in.gen.pool_blocks, kGenSentinel);
+  const int64_t n = CtxNeeded(c);
   const int64_t tpb = c.shape.tokens_per_block;
+  const int64_t gen_tpb = GenShape(c).tokens_per_block;
   for (BlockPool& pool : ref) {
     if (pool.slice().dp_group != c.ctx.dp_rank) continue;  // only the serving group holds it
     for (int64_t i = 0; i < n; ++i) {
-      ASSERT_TRUE(FillBlock(pool, kRequest, {in.ctx_blocks[i], i * tpb, ValidTokens(c, i)}).ok());
+      ASSERT_TRUE(
+          FillBlock(pool, kRequest, {in.ctx_blocks[i], i * tpb, ValidTokens(c, i, tpb)}).ok());
     }
   }
   const PairPlan* current = nullptr;
@@ -252,14 +275,15 @@ inline void RunCase(const Case& c) {
     for (auto& v : needed) v.assign(static_cast<size_t>(lay.region_bytes()), 0);
     const bool receives = pool.slice().dp_group == c.gen.dp_rank;
     if (receives) {
-      for (int64_t i = c.reused; i < n; ++i) {
+      for (int64_t i = c.reused; i < Needed(c); ++i) {
+        const int64_t valid = ValidTokens(c, i, gen_tpb);
         BlockBox box = lay.WholeBlock(in.gen_blocks[i]);
-        box.tokens = {0, ValidTokens(c, i)};
+        box.tokens = {0, valid};
         for (const Extent& e : lay.Extents(box)) {
           std::fill_n(needed[e.region].begin() + e.offset, e.bytes, 1);
           expected_total += e.bytes;
         }
-        auto mismatch = CheckBlock(pool, kRequest, {in.gen_blocks[i], i * tpb, ValidTokens(c, i)});
+        auto mismatch = CheckBlock(pool, kRequest, {in.gen_blocks[i], i * gen_tpb, valid});
         ASSERT_TRUE(mismatch.ok());
         ASSERT_FALSE(mismatch->has_value())
             << "gen rank " << r << " block " << i << ": " << (*mismatch)->ToString();

@@ -55,6 +55,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
                 c.shape.kv_factor, c.shape.tokens_per_block};
   j["ctx"] = ParallelJson(c.ctx);
   j["gen"] = ParallelJson(c.gen);
+  j["gen_tokens_per_block"] = c.gen_tokens_per_block;
   j["ctx_layout"] = static_cast<int>(c.ctx_layout);
   j["gen_layout"] = static_cast<int>(c.gen_layout);
   j["requests"] = c.requests;
@@ -91,6 +92,7 @@ StatusOr<SelftestConfig> ConfigFromJson(const std::string& s) try {
   c.shape = KvShape{sh[0], sh[1], sh[2], static_cast<DType>(sh[3].get<int>()), sh[4], sh[5]};
   c.ctx = ParallelFrom(j["ctx"]);
   c.gen = ParallelFrom(j["gen"]);
+  c.gen_tokens_per_block = j.value("gen_tokens_per_block", 0);
   c.ctx_layout = static_cast<LayoutKind>(j["ctx_layout"].get<int>());
   c.gen_layout = static_cast<LayoutKind>(j["gen_layout"].get<int>());
   c.requests = j["requests"];

@@ -29,6 +29,7 @@ struct SplitFlags {
 
 struct Flags {
   int layers = 8, kv_heads = 8, head_dim = 128, tokens_per_block = 32;
+  int ctx_tokens_per_block = 0, gen_tokens_per_block = 0;  // 0: tokens_per_block
   std::string dtype = "bf16";
   bool mla = false;
   SplitFlags ctx, gen;
@@ -49,6 +50,7 @@ struct Flags {
   int give_up_ms = 0;
   std::string model;
   int warmup = 1;
+  bool unconverted = true;  // bench transfer: also run a conversion's transfer without it
 };
 
 void AddShapeFlags(CLI::App* cmd, Flags& f) {
@@ -57,6 +59,11 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--head-dim", f.head_dim, "elements per head")->capture_default_str();
   cmd->add_option("--tokens-per-block", f.tokens_per_block, "tokens per KV block")
       ->capture_default_str();
+  cmd->add_option("--ctx-tokens-per-block", f.ctx_tokens_per_block,
+                  "the context instance's tokens per block (default: --tokens-per-block)");
+  cmd->add_option("--gen-tokens-per-block", f.gen_tokens_per_block,
+                  "the generation instance's tokens per block (default: --tokens-per-block); one "
+                  "side's must be a multiple of the other's");
   cmd->add_option("--dtype", f.dtype, "fp32|fp16|bf16|fp8|int8")->capture_default_str();
   cmd->add_flag("--mla", f.mla, "MLA latent cache: one head, K only (kv factor 1)");
   cmd->add_option("--ctx-tp", f.ctx.tp)->capture_default_str();
@@ -119,11 +126,28 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->capture_default_str();
 }
 
+// " (N tokens per block)" when the generation side's block size differs from the context side's.
+std::string GenBlockNote(const SelftestConfig& c) {
+  const int32_t g = SideShape(c, false).tokens_per_block;
+  return g == c.shape.tokens_per_block ? "" : fmt::format(" ({} tokens per block)", g);
+}
+
+// " (blocks of C -> G tokens)" when the two sides' block sizes differ (bench's header line).
+std::string BlockSizeNote(const Flags& f) {
+  const int c = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
+  const int g = f.gen_tokens_per_block ? f.gen_tokens_per_block : f.tokens_per_block;
+  return c == g ? "" : fmt::format(" (blocks of {} -> {} tokens)", c, g);
+}
+
 StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   SelftestConfig c;
   KVF_ASSIGN_OR_RETURN(DType dt, ParseDType(f.dtype));
   c.shape =
-      KvShape{f.layers, f.mla ? 1 : f.kv_heads, f.head_dim, dt, f.mla ? 1 : 2, f.tokens_per_block};
+      KvShape{f.layers,      f.mla ? 1 : f.kv_heads,
+              f.head_dim,    dt,
+              f.mla ? 1 : 2, f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block};
+  c.gen_tokens_per_block =
+      f.gen_tokens_per_block ? f.gen_tokens_per_block : c.shape.tokens_per_block;
   c.ctx = f.ctx.Make();
   c.gen = f.gen.Make();
   KVF_ASSIGN_OR_RETURN(c.ctx_layout, ParseLayoutKind(f.ctx_layout));
@@ -170,8 +194,14 @@ nlohmann::json SummaryJson(const SelftestSummary& s) {
 // The configuration every document echoes.
 nlohmann::json ConfigJson(const Flags& f, const SelftestConfig& c) {
   return {{"shape", ShapeJson(c.shape)},
-          {"ctx", {{"parallel", ParallelJson(c.ctx)}, {"layout", f.ctx_layout}}},
-          {"gen", {{"parallel", ParallelJson(c.gen)}, {"layout", f.gen_layout}}},
+          {"ctx",
+           {{"parallel", ParallelJson(c.ctx)},
+            {"layout", f.ctx_layout},
+            {"tokens_per_block", c.shape.tokens_per_block}}},
+          {"gen",
+           {{"parallel", ParallelJson(c.gen)},
+            {"layout", f.gen_layout},
+            {"tokens_per_block", SideShape(c, false).tokens_per_block}}},
           {"transport", c.transport},
           {"device", c.device},
           {"requests", c.requests},
@@ -289,9 +319,9 @@ int RunSelftest(const Flags& f) {
     doc.SetResult(pass, s.errors.empty() ? "" : s.errors.front());
     doc.Print(f.out.format());
   } else {
-    fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {} | {} over {} on {}\n",
+    fmt::print("kvferry selftest: {} | ctx {} {} -> gen {} {}{} | {} over {} on {}\n",
                cfg->shape.ToString(), cfg->ctx.ToString(), f.ctx_layout, cfg->gen.ToString(),
-               f.gen_layout, f.requests, cfg->transport, cfg->device);
+               f.gen_layout, GenBlockNote(*cfg), f.requests, cfg->transport, cfg->device);
     fmt::print("  requests {}  verified {}  failed {}  prefix hits {}  data path {}\n", s.requests,
                s.verified, s.failed, s.prefix_hits, s.data_path);
     fmt::print(
@@ -389,6 +419,27 @@ int AutoConcurrency(const Flags& f, int64_t tokens) {
   return static_cast<int>(std::clamp<int64_t>(budget / request, 2, 16));
 }
 
+// What the generation side converts, e.g. "per-layer-hnd -> per-layer, blocks of 64 -> 16
+// tokens"; empty when both sides store alike.
+std::string ConversionName(const Flags& f) {
+  std::vector<std::string> parts;
+  if (f.ctx_layout != f.gen_layout)
+    parts.push_back(fmt::format("{} -> {}", f.ctx_layout, f.gen_layout));
+  const int c = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
+  const int g = f.gen_tokens_per_block ? f.gen_tokens_per_block : f.tokens_per_block;
+  if (c != g) parts.push_back(fmt::format("blocks of {} -> {} tokens", c, g));
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+// The same transfer without the conversion: the generation side in the context side's layout and
+// block size.
+Flags Unconverted(const Flags& f) {
+  Flags g = f;
+  g.gen_layout = f.ctx_layout;
+  g.gen_tokens_per_block = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
+  return g;
+}
+
 int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
   ApplyModel(f);
   Document doc("bench transfer");
@@ -410,9 +461,9 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
   if (!f.out.machine()) {
     fmt::print(
         "kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} {} -> gen "
-        "tp{}pp{} {} over {}\n",
+        "tp{}pp{} {}{} over {}\n",
         f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.ctx_layout, f.gen.tp,
-        f.gen.pp, f.gen_layout, f.transport);
+        f.gen.pp, f.gen_layout, BlockSizeNote(f), f.transport);
     if (f.warmup > 0)
       fmt::print(
           "  GB/s, latencies and us/r leave out the first {} request(s) of each generation "
@@ -425,14 +476,23 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
   }
   int rc = 0;
   std::string first_error;
-  for (int64_t tokens : sweep) {
-    Flags one = f;
+  const std::string conversion = ConversionName(f);
+  // One cluster run of `tokens`-token requests: its config, summary and ranks, or none (said).
+  struct Run {
+    SelftestConfig cfg;
+    SelftestSummary s;
+    std::vector<RankResult> ranks;
+  };
+  auto run = [&](const Flags& g, int64_t tokens) -> std::optional<Run> {
+    Flags one = g;
     one.prompt_tokens = {tokens};
     if (one.concurrency == 0) one.concurrency = AutoConcurrency(one, tokens);
     auto cfg = ToConfig(one);
     if (!cfg.ok()) {
       fmt::print(stderr, "kvferry bench transfer: {}\n", cfg.status().ToString());
-      return 2;
+      if (first_error.empty()) first_error = cfg.status().ToString();
+      rc = 2;
+      return std::nullopt;
     }
     cfg->baseline = true;
     // The context instance keeps as many requests again published ahead: a generation slot
@@ -446,16 +506,40 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
                  ranks.status().ToString());
       if (first_error.empty()) first_error = ranks.status().ToString();
       rc = 1;
-      continue;
+      return std::nullopt;
     }
     SelftestSummary s = Summarize(*cfg, *ranks);
     if (s.failed || s.fault_missed) rc = 1;
     if (rc != 0 && first_error.empty() && !s.errors.empty()) first_error = s.errors.front();
-    nlohmann::json row = BenchRow(s, tokens, *cfg, *ranks);
+    return Run{*cfg, std::move(s), std::move(ranks).value()};
+  };
+  for (int64_t tokens : sweep) {
+    std::optional<Run> r = run(f, tokens);
+    if (!r) {
+      if (rc == 2) return 2;
+      continue;
+    }
+    nlohmann::json row = BenchRow(r->s, tokens, r->cfg, r->ranks);
+    row["conversion"] = conversion;
+    // A conversion is also measured without it, right after, in the same run: the generation
+    // instance taking the context instance's layout and block size, all else equal.
+    std::optional<Run> plain;
+    if (!conversion.empty() && f.unconverted) plain = run(Unconverted(f), tokens);
+    if (plain) {
+      row["unconverted_gbps"] = plain->s.gbps;
+      row["unconverted_ratio"] = plain->s.gbps > 0 ? r->s.gbps / plain->s.gbps : 0;
+      row["unconverted_data_path"] = plain->s.data_path;
+    }
     if (!f.out.machine()) {
-      PrintBenchRow(row, s, cfg->verify);
-      PrintMedian(*ranks);
-      if (sweep.size() == 1) PrintSlowest(*ranks);
+      PrintBenchRow(row, r->s, r->cfg.verify);
+      if (plain) {
+        fmt::print(
+            "  conversion {}: {:.2f} GB/s without it (generation side in the context side's "
+            "layout and block size, same run, data path {}): ratio {:.2f}\n",
+            conversion, plain->s.gbps, plain->s.data_path, row["unconverted_ratio"].get<double>());
+      }
+      PrintMedian(r->ranks);
+      if (sweep.size() == 1) PrintSlowest(r->ranks);
     }
     doc.AddRow(std::move(row));
   }
@@ -649,6 +733,11 @@ void AddBenchTransferCommand(CLI::App& bench) {
                   "(connection setup, first registrations and peer mappings); still transferred")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--unconverted", f->unconverted,
+                  "when the sides' layouts or block sizes differ, also run the same transfer with "
+                  "the generation side stored like the context side, right after each row, and "
+                  "print the ratio")
+      ->capture_default_str();
   cmd->add_flag("--no-verify", f->no_verify,
                 "skip element checks (they cost CPU time on this machine)");
   cmd->callback([f, sweep] { std::exit(RunBenchTransfer(*f, *sweep)); });
