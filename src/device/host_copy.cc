@@ -78,6 +78,91 @@ void StreamLines(std::byte* dst, const std::byte* src, size_t bytes, SourcePrefe
 }
 #endif
 
+#if KVFERRY_HOST_COPY_STREAMS
+// `bytes` (a multiple of 64) to a 64-byte aligned `d` with streaming stores.
+inline void StreamAligned(std::byte* d, const std::byte* s, size_t bytes) {
+  for (size_t i = 0; i < bytes; i += kLine) {
+    const auto* from = reinterpret_cast<const __m128i*>(s + i);
+    auto* to = reinterpret_cast<__m128i*>(d + i);
+    const __m128i a = _mm_loadu_si128(from);
+    const __m128i b = _mm_loadu_si128(from + 1);
+    const __m128i c = _mm_loadu_si128(from + 2);
+    const __m128i e = _mm_loadu_si128(from + 3);
+    _mm_stream_si128(to, a);
+    _mm_stream_si128(to + 1, b);
+    _mm_stream_si128(to + 2, c);
+    _mm_stream_si128(to + 3, e);
+  }
+}
+#endif
+
+// One row of `bytes`, with streaming stores for its whole destination lines when `streaming`.
+void CopyRow(std::byte* d, const std::byte* s, size_t bytes, bool streaming) {
+#if KVFERRY_HOST_COPY_STREAMS
+  if (streaming && bytes >= kMinStreamedRow) {
+    // Head and tail memcpy calls only when there are bytes to copy: two calls of nothing per
+    // 256-byte row cost HND -> NHD half its rate (5.5 GB/s against 10.7).
+    const size_t head = (kLine - reinterpret_cast<uintptr_t>(d) % kLine) % kLine;
+    if (head) std::memcpy(d, s, head);
+    const size_t body = (bytes - head) / kLine * kLine;
+    for (size_t i = head; i < head + body; i += kLine) {
+      const auto* from = reinterpret_cast<const __m128i*>(s + i);
+      auto* to = reinterpret_cast<__m128i*>(d + i);
+      const __m128i a = _mm_loadu_si128(from);
+      const __m128i b = _mm_loadu_si128(from + 1);
+      const __m128i c = _mm_loadu_si128(from + 2);
+      const __m128i e = _mm_loadu_si128(from + 3);
+      _mm_stream_si128(to, a);
+      _mm_stream_si128(to + 1, b);
+      _mm_stream_si128(to + 2, c);
+      _mm_stream_si128(to + 3, e);
+    }
+    if (head + body < bytes) std::memcpy(d + head + body, s + head + body, bytes - head - body);
+    return;
+  }
+#else
+  (void)streaming;
+#endif
+  std::memcpy(d, s, bytes);
+}
+
+// A 3-D descriptor, walked in the destination's address order: rows outer when the planes
+// interleave within one destination row step (HND -> NHD: a token's heads side by side), planes
+// outer otherwise. Streaming stores are not fenced here: the caller fences once after its batch
+// (a fence per descriptor drains the write-combining buffers every 64 KiB and halved the rate).
+// Measured on the CPU machine (AMD EPYC, 2 cores), Llama-3-8B blocks of 8 heads x 32 tokens x
+// 256 B, 128 MiB, streaming stores: HND -> NHD 10.2-11.0 GB/s in destination order with one fence
+// against 4.6 plane by plane through CopyHostRows (a fence per plane); NHD -> HND 7.4-7.7 against
+// 4.1 (one memcpy of the same bytes 6.9-7.1, the streaming flat copy 8.2-8.8).
+void CopyPlanes(const CopyDesc& c, bool streaming) {
+  const auto* s = static_cast<const std::byte*>(c.src);
+  auto* d = static_cast<std::byte*>(c.dst);
+  const size_t rows = std::max<size_t>(c.rows, 1);
+  const bool rows_outer = c.dst_plane_pitch < c.dst_pitch;
+  const size_t outer = rows_outer ? rows : c.planes;
+  const size_t inner = rows_outer ? c.planes : rows;
+  const size_t d_out = rows_outer ? c.dst_pitch : c.dst_plane_pitch;
+  const size_t d_in = rows_outer ? c.dst_plane_pitch : c.dst_pitch;
+  const size_t s_out = rows_outer ? c.src_pitch : c.src_plane_pitch;
+  const size_t s_in = rows_outer ? c.src_plane_pitch : c.src_pitch;
+#if KVFERRY_HOST_COPY_STREAMS
+  const uintptr_t lines =
+      reinterpret_cast<uintptr_t>(d) | c.dst_pitch | c.dst_plane_pitch | c.bytes;
+  if (streaming && c.bytes >= kMinStreamedRow && lines % kLine == 0) {
+    for (size_t o = 0; o < outer; ++o) {
+      for (size_t i = 0; i < inner; ++i) {
+        StreamAligned(d + o * d_out + i * d_in, s + o * s_out + i * s_in, c.bytes);
+      }
+    }
+    return;
+  }
+#endif
+  for (size_t o = 0; o < outer; ++o) {
+    for (size_t i = 0; i < inner; ++i)
+      CopyRow(d + o * d_out + i * d_in, s + o * s_out + i * s_in, c.bytes, streaming);
+  }
+}
+
 }  // namespace
 
 void CopyHostRowPieces(std::span<const RowPiece> pieces, const void* src, size_t src_pitch,
@@ -156,14 +241,22 @@ void CopyHostBatch(std::span<CopyDesc> copies, int64_t streaming_min_bytes) {
     CopyHostRowPieces(pieces, first.src, first.src_pitch, first.rows,
                       UseStreamingStores(total, width, streaming_min_bytes));
   }
+  bool fence = false;  // streaming planes copied: fence once at the end
   for (auto it = rest; it != copies.end(); ++it) {
     const bool streaming = UseStreamingStores(total, it->bytes, streaming_min_bytes);
-    for (size_t q = 0; q < it->planes; ++q) {
-      CopyHostRows(static_cast<std::byte*>(it->dst) + q * it->dst_plane_pitch, it->dst_pitch,
-                   static_cast<const std::byte*>(it->src) + q * it->src_plane_pitch, it->src_pitch,
-                   it->bytes, std::max<size_t>(it->rows, 1), streaming);
+    if (it->planes > 1) {
+      CopyPlanes(*it, streaming);
+      fence = fence || streaming;
+    } else {
+      CopyHostRows(it->dst, it->dst_pitch, it->src, it->src_pitch, it->bytes,
+                   std::max<size_t>(it->rows, 1), streaming);
     }
   }
+#if KVFERRY_HOST_COPY_STREAMS
+  if (fence) _mm_sfence();  // streaming stores are weakly ordered: make them visible
+#else
+  (void)fence;
+#endif
 }
 
 bool UseStreamingStores(size_t total_bytes, size_t row_bytes, int64_t min_total_bytes) {

@@ -125,6 +125,59 @@ TEST(HostCopy, BatchOfPiecesOfTheSameRowsLandsEveryPiece) {
   }
 }
 
+// 3-D descriptors (planes of rows) in both walking orders (planes interleaved within a destination
+// row step, HND -> NHD, and planes apart, NHD -> HND), streaming and cached, with the destination
+// on and off 64-byte lines and rows of whole lines and not: every row lands, nothing else moves.
+TEST(HostCopy, PlanesLandInEitherOrderForEveryAlignment) {
+  const size_t heads = 3, tokens = 5;
+  for (size_t row : {size_t{256}, size_t{320}, size_t{70}}) {
+    const std::vector<std::byte> src = Pattern(heads * tokens * row + 64, 9);
+    for (bool to_nhd : {true, false}) {
+      for (size_t shift : {size_t{0}, size_t{16}, size_t{1}}) {
+        for (int64_t min : {0, 1}) {
+          std::vector<std::byte> buf(heads * tokens * row + 256, std::byte{0x77});
+          std::byte* d = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) + shift;
+          CopyDesc c{};
+          c.dst = d;
+          c.src = src.data();
+          c.bytes = row;
+          c.rows = tokens;
+          c.planes = heads;
+          if (to_nhd) {  // source [head][token], destination [token][head]
+            c.src_pitch = row;
+            c.src_plane_pitch = tokens * row;
+            c.dst_pitch = heads * row;
+            c.dst_plane_pitch = row;
+          } else {  // source [token][head], destination [head][token]
+            c.src_pitch = heads * row;
+            c.src_plane_pitch = row;
+            c.dst_pitch = row;
+            c.dst_plane_pitch = tokens * row;
+          }
+          std::vector<CopyDesc> one{c};
+          CopyHostBatch(one, min);
+          std::vector<bool> written(buf.size());
+          for (size_t q = 0; q < heads; ++q) {
+            for (size_t r = 0; r < tokens; ++r) {
+              const size_t at = q * c.dst_plane_pitch + r * c.dst_pitch;
+              ASSERT_EQ(
+                  std::memcmp(d + at, src.data() + q * c.src_plane_pitch + r * c.src_pitch, row), 0)
+                  << "row " << row << " to_nhd " << to_nhd << " shift " << shift << " min " << min
+                  << " plane " << q << " row " << r;
+              for (size_t i = 0; i < row; ++i) written[(d - buf.data()) + at + i] = true;
+            }
+          }
+          for (size_t i = 0; i < buf.size(); ++i) {
+            if (!written[i]) {
+              ASSERT_EQ(buf[i], std::byte{0x77}) << "byte " << i;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A CPU stream copies every way it is asked (Copy, CopyBatch with 1-D and 2-D descriptors,
 // Copy2D) above and below the streaming threshold; the bytes match either way.
 TEST(HostCopy, CpuStreamCopiesAboveAndBelowTheThreshold) {
