@@ -96,6 +96,21 @@ struct CopyDesc {
   size_t src_plane_pitch = 0;
 };
 
+// Element formats a stream converts between (Stream::ConvertBatch; docs/conversion.md).
+enum class ElementFormat : uint8_t { kFp32, kFp16, kBf16, kFp8E4m3 };
+int ElementFormatSize(ElementFormat format);
+std::string_view ElementFormatName(ElementFormat format);  // "fp32", "fp16", "bf16", "fp8"
+
+// What ConvertBatch does to every element: read as `from`, written as `to` (from != to). Exact
+// through fp32, then rounded to nearest, ties to even; NaN becomes the destination's quiet NaN
+// with the sign kept; fp16 overflows to infinity; fp8 (e4m3, no infinity) saturates to +-448,
+// infinities included (as the engines' saturating casts do).
+struct Conversion {
+  ElementFormat from = ElementFormat::kBf16;
+  ElementFormat to = ElementFormat::kBf16;
+  bool operator==(const Conversion&) const = default;
+};
+
 // One run of bytes for Stream::Digest: `rows` rows of `bytes` bytes, row r at data + r * pitch
 // (pitch unused when rows == 1). Its packed bytes are its rows back to back.
 struct DigestRun {
@@ -131,6 +146,11 @@ class Stream {
   // path (copy engine for large ones, a gather kernel for many small ones, one pass over source
   // rows that several descriptors slice).
   virtual Status CopyBatch(std::span<const CopyDesc> copies) = 0;
+  // CopyBatch converting every element (Conversion): each descriptor's `bytes` counts a
+  // destination row's bytes, its source row holding as many elements of `conversion.from`;
+  // pitches and plane pitches are each side's own bytes. The default refuses (kInvalidArgument):
+  // a Stream implemented outside kvferry converts nothing unless it says so.
+  virtual Status ConvertBatch(std::span<const CopyDesc> copies, Conversion conversion);
   // `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` bytes apart.
   virtual Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                         size_t width, size_t height) = 0;

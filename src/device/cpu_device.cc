@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include "base/thread_annotations.h"
+#include "device/convert.h"
 #include "device/host_copy.h"
 #include "device/host_shm.h"
 #include "device/peer_memory.h"
@@ -128,6 +129,13 @@ class CpuStream final : public Stream {
                     min = streaming_min_]() mutable { CopyHostBatch(v, min); });
   }
 
+  Status ConvertBatch(std::span<const CopyDesc> copies, Conversion conversion) override {
+    KVF_RETURN_IF_ERROR(CheckConversion(copies, conversion));
+    return Enqueue([v = std::vector<CopyDesc>(copies.begin(), copies.end()), conversion] {
+      ConvertHostBatch(v, conversion);
+    });
+  }
+
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
                 size_t height) override {
     if (width > dst_pitch || width > src_pitch) {
@@ -240,6 +248,9 @@ class WrappedStream final : public Stream {
     return target_->Copy(dst, src, bytes);
   }
   Status CopyBatch(std::span<const CopyDesc> copies) override { return target_->CopyBatch(copies); }
+  Status ConvertBatch(std::span<const CopyDesc> copies, Conversion conversion) override {
+    return target_->ConvertBatch(copies, conversion);
+  }
   Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
                 size_t height) override {
     return target_->Copy2D(dst, dst_pitch, src, src_pitch, width, height);

@@ -1,0 +1,31 @@
+// Element conversion on the host (Stream::ConvertBatch of the CPU device, and the reference the
+// GPU kernel is tested against). The arithmetic is convert_core.h's.
+//
+// Thread-safety: pure functions of their arguments.
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+#include "kvferry/device.h"
+
+namespace kvferry {
+
+// Converts `count` elements from `src` (as conversion.from) to `dst` (as conversion.to).
+void ConvertElements(void* dst, const void* src, size_t count, Conversion conversion);
+
+// ConvertElements with the portable loops only (what a machine without AVX2 and F16C runs; the
+// vectorized ones must give the same bytes, which tests check).
+void ConvertElementsPortable(void* dst, const void* src, size_t count, Conversion conversion);
+
+// One element's bits (low ElementFormatSize bytes of the value), for tests and references.
+uint32_t ConvertElement(uint32_t bits, Conversion conversion);
+
+// Stream::ConvertBatch on the host: every descriptor, plane by plane, row by row.
+void ConvertHostBatch(std::span<const CopyDesc> copies, Conversion conversion);
+
+// Why a ConvertBatch can't run (from == to, a format out of range, a row that is not whole
+// elements on both sides), or OK.
+Status CheckConversion(std::span<const CopyDesc> copies, Conversion conversion);
+
+}  // namespace kvferry

@@ -1,0 +1,321 @@
+// Element conversion (convert.h, convert_core.h) against an independent reference: every value of
+// each format decoded with ldexp, and narrowing as "the nearest value of the format's table, ties
+// to the even code" by binary search over that table, never the bit tricks under test. Exhaustive
+// over the 16- and 8-bit sources; fp32 sources over every exponent with random mantissas and the
+// edge values (ties, the overflow and saturation thresholds, subnormal boundaries, NaN, infinity).
+// Then a CPU stream's ConvertBatch over pitched 3-D descriptors, and the refusals.
+#include "device/convert.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "kvferry/device.h"
+
+namespace kvferry {
+namespace {
+
+constexpr ElementFormat kFormats[] = {ElementFormat::kFp32, ElementFormat::kFp16,
+                                      ElementFormat::kBf16, ElementFormat::kFp8E4m3};
+
+struct Spec {
+  int exp_bits, mant_bits, bias;
+  bool has_inf;  // e4m3: no infinity, the all-ones code is NaN, saturates at 448
+};
+
+Spec SpecOf(ElementFormat f) {
+  switch (f) {
+    case ElementFormat::kFp16:
+      return {5, 10, 15, true};
+    case ElementFormat::kBf16:
+      return {8, 7, 127, true};
+    case ElementFormat::kFp8E4m3:
+      return {4, 3, 7, false};
+    case ElementFormat::kFp32:
+      return {8, 23, 127, true};
+  }
+  return {};
+}
+
+bool IsNanCode(ElementFormat f, uint32_t c) {
+  const Spec s = SpecOf(f);
+  const uint32_t mag = c & ((1u << (s.exp_bits + s.mant_bits)) - 1);
+  const uint32_t exp_all = ((1u << s.exp_bits) - 1) << s.mant_bits;
+  if (!s.has_inf) return mag == ((1u << (s.exp_bits + s.mant_bits)) - 1);
+  return (mag & exp_all) == exp_all && (mag & ((1u << s.mant_bits) - 1)) != 0;
+}
+
+// The value of a code, by the definition (not by bit tricks).
+double Decode(ElementFormat f, uint32_t c) {
+  const Spec s = SpecOf(f);
+  const int bits = 1 + s.exp_bits + s.mant_bits;
+  const double sign = (c >> (bits - 1)) & 1 ? -1.0 : 1.0;
+  const uint32_t e = (c >> s.mant_bits) & ((1u << s.exp_bits) - 1);
+  const uint32_t m = c & ((1u << s.mant_bits) - 1);
+  if (IsNanCode(f, c)) return std::nan("");
+  if (s.has_inf && e == (1u << s.exp_bits) - 1) return sign * INFINITY;
+  if (e == 0) return sign * std::ldexp(static_cast<double>(m), 1 - s.bias - s.mant_bits);
+  return sign * std::ldexp(1.0 + std::ldexp(static_cast<double>(m), -s.mant_bits),
+                           static_cast<int>(e) - s.bias);
+}
+
+uint32_t QuietNan(ElementFormat f) {
+  switch (f) {
+    case ElementFormat::kFp32:
+      return 0x7fc00000u;
+    case ElementFormat::kFp16:
+      return 0x7e00u;
+    case ElementFormat::kBf16:
+      return 0x7fc0u;
+    case ElementFormat::kFp8E4m3:
+      return 0x7fu;
+  }
+  return 0;
+}
+
+int Bits(ElementFormat f) { return 8 * ElementFormatSize(f); }
+
+// The nearest code of a narrow format (fp16, bf16, e4m3), ties to the even code.
+class NarrowReference {
+ public:
+  explicit NarrowReference(ElementFormat f) : f_(f) {
+    const uint32_t sign_bit = 1u << (Bits(f) - 1);
+    for (uint32_t c = 0; c < sign_bit; ++c) {
+      const double v = Decode(f, c);
+      if (std::isfinite(v)) table_.push_back({v, c});
+    }
+    std::sort(table_.begin(), table_.end(), [](auto& a, auto& b) { return a.first < b.first; });
+    const Spec s = SpecOf(f);
+    // The value one step past the largest finite one: rounding there overflows.
+    const double max = table_.back().first;
+    past_max_ = max + std::ldexp(1.0, static_cast<int>(std::ilogb(max)) - s.mant_bits);
+  }
+
+  uint32_t operator()(double v) const {
+    const uint32_t sign = std::signbit(v) ? 1u << (Bits(f_) - 1) : 0;
+    if (std::isnan(v)) return sign | QuietNan(f_);
+    const double a = std::fabs(v);
+    const bool has_inf = SpecOf(f_).has_inf;
+    const uint32_t inf = has_inf ? ((1u << SpecOf(f_).exp_bits) - 1) << SpecOf(f_).mant_bits : 0;
+    if (!has_inf && a > table_.back().first) return sign | table_.back().second;  // saturate
+    if (std::isinf(a)) return sign | inf;
+    const auto hi = std::lower_bound(table_.begin(), table_.end(), a,
+                                     [](auto& e, double x) { return e.first < x; });
+    if (hi == table_.end()) {  // above the largest finite value: nearer to it or to overflow
+      const double lo_v = table_.back().first;
+      if (a - lo_v < past_max_ - a) return sign | table_.back().second;
+      if (a - lo_v > past_max_ - a) return sign | inf;
+      return sign | ((table_.back().second & 1) ? inf : table_.back().second);  // tie: even
+    }
+    if (hi->first == a || hi == table_.begin()) return sign | hi->second;
+    const auto lo = hi - 1;
+    if (a - lo->first < hi->first - a) return sign | lo->second;
+    if (a - lo->first > hi->first - a) return sign | hi->second;
+    return sign | ((lo->second & 1) ? hi->second : lo->second);
+  }
+
+ private:
+  ElementFormat f_;
+  std::vector<std::pair<double, uint32_t>> table_;
+  double past_max_ = 0;
+};
+
+uint32_t ExpectedFromValue(ElementFormat to, double v) {
+  if (to == ElementFormat::kFp32) {
+    if (std::isnan(v)) return (std::signbit(v) ? 0x80000000u : 0) | QuietNan(to);
+    return std::bit_cast<uint32_t>(static_cast<float>(v));  // exact: every source fits fp32
+  }
+  return NarrowReference(to)(v);
+}
+
+TEST(Convert, EveryNarrowSourceValueToEveryFormat) {
+  for (ElementFormat from : kFormats) {
+    if (from == ElementFormat::kFp32) continue;
+    for (ElementFormat to : kFormats) {
+      if (to == from) continue;
+      SCOPED_TRACE(fmt::format("{} -> {}", ElementFormatName(from), ElementFormatName(to)));
+      const NarrowReference* ref = nullptr;
+      std::unique_ptr<NarrowReference> own;
+      if (to != ElementFormat::kFp32) {
+        own = std::make_unique<NarrowReference>(to);
+        ref = own.get();
+      }
+      const uint32_t codes = 1u << Bits(from);
+      std::vector<std::byte> src(codes * ElementFormatSize(from));
+      std::vector<std::byte> dst(codes * ElementFormatSize(to));
+      for (uint32_t c = 0; c < codes; ++c) {
+        std::memcpy(src.data() + c * ElementFormatSize(from), &c, ElementFormatSize(from));
+      }
+      ConvertElements(dst.data(), src.data(), codes, {from, to});
+      std::vector<std::byte> portable(dst.size());
+      ConvertElementsPortable(portable.data(), src.data(), codes, {from, to});
+      ASSERT_EQ(portable, dst) << "the portable and vectorized loops disagree";
+      int bad = 0;
+      for (uint32_t c = 0; c < codes && bad < 5; ++c) {
+        uint32_t got = 0;
+        std::memcpy(&got, dst.data() + c * ElementFormatSize(to), ElementFormatSize(to));
+        double v = Decode(from, c);
+        if (std::isnan(v)) v = std::copysign(v, (c >> (Bits(from) - 1)) ? -1.0 : 1.0);
+        const uint32_t want = ref ? (*ref)(v) : ExpectedFromValue(to, v);
+        if (got != want) {
+          ADD_FAILURE() << fmt::format("code {:#x} ({}) -> {:#x}, expected {:#x}", c, v, got, want);
+          ++bad;
+        }
+      }
+    }
+  }
+}
+
+TEST(Convert, NarrowSourcesRoundTripThroughEveryWiderFormat) {
+  // fp16 and bf16 codes survive fp32; e4m3 codes survive fp16, bf16 and fp32 (NaN: the quiet one).
+  for (auto [narrow, wide] : {std::pair{ElementFormat::kFp16, ElementFormat::kFp32},
+                              {ElementFormat::kBf16, ElementFormat::kFp32},
+                              {ElementFormat::kFp8E4m3, ElementFormat::kFp16},
+                              {ElementFormat::kFp8E4m3, ElementFormat::kBf16},
+                              {ElementFormat::kFp8E4m3, ElementFormat::kFp32}}) {
+    for (uint32_t c = 0; c < (1u << Bits(narrow)); ++c) {
+      const uint32_t back = ConvertElement(ConvertElement(c, {narrow, wide}), {wide, narrow});
+      const uint32_t sign = c & (1u << (Bits(narrow) - 1));
+      ASSERT_EQ(back, IsNanCode(narrow, c) ? (sign | QuietNan(narrow)) : c)
+          << ElementFormatName(narrow) << " via " << ElementFormatName(wide) << " code " << c;
+    }
+  }
+}
+
+std::vector<uint32_t> Fp32Samples() {
+  std::vector<uint32_t> v;
+  std::mt19937 rng(12345);
+  for (uint32_t e = 0; e < 256; ++e) {
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      for (int i = 0; i < 300; ++i) v.push_back(sign | (e << 23) | (rng() & 0x7fffffu));
+      for (uint32_t m : {0u, 1u, 0x7fffffu, 0x400000u, 0x1000u, 0xfffu, 0x1001u, 0x3000u, 0x8000u,
+                         0x18000u, 0x80000u, 0x7ffffu, 0x80001u, 0x180000u})
+        v.push_back(sign | (e << 23) | m);
+    }
+  }
+  for (float f : {448.0f,   464.0f,   464.0001f,     480.0f,     65504.0f,      65519.99f, 65520.0f,
+                  65536.0f, 0x1p-6f,  0x1p-9f,       0x1p-10f,   0x1.0001p-10f, 0x1.8p-9f, 0x1p-14f,
+                  0x1p-24f, 0x1p-25f, 0x1.0001p-25f, 0x1.8p-24f, 3e38f,         INFINITY,  0.0f})
+    for (float s : {1.0f, -1.0f}) v.push_back(std::bit_cast<uint32_t>(f * s));
+  return v;
+}
+
+TEST(Convert, Fp32ToEveryNarrowFormatRoundsToNearestEven) {
+  const std::vector<uint32_t> samples = Fp32Samples();
+  for (ElementFormat to : kFormats) {
+    if (to == ElementFormat::kFp32) continue;
+    const NarrowReference ref(to);
+    std::vector<std::byte> dst(samples.size() * ElementFormatSize(to));
+    ConvertElements(dst.data(), samples.data(), samples.size(), {ElementFormat::kFp32, to});
+    std::vector<std::byte> portable(dst.size());
+    ConvertElementsPortable(portable.data(), samples.data(), samples.size(),
+                            {ElementFormat::kFp32, to});
+    ASSERT_EQ(portable, dst) << "the portable and vectorized loops disagree";
+    int bad = 0;
+    for (size_t i = 0; i < samples.size() && bad < 5; ++i) {
+      uint32_t got = 0;
+      std::memcpy(&got, dst.data() + i * ElementFormatSize(to), ElementFormatSize(to));
+      const double v = std::bit_cast<float>(samples[i]);
+      const uint32_t want =
+          ref(std::isnan(v) ? std::copysign(v, (samples[i] >> 31) ? -1.0 : 1.0) : v);
+      if (got != want) {
+        ADD_FAILURE() << fmt::format("fp32 {:#010x} ({}) -> {} {:#x}, expected {:#x}", samples[i],
+                                     v, ElementFormatName(to), got, want);
+        ++bad;
+      }
+    }
+  }
+}
+
+TEST(Convert, NamedEdgeValues) {
+  const Conversion to_fp8{ElementFormat::kFp32, ElementFormat::kFp8E4m3};
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(448.0f), to_fp8), 0x7eu);
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(1e9f), to_fp8), 0x7eu);
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(-INFINITY), to_fp8), 0xfeu);
+  EXPECT_EQ(ConvertElement(0xffc12345u, to_fp8), 0xffu);                       // NaN keeps its sign
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(0x1p-9f), to_fp8), 0x01u);  // smallest
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(0x1p-10f), to_fp8), 0x00u);  // tie to 0
+  const Conversion to_fp16{ElementFormat::kFp32, ElementFormat::kFp16};
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(65520.0f), to_fp16), 0x7c00u);  // infinity
+  EXPECT_EQ(ConvertElement(std::bit_cast<uint32_t>(65519.0f), to_fp16), 0x7bffu);
+  EXPECT_EQ(ConvertElement(0x7f800001u, to_fp16), 0x7e00u);
+  const Conversion to_bf16{ElementFormat::kFp32, ElementFormat::kBf16};
+  EXPECT_EQ(ConvertElement(0x3f808000u, to_bf16), 0x3f80u);  // tie to even (down)
+  EXPECT_EQ(ConvertElement(0x3f818000u, to_bf16), 0x3f82u);  // tie to even (up)
+  EXPECT_EQ(ConvertElement(0x7f7fffffu, to_bf16), 0x7f80u);  // overflows to infinity
+  EXPECT_EQ(ConvertElement(0xff800001u, to_bf16), 0xffc0u);
+  // fp32 NaN payloads to fp32 (through another format) are canonical.
+  EXPECT_EQ(ConvertElement(0x7d01u, {ElementFormat::kFp16, ElementFormat::kFp32}), 0x7fc00000u);
+}
+
+TEST(Convert, CpuStreamConvertsPitchedPlanes) {
+  auto dev = OpenDevice("cpu");
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  auto stream = (*dev)->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  // bf16 source: 3 planes of 4 rows of 40 elements (80 bytes), pitches with gaps; fp8 out, rows
+  // 40 bytes, other pitches.
+  const size_t n = 40, rows = 4, planes = 3;
+  std::vector<uint16_t> src(planes * 512 / 2);
+  std::mt19937 rng(7);
+  for (auto& v : src) v = static_cast<uint16_t>(rng());
+  std::vector<uint8_t> dst(planes * 256, 0xee);
+  CopyDesc d{};
+  d.src = src.data();
+  d.dst = dst.data();
+  d.bytes = n;  // destination bytes: 40 fp8 elements
+  d.rows = rows;
+  d.src_pitch = 100;
+  d.dst_pitch = 48;
+  d.planes = planes;
+  d.src_plane_pitch = 512;
+  d.dst_plane_pitch = 256;
+  const Conversion c{ElementFormat::kBf16, ElementFormat::kFp8E4m3};
+  ASSERT_TRUE((*stream)->ConvertBatch({&d, 1}, c).ok());
+  ASSERT_TRUE((*stream)->Synchronize(DeadlineIn(std::chrono::seconds(10))).ok());
+  for (size_t q = 0; q < planes; ++q) {
+    for (size_t r = 0; r < rows; ++r) {
+      for (size_t i = 0; i < 48; ++i) {
+        const uint8_t got = dst[q * 256 + r * 48 + i];
+        if (i >= n) {
+          ASSERT_EQ(got, 0xee) << "wrote past a row";
+          continue;
+        }
+        uint16_t s;
+        std::memcpy(&s, reinterpret_cast<const std::byte*>(src.data()) + q * 512 + r * 100 + 2 * i,
+                    2);
+        ASSERT_EQ(got, ConvertElement(s, c)) << q << " " << r << " " << i;
+      }
+    }
+    for (size_t i = rows * 48; i < 256; ++i) ASSERT_EQ(dst[q * 256 + i], 0xee);
+  }
+}
+
+TEST(Convert, RefusesSameFormatAndPartialElements) {
+  auto dev = OpenDevice("cpu");
+  ASSERT_TRUE(dev.ok());
+  auto stream = (*dev)->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  std::vector<std::byte> a(64), b(64);
+  CopyDesc d{};
+  d.src = a.data();
+  d.dst = b.data();
+  d.bytes = 3;
+  Status s = (*stream)->ConvertBatch({&d, 1}, {ElementFormat::kFp32, ElementFormat::kFp16});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("3 bytes are not whole fp16 elements"), std::string::npos)
+      << s.ToString();
+  d.bytes = 4;
+  s = (*stream)->ConvertBatch({&d, 1}, {ElementFormat::kBf16, ElementFormat::kBf16});
+  EXPECT_NE(s.message().find("from bf16 to itself"), std::string::npos) << s.ToString();
+}
+
+}  // namespace
+}  // namespace kvferry
