@@ -133,7 +133,12 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
   if (a.layers != b.layers) return Mismatch("layers", a.layers, b.layers);
   if (a.kv_heads != b.kv_heads) return Mismatch("kv_heads", a.kv_heads, b.kv_heads);
   if (a.head_dim != b.head_dim) return Mismatch("head_dim", a.head_dim, b.head_dim);
-  if (a.dtype != b.dtype) return Mismatch("dtype", DTypeName(a.dtype), DTypeName(b.dtype));
+  if (a.dtype != b.dtype && (!ElementFormatOf(a.dtype) || !ElementFormatOf(b.dtype))) {
+    return Status::InvalidArgument(fmt::format(
+        "dtype mismatch: context {}, generation {}, and no conversion between them (kvferry "
+        "converts between fp32, fp16, bf16 and fp8)",
+        DTypeName(a.dtype), DTypeName(b.dtype)));
+  }
   if (a.kv_factor != b.kv_factor) return Mismatch("kv_factor", a.kv_factor, b.kv_factor);
   // Different block sizes: each block of the smaller size lies within one block of the larger.
   const int32_t lo = std::min(a.tokens_per_block, b.tokens_per_block);

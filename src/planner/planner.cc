@@ -142,6 +142,12 @@ bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
 static_assert(kPlanChunkCharge >= static_cast<int64_t>(sizeof(Chunk) + sizeof(Piece)),
               "a chunk's charge covers its memory at least");
 
+// Pieces at least this large go pool to pool (a direct chunk): never when converting, since a
+// direct chunk is copied as it is.
+int64_t DirectMin(const PlanInput& in) {
+  return PlanConversion(in) ? std::numeric_limits<int64_t>::max() : in.direct_min_bytes;
+}
+
 // Turns the ordered pieces of one pair into chunks.
 class Chunker {
  public:
@@ -149,7 +155,7 @@ class Chunker {
   // `chunks_left`: how many chunks this pair may still make under in.max_chunks.
   Chunker(const PlanInput& in, PairPlan& out, int64_t& plan_bytes, int64_t chunks_left)
       : chunk_bytes_(in.chunk_bytes),
-        direct_min_(in.direct_min_bytes),
+        direct_min_(DirectMin(in)),
         one_layer_(in.layer_wise),
         max_plan_bytes_(in.max_plan_bytes),
         chunks_left_(chunks_left),
@@ -496,7 +502,9 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
                           const PairBox& b) {
   const PlanInput& in = cx.in;
   const KvShape& shape = in.ctx.shape;
-  const int64_t eb = shape.ElementBytes();
+  // Both layouts in the generation side's element bytes: pieces come out in destination bytes
+  // (ScaleSource then moves the source's fields to its own element size when the dtypes differ).
+  const int64_t eb = in.gen.shape.ElementBytes();
   KVF_ASSIGN_OR_RETURN(
       const PoolLayout cl,
       PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
@@ -552,16 +560,16 @@ Status ReserveChunks(const Context& cx, const RankSlice& c, const RankSlice& g, 
       (b.l1 - b.l0) * shape.kv_factor * (b.h1 - b.h0) * moved_tokens * row_bytes;
   // Nothing can go direct: the chunk count is known now (no need to build a plan to refuse).
   const int64_t min_chunks = pair_bytes / in.chunk_bytes;
-  if (in.direct_min_bytes > pair_bytes && min_chunks >= kMaxChunksPerPair) {
+  const bool none_direct = DirectMin(in) > pair_bytes;
+  if (none_direct && min_chunks >= kMaxChunksPerPair) {
     return TooManyChunks(c, g, in);
   }
   // Each chunk holds a piece at least.
   constexpr int64_t kChunkCost = kPlanChunkCharge;
   const int64_t left = in.max_plan_bytes - plan_bytes;
-  if (in.max_plan_bytes > 0 && in.direct_min_bytes > pair_bytes && min_chunks > left / kChunkCost)
+  if (in.max_plan_bytes > 0 && none_direct && min_chunks > left / kChunkCost)
     return TooBig(c, g, in, plan_bytes + min_chunks * kChunkCost);
-  if (in.max_chunks > 0 && in.direct_min_bytes > pair_bytes &&
-      min_chunks > in.max_chunks - plan_chunks) {
+  if (in.max_chunks > 0 && none_direct && min_chunks > in.max_chunks - plan_chunks) {
     return OverCap(c, g, in);
   }
   int64_t reserve = std::min(min_chunks + 1, kMaxChunksPerPair);
@@ -679,6 +687,23 @@ class PieceWriter {
   int64_t src_k_ = 0, dst_k_ = 0;  // offset of the current kv (kv outside, no kv regions)
 };
 
+// With a dtype conversion, the pieces were cut in destination bytes on both sides: the source's
+// offsets and pitches go to its own element size (exact: each is a whole number of elements).
+// `bytes` stays the destination row's (Piece).
+void ScaleSource(const PlanInput& in, PairPlan& out) {
+  const int64_t from = in.ctx.shape.ElementBytes();
+  const int64_t to = in.gen.shape.ElementBytes();
+  if (from == to) return;
+  const auto scale = [&](int64_t& v) { v = v / to * from; };
+  for (Chunk& c : out.chunks) {
+    for (Piece& p : c.pieces) {
+      scale(p.src_offset);
+      scale(p.src_pitch);
+      scale(p.src_plane_pitch);
+    }
+  }
+}
+
 // Plans one pair; returns false when the pair exchanges nothing. `plan_bytes`: the memory the
 // plan's chunks and pieces take so far, all pairs together (bounded by in.max_plan_bytes);
 // `plan_chunks`: the chunks of the pairs planned before (bounded by in.max_chunks).
@@ -701,6 +726,7 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   if (chunker.too_many()) return TooManyChunks(c, g, in);
   if (chunker.over_cap()) return OverCap(c, g, in);
   if (chunker.too_big()) return TooBig(c, g, in, plan_bytes);
+  ScaleSource(in, out);
   return true;
 }
 
@@ -733,6 +759,33 @@ StatusOr<std::vector<PairPlan>> PlanRanks(const PlanInput& in, std::optional<int
 }
 
 }  // namespace
+
+std::optional<Conversion> PlanConversion(const PlanInput& input) {
+  const DType from = input.ctx.shape.dtype;
+  const DType to = input.gen.shape.dtype;
+  if (from == to) return std::nullopt;
+  const auto from_format = ElementFormatOf(from);
+  const auto to_format = ElementFormatOf(to);
+  if (!from_format || !to_format) return std::nullopt;  // refused by CheckCompatible
+  return Conversion{*from_format, *to_format};
+}
+
+std::optional<ElementFormat> ElementFormatOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32:
+      return ElementFormat::kFp32;
+    case DType::kFp16:
+      return ElementFormat::kFp16;
+    case DType::kBf16:
+      return ElementFormat::kBf16;
+    case DType::kFp8E4M3:
+      return ElementFormat::kFp8E4m3;
+    case DType::kFp8E5M2:
+    case DType::kInt8:
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
 
 int64_t PlanChunkCap(int64_t budget_bytes, int64_t own_chunk_bytes) {
   const int64_t own = std::max<int64_t>(own_chunk_bytes, 1);

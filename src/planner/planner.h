@@ -32,8 +32,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "kvferry/device.h"
 #include "kvferry/kv_model.h"
 #include "kvferry/status.h"
 #include "model/coalesce.h"
@@ -165,11 +167,21 @@ struct TransferPlan {
   std::vector<std::vector<int32_t>> ctx_peers_of_gen;  // indexed by gen rank
 };
 
-// Checks that the two sides can exchange caches at all (same layers, heads, head dim, dtype, kv
-// factor; tokens per block equal or one a multiple of the other); errors name both values.
+// Checks that the two sides can exchange caches at all (same layers, heads, head dim, kv factor;
+// dtypes equal or both convertible (ElementFormatOf); tokens per block equal or one a multiple of
+// the other); errors name both values.
 Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen);
 
 StatusOr<TransferPlan> PlanTransfer(const PlanInput& input);
+
+// The element conversion a plan's copies make (context dtype to generation dtype), or none when
+// the dtypes are equal. With one, a piece's `bytes`, offsets and pitches at the destination are in
+// the generation dtype's bytes, and at the source in the context dtype's (a source row holds
+// bytes / gen element size elements); chunks are packed in the generation dtype (the sender
+// converts while packing), and no chunk is direct (DirectMin: a direct chunk is copied as it is).
+std::optional<Conversion> PlanConversion(const PlanInput& input);
+// The element format of a dtype a plan can convert (fp32, fp16, bf16, fp8 e4m3), or none.
+std::optional<ElementFormat> ElementFormatOf(DType dtype);
 
 // Only the pairs of one context rank / one generation rank (each side plans only its own part;
 // cheaper than the whole plan for large instances).

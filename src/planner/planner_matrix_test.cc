@@ -373,5 +373,60 @@ TEST(PlannerMatrix, DifferentBlockSizes) {
   }
 }
 
+// Every convertible pair of dtypes, across layouts, splits and block sizes: the sender converts
+// while packing, every generation element is the context one converted (CheckBlock), no byte
+// written twice or outside the request, and no chunk direct.
+TEST(PlannerMatrix, DifferentDtypes) {
+  CountConfigs count;
+  const DType dtypes[] = {DType::kFp32, DType::kFp16, DType::kBf16, DType::kFp8E4M3};
+  const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
+                                                              {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
+                                                              {{4, 2, {}, 1, 0}, {1, 3, {}, 1, 0}}};
+  const std::pair<int32_t, int32_t> sizes[] = {{4, 4}, {8, 2}, {2, 8}};
+  int idx = 0;
+  for (DType from : dtypes) {
+    for (DType to : dtypes) {
+      if (from == to) continue;
+      for (LayoutKind cl : NamedLayoutKinds()) {
+        for (LayoutKind gl : NamedLayoutKinds()) {
+          const auto& [cp, gp] = splits[idx % 3];
+          const auto& [ctx_tpb, gen_tpb] = sizes[idx % 3];
+          Case c;
+          c.shape = KvShape{7, 8, 8, from, 2, ctx_tpb};
+          c.gen_dtype = to;
+          c.gen_tokens_per_block = gen_tpb;
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.prompt = idx % 2 ? 2 * std::max(ctx_tpb, gen_tpb) + 1 : 5;
+          c.block_pattern = idx % 3;
+          c.reused = idx % 5 == 2 ? 1 : 0;
+          c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
+          c.direct_min = 0;  // would make every contiguous piece direct: conversion forbids it
+          c.layer_wise = idx % 4 == 1;
+          ++idx;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST(Planner, RefusesDtypesWithoutAConversion) {
+  Case c;
+  c.shape.dtype = DType::kBf16;
+  c.gen_dtype = DType::kInt8;
+  auto plan = PlanTransfer(MakeInput(c));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "dtype mismatch: context bf16, generation int8, and no conversion between them "
+            "(kvferry converts between fp32, fp16, bf16 and fp8)");
+  c.shape.dtype = DType::kFp8E5M2;
+  c.gen_dtype = DType::kFp16;
+  EXPECT_FALSE(PlanTransfer(MakeInput(c)).ok());
+}
+
 }  // namespace
 }  // namespace kvferry::planner_test

@@ -234,8 +234,8 @@ void ExpectError(const PlanInput& in, std::vector<std::string_view> parts) {
 
 TEST(PlannerErrors, ShapeMismatchNamesBothValues) {
   PlanInput in = SmallInput();
-  in.gen.shape.dtype = DType::kFp16;
-  ExpectError(in, {"dtype mismatch: context bf16, generation fp16"});
+  in.gen.shape.dtype = DType::kInt8;
+  ExpectError(in, {"dtype mismatch: context bf16, generation int8"});
   in = SmallInput();
   in.gen.shape.layers = 6;
   ExpectError(in, {"layers mismatch: context 4, generation 6"});

@@ -10,8 +10,10 @@
 
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <vector>
 
+#include "device/convert.h"
 #include "kvferry/pool.h"
 #include "planner/planner.h"
 
@@ -40,38 +42,47 @@ Status ForEachPlane(const Chunk& chunk, Fn&& fn) {
   return Status::Ok();
 }
 
-// Checks that every row of `p` (one plane) lies inside both pools' regions.
-inline Status CheckPieceBounds(const Piece& p, const BlockPool& src, const BlockPool& dst) {
+// Checks that every row of `p` (one plane) lies inside both pools' regions; a source row holds
+// `src_bytes` (the piece's bytes, or as many elements of the source dtype when converting).
+inline Status CheckPieceBounds(const Piece& p, int64_t src_bytes, const BlockPool& src,
+                               const BlockPool& dst) {
   auto check = [&](const BlockPool& pool, int32_t region, int64_t offset, int64_t pitch,
-                   const char* side) -> Status {
+                   int64_t bytes, const char* side) -> Status {
     if (region < 0 || region >= pool.num_regions()) {
       return Status::Internal(
           fmt::format("{} region {} is outside [0, {})", side, region, pool.num_regions()));
     }
     const int64_t last = offset + (p.rows - 1) * pitch;
     const int64_t lo = std::min(offset, last);
-    const int64_t hi = std::max(offset, last) + p.bytes;
-    if (p.bytes < 1 || p.rows < 1 || lo < 0 || hi > pool.layout().region_bytes()) {
+    const int64_t hi = std::max(offset, last) + bytes;
+    if (bytes < 1 || p.rows < 1 || lo < 0 || hi > pool.layout().region_bytes()) {
       return Status::Internal(
           fmt::format("{} piece offset {} pitch {} rows {} bytes {} leaves region of {} bytes",
-                      side, offset, pitch, p.rows, p.bytes, pool.layout().region_bytes()));
+                      side, offset, pitch, p.rows, bytes, pool.layout().region_bytes()));
     }
     return Status::Ok();
   };
-  KVF_RETURN_IF_ERROR(check(src, p.src_region, p.src_offset, p.src_pitch, "source"));
-  return check(dst, p.dst_region, p.dst_offset, p.dst_pitch, "destination");
+  KVF_RETURN_IF_ERROR(check(src, p.src_region, p.src_offset, p.src_pitch, src_bytes, "source"));
+  return check(dst, p.dst_region, p.dst_offset, p.dst_pitch, p.bytes, "destination");
 }
 
 // Called before each chunk is sent (e.g. to make layers up to chunk.last_layer "computed").
 using BeforeChunk = std::function<void(const PairPlan&, const Chunk&)>;
 
 // Executes the chunks of `pairs`, pair by pair, chunks in order; pools are indexed by instance
-// rank.
+// rank. With `conversion` (PlanConversion), the sender converts while packing, as the
+// transceiver does.
 inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
                                  const std::vector<BlockPool>& ctx_pools,
                                  const std::vector<BlockPool>& gen_pools, WriteCounts& counts,
-                                 const BeforeChunk& before_chunk = {}) {
+                                 const BeforeChunk& before_chunk = {},
+                                 std::optional<Conversion> conversion = std::nullopt) {
   std::vector<std::byte> staging;
+  const auto src_bytes = [&](const Piece& p) {
+    return conversion
+               ? p.bytes / ElementFormatSize(conversion->to) * ElementFormatSize(conversion->from)
+               : p.bytes;
+  };
   for (const PairPlan& pair : pairs) {
     const BlockPool& src = ctx_pools.at(static_cast<size_t>(pair.ctx_rank));
     const BlockPool& dst = gen_pools.at(static_cast<size_t>(pair.gen_rank));
@@ -81,12 +92,13 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
       for (int64_t b = 0; b < p.bytes; ++b) c[b] += c[b] < 255 ? 1 : 0;
     };
     for (const Chunk& chunk : pair.chunks) {
-      KVF_RETURN_IF_ERROR(
-          ForEachPlane(chunk, [&](const Piece& p) { return CheckPieceBounds(p, src, dst); }));
+      KVF_RETURN_IF_ERROR(ForEachPlane(
+          chunk, [&](const Piece& p) { return CheckPieceBounds(p, src_bytes(p), src, dst); }));
       if (before_chunk) before_chunk(pair, chunk);
       if (chunk.direct) {
         if (chunk.pieces.size() != 1 || chunk.pieces[0].planes != 1)
           return Status::Internal("a direct chunk is one piece of one plane");
+        if (conversion) return Status::Internal("a direct chunk in a plan that converts");
         for (const Piece& p : chunk.pieces) {
           for (int64_t r = 0; r < p.rows; ++r) {
             std::memcpy(dst.region(p.dst_region) + p.dst_offset + r * p.dst_pitch,
@@ -104,9 +116,14 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
         for (int64_t r = 0; r < p.rows; ++r) {
           if (at + p.bytes > chunk.bytes)
             return Status::Internal("chunk pieces exceed chunk.bytes");
-          std::memcpy(staging.data() + at,
-                      src.region(p.src_region) + p.src_offset + r * p.src_pitch,
-                      static_cast<size_t>(p.bytes));
+          const std::byte* from = src.region(p.src_region) + p.src_offset + r * p.src_pitch;
+          if (conversion) {
+            ConvertElements(staging.data() + at, from,
+                            static_cast<size_t>(p.bytes / ElementFormatSize(conversion->to)),
+                            *conversion);
+          } else {
+            std::memcpy(staging.data() + at, from, static_cast<size_t>(p.bytes));
+          }
           at += p.bytes;
         }
         return Status::Ok();

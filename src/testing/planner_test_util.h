@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,21 +36,24 @@ struct Case {
   bool layer_wise = false;
   bool tight_pools = false;          // pool_blocks = the request's blocks
   int32_t gen_tokens_per_block = 0;  // the generation side's block size (0: shape's)
+  std::optional<DType> gen_dtype;    // the generation side's dtype (none: shape's)
 
   std::string Name() const {
     return fmt::format(
         "shape[{}] ctx[{} {}] gen[{} {}] prompt={} reused={} blocks#{} chunk={} "
-        "direct_min={}{}{}",
+        "direct_min={}{}{}{}",
         shape.ToString(), ctx.ToString(), LayoutKindName(ctx_layout), gen.ToString(),
         LayoutKindName(gen_layout), prompt, reused, block_pattern, chunk_bytes, direct_min,
         layer_wise ? " layer-wise" : "",
-        gen_tokens_per_block ? fmt::format(" gen_tokens_per_block={}", gen_tokens_per_block) : "");
+        gen_tokens_per_block ? fmt::format(" gen_tokens_per_block={}", gen_tokens_per_block) : "",
+        gen_dtype ? fmt::format(" gen_dtype={}", DTypeName(*gen_dtype)) : "");
   }
 };
 
 inline KvShape GenShape(const Case& c) {
   KvShape s = c.shape;
   if (c.gen_tokens_per_block) s.tokens_per_block = c.gen_tokens_per_block;
+  if (c.gen_dtype) s.dtype = *c.gen_dtype;
   return s;
 }
 
@@ -138,7 +142,9 @@ inline void CheckStructure(const Case& c, const PlanInput& in, const TransferPla
           EXPECT_GT(p.rows, 1) << "planes of single rows (rows would do)";
         }
         if (p.rows > 1) {
-          EXPECT_FALSE(p.src_pitch == p.bytes && p.dst_pitch == p.bytes) << "uncollapsed rows";
+          const int64_t src_bytes =
+              p.bytes / in.gen.shape.ElementBytes() * in.ctx.shape.ElementBytes();
+          EXPECT_FALSE(p.src_pitch == src_bytes && p.dst_pitch == p.bytes) << "uncollapsed rows";
         }
         chunk_bytes += p.total();
         max_layer = std::max(max_layer, p.layer);
@@ -150,6 +156,7 @@ inline void CheckStructure(const Case& c, const PlanInput& in, const TransferPla
         EXPECT_EQ(chunk.pieces[0].rows, 1);
         EXPECT_EQ(chunk.pieces[0].planes, 1);
         EXPECT_GE(chunk.bytes, in.direct_min_bytes);
+        EXPECT_FALSE(PlanConversion(in)) << "a direct chunk in a plan that converts";
       } else {
         EXPECT_LE(chunk.bytes, in.chunk_bytes);
       }
@@ -264,7 +271,7 @@ inline void RunCase(const Case& c) {
     }
   };
   WriteCounts counts = MakeWriteCounts(gen);
-  Status s = ExecutePlanForTest(plan->pairs, ctx, gen, counts, before_chunk);
+  Status s = ExecutePlanForTest(plan->pairs, ctx, gen, counts, before_chunk, PlanConversion(in));
   ASSERT_TRUE(s.ok()) << s.ToString();
 
   int64_t expected_total = 0;
@@ -283,7 +290,8 @@ inline void RunCase(const Case& c) {
           std::fill_n(needed[e.region].begin() + e.offset, e.bytes, 1);
           expected_total += e.bytes;
         }
-        auto mismatch = CheckBlock(pool, kRequest, {in.gen_blocks[i], i * gen_tpb, valid});
+        auto mismatch =
+            CheckBlock(pool, kRequest, {in.gen_blocks[i], i * gen_tpb, valid}, c.shape.dtype);
         ASSERT_TRUE(mismatch.ok());
         ASSERT_FALSE(mismatch->has_value())
             << "gen rank " << r << " block " << i << ": " << (*mismatch)->ToString();

@@ -4,6 +4,9 @@
 
 #include <cstring>
 
+#include "device/convert.h"
+#include "planner/planner.h"
+
 namespace kvferry {
 namespace {
 
@@ -83,17 +86,33 @@ Status FillBlock(const BlockPool& pool, uint64_t request, const BlockTokens& whe
 }
 
 StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t request,
-                                             const BlockTokens& where) {
+                                             const BlockTokens& where,
+                                             std::optional<DType> sent_as) {
   KVF_RETURN_IF_ERROR(CheckArgs(pool, where));
   const int esize = DTypeSize(pool.shape().dtype);
   const int64_t dims = pool.shape().head_dim;
-  const uint64_t mask = esize == 8 ? ~0ULL : ((1ULL << (8 * esize)) - 1);
+  std::optional<Conversion> conversion;
+  if (sent_as && *sent_as != pool.shape().dtype) {
+    const auto from = ElementFormatOf(*sent_as);
+    const auto to = ElementFormatOf(pool.shape().dtype);
+    if (!from || !to) {
+      return Status::InvalidArgument(fmt::format("no conversion from {} to {}", DTypeName(*sent_as),
+                                                 DTypeName(pool.shape().dtype)));
+    }
+    conversion = Conversion{*from, *to};
+  }
+  const int sent_size = conversion ? DTypeSize(*sent_as) : esize;
+  const uint64_t sent_mask = sent_size == 8 ? ~0ULL : ((1ULL << (8 * sent_size)) - 1);
+  const auto expected = [&](uint64_t filled) -> uint64_t {
+    filled &= sent_mask;
+    return conversion ? ConvertElement(static_cast<uint32_t>(filled), *conversion) : filled;
+  };
   std::optional<Mismatch> first;
   ForEachRow(pool, request, where, [&](const ElementCoord& c, std::byte* row) {
     if (first) return;
     uint64_t seed = RowSeed(c.request, c.layer, c.kv, c.head, c.token);
     for (int64_t i = 0; i < dims; ++i) {
-      uint64_t want = ElementValue(seed, i) & mask;
+      uint64_t want = expected(ElementValue(seed, i));
       uint64_t got = 0;
       std::memcpy(&got, row + i * esize, esize);
       if (got != want) {

@@ -44,8 +44,11 @@ struct Mismatch {
 };
 
 // Checks a host-accessible pool's block (same ranges as FillBlock); the first wrong element if
-// any, or an error for bad arguments.
+// any, or an error for bad arguments. With `sent_as` (the dtype the values were filled in, when
+// it differs from the pool's), each expected value is the filled one converted to the pool's
+// dtype (Stream::ConvertBatch's rules).
 StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t request,
-                                             const BlockTokens& where);
+                                             const BlockTokens& where,
+                                             std::optional<DType> sent_as = std::nullopt);
 
 }  // namespace kvferry

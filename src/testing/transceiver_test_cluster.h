@@ -221,7 +221,8 @@ class Cluster {
     return all;
   }
 
-  // Checks every generation rank's blocks [reused, needed) hold the request's values, the
+  // Checks every generation rank's blocks [reused, needed) hold the request's values (converted
+  // to the generation dtype when it differs from the context's), the
   // reused blocks were not touched, and (sentinels) no byte of any other block changed from the
   // 0xA5 every pool starts with.
   void Verify(uint64_t id, const std::vector<int64_t>& blocks, int64_t tokens, int64_t reused = 0,
@@ -246,7 +247,7 @@ class Cluster {
         int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
         if (valid <= 0) continue;
         BlockTokens where{blocks[i], int64_t(i) * tpb, valid};
-        auto m = CheckBlock(gen_pools_[r], id, where);
+        auto m = CheckBlock(gen_pools_[r], id, where, ctx_spec_.shape.dtype);
         ASSERT_TRUE(m.ok());
         if (static_cast<int64_t>(i) < reused) {
           EXPECT_TRUE(m->has_value())

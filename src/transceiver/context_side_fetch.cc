@@ -17,7 +17,7 @@ void ContextSideImpl::OnFetch(PeerId from, FetchMsg f, std::vector<CreditMsg> cr
   CtxRequest* r = Find(f.request_id);
   if (!r) return HoldUnknown(peer, std::move(f), std::move(credits));
   if (Status st = CheckFetch(*r, f); !st.ok()) return Reject(peer, f, st);
-  auto path = chooser_.Choose(f);
+  auto path = chooser_.Choose(f, Converts(f));
   if (!path.ok()) return Reject(peer, f, path.status());
   if (Status st = Plan(*r, f); !st.ok()) return Reject(peer, f, st);
   AcceptPair(*r, peer, f, std::move(path).value(), credits);
@@ -82,6 +82,12 @@ Status ContextSideImpl::CheckFetch(const CtxRequest& r, const FetchMsg& f) const
                     r.id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
                     engine_.direct_ok() ? "can" : "can't"));
   }
+  if (f.checksum && Converts(f)) {
+    return Status::InvalidArgument(fmt::format(
+        "request {}: checksums (transfer.checksum) with a dtype conversion ({} to {}) are not "
+        "built yet: the digest covers the context's unconverted bytes",
+        r.id, DTypeName(engine_.SelfDesc().shape.dtype), DTypeName(f.shape.dtype)));
+  }
   if (f.prompt_tokens != r.tokens) {
     return Status::InvalidArgument(
         fmt::format("request {}: fetch asks for {} tokens, the context holds {}", r.id,
@@ -126,6 +132,10 @@ Status ContextSideImpl::Plan(CtxRequest& r, const FetchMsg& f) {
   return Status::Ok();
 }
 
+bool ContextSideImpl::Converts(const FetchMsg& f) const {
+  return f.shape.dtype != engine_.SelfDesc().shape.dtype;
+}
+
 void ContextSideImpl::AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f,
                                  std::unique_ptr<SendPath> path,
                                  const std::vector<CreditMsg>& credits) {
@@ -138,6 +148,10 @@ void ContextSideImpl::AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f,
   p.peer = peer;
   p.transfer_id = f.transfer_id;
   p.checksum = f.checksum;
+  if (Converts(f)) {
+    p.conversion = Conversion{*ElementFormatOf(engine_.SelfDesc().shape.dtype),
+                              *ElementFormatOf(f.shape.dtype)};
+  }
   p.path = std::move(path);
   engine_.NotePathUsed(p.path->kind());
   for (const PairPlan& pp : r.plan) {

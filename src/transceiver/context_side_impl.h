@@ -122,6 +122,8 @@ class ContextSideImpl final : public SideSurface<ContextSide, ContextSideImpl>, 
   void HoldUnknown(PeerId peer, FetchMsg f, std::vector<CreditMsg> credits);
   // Why request `r` can't take FETCH `f` (its fields against the request's), or OK.
   Status CheckFetch(const CtxRequest& r, const FetchMsg& f) const;
+  // Whether the pair FETCH `f` asks for converts dtypes (the generation instance's differs).
+  bool Converts(const FetchMsg& f) const;
   // Plans the request's pairs with the FETCH's inputs (cached while they stay the same), and
   // checks that its generation rank has something to fetch here.
   Status Plan(CtxRequest& r, const FetchMsg& f);

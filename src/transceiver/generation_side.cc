@@ -71,13 +71,21 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     // Chunking both sides agree on: packed chunks fit both sides' staging slots; direct chunks
     // only when both can move bytes straight from and into their pools.
     in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
+    // A dtype conversion packs everything (the context side converts while packing).
+    const bool converts = h.shape.dtype != in.gen.shape.dtype;
     in.direct_min_bytes =
-        h.ctx_direct && engine_.direct_ok() ? options_.direct_min_bytes : kNoDirect;
+        h.ctx_direct && engine_.direct_ok() && !converts ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
     in.max_plan_bytes = engine_.plan_budget();
     in.max_chunks = engine_.plan_chunk_cap();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
+    if (converts && options_.checksum) {
+      return Status::InvalidArgument(fmt::format(
+          "request {}: checksums (transfer.checksum) with a dtype conversion ({} to {}) are not "
+          "built yet",
+          h.request_id, DTypeName(h.shape.dtype), DTypeName(in.gen.shape.dtype)));
+    }
     KVF_ASSIGN_OR_RETURN(std::vector<int32_t> ctx_ranks, CtxRanksToFetch(in, pool_.slice().rank));
     // The rest runs on the progress thread, and this call does not wait for it (a blocking call
     // cost a wake-up of the caller per request); what fails there (a context rank unreachable)
@@ -117,9 +125,15 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     f.blocks = in.gen_blocks;
     f.reply_address = engine_.address();
     f.checksum = options_.checksum;
+    const bool converts = h.shape.dtype != in.gen.shape.dtype;
     DescribeOffer(engine_.local_paths(), options_.chunk_bytes,
-                  static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct), f);
-    const PathOffer offer = OfferOf(engine_.local_paths());
+                  static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct && !converts),
+                  f);
+    PathOffer offer = OfferOf(engine_.local_paths());
+    if (converts) {  // the context side converts while packing: no copies into this pool
+      f.rma_target.peer_pool.clear();
+      offer.peer_memory = false;
+    }
     r.path_settings = Settings(f);
     // Only the context ranks with something to send us hear from us (wire version 8), and, from
     // the group's first rank, those with nothing to send anyone (planner.h CtxRanksToFetch): the

@@ -218,12 +218,81 @@ TEST(Transceiver, ManyRequestsInFlightWithSmallStaging) {
 
 TEST(Transceiver, MismatchedShapesAreRefusedNamingBothValues) {
   Cluster cl({Shape(4, 2, DType::kBf16), {1, 1, {}, 1, 0}},
-             {Shape(4, 2, DType::kFp16), {1, 1, {}, 1, 0}});
+             {Shape(4, 2, DType::kInt8), {1, 1, {}, 1, 0}});
   auto h = cl.Publish(1, {0, 1}, 8);
   Status st = cl.Fetch(h, {0, 1});
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("bf16"), std::string_view::npos) << st.ToString();
-  EXPECT_NE(st.message().find("fp16"), std::string_view::npos) << st.ToString();
+  EXPECT_NE(st.message().find("int8"), std::string_view::npos) << st.ToString();
+  ASSERT_TRUE(cl.ctx_[0]->Cancel(1).ok());
+}
+
+// Dtype conversion (issue 26): the context side converts while packing, on every data path a
+// pair can take (the peer-memory and row-put paths fall back to packing), and every generation
+// element is the context one converted by Stream::ConvertBatch's rules (the values are random bit
+// patterns: NaNs, infinities, subnormals and overflow included).
+class Conversions : public ::testing::TestWithParam<std::tuple<Case, Path>> {};
+
+TEST_P(Conversions, DeliverEveryElementConverted) {
+  const Case& c = std::get<0>(GetParam());
+  const Path path = std::get<1>(GetParam());
+  TransceiverOptions o;
+  o.chunk_bytes = 4096;
+  o.staging_chunks = 3;
+  o.direct_min_bytes = 2048;
+  o.rma = path != Path::kTagged;
+  ASSERT_TRUE(Config::Global()
+                  .Set("transfer.rma_row_min_bytes", path == Path::kRmaRows ? "1" : "256")
+                  .ok());
+  ASSERT_TRUE(
+      Config::Global().Set("transfer.peer_memory", path == Path::kPeer ? "on" : "off").ok());
+  Cluster cl(c.ctx, c.gen, o);
+  std::vector<int64_t> cb{3, 4, 9, 1, 12}, gb{0, 5, 6, 2, 11};
+  const int64_t tokens = 4 * 4 + 3;
+  auto h = cl.Publish(12, cb, tokens);
+  ASSERT_FALSE(h.empty());
+  ASSERT_TRUE(cl.Fetch(h, gb, 0).ok());
+  size_t ranks = Cluster::Group(c.ctx, 0).size() + Cluster::Group(c.gen, 0).size();
+  ExpectAllComplete(cl.Drain(0, 0, 1), ranks);
+  cl.Verify(12, gb, tokens, 0, 0, /*sentinels=*/true);
+  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
+  EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transceiver, Conversions,
+    ::testing::Combine(
+        ::testing::Values(
+            Case{"bf16_tp2_to_fp8_tp4_per_layer",
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}},
+                 {Shape(4, 2, DType::kFp8E4M3), {4, 1, {}, 1, 0}, LayoutKind::kPerLayer}},
+            Case{"fp8_per_layer_hnd_to_bf16_tp2",
+                 {Shape(4, 2, DType::kFp8E4M3), {1, 1, {}, 1, 0}, LayoutKind::kPerLayerHnd},
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}}},
+            Case{"fp16_tp4_to_bf16_tp2",
+                 {Shape(4, 2, DType::kFp16), {4, 1, {}, 1, 0}},
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}, LayoutKind::kPerLayerKvHnd}},
+            Case{"fp32_pp2_to_fp16",
+                 {Shape(4, 2, DType::kFp32), {1, 2, {}, 1, 0}},
+                 {Shape(4, 2, DType::kFp16), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer}},
+            Case{"mla_bf16_to_fp32_dup",
+                 {Shape(1, 1, DType::kBf16), {2, 1, {}, 1, 0}},
+                 {Shape(1, 1, DType::kFp32), {4, 1, {}, 1, 0}}}),
+        ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
+    LayoutCaseName);
+
+TEST(Transceiver, ChecksumsWithAConversionAreRefusedNamingBoth) {
+  TransceiverOptions o;
+  o.checksum = true;
+  Cluster cl({Shape(4, 2, DType::kBf16), {1, 1, {}, 1, 0}},
+             {Shape(4, 2, DType::kFp8E4M3), {1, 1, {}, 1, 0}}, o);
+  auto h = cl.Publish(1, {0, 1}, 8);
+  Status st = cl.Fetch(h, {0, 1});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(
+      st.message().find("checksums (transfer.checksum) with a dtype conversion (bf16 to fp8)"),
+      std::string_view::npos)
+      << st.ToString();
   ASSERT_TRUE(cl.ctx_[0]->Cancel(1).ok());
 }
 

@@ -96,7 +96,7 @@ std::optional<MappedPeerPool> SendPathChooser::MapOffered(const RmaTarget& targe
   return std::nullopt;
 }
 
-StatusOr<std::unique_ptr<SendPath>> SendPathChooser::Choose(FetchMsg& f) {
+StatusOr<std::unique_ptr<SendPath>> SendPathChooser::Choose(FetchMsg& f, bool converts) {
   const bool one_sided = f.rma && local_.one_sided();
   if (one_sided) {
     KVF_RETURN_IF_ERROR(CheckRmaTarget(f));
@@ -105,7 +105,9 @@ StatusOr<std::unique_ptr<SendPath>> SendPathChooser::Choose(FetchMsg& f) {
     Log(LogLevel::kInfo, "context side: tagged data path, not one-sided: {}", local_.rma_why);
   }
   std::optional<MappedPeerPool> mapped;
-  if (one_sided && settings_.peer_knob != PeerMemoryMode::kOff && !f.rma_target.peer_pool.empty())
+  if (converts) f.rma_target.row_min_bytes = kNoDirect;
+  if (one_sided && !converts && settings_.peer_knob != PeerMemoryMode::kOff &&
+      !f.rma_target.peer_pool.empty())
     mapped = MapOffered(f.rma_target);
   switch (SendPathFor(f.rma, local_.one_sided(), mapped.has_value())) {
     case DataPathKind::kTagged:

@@ -89,8 +89,10 @@ class SendPathChooser {
         profile_(profile),
         map_(std::move(map)) {}
   // The path of the pair FETCH `f` asks for (its RMA target moved into the path), or why the FETCH
-  // is refused (an RMA target that does not fit the generation layout it names).
-  StatusOr<std::unique_ptr<SendPath>> Choose(FetchMsg& f);
+  // is refused (an RMA target that does not fit the generation layout it names). A pair that
+  // converts dtypes packs everything (the sender converts while packing): no peer memory copies
+  // and no rows put pool to pool.
+  StatusOr<std::unique_ptr<SendPath>> Choose(FetchMsg& f, bool converts);
 
  private:
   // The offered pool, mapped and checked against the target; empty (and logged once) when not.

@@ -83,6 +83,8 @@ struct PathPair {
   uint32_t transfer_id = 0;
   PairPlan plan;          // the pair's chunks (none: the context rank sends this pair nothing)
   bool checksum = false;  // CHUNK messages carry each chunk's digest (asked in FETCH)
+  // The dtype conversion the sender makes while packing (planner.h PlanConversion), if any.
+  std::optional<Conversion> conversion;
   PairState state;
 };
 

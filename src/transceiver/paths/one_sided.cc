@@ -45,7 +45,8 @@ StatusOr<bool> OneSidedSend::Start(PathHost& host, const PathPair& p) {
   }
   KVF_RETURN_IF_ERROR(SumSource(host, p, c, s));
   if (packed > 0)
-    KVF_RETURN_IF_ERROR(QueueSlotCopy(host, c, s.slot, true, t.row_min_bytes, s.packed));
+    KVF_RETURN_IF_ERROR(
+        QueueSlotCopy(host, c, s.slot, true, t.row_min_bytes, s.packed, p.conversion));
   Status st =
       PutDirectRows(host.transport(), p.peer, c, host.pool(), host.pool_wire_kind(), t, s.puts);
   inflight_.push_back(std::move(s));

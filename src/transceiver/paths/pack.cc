@@ -43,10 +43,12 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
 }
 
 Status QueueSlotCopy(PathHost& host, const Chunk& chunk, const StagingLease& slot, bool pack,
-                     int64_t row_min_bytes, EventLease& done) {
+                     int64_t row_min_bytes, EventLease& done,
+                     std::optional<Conversion> conversion) {
   std::vector<CopyDesc>& descs = host.scratch();
   ChunkCopies(chunk, pack, host.pool(), host.SlotData(slot), pack, descs, row_min_bytes);
-  Status st = host.stream().CopyBatch(descs);
+  Status st = pack && conversion ? host.stream().ConvertBatch(descs, *conversion)
+                                 : host.stream().CopyBatch(descs);
   done = host.AcquireEvent();
   if (st.ok()) st = done ? host.stream().Record(*done) : Status::Internal("no device event");
   return st.ok() ? st : st.WithContext(pack ? "packing a chunk" : "unpacking a chunk");

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "kvferry/device.h"
@@ -29,8 +30,10 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
 // Queues on the host's stream the pack of `chunk` into `slot` (`pack`, context side) or its
 // unpack from `slot` into the pool, pieces with rows of at least `row_min_bytes` left out, and an
 // event after it, leased into `done` (leased even when the copy failed; empty when none could be
-// made). The error says which.
+// made). The error says which. A pack with `conversion` converts each element (a packed chunk
+// holds the generation dtype; planner.h PlanConversion).
 Status QueueSlotCopy(PathHost& host, const Chunk& chunk, const StagingLease& slot, bool pack,
-                     int64_t row_min_bytes, EventLease& done);
+                     int64_t row_min_bytes, EventLease& done,
+                     std::optional<Conversion> conversion = std::nullopt);
 
 }  // namespace kvferry

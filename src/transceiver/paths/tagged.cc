@@ -36,7 +36,7 @@ StatusOr<bool> TaggedSend::Start(PathHost& host, const PathPair& p) {
                                     host.pool().region(pc.src_region) + pc.src_offset, c.bytes,
                                     host.pool_wire_kind()));
   } else {
-    KVF_RETURN_IF_ERROR(QueueSlotCopy(host, c, s.slot, true, kNoDirect, s.packed));
+    KVF_RETURN_IF_ERROR(QueueSlotCopy(host, c, s.slot, true, kNoDirect, s.packed, p.conversion));
   }
   inflight_.push_back(std::move(s));
   ++next_;
