@@ -219,21 +219,140 @@ KVF_AVX2 void RowAvx2(std::byte* dst, const std::byte* src, size_t n) {
   RowScalar<From, To>(dst, src, i, n);
 }
 
-bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return has;
-}
-#endif
+#define KVF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+// GCC 12 warns that the intrinsics' own _mm512_undefined_* operands "may be used uninitialized".
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-using RowFn = void (*)(std::byte* dst, const std::byte* src, size_t n);
+// Sixteen elements at a time with AVX-512 (compares into masks, 32-to-8 and 32-to-16 bit
+// narrowing in one instruction): e4m3 narrowing is arithmetic-bound, 1.2 G elements/s with AVX2 on
+// the CI machine's core.
+template <ElementFormat F>
+KVF_AVX512 inline __m512i Widen16(const std::byte* p) {
+  if constexpr (F == ElementFormat::kFp32) return _mm512_loadu_si512(p);
+  if constexpr (F == ElementFormat::kBf16) {
+    return _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  }
+  if constexpr (F == ElementFormat::kFp16) {
+    return _mm512_castps_si512(
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  if constexpr (F == ElementFormat::kFp8E4m3) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i mag = _mm512_and_si512(q, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x80)), 24);
+    const __m512i normal =
+        _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+    const __m512i sub = _mm512_castps_si512(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(7))),
+                      _mm512_set1_ps(0.001953125f)));
+    __m512i r =
+        _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+    r = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), r,
+                                _mm512_set1_epi32(0x7fc00000));
+    return _mm512_or_si512(sign, r);
+  }
+}
+
+KVF_AVX512 inline __mmask16 NanMask16(__m512i x) {
+  return _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                 _mm512_set1_epi32(0x7f800000));
+}
+
+KVF_AVX512 inline __m512i Sign16(__m512i x) {
+  return _mm512_and_si512(x, _mm512_set1_epi32(INT32_MIN));
+}
+
+template <ElementFormat F>
+KVF_AVX512 inline void Narrow16(__m512i x, std::byte* p) {
+  if constexpr (F == ElementFormat::kFp32) {
+    _mm512_storeu_si512(
+        p, _mm512_mask_blend_epi32(NanMask16(x), x,
+                                   _mm512_or_si512(Sign16(x), _mm512_set1_epi32(0x7fc00000))));
+  }
+  if constexpr (F == ElementFormat::kFp16) {
+    const __m512i quiet = _mm512_mask_blend_epi32(
+        NanMask16(x), x, _mm512_or_si512(Sign16(x), _mm512_set1_epi32(0x7fc00000)));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(p),
+        _mm512_cvtps_ph(_mm512_castsi512_ps(quiet), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  if constexpr (F == ElementFormat::kBf16) {
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), odd), 16);
+    r = _mm512_mask_blend_epi32(
+        NanMask16(x), r,
+        _mm512_or_si512(_mm512_srli_epi32(Sign16(x), 16), _mm512_set1_epi32(0x7fc0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  if constexpr (F == ElementFormat::kFp8E4m3) {
+    const __m512i ax = _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ax, 20), _mm512_set1_epi32(1));
+    const __m512i normal = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ax, _mm512_set1_epi32(0x7ffff)), odd),
+                          20),
+        _mm512_set1_epi32(120 << 3));
+    const __m512 two23 = _mm512_set1_ps(convert::kTwo23);
+    const __m512i sub = _mm512_sub_epi32(
+        _mm512_castps_si512(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(ax), _mm512_set1_ps(512.0f)), two23)),
+        _mm512_castps_si512(two23));
+    // Above 448 (infinity too) saturates: min of the normal code and 0x7e (normal codes of larger
+    // values are larger); below 2^-6 the subnormal code; NaN 0x7f.
+    __m512i mag = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7e));
+    mag = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(ax, _mm512_set1_epi32(0x3c800000)), mag,
+                                  sub);
+    mag = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(ax, _mm512_set1_epi32(0x7f800000)), mag,
+                                  _mm512_set1_epi32(0x7f));
+    const __m512i r = _mm512_or_si512(mag, _mm512_srli_epi32(Sign16(x), 24));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(r));
+  }
+}
 
 template <ElementFormat From, ElementFormat To>
-void Row(std::byte* dst, const std::byte* src, size_t n) {
-#if defined(__x86_64__)
-  if (HasAvx2()) return RowAvx2<From, To>(dst, src, n);
-#endif
-  RowScalar<From, To>(dst, src, 0, n);
+KVF_AVX512 void RowAvx512(std::byte* dst, const std::byte* src, size_t n) {
+  constexpr size_t in = From == ElementFormat::kFp32 ? 4 : From == ElementFormat::kFp8E4m3 ? 1 : 2;
+  constexpr size_t out = To == ElementFormat::kFp32 ? 4 : To == ElementFormat::kFp8E4m3 ? 1 : 2;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) Narrow16<To>(Widen16<From>(src + i * in), dst + i * out);
+  RowScalar<From, To>(dst, src, i, n);
 }
+#pragma GCC diagnostic pop
+#endif
+
+bool PathRuns(ConvertPath path) {
+  switch (path) {
+    case ConvertPath::kPortable:
+      return true;
+#if defined(__x86_64__)
+    case ConvertPath::kAvx2: {
+      static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+      return has;
+    }
+    case ConvertPath::kAvx512: {
+      static const bool has = __builtin_cpu_supports("avx512f") &&
+                              __builtin_cpu_supports("avx512bw") &&
+                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+      return has;
+    }
+#else
+    default:
+      return false;
+#endif
+  }
+  return false;
+}
+
+ConvertPath BestPath() {
+  static const ConvertPath best = PathRuns(ConvertPath::kAvx512) ? ConvertPath::kAvx512
+                                  : PathRuns(ConvertPath::kAvx2) ? ConvertPath::kAvx2
+                                                                 : ConvertPath::kPortable;
+  return best;
+}
+
+using RowFn = void (*)(std::byte* dst, const std::byte* src, size_t n);
 
 template <ElementFormat From, ElementFormat To>
 void PortableRow(std::byte* dst, const std::byte* src, size_t n) {
@@ -241,35 +360,39 @@ void PortableRow(std::byte* dst, const std::byte* src, size_t n) {
 }
 
 template <ElementFormat From, ElementFormat To>
-RowFn Pick(bool portable) {
-  return portable ? &PortableRow<From, To> : &Row<From, To>;
+RowFn Pick(ConvertPath path) {
+#if defined(__x86_64__)
+  if (path == ConvertPath::kAvx512) return &RowAvx512<From, To>;
+  if (path == ConvertPath::kAvx2) return &RowAvx2<From, To>;
+#endif
+  return &PortableRow<From, To>;
 }
 
 template <ElementFormat From>
-RowFn RowTo(ElementFormat to, bool portable) {
+RowFn RowTo(ElementFormat to, ConvertPath path) {
   switch (to) {
     case ElementFormat::kFp32:
-      return Pick<From, ElementFormat::kFp32>(portable);
+      return Pick<From, ElementFormat::kFp32>(path);
     case ElementFormat::kFp16:
-      return Pick<From, ElementFormat::kFp16>(portable);
+      return Pick<From, ElementFormat::kFp16>(path);
     case ElementFormat::kBf16:
-      return Pick<From, ElementFormat::kBf16>(portable);
+      return Pick<From, ElementFormat::kBf16>(path);
     case ElementFormat::kFp8E4m3:
-      return Pick<From, ElementFormat::kFp8E4m3>(portable);
+      return Pick<From, ElementFormat::kFp8E4m3>(path);
   }
   return nullptr;
 }
 
-RowFn RowFor(Conversion c, bool portable = false) {
+RowFn RowFor(Conversion c, ConvertPath path = BestPath()) {
   switch (c.from) {
     case ElementFormat::kFp32:
-      return RowTo<ElementFormat::kFp32>(c.to, portable);
+      return RowTo<ElementFormat::kFp32>(c.to, path);
     case ElementFormat::kFp16:
-      return RowTo<ElementFormat::kFp16>(c.to, portable);
+      return RowTo<ElementFormat::kFp16>(c.to, path);
     case ElementFormat::kBf16:
-      return RowTo<ElementFormat::kBf16>(c.to, portable);
+      return RowTo<ElementFormat::kBf16>(c.to, path);
     case ElementFormat::kFp8E4m3:
-      return RowTo<ElementFormat::kFp8E4m3>(c.to, portable);
+      return RowTo<ElementFormat::kFp8E4m3>(c.to, path);
   }
   return nullptr;
 }
@@ -280,9 +403,10 @@ void ConvertElements(void* dst, const void* src, size_t count, Conversion c) {
   RowFor(c)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count);
 }
 
-void ConvertElementsPortable(void* dst, const void* src, size_t count, Conversion c) {
-  RowFor(c, /*portable=*/true)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src),
-                               count);
+bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t count, Conversion c) {
+  if (!PathRuns(path)) return false;
+  RowFor(c, path)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count);
+  return true;
 }
 
 uint32_t ConvertElement(uint32_t bits, Conversion c) {

@@ -14,9 +14,12 @@ namespace kvferry {
 // Converts `count` elements from `src` (as conversion.from) to `dst` (as conversion.to).
 void ConvertElements(void* dst, const void* src, size_t count, Conversion conversion);
 
-// ConvertElements with the portable loops only (what a machine without AVX2 and F16C runs; the
-// vectorized ones must give the same bytes, which tests check).
-void ConvertElementsPortable(void* dst, const void* src, size_t count, Conversion conversion);
+// The loops a conversion can run on: plain C++ (any machine), x86-64 AVX2 with F16C, AVX-512
+// (F, BW, VL). ConvertElements takes the widest this CPU runs; all give the same bytes.
+enum class ConvertPath { kPortable, kAvx2, kAvx512 };
+// ConvertElements on `path`; false (nothing written) when this CPU can't run it.
+bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t count,
+                         Conversion conversion);
 
 // One element's bits (low ElementFormatSize bytes of the value), for tests and references.
 uint32_t ConvertElement(uint32_t bits, Conversion conversion);

@@ -92,11 +92,12 @@ class PoolAccess {
     KVF_RETURN_IF_ERROR(FillBlock(*mirror_, req, where));
     return Move(where.block, true);
   }
-  StatusOr<std::optional<Mismatch>> Check(uint64_t req, const BlockTokens& where) {
+  // `sent_as`: the dtype the context side filled (the values arrive converted when it differs).
+  StatusOr<std::optional<Mismatch>> Check(uint64_t req, const BlockTokens& where, DType sent_as) {
     KVF_RETURN_IF_ERROR(OpenMirror());
-    if (!mirror_) return CheckBlock(*pool_, req, where);
+    if (!mirror_) return CheckBlock(*pool_, req, where, sent_as);
     KVF_RETURN_IF_ERROR(Move(where.block, false));
-    return CheckBlock(*mirror_, req, where);
+    return CheckBlock(*mirror_, req, where, sent_as);
   }
 
  private:
@@ -556,8 +557,9 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         int64_t tokens = TokensOf(cfg, i);
         for (int64_t b = 0; ok && b < BlocksFor(cfg, false, tokens); ++b) {
           const int64_t valid = std::min<int64_t>(tpb, tokens - b * tpb);
-          auto m = access.Check(SeedOf(cfg, b, s.request_id),
-                                {BlockId(cfg, bpr, slots, slot, b), b * tpb, valid});
+          auto m =
+              access.Check(SeedOf(cfg, b, s.request_id),
+                           {BlockId(cfg, bpr, slots, slot, b), b * tpb, valid}, cfg.shape.dtype);
           if (!m.ok() || m->has_value()) {
             ok = false;
             AddError(res, fmt::format("request {} block {}: {}", s.request_id, b,

@@ -79,6 +79,17 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   }
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
   KVF_RETURN_IF_ERROR(SideShape(cfg, false).Validate().WithContext("generation shape"));
+  if (cfg.gen_dtype && *cfg.gen_dtype != cfg.shape.dtype) {
+    KVF_RETURN_IF_ERROR(
+        CheckCompatible(InstanceDesc{cfg.shape, cfg.ctx, cfg.ctx_layout, 1},
+                        InstanceDesc{SideShape(cfg, false), cfg.gen, cfg.gen_layout, 1}));
+    if (cfg.checksum) {
+      return Status::InvalidArgument(fmt::format(
+          "--checksum true with a dtype conversion ({} to {}) is not built yet; pass --checksum "
+          "false",
+          DTypeName(cfg.shape.dtype), DTypeName(*cfg.gen_dtype)));
+    }
+  }
   if (cfg.gen_tokens_per_block != 0 && cfg.gen_tokens_per_block != cfg.shape.tokens_per_block) {
     KVF_RETURN_IF_ERROR(
         CheckCompatible(InstanceDesc{cfg.shape, cfg.ctx, cfg.ctx_layout, 1},
@@ -170,6 +181,7 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
 KvShape SideShape(const SelftestConfig& cfg, bool context) {
   KvShape s = cfg.shape;
   if (!context && cfg.gen_tokens_per_block != 0) s.tokens_per_block = cfg.gen_tokens_per_block;
+  if (!context && cfg.gen_dtype) s.dtype = *cfg.gen_dtype;
   return s;
 }
 

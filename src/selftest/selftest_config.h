@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,9 +19,12 @@
 namespace kvferry {
 
 struct SelftestConfig {
-  KvShape shape;  // the context instance's; the generation instance's differs in block size only
+  KvShape shape;  // the context instance's; the generation instance's differs in block size and
+                  // dtype only
   // The generation instance's tokens per block (0: shape's); one must be a multiple of the other.
   int32_t gen_tokens_per_block = 0;
+  // The generation instance's dtype (none: shape's); the context side converts while packing.
+  std::optional<DType> gen_dtype;
   ParallelConfig ctx, gen;
   LayoutKind ctx_layout = LayoutKind::kBlockMajor;
   LayoutKind gen_layout = LayoutKind::kBlockMajor;

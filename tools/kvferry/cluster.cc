@@ -56,6 +56,7 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["ctx"] = ParallelJson(c.ctx);
   j["gen"] = ParallelJson(c.gen);
   j["gen_tokens_per_block"] = c.gen_tokens_per_block;
+  if (c.gen_dtype) j["gen_dtype"] = static_cast<int>(*c.gen_dtype);
   j["ctx_layout"] = static_cast<int>(c.ctx_layout);
   j["gen_layout"] = static_cast<int>(c.gen_layout);
   j["requests"] = c.requests;
@@ -93,6 +94,7 @@ StatusOr<SelftestConfig> ConfigFromJson(const std::string& s) try {
   c.ctx = ParallelFrom(j["ctx"]);
   c.gen = ParallelFrom(j["gen"]);
   c.gen_tokens_per_block = j.value("gen_tokens_per_block", 0);
+  if (j.contains("gen_dtype")) c.gen_dtype = static_cast<DType>(j["gen_dtype"].get<int>());
   c.ctx_layout = static_cast<LayoutKind>(j["ctx_layout"].get<int>());
   c.gen_layout = static_cast<LayoutKind>(j["gen_layout"].get<int>());
   c.requests = j["requests"];

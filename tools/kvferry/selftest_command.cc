@@ -31,6 +31,7 @@ struct Flags {
   int layers = 8, kv_heads = 8, head_dim = 128, tokens_per_block = 32;
   int ctx_tokens_per_block = 0, gen_tokens_per_block = 0;  // 0: tokens_per_block
   std::string dtype = "bf16";
+  std::string ctx_dtype, gen_dtype;  // empty: dtype
   bool mla = false;
   SplitFlags ctx, gen;
   std::string ctx_layout = "block-major", gen_layout = "block-major";
@@ -45,7 +46,7 @@ struct Flags {
   int crash_ctx_rank = -1;
   std::string fault;
   std::vector<int> gpus;
-  bool checksum = true;
+  std::optional<bool> checksum;  // default: on, off when the dtypes differ (not built for them)
   int timeout_ms = 60000;
   int give_up_ms = 0;
   std::string model;
@@ -65,6 +66,10 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
                   "the generation instance's tokens per block (default: --tokens-per-block); one "
                   "side's must be a multiple of the other's");
   cmd->add_option("--dtype", f.dtype, "fp32|fp16|bf16|fp8|int8")->capture_default_str();
+  cmd->add_option("--ctx-dtype", f.ctx_dtype, "the context instance's dtype (default: --dtype)");
+  cmd->add_option("--gen-dtype", f.gen_dtype,
+                  "the generation instance's dtype (default: --dtype); the context side converts "
+                  "while packing (fp32|fp16|bf16|fp8, fp8 being e4m3; no checksums yet)");
   cmd->add_flag("--mla", f.mla, "MLA latent cache: one head, K only (kv factor 1)");
   cmd->add_option("--ctx-tp", f.ctx.tp)->capture_default_str();
   cmd->add_option("--ctx-pp", f.ctx.pp)->capture_default_str();
@@ -122,14 +127,19 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
                   "(default: the local rank modulo the visible GPUs)")
       ->delimiter(',');
   cmd->add_option("--checksum", f.checksum,
-                  "per-chunk payload checksums (GPU pools too), verified by the generation side")
-      ->capture_default_str();
+                  "per-chunk payload checksums (GPU pools too), verified by the generation side "
+                  "(default: true, false when --ctx-dtype and --gen-dtype differ)");
 }
 
-// " (N tokens per block)" when the generation side's block size differs from the context side's.
+// " (N tokens per block, DTYPE)" for what the generation side's shape changes from the context
+// side's (block size, dtype); empty when nothing.
 std::string GenBlockNote(const SelftestConfig& c) {
-  const int32_t g = SideShape(c, false).tokens_per_block;
-  return g == c.shape.tokens_per_block ? "" : fmt::format(" ({} tokens per block)", g);
+  const KvShape g = SideShape(c, false);
+  std::vector<std::string> parts;
+  if (g.tokens_per_block != c.shape.tokens_per_block)
+    parts.push_back(fmt::format("{} tokens per block", g.tokens_per_block));
+  if (g.dtype != c.shape.dtype) parts.push_back(std::string(DTypeName(g.dtype)));
+  return parts.empty() ? "" : fmt::format(" ({})", fmt::join(parts, ", "));
 }
 
 // " (blocks of C -> G tokens)" when the two sides' block sizes differ (bench's header line).
@@ -141,13 +151,15 @@ std::string BlockSizeNote(const Flags& f) {
 
 StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   SelftestConfig c;
-  KVF_ASSIGN_OR_RETURN(DType dt, ParseDType(f.dtype));
+  KVF_ASSIGN_OR_RETURN(DType dt, ParseDType(f.ctx_dtype.empty() ? f.dtype : f.ctx_dtype));
+  KVF_ASSIGN_OR_RETURN(DType gen_dt, ParseDType(f.gen_dtype.empty() ? f.dtype : f.gen_dtype));
   c.shape =
       KvShape{f.layers,      f.mla ? 1 : f.kv_heads,
               f.head_dim,    dt,
               f.mla ? 1 : 2, f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block};
   c.gen_tokens_per_block =
       f.gen_tokens_per_block ? f.gen_tokens_per_block : c.shape.tokens_per_block;
+  if (gen_dt != dt) c.gen_dtype = gen_dt;
   c.ctx = f.ctx.Make();
   c.gen = f.gen.Make();
   KVF_ASSIGN_OR_RETURN(c.ctx_layout, ParseLayoutKind(f.ctx_layout));
@@ -163,7 +175,7 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.fault = f.fault;
   c.verify = !f.no_verify;
   c.gpus = f.gpus;
-  c.checksum = f.checksum;
+  c.checksum = f.checksum.value_or(!c.gen_dtype.has_value());
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   c.give_up = std::chrono::milliseconds(f.give_up_ms);
   c.metrics_port = f.metrics_port;
@@ -197,11 +209,13 @@ nlohmann::json ConfigJson(const Flags& f, const SelftestConfig& c) {
           {"ctx",
            {{"parallel", ParallelJson(c.ctx)},
             {"layout", f.ctx_layout},
-            {"tokens_per_block", c.shape.tokens_per_block}}},
+            {"tokens_per_block", c.shape.tokens_per_block},
+            {"dtype", DTypeName(c.shape.dtype)}}},
           {"gen",
            {{"parallel", ParallelJson(c.gen)},
             {"layout", f.gen_layout},
-            {"tokens_per_block", SideShape(c, false).tokens_per_block}}},
+            {"tokens_per_block", SideShape(c, false).tokens_per_block},
+            {"dtype", DTypeName(SideShape(c, false).dtype)}}},
           {"transport", c.transport},
           {"device", c.device},
           {"requests", c.requests},
@@ -428,15 +442,19 @@ std::string ConversionName(const Flags& f) {
   const int c = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
   const int g = f.gen_tokens_per_block ? f.gen_tokens_per_block : f.tokens_per_block;
   if (c != g) parts.push_back(fmt::format("blocks of {} -> {} tokens", c, g));
+  const std::string& cd = f.ctx_dtype.empty() ? f.dtype : f.ctx_dtype;
+  const std::string& gd = f.gen_dtype.empty() ? f.dtype : f.gen_dtype;
+  if (cd != gd) parts.push_back(fmt::format("{} -> {}", cd, gd));
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
-// The same transfer without the conversion: the generation side in the context side's layout and
-// block size.
+// The same transfer without the conversion: the generation side in the context side's layout,
+// block size and dtype.
 Flags Unconverted(const Flags& f) {
   Flags g = f;
   g.gen_layout = f.ctx_layout;
   g.gen_tokens_per_block = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
+  g.gen_dtype = f.ctx_dtype;
   return g;
 }
 
@@ -462,8 +480,13 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     fmt::print(
         "kvferry bench transfer: {} layers x {} kv heads x {} ({}) ctx tp{}pp{} {} -> gen "
         "tp{}pp{} {}{} over {}\n",
-        f.layers, f.kv_heads, f.head_dim, f.dtype, f.ctx.tp, f.ctx.pp, f.ctx_layout, f.gen.tp,
-        f.gen.pp, f.gen_layout, BlockSizeNote(f), f.transport);
+        f.layers, f.kv_heads, f.head_dim,
+        f.ctx_dtype == f.gen_dtype
+            ? f.dtype
+            : fmt::format("{} -> {}", f.ctx_dtype.empty() ? f.dtype : f.ctx_dtype,
+                          f.gen_dtype.empty() ? f.dtype : f.gen_dtype),
+        f.ctx.tp, f.ctx.pp, f.ctx_layout, f.gen.tp, f.gen.pp, f.gen_layout, BlockSizeNote(f),
+        f.transport);
     if (f.warmup > 0)
       fmt::print(
           "  GB/s, latencies and us/r leave out the first {} request(s) of each generation "
@@ -526,8 +549,12 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
     std::optional<Run> plain;
     if (!conversion.empty() && f.unconverted) plain = run(Unconverted(f), tokens);
     if (plain) {
+      // Of request rates (the same requests): with a dtype conversion the two move different
+      // bytes, so GB/s are weighed by each run's destination element size.
+      const double per_byte = static_cast<double>(SideShape(plain->cfg, false).ElementBytes()) /
+                              static_cast<double>(SideShape(r->cfg, false).ElementBytes());
       row["unconverted_gbps"] = plain->s.gbps;
-      row["unconverted_ratio"] = plain->s.gbps > 0 ? r->s.gbps / plain->s.gbps : 0;
+      row["unconverted_ratio"] = plain->s.gbps > 0 ? r->s.gbps / plain->s.gbps * per_byte : 0;
       row["unconverted_data_path"] = plain->s.data_path;
     }
     if (!f.out.machine()) {
@@ -535,7 +562,8 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       if (plain) {
         fmt::print(
             "  conversion {}: {:.2f} GB/s without it (generation side in the context side's "
-            "layout and block size, same run, data path {}): ratio {:.2f}\n",
+            "layout, block size and dtype, same run, data path {}): ratio of request rates "
+            "{:.2f}\n",
             conversion, plain->s.gbps, plain->s.data_path, row["unconverted_ratio"].get<double>());
       }
       PrintMedian(r->ranks);
