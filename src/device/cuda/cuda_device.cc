@@ -49,6 +49,8 @@
 #include <thread>
 #include <vector>
 
+#include "device/convert.h"
+#include "device/cuda/convert_kernel.h"
 #include "device/cuda/copy_engine_batch.h"
 #include "device/cuda/cuda_ipc.h"
 #include "device/cuda/cuda_kernels.h"
@@ -446,6 +448,59 @@ class CudaStream final : public Stream {
     }
     if (!ce_.empty()) KVF_RETURN_IF_ERROR(ce_.Submit(s_));
     return Status::Ok();
+  }
+
+  // One conversion kernel (convert_kernel.h) for every descriptor, planes expanded; both ends must
+  // be memory a kernel reaches (this GPU's, or mapped pinned host memory).
+  Status ConvertBatch(std::span<const CopyDesc> copies, Conversion conversion) override {
+    KVF_RETURN_IF_ERROR(CheckConversion(copies, conversion));
+    const size_t in = static_cast<size_t>(ElementFormatSize(conversion.from));
+    const size_t out = static_cast<size_t>(ElementFormatSize(conversion.to));
+    for (size_t i = 0; i < copies.size(); ++i) {
+      const CopyDesc& c = copies[i];
+      if (c.rows > 1 && (c.bytes > c.dst_pitch || c.bytes / out * in > c.src_pitch)) {
+        return Status::InvalidArgument(fmt::format(
+            "ConvertBatch: descriptor {} has rows of {} bytes ({} at the source) wider than a "
+            "pitch (dst {}, src {})",
+            i, c.bytes, c.bytes / out * in, c.dst_pitch, c.src_pitch));
+      }
+    }
+    KVF_RETURN_IF_ERROR(Use());
+    small_.clear();
+    {
+      Classifier cls(ordinal_);
+      for (size_t i = 0; i < copies.size(); ++i) {
+        const CopyDesc& c = copies[i];
+        if (c.bytes == 0 || c.planes == 0) continue;
+        const auto [dst, src] = cls.Ends(c.dst, c.src);
+        for (const PtrInfo& end : {dst, src}) {
+          if (end.cls != PtrClass::kMappedHost &&
+              !(end.cls == PtrClass::kDevice && end.ordinal == ordinal_)) {
+            return Status::InvalidArgument(fmt::format(
+                "ConvertBatch: descriptor {} reads or writes memory the conversion kernel of "
+                "cuda:{} can't reach (pageable host memory or another GPU's)",
+                i, ordinal_));
+          }
+        }
+        const size_t rows = std::max<size_t>(c.rows, 1);
+        for (size_t q = 0; q < c.planes; ++q) {
+          small_.push_back(GatherDesc{reinterpret_cast<uint64_t>(c.dst) + q * c.dst_plane_pitch,
+                                      reinterpret_cast<uint64_t>(c.src) + q * c.src_plane_pitch,
+                                      c.bytes, rows, c.dst_pitch, c.src_pitch});
+        }
+      }
+    }
+    if (small_.empty()) return Status::Ok();
+    KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(small_.size()));
+    std::memcpy(slots, small_.data(), small_.size() * sizeof(GatherDesc));
+    std::atomic_thread_fence(std::memory_order_release);
+    KVF_RETURN_IF_ERROR(CudaCheck(
+        LaunchConvert(slots, static_cast<uint32_t>(small_.size()),
+                      static_cast<int>(conversion.from), static_cast<int>(conversion.to),
+                      routing_.gather_blocks, s_),
+        "cuda:{} conversion kernel launch ({} descriptors, {} to {})", ordinal_, small_.size(),
+        ElementFormatName(conversion.from), ElementFormatName(conversion.to)));
+    return ring_.Commit(s_);
   }
 
   // One digest kernel (digest_kernel.h); its run table and segment index travel in the ring.

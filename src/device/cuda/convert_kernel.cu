@@ -1,0 +1,153 @@
+// The batched conversion kernel (Stream::ConvertBatch): the gather kernel's walk (cuda_kernels.cu:
+// descriptors in a grid-stride loop over blockIdx.x, gridDim.y blocks sharing one descriptor's
+// rows), each element converted on the way by convert_core.h, the arithmetic the host uses, so
+// both write the same bytes.
+//
+// A thread takes 8 elements at a time: one load of 8 source elements (32, 16 or 8 bytes) and one
+// store of 8 destination elements, when both rows, both pitches and the row length allow it
+// (every 8-element group aligned on both sides); otherwise one element at a time.
+#include <algorithm>
+
+#include "device/convert_core.h"
+#include "device/cuda/convert_kernel.h"
+
+namespace kvferry::internal::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr uint32_t kMaxBlocks = 65535;
+constexpr uint32_t kMaxParts = 4096;
+
+template <int F>
+struct Format;
+template <>
+struct Format<0> {  // fp32
+  using Bits = uint32_t;
+  static __device__ uint32_t Widen(uint32_t v) { return v; }
+  static __device__ uint32_t Narrow(uint32_t x) {
+    const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
+    return nan ? (x & 0x80000000u) | convert::kF32QuietNan : x;
+  }
+};
+template <>
+struct Format<1> {  // fp16
+  using Bits = uint16_t;
+  static __device__ uint32_t Widen(uint32_t v) { return convert::Fp16ToF32(v); }
+  static __device__ uint32_t Narrow(uint32_t x) { return convert::F32ToFp16(x); }
+};
+template <>
+struct Format<2> {  // bf16
+  using Bits = uint16_t;
+  static __device__ uint32_t Widen(uint32_t v) { return convert::Bf16ToF32(v); }
+  static __device__ uint32_t Narrow(uint32_t x) { return convert::F32ToBf16(x); }
+};
+template <>
+struct Format<3> {  // fp8 e4m3
+  using Bits = uint8_t;
+  static __device__ uint32_t Widen(uint32_t v) { return convert::E4m3ToF32(v); }
+  static __device__ uint32_t Narrow(uint32_t x) { return convert::F32ToE4m3(x); }
+};
+
+// N elements of T as one aligned access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int From, int To>
+__global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* descs, uint32_t count) {
+  using In = typename Format<From>::Bits;
+  using Out = typename Format<To>::Bits;
+  constexpr int kGroup = 8;
+  __shared__ GatherDesc desc;
+  const unsigned part = blockIdx.y, parts = gridDim.y;
+  const unsigned tid = part * blockDim.x + threadIdx.x, threads = parts * blockDim.x;
+  for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
+    if (threadIdx.x < sizeof(GatherDesc) / sizeof(uint64_t)) {
+      reinterpret_cast<uint64_t*>(&desc)[threadIdx.x] =
+          reinterpret_cast<const uint64_t*>(descs + i)[threadIdx.x];
+    }
+    __syncthreads();
+    const uint64_t n = desc.bytes / sizeof(Out);  // elements per row
+    const uint64_t rows = desc.rows;
+    const uint64_t dp = rows > 1 ? desc.dst_pitch : 0, sp = rows > 1 ? desc.src_pitch : 0;
+    char* dst = reinterpret_cast<char*>(desc.dst);
+    const char* src = reinterpret_cast<const char*>(desc.src);
+    const bool grouped = n % kGroup == 0 && (desc.src | sp) % (sizeof(In) * kGroup) == 0 &&
+                         (desc.dst | dp) % (sizeof(Out) * kGroup) == 0;
+    if (grouped) {
+      const uint64_t per_row = n / kGroup;
+      const uint64_t total = per_row * rows;
+      for (uint64_t u = tid; u < total; u += threads) {
+        const uint64_t r = u / per_row, g = u - r * per_row;
+        const auto in =
+            *reinterpret_cast<const Pack<In, kGroup>*>(src + r * sp + g * kGroup * sizeof(In));
+        Pack<Out, kGroup> out;
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) {
+          out.v[k] = static_cast<Out>(Format<To>::Narrow(Format<From>::Widen(in.v[k])));
+        }
+        *reinterpret_cast<Pack<Out, kGroup>*>(dst + r * dp + g * kGroup * sizeof(Out)) = out;
+      }
+    } else {
+      const uint64_t total = n * rows;
+      for (uint64_t u = tid; u < total; u += threads) {
+        const uint64_t r = u / n, e = u - r * n;
+        const In v = *reinterpret_cast<const In*>(src + r * sp + e * sizeof(In));
+        *reinterpret_cast<Out*>(dst + r * dp + e * sizeof(Out)) =
+            static_cast<Out>(Format<To>::Narrow(Format<From>::Widen(v)));
+      }
+    }
+    __syncthreads();  // `desc` is overwritten by the next iteration
+  }
+}
+
+using Kernel = void (*)(const GatherDesc*, uint32_t);
+
+template <int From>
+Kernel KernelTo(int to) {
+  switch (to) {
+    case 0:
+      return &ConvertKernel<From, 0>;
+    case 1:
+      return &ConvertKernel<From, 1>;
+    case 2:
+      return &ConvertKernel<From, 2>;
+    case 3:
+      return &ConvertKernel<From, 3>;
+  }
+  return nullptr;
+}
+
+Kernel KernelFor(int from, int to) {
+  switch (from) {
+    case 0:
+      return KernelTo<0>(to);
+    case 1:
+      return KernelTo<1>(to);
+    case 2:
+      return KernelTo<2>(to);
+    case 3:
+      return KernelTo<3>(to);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+cudaError_t LaunchConvert(const GatherDesc* descs, uint32_t count, int from, int to,
+                          uint32_t max_blocks, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const Kernel kernel = KernelFor(from, to);
+  if (kernel == nullptr || from == to) return cudaErrorInvalidValue;
+  const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
+  const uint32_t blocks = std::min(count, cap);
+  // As the gather kernel: spare blocks of the cap share the descriptors' rows. Uncapped (0), a
+  // few tall descriptors still get up to 256 blocks each (conversion is arithmetic too).
+  const uint32_t parts = std::min<uint32_t>(
+      max_blocks == 0 ? std::max<uint32_t>(1, 1024 / blocks) : cap / blocks, kMaxParts);
+  kernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, count);
+  return cudaGetLastError();
+}
+
+}  // namespace kvferry::internal::cuda

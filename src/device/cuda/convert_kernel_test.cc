@@ -1,0 +1,192 @@
+// The CUDA conversion kernel (Stream::ConvertBatch, convert_kernel.cu) against the host's loops
+// (convert.h, themselves checked against an independent reference in convert_test.cc), byte for
+// byte: every code of the 16- and 8-bit formats and random fp32 bit patterns, each conversion
+// pair, in 8-element groups and element by element (unaligned rows), pitched 3-D descriptors
+// between device and pinned host memory, nothing written outside the rows; pageable memory is
+// refused. Timed beside one cudaMemcpy of the destination bytes (the same-run baseline). Skips
+// without a GPU.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "device/convert.h"
+#include "kvferry/device.h"
+#include "testing/cuda_copy_test_support.h"
+
+namespace kvferry {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr ElementFormat kFormats[] = {ElementFormat::kFp32, ElementFormat::kFp16,
+                                      ElementFormat::kBf16, ElementFormat::kFp8E4m3};
+
+class CudaConvertTest : public copy_test::GpuCopyTest {
+ protected:
+  // Converts `src` (count elements of c.from) on the GPU as `rows` rows with the given pitches
+  // (planes of them), from `src_kind` to `dst_kind` memory; returns the destination bytes.
+  std::vector<std::byte> Run(const std::vector<std::byte>& src, Conversion c, const CopyDesc& shape,
+                             size_t dst_size, MemoryKind src_kind, MemoryKind dst_kind) {
+    auto s = NewStream();
+    Buffer host = Alloc(MemoryKind::kPinnedHost, std::max(src.size(), dst_size));
+    Buffer in = Alloc(src_kind, src.size()), out = Alloc(dst_kind, dst_size);
+    std::memcpy(host.data(), src.data(), src.size());
+    EXPECT_TRUE(s->Copy(in.data(), host.data(), src.size()).ok());
+    EXPECT_TRUE(s->Fill(out.data(), 0xEE, dst_size).ok());
+    CopyDesc d = shape;
+    d.src = static_cast<const std::byte*>(in.data()) + reinterpret_cast<uintptr_t>(shape.src);
+    d.dst = static_cast<std::byte*>(out.data()) + reinterpret_cast<uintptr_t>(shape.dst);
+    Status st = s->ConvertBatch({&d, 1}, c);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_TRUE(s->Copy(host.data(), out.data(), dst_size).ok());
+    EXPECT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
+    return std::vector<std::byte>(host.data(), host.data() + dst_size);
+  }
+};
+
+// The host's answer for the same descriptor (offsets relative to the buffers).
+std::vector<std::byte> HostAnswer(const std::vector<std::byte>& src, Conversion c,
+                                  const CopyDesc& shape, size_t dst_size) {
+  std::vector<std::byte> out(dst_size, std::byte{0xEE});
+  CopyDesc d = shape;
+  d.src = src.data() + reinterpret_cast<uintptr_t>(shape.src);
+  d.dst = out.data() + reinterpret_cast<uintptr_t>(shape.dst);
+  ConvertHostBatch({&d, 1}, c);
+  return out;
+}
+
+std::vector<std::byte> EveryCode(ElementFormat f, size_t count) {
+  std::vector<std::byte> v(count * ElementFormatSize(f));
+  std::mt19937 rng(5);
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t code = ElementFormatSize(f) == 4 ? rng() : static_cast<uint32_t>(i);
+    std::memcpy(v.data() + i * ElementFormatSize(f), &code, ElementFormatSize(f));
+  }
+  return v;
+}
+
+TEST_F(CudaConvertTest, EveryCodeOfEveryPairMatchesTheHost) {
+  for (ElementFormat from : kFormats) {
+    for (ElementFormat to : kFormats) {
+      if (from == to) continue;
+      SCOPED_TRACE(fmt::format("{} -> {}", ElementFormatName(from), ElementFormatName(to)));
+      const size_t count = 65536;  // every 16-bit code, each 8-bit one 256 times
+      const std::vector<std::byte> src = EveryCode(from, count);
+      CopyDesc one{};
+      one.bytes = count * ElementFormatSize(to);
+      const size_t dst_size = one.bytes;
+      const auto want = HostAnswer(src, {from, to}, one, dst_size);
+      EXPECT_EQ(Run(src, {from, to}, one, dst_size, MemoryKind::kDevice, MemoryKind::kDevice),
+                want);
+    }
+  }
+}
+
+TEST_F(CudaConvertTest, PitchedPlanesAlignedAndNotMatchTheHost) {
+  struct Shape {
+    size_t elements, rows, planes, src_skew, dst_skew;  // skew: elements of padding
+  };
+  const Shape shapes[] = {{128, 16, 4, 0, 0}, {128, 16, 4, 3, 5}, {37, 9, 3, 1, 0},
+                          {8, 64, 1, 0, 0},   {1000, 1, 1, 0, 0}, {1001, 1, 2, 7, 1}};
+  const MemoryKind kinds[][2] = {{MemoryKind::kDevice, MemoryKind::kDevice},
+                                 {MemoryKind::kDevice, MemoryKind::kPinnedHost},
+                                 {MemoryKind::kPinnedHost, MemoryKind::kDevice}};
+  for (ElementFormat from : kFormats) {
+    for (ElementFormat to : kFormats) {
+      if (from == to) continue;
+      for (const Shape& sh : shapes) {
+        const size_t in = ElementFormatSize(from), out = ElementFormatSize(to);
+        CopyDesc d{};
+        d.bytes = sh.elements * out;
+        d.rows = sh.rows;
+        d.src_pitch = (sh.elements + sh.src_skew) * in;
+        d.dst_pitch = (sh.elements + sh.dst_skew) * out;
+        d.planes = sh.planes;
+        d.src_plane_pitch = d.src_pitch * sh.rows + 64 * in;
+        d.dst_plane_pitch = d.dst_pitch * sh.rows + 32 * out;
+        d.src = reinterpret_cast<const void*>(sh.src_skew * in);
+        d.dst = reinterpret_cast<void*>(sh.dst_skew * out);
+        const size_t src_size = sh.src_skew * in + sh.planes * d.src_plane_pitch;
+        const size_t dst_size = sh.dst_skew * out + sh.planes * d.dst_plane_pitch;
+        std::vector<std::byte> src(src_size);
+        std::mt19937 rng(static_cast<uint32_t>(sh.elements + sh.rows));
+        for (auto& b : src) b = static_cast<std::byte>(rng());
+        const auto want = HostAnswer(src, {from, to}, d, dst_size);
+        for (const auto& k : kinds) {
+          SCOPED_TRACE(fmt::format(
+              "{} -> {}, {} elements x {} rows x {} planes, skew {}/{}, {} -> {}",
+              ElementFormatName(from), ElementFormatName(to), sh.elements, sh.rows, sh.planes,
+              sh.src_skew, sh.dst_skew, MemoryKindName(k[0]), MemoryKindName(k[1])));
+          ASSERT_EQ(Run(src, {from, to}, d, dst_size, k[0], k[1]), want);
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaConvertTest, PageableMemoryIsRefused) {
+  auto s = NewStream();
+  Buffer dev = Alloc(MemoryKind::kDevice, 4096);
+  std::vector<std::byte> pageable(4096);
+  CopyDesc d{};
+  d.src = pageable.data();
+  d.dst = dev.data();
+  d.bytes = 1024;
+  Status st = s->ConvertBatch({&d, 1}, {ElementFormat::kBf16, ElementFormat::kFp8E4m3});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("can't reach"), std::string_view::npos) << st.ToString();
+}
+
+// Throughput of the kernel on one large batch of Llama-3-8B-like rows (128 elements, K/V head
+// slices), beside one cudaMemcpy of the destination bytes in the same run. Printed, not asserted
+// (a measurement, not a test of speed); bench transfer is the tool.
+TEST_F(CudaConvertTest, ThroughputBesideOneCopy) {
+  auto s = NewStream();
+  const size_t rows = 1 << 20, elements = 128;  // 128 Mi elements
+  for (auto [from, to] : {std::pair{ElementFormat::kBf16, ElementFormat::kFp8E4m3},
+                          {ElementFormat::kFp8E4m3, ElementFormat::kBf16},
+                          {ElementFormat::kBf16, ElementFormat::kFp16}}) {
+    const size_t in = rows * elements * ElementFormatSize(from);
+    const size_t out = rows * elements * ElementFormatSize(to);
+    Buffer a = Alloc(MemoryKind::kDevice, in), b = Alloc(MemoryKind::kDevice, out);
+    Buffer c = Alloc(MemoryKind::kDevice, out);
+    ASSERT_TRUE(s->Fill(a.data(), 0x3c, in).ok());
+    std::vector<CopyDesc> descs;
+    for (size_t k = 0; k < 64; ++k) {  // 64 descriptors of rows/64 rows each
+      CopyDesc d{};
+      d.src = a.data() + k * in / 64;
+      d.dst = b.data() + k * out / 64;
+      d.bytes = elements * ElementFormatSize(to);
+      d.rows = rows / 64;
+      d.src_pitch = elements * ElementFormatSize(from);
+      d.dst_pitch = d.bytes;
+      descs.push_back(d);
+    }
+    double conv = 1e9, copy = 1e9;
+    for (int rep = 0; rep < 5; ++rep) {
+      auto t0 = std::chrono::steady_clock::now();
+      ASSERT_TRUE(s->ConvertBatch(descs, {from, to}).ok());
+      ASSERT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
+      conv = std::min(conv,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      t0 = std::chrono::steady_clock::now();
+      ASSERT_TRUE(s->Copy(c.data(), b.data(), out).ok());
+      ASSERT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
+      copy = std::min(copy,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    fmt::print(
+        "convert {} -> {}: {:.0f} GB/s of destination ({:.0f} of source); one copy of the "
+        "destination bytes {:.0f} GB/s; ratio {:.2f}\n",
+        ElementFormatName(from), ElementFormatName(to), out / conv / 1e9, in / conv / 1e9,
+        out / copy / 1e9, copy / conv);
+  }
+}
+
+}  // namespace
+}  // namespace kvferry
