@@ -178,7 +178,8 @@ StatusOr<TransferPlan> PlanTransfer(const PlanInput& input);
 // the dtypes are equal. With one, a piece's `bytes`, offsets and pitches at the destination are in
 // the generation dtype's bytes, and at the source in the context dtype's (a source row holds
 // bytes / gen element size elements); chunks are packed in the generation dtype (the sender
-// converts while packing), and no chunk is direct (DirectMin: a direct chunk is copied as it is).
+// converts while packing, or while copying into a peer's pool), and no chunk is direct
+// (DirectMin: a direct chunk is copied as it is).
 std::optional<Conversion> PlanConversion(const PlanInput& input);
 // The element format of a dtype a plan can convert (fp32, fp16, bf16, fp8 e4m3), or none.
 std::optional<ElementFormat> ElementFormatOf(DType dtype);

@@ -71,7 +71,7 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     // Chunking both sides agree on: packed chunks fit both sides' staging slots; direct chunks
     // only when both can move bytes straight from and into their pools.
     in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
-    // A dtype conversion packs everything (the context side converts while packing).
+    // A dtype conversion sends no chunk pool to pool: the context side converts on the way.
     const bool converts = h.shape.dtype != in.gen.shape.dtype;
     in.direct_min_bytes =
         h.ctx_direct && engine_.direct_ok() && !converts ? options_.direct_min_bytes : kNoDirect;
@@ -129,11 +129,7 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     DescribeOffer(engine_.local_paths(), options_.chunk_bytes,
                   static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct && !converts),
                   f);
-    PathOffer offer = OfferOf(engine_.local_paths());
-    if (converts) {  // the context side converts while packing: no copies into this pool
-      f.rma_target.peer_pool.clear();
-      offer.peer_memory = false;
-    }
+    const PathOffer offer = OfferOf(engine_.local_paths());
     r.path_settings = Settings(f);
     // Only the context ranks with something to send us hear from us (wire version 8), and, from
     // the group's first rank, those with nothing to send anyone (planner.h CtxRanksToFetch): the

@@ -3,9 +3,11 @@
 // rows), each element converted on the way by convert_core.h, the arithmetic the host uses, so
 // both write the same bytes.
 //
-// A thread takes 8 elements at a time: one load of 8 source elements (32, 16 or 8 bytes) and one
-// store of 8 destination elements, when both rows, both pitches and the row length allow it
-// (every 8-element group aligned on both sides); otherwise one element at a time.
+// A thread takes a group of elements at a time, 16 bytes at least on each side (8 for bf16 ->
+// fp16, 16 for bf16 -> fp8), loaded and stored whole when both rows, both pitches and the row
+// length allow it (every group aligned on both sides); otherwise one element at a time. A thread
+// steps through (row, group) by a fixed stride, carrying the group index into the row instead of
+// dividing (a 64-bit division per step held bf16 -> fp8 to 0.35 of a copy on the H100).
 #include <algorithm>
 
 #include "device/convert_core.h"
@@ -58,7 +60,7 @@ template <int From, int To>
 __global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* descs, uint32_t count) {
   using In = typename Format<From>::Bits;
   using Out = typename Format<To>::Bits;
-  constexpr int kGroup = 8;
+  constexpr int kGroup = 16 / (sizeof(In) < sizeof(Out) ? sizeof(In) : sizeof(Out));
   __shared__ GatherDesc desc;
   const unsigned part = blockIdx.y, parts = gridDim.y;
   const unsigned tid = part * blockDim.x + threadIdx.x, threads = parts * blockDim.x;
@@ -77,9 +79,13 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* desc
                          (desc.dst | dp) % (sizeof(Out) * kGroup) == 0;
     if (grouped) {
       const uint64_t per_row = n / kGroup;
-      const uint64_t total = per_row * rows;
-      for (uint64_t u = tid; u < total; u += threads) {
-        const uint64_t r = u / per_row, g = u - r * per_row;
+      const uint64_t row_step = threads / per_row, group_step = threads % per_row;
+      uint64_t r = tid / per_row, g = tid % per_row;
+      for (; r < rows; r += row_step, g += group_step) {
+        if (g >= per_row) {  // carry into the next row (group_step < per_row)
+          g -= per_row;
+          if (++r >= rows) break;
+        }
         const auto in =
             *reinterpret_cast<const Pack<In, kGroup>*>(src + r * sp + g * kGroup * sizeof(In));
         Pack<Out, kGroup> out;

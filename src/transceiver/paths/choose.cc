@@ -106,8 +106,7 @@ StatusOr<std::unique_ptr<SendPath>> SendPathChooser::Choose(FetchMsg& f, bool co
   }
   std::optional<MappedPeerPool> mapped;
   if (converts) f.rma_target.row_min_bytes = kNoDirect;
-  if (one_sided && !converts && settings_.peer_knob != PeerMemoryMode::kOff &&
-      !f.rma_target.peer_pool.empty())
+  if (one_sided && settings_.peer_knob != PeerMemoryMode::kOff && !f.rma_target.peer_pool.empty())
     mapped = MapOffered(f.rma_target);
   switch (SendPathFor(f.rma, local_.one_sided(), mapped.has_value())) {
     case DataPathKind::kTagged:

@@ -90,8 +90,8 @@ class SendPathChooser {
         map_(std::move(map)) {}
   // The path of the pair FETCH `f` asks for (its RMA target moved into the path), or why the FETCH
   // is refused (an RMA target that does not fit the generation layout it names). A pair that
-  // converts dtypes packs everything (the sender converts while packing): no peer memory copies
-  // and no rows put pool to pool.
+  // converts dtypes puts no rows pool to pool: the sender converts while packing, or while
+  // copying into the peer's pool.
   StatusOr<std::unique_ptr<SendPath>> Choose(FetchMsg& f, bool converts);
 
  private:

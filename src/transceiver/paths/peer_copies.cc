@@ -16,9 +16,11 @@ int64_t NowNs() {
 // One launch of `copies` on `stream` and the pooled event that marks its end (the submit phase of
 // the profile).
 StatusOr<EventLease> SubmitCopies(Stream& stream, EventPool& events,
-                                  std::span<const CopyDesc> copies, ProgressProfile* profile) {
+                                  std::span<const CopyDesc> copies, ProgressProfile* profile,
+                                  std::optional<Conversion> conversion = std::nullopt) {
   ProfileScope timed(profile, ProfilePhase::kCopySubmit);
-  KVF_RETURN_IF_ERROR(stream.CopyBatch(copies));
+  KVF_RETURN_IF_ERROR(conversion ? stream.ConvertBatch(copies, *conversion)
+                                 : stream.CopyBatch(copies));
   EventLease done = events.Acquire();
   if (!done) return Status::Internal("no device event");
   KVF_RETURN_IF_ERROR(stream.Record(*done));
@@ -62,7 +64,7 @@ Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& targ
 }
 
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
-                  std::vector<CopyDesc>& out) {
+                  std::vector<CopyDesc>& out, bool converts) {
   for (const Piece& pc : c.pieces) {
     if (pc.dst_region < 0 || static_cast<size_t>(pc.dst_region) >= peer_pool.size()) {
       return Status::Internal(
@@ -88,8 +90,9 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.planes = static_cast<size_t>(pc.planes);
     d.dst_plane_pitch = static_cast<size_t>(pc.dst_plane_pitch);
     d.src_plane_pitch = static_cast<size_t>(pc.src_plane_pitch);
-    // Only within one region at each end (a copy engine copies within one allocation).
-    if (!out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
+    // Only within one region at each end (a copy engine copies within one allocation); never
+    // when converting (ExtendRows takes a row's bytes for both ends).
+    if (!converts && !out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
         static_cast<const std::byte*>(out.back().src) >= pool.region(pc.src_region) &&
         ExtendRows(out.back(), d))
       continue;
@@ -101,7 +104,7 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
                                     const BlockPool& pool, std::vector<CopyDesc>& out,
-                                    int64_t max_bytes) {
+                                    int64_t max_bytes, bool converts) {
   out.clear();
   uint32_t count = 0;
   int64_t bytes = 0;
@@ -110,7 +113,7 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
        (count == 0 || (!one_chunk && bytes < max_bytes && count < kPeerBatchChunks));
        ++i) {
     KVF_RETURN_IF_ERROR(
-        PeerCopies(plan.chunks[i], peer_pool, pool, out)
+        PeerCopies(plan.chunks[i], peer_pool, pool, out, converts)
             .WithContext(fmt::format("chunk {} to generation rank {}", i, plan.gen_rank)));
     bytes += plan.chunks[i].bytes;
     ++count;
@@ -121,12 +124,15 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
 StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                                   const BlockPool& pool, Stream& stream, int64_t max_inflight,
                                   std::vector<CopyDesc>& scratch, EventPool& events,
-                                  const Digester& digest, PeerLaunch* merged, uint64_t owner) {
+                                  const Digester& digest, PeerLaunch* merged, uint64_t owner,
+                                  std::optional<Conversion> conversion) {
+  if (conversion) merged = nullptr;  // a merged launch copies as it is
   bool launched = false;
   while (static_cast<int64_t>(copying_.size()) < max_inflight &&
          (merged == nullptr || !merged->full())) {
-    KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
-                                                          peer_pool_, pool, scratch, batch_bytes_));
+    KVF_ASSIGN_OR_RETURN(uint32_t count,
+                         CollectPeerBatch(plan, next, ready_end, checksum_, peer_pool_, pool,
+                                          scratch, batch_bytes_, conversion.has_value()));
     if (count == 0) break;
     Batch b;
     b.what.chunk = next;
@@ -147,7 +153,7 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
       launched = true;
       continue;
     }
-    auto done = SubmitCopies(stream, events, scratch, profile_);
+    auto done = SubmitCopies(stream, events, scratch, profile_, conversion);
     if (!done.ok()) {
       return done.status().WithContext(
           fmt::format("copying into generation rank {}'s pool", plan.gen_rank));

@@ -50,9 +50,10 @@ bool ExtendRows(CopyDesc& prev, const CopyDesc& next);
 
 // Appends the copies of chunk `c` from `pool` into the mapped generation pool `peer_pool` (one
 // mapping per generation region) to `out`, each checked to lie inside its mapped region; a copy
-// that continues the last one in `out` (ExtendRows) extends it.
+// that continues the last one in `out` (ExtendRows) extends it, unless the pair `converts` dtypes
+// (its descriptors are then for Stream::ConvertBatch).
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
-                  std::vector<CopyDesc>& out);
+                  std::vector<CopyDesc>& out, bool converts = false);
 
 // The next batch of `plan`: consecutive chunks from `next` whose layers are ready (last layer
 // below `ready_end`), up to `max_bytes` and kPeerBatchChunks, or exactly one when `one_chunk`
@@ -61,7 +62,7 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
                                     const BlockPool& pool, std::vector<CopyDesc>& out,
-                                    int64_t max_bytes = kPeerBatchBytes);
+                                    int64_t max_bytes = kPeerBatchBytes, bool converts = false);
 
 // Every peer-memory batch copying on the context rank's one stream, oldest first, with the lease
 // of the event that ends it. A stream finishes its work in order, so the oldest batch's event
@@ -207,11 +208,13 @@ class PeerSender {
   // holds the descriptors; `digest` sums each chunk of a checksummed pair before it is copied.
   // With `merged`, batches join it (until it is full) instead of being copied here: the caller
   // flushes it. True when it launched a batch; an error names the chunk or the failed copy.
-  // `owner` names the request in `merged`.
+  // `owner` names the request in `merged`. With `conversion` (planner.h PlanConversion) each
+  // batch converts (Stream::ConvertBatch) and goes out on its own, never merged.
   StatusOr<bool> Launch(const PairPlan& plan, size_t& next, int32_t ready_end,
                         const BlockPool& pool, Stream& stream, int64_t max_inflight,
                         std::vector<CopyDesc>& scratch, EventPool& events, const Digester& digest,
-                        PeerLaunch* merged = nullptr, uint64_t owner = 0);
+                        PeerLaunch* merged = nullptr, uint64_t owner = 0,
+                        std::optional<Conversion> conversion = std::nullopt);
   // Appends the batches that completed (as of the last PeerCompletions::Poll) since the last
   // call, in order, to `out` (cleared first). Batches without a checksum join the coalesced
   // report.

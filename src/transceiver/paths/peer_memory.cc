@@ -16,7 +16,7 @@ StatusOr<bool> PeerMemorySend::Launch(PathHost& host, const PathRequest& r, cons
   return sender_.Launch(
       p.plan, next_, r.ready_end, host.pool(), host.stream(), max_inflight_, host.scratch(),
       host.event_pool(), [&host](const Chunk& c) { return host.ChunkDigest(c, true); },
-      copies_.merged(), r.id);
+      copies_.merged(), r.id, p.conversion);
 }
 
 bool PeerMemorySend::Report(PathHost& host, PathRequest& r, const PathPair& p) {
