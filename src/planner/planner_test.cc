@@ -525,6 +525,16 @@ TEST(PlannerTiming, Llama70B) {
        LayoutKind::kPerLayer,
        {1, 1, {}, 1, 0},
        {1, 1, {}, 1, 0}},
+      {"TP4->TP2 block-major->per-layer-kv",
+       LayoutKind::kBlockMajor,
+       LayoutKind::kPerLayerKvNhd,
+       {4, 1, {}, 1, 0},
+       {2, 1, {}, 1, 0}},
+      {"TP1->TP1 per-layer-hnd->per-layer",
+       LayoutKind::kPerLayerHnd,
+       LayoutKind::kPerLayer,
+       {1, 1, {}, 1, 0},
+       {1, 1, {}, 1, 0}},
   };
   for (const Row& row : rows) {
     for (auto [tokens, fragmented] :
