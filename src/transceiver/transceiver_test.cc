@@ -44,15 +44,15 @@ std::string LayoutCaseName(const ::testing::TestParamInfo<std::tuple<Case, Path>
          kPaths[static_cast<int>(std::get<1>(info.param))];
 }
 
-TEST_P(Layouts, DeliversEveryElement) {
-  const Case& c = std::get<0>(GetParam());
-  const Path path = std::get<1>(GetParam());
+// One request of case `c` over `path`: five scattered blocks, ending mid-block, every element and
+// every sentinel byte of the generation pools checked.
+void DeliverOverPath(const Case& c, Path path, bool checksum) {
   TransceiverOptions o;
   o.chunk_bytes = 4096;  // force packing into several chunks
   o.staging_chunks = 3;
   o.direct_min_bytes = 2048;
   o.rma = path != Path::kTagged;
-  o.checksum = true;
+  o.checksum = checksum;
   ASSERT_TRUE(Config::Global()
                   .Set("transfer.rma_row_min_bytes", path == Path::kRmaRows ? "1" : "256")
                   .ok());
@@ -70,6 +70,10 @@ TEST_P(Layouts, DeliversEveryElement) {
   cl.Verify(11, gb, tokens, 0, c.gen_group, /*sentinels=*/true);
   EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
   EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+}
+
+TEST_P(Layouts, DeliversEveryElement) {
+  DeliverOverPath(std::get<0>(GetParam()), std::get<1>(GetParam()), /*checksum=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -234,29 +238,7 @@ TEST(Transceiver, MismatchedShapesAreRefusedNamingBothValues) {
 class Conversions : public ::testing::TestWithParam<std::tuple<Case, Path>> {};
 
 TEST_P(Conversions, DeliverEveryElementConverted) {
-  const Case& c = std::get<0>(GetParam());
-  const Path path = std::get<1>(GetParam());
-  TransceiverOptions o;
-  o.chunk_bytes = 4096;
-  o.staging_chunks = 3;
-  o.direct_min_bytes = 2048;
-  o.rma = path != Path::kTagged;
-  ASSERT_TRUE(Config::Global()
-                  .Set("transfer.rma_row_min_bytes", path == Path::kRmaRows ? "1" : "256")
-                  .ok());
-  ASSERT_TRUE(
-      Config::Global().Set("transfer.peer_memory", path == Path::kPeer ? "on" : "off").ok());
-  Cluster cl(c.ctx, c.gen, o);
-  std::vector<int64_t> cb{3, 4, 9, 1, 12}, gb{0, 5, 6, 2, 11};
-  const int64_t tokens = 4 * 4 + 3;
-  auto h = cl.Publish(12, cb, tokens);
-  ASSERT_FALSE(h.empty());
-  ASSERT_TRUE(cl.Fetch(h, gb, 0).ok());
-  size_t ranks = Cluster::Group(c.ctx, 0).size() + Cluster::Group(c.gen, 0).size();
-  ExpectAllComplete(cl.Drain(0, 0, 1), ranks);
-  cl.Verify(12, gb, tokens, 0, 0, /*sentinels=*/true);
-  EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
-  EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
+  DeliverOverPath(std::get<0>(GetParam()), std::get<1>(GetParam()), /*checksum=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(
