@@ -15,7 +15,9 @@
 
 namespace kvferry {
 
-int ElementFormatSize(ElementFormat format) {
+namespace {
+// Bytes per element, usable in constant expressions (the loops' strides).
+constexpr size_t Width(ElementFormat format) {
   switch (format) {
     case ElementFormat::kFp32:
       return 4;
@@ -27,6 +29,9 @@ int ElementFormatSize(ElementFormat format) {
   }
   return 0;
 }
+}  // namespace
+
+int ElementFormatSize(ElementFormat format) { return static_cast<int>(Width(format)); }
 
 std::string_view ElementFormatName(ElementFormat format) {
   switch (format) {
@@ -187,7 +192,7 @@ KVF_AVX2 inline __m256i E4m3Codes(__m256i x) {
 // of fp8 codes, two of 16-bit ones).
 template <ElementFormat From, ElementFormat To>
 KVF_AVX2 void Step32(std::byte* dst, const std::byte* src) {
-  constexpr size_t in = From == ElementFormat::kFp32 ? 4 : From == ElementFormat::kFp8E4m3 ? 1 : 2;
+  constexpr size_t in = Width(From);
   __m256i x[4];
   for (int k = 0; k < 4; ++k) x[k] = Widen8<From>(src + 8 * k * in);
   if constexpr (To == ElementFormat::kFp32) {
@@ -219,8 +224,8 @@ KVF_AVX2 void Step32(std::byte* dst, const std::byte* src) {
 
 template <ElementFormat From, ElementFormat To>
 KVF_AVX2 void RowAvx2(std::byte* dst, const std::byte* src, size_t n) {
-  constexpr size_t in = From == ElementFormat::kFp32 ? 4 : From == ElementFormat::kFp8E4m3 ? 1 : 2;
-  constexpr size_t out = To == ElementFormat::kFp32 ? 4 : To == ElementFormat::kFp8E4m3 ? 1 : 2;
+  constexpr size_t in = Width(From);
+  constexpr size_t out = Width(To);
   size_t i = 0;
   for (; i + 32 <= n; i += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
@@ -325,8 +330,8 @@ KVF_AVX512 inline void Narrow16(__m512i x, std::byte* p) {
 
 template <ElementFormat From, ElementFormat To>
 KVF_AVX512 void RowAvx512(std::byte* dst, const std::byte* src, size_t n) {
-  constexpr size_t in = From == ElementFormat::kFp32 ? 4 : From == ElementFormat::kFp8E4m3 ? 1 : 2;
-  constexpr size_t out = To == ElementFormat::kFp32 ? 4 : To == ElementFormat::kFp8E4m3 ? 1 : 2;
+  constexpr size_t in = Width(From);
+  constexpr size_t out = Width(To);
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);

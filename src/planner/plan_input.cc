@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "base/checked.h"
 
@@ -152,6 +153,37 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
   KVF_RETURN_IF_ERROR(CheckSide("context", ctx));
   KVF_RETURN_IF_ERROR(CheckSide("generation", gen));
   return Status::Ok();
+}
+
+std::optional<Conversion> PlanConversion(const PlanInput& input) {
+  const DType from = input.ctx.shape.dtype;
+  const DType to = input.gen.shape.dtype;
+  if (from == to) return std::nullopt;
+  const auto from_format = ElementFormatOf(from);
+  const auto to_format = ElementFormatOf(to);
+  if (!from_format || !to_format) return std::nullopt;  // refused by CheckCompatible
+  return Conversion{*from_format, *to_format};
+}
+
+std::optional<ElementFormat> ElementFormatOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFp32:
+      return ElementFormat::kFp32;
+    case DType::kFp16:
+      return ElementFormat::kFp16;
+    case DType::kBf16:
+      return ElementFormat::kBf16;
+    case DType::kFp8E4M3:
+      return ElementFormat::kFp8E4m3;
+    case DType::kFp8E5M2:
+    case DType::kInt8:
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+int64_t DirectMin(const PlanInput& in) {
+  return PlanConversion(in) ? std::numeric_limits<int64_t>::max() : in.direct_min_bytes;
 }
 
 }  // namespace kvferry

@@ -13,6 +13,10 @@ namespace kvferry {
 int64_t CtxBlocksNeeded(const PlanInput& in);
 int64_t GenBlocksNeeded(const PlanInput& in);
 
+// Pieces at least this large go pool to pool (a direct chunk): in.direct_min_bytes, or never
+// when the plan converts dtypes (a direct chunk is copied as it is).
+int64_t DirectMin(const PlanInput& in);
+
 // Why `in` can't be planned (the error names the field and both values), or OK.
 Status CheckInput(const PlanInput& in);
 
