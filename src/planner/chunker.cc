@@ -102,20 +102,30 @@ void Chunker::Place(Piece p) {
 
 void Chunker::PlacePlanes(const Piece& p) {
   const bool flat = p.rows == 1 || (p.src_pitch == p.bytes && p.dst_pitch == p.bytes);
-  const bool packed = (flat ? p.bytes * p.rows : p.bytes) < direct_min_;
-  for (int64_t q = 0; q < p.planes && !failed(); ++q) {
-    Piece rest = p.Planes(q, p.planes - q);
-    if (packed && rest.planes > 1 && open_ && rest.total() <= chunk_bytes_ - open_->bytes) {
+  const int64_t plane = p.bytes * p.rows;
+  if ((flat ? plane : p.bytes) >= direct_min_) {  // rows big enough to go direct
+    for (int64_t q = 0; q < p.planes && !failed(); ++q) Place(p.Plane(q));
+    return;
+  }
+  // As many whole planes as the open chunk has room for, as one piece; a new chunk when none fits.
+  for (int64_t q = 0; q < p.planes && !failed();) {
+    const int64_t room = open_ ? chunk_bytes_ - open_->bytes : 0;
+    const int64_t fit = std::min(p.planes - q, room / plane);
+    if (fit > 0) {
+      Piece part = p.Planes(q, fit);
       if (p.rows > 1 && flat) {
-        rest.bytes *= rest.rows;
-        rest.rows = 1;
-        rest.src_pitch = rest.dst_pitch = 0;
+        part.bytes *= part.rows;
+        part.rows = 1;
+        part.src_pitch = part.dst_pitch = 0;
       }
-      out_.bytes += rest.total();
-      Append(rest);
-      return;
+      out_.bytes += part.total();
+      Append(part);
+      q += fit;
+    } else if (plane <= chunk_bytes_) {
+      if (!Open(p)) return;
+    } else {  // a plane larger than a chunk: split by rows
+      Place(p.Plane(q++));
     }
-    Place(p.Plane(q));
   }
 }
 

@@ -13,7 +13,8 @@
 //   3. Pieces are emitted ordered by global layer (when layers are enumerated), then by block
 //      (or by the other enumerated axes, then block, when runs of blocks merge), and each is
 //      merged with the previous one when the result is still one 2-D piece: runs of consecutive
-//      block ids on both sides usually collapse to one piece.
+//      block ids on both sides collapse to one piece, 2-D when the layouts allow it, else with a
+//      plane per block (layout conversions: one piece per head and run, not one per block).
 //   4. Merged pieces go to a chunker: big contiguous pieces become direct chunks, others are
 //      packed into chunks of at most chunk_bytes (split by planes, then rows, or by bytes for
 //      huge rows).
@@ -178,8 +179,10 @@ bool RunMerges(const Template& t, const Side& src, const Side& dst) {
          (src.block_stride == t.rows * t.src_pitch && dst.block_stride == t.rows * t.dst_pitch);
 }
 
-// Turns `p` (bytes, rows and pitches of one block's piece) into the piece covering `count`
-// consecutive blocks. Requires RunMerges.
+// Turns `p` (bytes, rows and pitches of one block's piece, one plane) into the piece covering
+// `count` consecutive blocks: one 2-D piece when RunMerges, else a 3-D piece whose planes are the
+// blocks (a block's rows are a plane; a layout conversion's runs of blocks, e.g. block-major HND
+// -> per-layer NHD, one piece per head and run instead of one per block).
 void MergeRun(const Template& t, const Side& src, const Side& dst, int64_t count, Piece& p) {
   if (src.block_stride == t.bytes && dst.block_stride == t.bytes) {
     p.bytes = t.bytes * count;  // rows grow side by side
@@ -187,8 +190,12 @@ void MergeRun(const Template& t, const Side& src, const Side& dst, int64_t count
     p.rows = count;  // one row per block
     p.src_pitch = src.block_stride;
     p.dst_pitch = dst.block_stride;
-  } else {
+  } else if (src.block_stride == t.rows * t.src_pitch && dst.block_stride == t.rows * t.dst_pitch) {
     p.rows = t.rows * count;  // the row axis continues into the next block
+  } else {
+    p.planes = count;  // a plane per block
+    p.src_plane_pitch = src.block_stride;
+    p.dst_plane_pitch = dst.block_stride;
   }
 }
 
@@ -338,9 +345,18 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
   // Enumerated axes outside the block loop when that lets runs of blocks merge into one piece
   // (e.g. per-layer pools: K and V are far apart, consecutive blocks of K are neighbours); the
   // order is then (layer, enumerated axes, block) instead of (layer, block, enumerated axes).
-  bool long_runs = false;
-  for (const BlockRun& run : cx.segs.runs) long_runs = long_runs || (!run.partial && run.count > 1);
-  cut.axes_outside = cut.full.n > 0 && long_runs && RunMerges(cut.full, src, dst);
+  // Otherwise, when a block's pieces would be planes of one piece (a 2-D box per enumerated index,
+  // the innermost of them as planes), the runs' blocks become the planes instead when that makes
+  // fewer pieces: ext / inner ext pieces per block against ext per run.
+  int64_t full_blocks = 0, full_runs = 0;
+  for (const BlockRun& run : cx.segs.runs) {
+    if (run.partial) continue;
+    full_blocks += run.count;
+    ++full_runs;
+  }
+  const Template& f = cut.full;
+  cut.axes_outside = f.n > 0 && full_blocks > full_runs &&
+                     (RunMerges(f, src, dst) || f.ext[f.n - 1] * full_runs < full_blocks);
   return cut;
 }
 
@@ -446,9 +462,9 @@ class PieceWriter {
     }
   }
 
-  // Emits the pieces of a run's segments at enumerated-axes offsets (sd, dd), as one piece when
-  // they merge. With `planes`, the piece's planes are the template's innermost enumerated axis
-  // (sd, dd then leave it out).
+  // Emits the pieces of a run's segments at enumerated-axes offsets (sd, dd): one piece (MergeRun)
+  // unless `planes`, where the piece's planes are the template's innermost enumerated axis (sd, dd
+  // then leave it out) and the blocks merge only when RunMerges.
   void Emit(const Template& t, const BlockRun& run, int64_t sd, int64_t dd, bool planes = false) {
     int64_t count = run.count;
     const Side& src = cut_.src;
@@ -460,7 +476,7 @@ class PieceWriter {
     p_.planes = planes ? t.ext[t.n - 1] : 1;
     p_.src_plane_pitch = planes ? t.src_step[t.n - 1] : 0;
     p_.dst_plane_pitch = planes ? t.dst_step[t.n - 1] : 0;
-    if (count > 1 && RunMerges(t, src, dst)) {
+    if (count > 1 && (RunMerges(t, src, dst) || !planes)) {
       MergeRun(t, src, dst, count, p_);
       count = 1;
     }

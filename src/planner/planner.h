@@ -26,7 +26,8 @@
 //
 // Cost: validation is O(blocks); each pair costs one step per run of consecutive block ids
 // (consecutive on both sides; with different block sizes, one per segment) when a block's share
-// is one piece, otherwise one step per emitted piece. Never one step per element or token.
+// is one piece, otherwise one step per emitted piece (a run's blocks are the planes of one piece
+// when that makes fewer). Never one step per element or token.
 //
 // Thread-safety: all functions are pure and thread-safe.
 #pragma once

@@ -191,14 +191,19 @@ TEST(PlannerShape, AttentionDpOnlyServingAndReceivingGroupsTakePart) {
 TEST(PlannerShape, BlockMajorToPerLayerIsPlanesOfHeadsOfTokenRows) {
   PlanInput in = Llama70B(4096, LayoutKind::kBlockMajor, LayoutKind::kPerLayer, {1, 1, {}, 1, 0},
                           {1, 1, {}, 1, 0});
+  for (size_t i = 0; i < in.ctx_blocks.size(); ++i) {  // scattered: no two blocks are neighbours
+    in.ctx_blocks[i] = 2 * static_cast<int64_t>(i);
+    in.gen_blocks[i] = 2 * static_cast<int64_t>(i) + 1;
+  }
+  in.ctx.pool_blocks = in.gen.pool_blocks = 2 * static_cast<int64_t>(in.ctx_blocks.size()) + 1;
   auto plan = PlanTransfer(in);
   ASSERT_TRUE(plan.ok());
   ASSERT_EQ(plan->pairs.size(), 1u);
   // One piece per (layer, block, kv): planes of heads, rows of tokens (a piece a chunk boundary
-  // cuts goes plane by plane).
+  // cuts goes in two).
   EXPECT_EQ(CountPlanes(plan->pairs[0]), 80 * 128 * 2 * 8);
   const int64_t cuts = static_cast<int64_t>(plan->pairs[0].chunks.size());
-  EXPECT_LE(CountPieces(plan->pairs[0]), 80 * 128 * 2 + cuts * 8);
+  EXPECT_LE(CountPieces(plan->pairs[0]), 80 * 128 * 2 + cuts);
   const Piece& p = plan->pairs[0].chunks[0].pieces.back();
   EXPECT_EQ(p.planes, 8);
   EXPECT_EQ(p.src_plane_pitch, 32 * 256);  // HND: a head's tokens follow each other
@@ -206,6 +211,27 @@ TEST(PlannerShape, BlockMajorToPerLayerIsPlanesOfHeadsOfTokenRows) {
   EXPECT_EQ(p.rows, 32);
   EXPECT_EQ(p.bytes, 256);
   // Staging is bounded by chunk_bytes, whatever the prompt.
+  for (const Chunk& c : plan->pairs[0].chunks) EXPECT_LE(c.bytes, in.chunk_bytes);
+}
+
+TEST(PlannerShape, BlockMajorToPerLayerRunsAreOnePiecePerHeadWithPlanesOfBlocks) {
+  PlanInput in = Llama70B(4096, LayoutKind::kBlockMajor, LayoutKind::kPerLayer, {1, 1, {}, 1, 0},
+                          {1, 1, {}, 1, 0});  // consecutive blocks on both sides
+  auto plan = PlanTransfer(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->pairs.size(), 1u);
+  // A piece per (layer, kv, head): planes of blocks, rows of tokens; a chunk boundary cuts a
+  // piece in two (whole planes on each side of it).
+  EXPECT_EQ(CountPlanes(plan->pairs[0]), 80 * 2 * 8 * 128 + 0);
+  const int64_t cuts = static_cast<int64_t>(plan->pairs[0].chunks.size());
+  EXPECT_LE(CountPieces(plan->pairs[0]), 80 * 2 * 8 + cuts);
+  const Piece& p = plan->pairs[0].chunks[0].pieces.front();
+  EXPECT_GT(p.planes, 1);
+  const int64_t block_bytes = 80 * 2 * 8 * 32 * 256;  // block-major: all of a block's layers
+  EXPECT_EQ(p.src_plane_pitch, block_bytes);
+  EXPECT_EQ(p.dst_plane_pitch, 32 * 8 * 256);  // per-layer NHD: a block's tokens of all heads
+  EXPECT_EQ(p.rows, 32);
+  EXPECT_EQ(p.bytes, 256);
   for (const Chunk& c : plan->pairs[0].chunks) EXPECT_LE(c.bytes, in.chunk_bytes);
 }
 
