@@ -56,7 +56,11 @@ run ctx13_gen11 13 11 4000
 ((gen_rc != 0)) || { echo "FAIL: a generation instance two versions apart reported success"; fail=1; }
 grep -q "speaks wire versions 12..13; this rank speaks 10..11" "$tmp/gen.ctx13_gen11" || {
   echo "FAIL: the generation instance did not name the versions"; cat "$tmp/gen.ctx13_gen11"; fail=1; }
-# Every request fails at first contact, not at its 4 s deadline (2 at a time, 8 requests).
-((gen_ms < 8000)) || { echo "FAIL: refusal took ${gen_ms} ms"; fail=1; }
+# Requests fail at first contact, by the refusal, not by their 4 s deadline. (How long the command
+# runs depends on the context instance, whose own requests wait out their deadlines: 7-13 s here.)
+if grep -qiE "timed.out|no answer" "$tmp/gen.ctx13_gen11"; then
+  echo "FAIL: a request ended by its deadline, not by the refusal"; fail=1
+fi
+((gen_ms < 60000)) || { echo "FAIL: the generation instance took ${gen_ms} ms to end"; fail=1; }
 ((fail == 0)) && echo PASS
 exit "$fail"
