@@ -176,12 +176,13 @@ int MessageFuzzOne(const uint8_t* data, size_t size) {
     for (size_t i = 0; i < kMessageSealBytes; ++i)
       in.push_back(std::byte((seal >> (8 * i)) & 0xff));
   }
+  if (auto v = DecodeVersionMsg(in); v.ok()) Check(EncodeVersionMsg(*v) == in);
   auto m = DecodeMessage(in);
   if (!m.ok()) {
     CheckRefusal(m.status());
     return 0;
   }
-  Check(EncodeMessage(*m) == in);
+  Check(EncodeMessage(*m, MessageVersionOf(in)) == in);
   auto again = DecodeMessage(EncodeMessage(*m));
   Check(again.ok() && *again == *m);
   auto* f = std::get_if<FetchMsg>(&*m);

@@ -94,6 +94,9 @@ struct TransceiverOptions {
   // and transfer.checksum (XXH3-64 per chunk, verified by the generation side: kDataLoss).
   std::optional<bool> rma;
   std::optional<bool> checksum;
+  // The control-message version this rank speaks; 0: knob transfer.wire_version (11, meeting
+  // peers of version 10 in version 10; 10: behave as a version-10 build).
+  int wire_version = 0;
 };
 
 // 16 bytes from the OS's random source (getrandom), never all zero: a context instance's secret.

@@ -65,6 +65,12 @@ constexpr KnobDecl kKnobs[] = {
      "process falls back to puts); on also offers pinned host pools of a GPU (refused by CUDA "
      "today); off: transport puts",
      0, 0, "auto|on|off"},
+    {"transfer.wire_version", KnobType::kInt, "11",
+     "control-message version this rank speaks: 11 (the current one; meets a peer of version 10 "
+     "in version 10 and refuses others by name) or 10 (behaves as a version-10 build: rolling "
+     "upgrades). 9, 12 and 13 only pretend a build of that version (version 11's messages under "
+     "its number), to test refusals",
+     9, 13, ""},
     {"transfer.spin_us", KnobType::kInt, "200",
      "a progress thread with operations in flight polls every 10 us (short sleeps; a "
      "sched_yield there gave the core away for a scheduler slice, milliseconds, whenever another "

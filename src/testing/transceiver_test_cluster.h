@@ -97,6 +97,7 @@ struct SideSpec {
   ParallelConfig parallel;
   LayoutKind layout = LayoutKind::kBlockMajor;
   int64_t blocks = 16;
+  int wire_version = 0;  // TransceiverOptions::wire_version of the side's ranks (0: the knob)
 };
 
 struct Instance {
@@ -112,6 +113,7 @@ class Cluster {
     options.transport = "inproc";
     if (options.timeout.count() == 0) options.timeout = milliseconds(5000);
     options.instance_secret[0] = 42;
+    options.wire_version = ctx.wire_version;
     for (int r = 0; r < ctx.parallel.world_size(); ++r) {
       ctx_pools_.push_back(MakePool(ctx, r));
       auto t = Transport();
@@ -123,6 +125,7 @@ class Cluster {
     for (auto& c : ctx_) addrs.push_back(c->address());
     for (auto& c : ctx_) EXPECT_TRUE(c->SetInstanceAddresses(addrs).ok());
     options.instance_id = 7;
+    options.wire_version = gen.wire_version;
     for (int r = 0; r < gen.parallel.world_size(); ++r) {
       gen_pools_.push_back(MakePool(gen, r));
       auto t = Transport();
@@ -288,7 +291,7 @@ class FetchTamperer final : public TestTransport {
     auto m = DecodeMessage(b);
     if (m.ok() && std::holds_alternative<FetchMsg>(*m)) {
       edit_(std::get<FetchMsg>(*m));
-      return base_->SendControl(p, EncodeMessage(*m));
+      return base_->SendControl(p, EncodeMessage(*m, MessageVersionOf(b)));
     }
     return base_->SendControl(p, b);
   }

@@ -415,7 +415,9 @@ bool ContextSideImpl::Finished(CtxRequest& r) {
 void ContextSideImpl::ReportStagedChunks(CtxRequest& r) {
   for (auto& [g, p] : r.pairs) {
     const LandedChunks* held = p.path->held_report();
-    if (!held || !held->staged) continue;
+    // A generation rank of version 10 would refuse the COMPLETE that follows: it waits for the
+    // CHUNK saying complete (its staging slot stays taken meanwhile, as in version 10).
+    if (!held || !held->staged || engine_.PairVersion(p.peer) < 11) continue;
     engine_.SendMsg(p.peer, ChunkMsg{r.id, p.transfer_id, static_cast<uint32_t>(held->first),
                                      held->count, false, 0});
     p.path->DropHeldReport();

@@ -148,6 +148,9 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
         ProfileScope timed(engine_.profile(), ProfilePhase::kConnect);
         return engine_.transport().Connect(h.addresses[c], r.deadline);
       }();
+      if (peer.ok()) {
+        if (auto refused = engine_.PeerRefusal(*peer)) peer = *refused;
+      }
       if (!peer.ok()) {
         Status why =
             peer.status().WithContext(fmt::format("request {}: context rank {}", h.request_id, c));
@@ -214,6 +217,19 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     }
   }
 
+  // A context rank whose wire versions do not meet ours: every request it is part of fails now,
+  // naming it, rather than at its deadline.
+  void OnPeerRefused(PeerId peer, const Status& why) override {
+    for (auto& [id, r] : requests_) {
+      for (RecvPair& p : r.pairs) {
+        if (p.peer != peer || p.state.final()) continue;
+        End(r, TransferState::kError,
+            why.WithContext(fmt::format("request {}: context rank {}", r.id, p.rank)), true);
+        break;
+      }
+    }
+  }
+
   // The pair (request `id`, transfer `tid`) of peer `from`, or nulls: a pair hears only from its
   // own context rank, so another peer can't accept, complete or end someone else's transfer
   // (transfer ids are small numbers, easily guessed).
@@ -243,8 +259,9 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
   // COMPLETE answers every pair's DONE, ours included: one before it is an error (a pair with no
   // chunks sends none, and takes COMPLETE as its only answer). A pair that folds says no DONE:
   // COMPLETE follows its last CHUNK when that came on its own (wire version 11).
+  // A pair of version 10 has no such step: COMPLETE there fails the request, as it did.
   void OnComplete(GenRequest& r, RecvPair& p) {
-    if (p.state.Is(PairPhase::kAccepted) && p.path->folds(p)) {
+    if (p.state.Is(PairPhase::kAccepted) && p.path->folds(p) && engine_.PairVersion(p.peer) >= 11) {
       if (p.path->reported_all(p)) {
         Step(r, p, PairEvent::kCompleteAfterChunks);
         return;

@@ -58,6 +58,8 @@ EngineOptions ResolveOptions(const TransceiverOptions& o, const Device& device) 
   // cost p50 (H200, TP2->TP4 128 tokens 16 in flight: 0.71-0.76 ms against 0.65-0.69).
   e.peer_hold_launches = c.Int("transfer.peer_hold_launches");
   e.peer_max_mapped = c.Int("transfer.peer_max_mapped");
+  e.wire_version =
+      static_cast<uint8_t>(o.wire_version > 0 ? o.wire_version : c.Int("transfer.wire_version"));
   if (e.peer_hold_launches < 0) e.peer_hold_launches = device.info().platform == "cpu" ? 2 : 0;
   e.secret = o.instance_secret;
   e.instance_id = o.instance_id;
@@ -83,8 +85,9 @@ Engine::Engine(Device& device, const BlockPool& pool, EngineOptions options,
       transport_(std::move(transport)),
       address_(transport_->LocalAddress()),
       profile_(options.profile),
+      versions_(options.wire_version),
       events_([this] { return device_.CreateEvent(); }),
-      loop_(*transport_, profile_, LoopOptions{options.spin, options.timeout}) {}
+      loop_(*transport_, profile_, versions_, LoopOptions{options.spin, options.timeout}) {}
 
 Engine::~Engine() {
   Stop();
@@ -162,7 +165,9 @@ TransceiverMetrics Engine::Metrics(std::string side) const {
 void Engine::SendMsg(PeerId peer, const ControlMsg& msg) {
   ProfileScope timed(&profile_, ProfilePhase::kSendControl);
   profile_.Count(ProfileCounter::kControlSent);
-  auto bytes = EncodeMessage(msg);
+  if (versions_.Refusal(peer)) return;  // it can't read us: the refusal was logged once
+  if (auto hello = versions_.HelloFor(peer)) (void)transport_->SendControl(peer, *hello);
+  auto bytes = EncodeMessage(msg, versions_.SendVersion(peer));
   Status st = transport_->SendControl(peer, bytes);
   if (!st.ok())
     Log(LogLevel::kWarn, "transceiver: control message to peer {} failed: {}", peer, st.ToString());

@@ -60,6 +60,9 @@ struct EngineOptions {
   bool peer_merge_pairs = true;                 // transfer.peer_merge_pairs
   int64_t peer_hold_launches = 0;               // transfer.peer_hold_launches (-1 resolved)
   int64_t peer_max_mapped = 1024;               // transfer.peer_max_mapped
+  // transfer.wire_version: kMessageVersion (negotiates with older peers) or the previous one
+  // (behaves as a build of that version: rolling-upgrade tests).
+  uint8_t wire_version = kMessageVersion;
 };
 
 // The options of a side on `device`: `options` where set, else the transfer.* knobs.
@@ -137,6 +140,11 @@ class Engine final : public PathHost {
   Stream& stream() override { return *stream_; }
   const BlockPool& pool() const override { return pool_; }
   void SendMsg(PeerId peer, const ControlMsg& msg) override;
+  // The control-message version a pair with `peer` speaks (PeerVersions; progress thread), for
+  // behaviour that differs between versions.
+  uint8_t PairVersion(PeerId peer) const { return versions_.PairVersion(peer); }
+  // Why `peer` was refused (its wire versions do not meet ours), when it was (progress thread).
+  std::optional<Status> PeerRefusal(PeerId peer) const { return versions_.Refusal(peer); }
   void NoteChunk(uint64_t request_id, int64_t bytes, Clock::time_point started) override {
     statuses_.metrics().OnChunk(request_id, bytes, started);
   }
@@ -175,6 +183,7 @@ class Engine final : public PathHost {
   std::unique_ptr<Transport> transport_;
   std::string address_;
   ProgressProfile profile_;
+  PeerVersions versions_;  // progress thread
   StatusTable statuses_;
   std::unique_ptr<Stream> stream_;
   Buffer staging_;

@@ -88,8 +88,9 @@ class ProgressLoop::IterationCpu {
   std::array<int64_t, static_cast<int>(ProfilePhase::kIdle)> phase_ns_{};
 };
 
-ProgressLoop::ProgressLoop(Transport& transport, ProgressProfile& profile, LoopOptions options)
-    : transport_(transport), profile_(profile), options_(options) {}
+ProgressLoop::ProgressLoop(Transport& transport, ProgressProfile& profile, PeerVersions& versions,
+                           LoopOptions options)
+    : transport_(transport), profile_(profile), versions_(versions), options_(options) {}
 
 void ProgressLoop::Start(ProgressHandler& handler, std::function<void()> bind) {
   wakeup_ = ProgressWakeup::Create(transport_);
@@ -174,7 +175,16 @@ bool ProgressLoop::TakeControl(ProgressHandler& handler) {
   while (auto m = transport_.PollControl()) {
     any = true;
     profile_.Count(ProfileCounter::kControlReceived);
-    auto msg = DecodeMessage(m->bytes);
+    PeerVersions::Incoming in =
+        versions_.OnReceive(m->from, m->bytes, transport_.DescribePeer(m->from));
+    if (in.reply) (void)transport_.SendControl(m->from, *in.reply);
+    if (in.kind == PeerVersions::Incoming::kRefused) {
+      Log(LogLevel::kError, "transceiver: {}", in.why.message());
+      handler.OnPeerRefused(m->from, in.why);
+      continue;
+    }
+    if (in.kind == PeerVersions::Incoming::kConsumed) continue;
+    auto msg = DecodeMessage(m->bytes, versions_.ours());
     if (!msg.ok()) {
       Log(LogLevel::kWarn, "transceiver: dropped a control message from peer {}: {}", m->from,
           msg.status().ToString());

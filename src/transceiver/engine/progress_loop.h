@@ -20,6 +20,7 @@
 
 #include "base/thread_annotations.h"
 #include "kvferry/transport.h"
+#include "transceiver/engine/peer_versions.h"
 #include "transceiver/engine/progress_profile.h"
 #include "transceiver/engine/progress_wakeup.h"
 #include "transceiver/wire/messages.h"
@@ -31,6 +32,12 @@ class ProgressHandler {
  public:
   // A peer's control message, decoded.
   virtual void OnControl(PeerId from, ControlMsg msg) = 0;
+  // A peer whose wire versions do not meet ours (PeerVersions): `why` names it and both ranges.
+  // Its messages are dropped from now on; the side ends what it has with it.
+  virtual void OnPeerRefused(PeerId peer, const Status& why) {
+    (void)peer;
+    (void)why;
+  }
   // Moves the side's requests on; true when it did something.
   virtual bool Advance() = 0;
   // At most once a millisecond: deadlines, retries, housekeeping.
@@ -69,7 +76,10 @@ struct LoopOptions {
 
 class ProgressLoop {
  public:
-  ProgressLoop(Transport& transport, ProgressProfile& profile, LoopOptions options);
+  // `versions`: the wire version of each peer, which the loop learns from what comes in (the
+  // loop's thread owns it).
+  ProgressLoop(Transport& transport, ProgressProfile& profile, PeerVersions& versions,
+               LoopOptions options);
   ~ProgressLoop() { Stop(); }
   ProgressLoop(const ProgressLoop&) = delete;
   ProgressLoop& operator=(const ProgressLoop&) = delete;
@@ -113,6 +123,7 @@ class ProgressLoop {
 
   Transport& transport_;
   ProgressProfile& profile_;
+  PeerVersions& versions_;
   const LoopOptions options_;
   // Sleeps until a control message, a Post or a nap's end (null: the transport has no wakeup
   // fd; the loop naps on cmd_cv_).

@@ -19,8 +19,14 @@ inline void WireFuzzOne(const uint8_t* data, size_t size) {
     if (!again.ok() || !(*again == *h)) std::abort();
   }
   if (auto m = DecodeMessage(bytes); m.ok()) {
+    // Every served version (10, 11) re-encodes to the same bytes in the version it came in.
+    if (EncodeMessage(*m, MessageVersionOf(bytes)) != std::vector(bytes.begin(), bytes.end()))
+      std::abort();
     auto again = DecodeMessage(EncodeMessage(*m));
     if (!again.ok() || !(*again == *m)) std::abort();
+  }
+  if (auto v = DecodeVersionMsg(bytes); v.ok()) {
+    if (EncodeVersionMsg(*v) != std::vector(bytes.begin(), bytes.end())) std::abort();
   }
 }
 

@@ -219,16 +219,17 @@ struct Header {
   uint8_t type = 0;
 };
 
-// Magic, version and seal: a message of this build, arrived as sent. `body` is what the seal
-// covers (the header and the fields).
+// Magic, version and seal: a message of a version `accept` holds, arrived as sent. `body` is what
+// the seal covers (the header and the fields).
 Status CheckEnvelope(std::span<const std::byte> sealed, std::span<const std::byte> body,
-                     const Header& h) {
+                     const Header& h, VersionRange accept) {
   if (h.magic != kMessageMagic) {
     return Status::InvalidArgument(fmt::format("control message: bad magic {:#06x}", h.magic));
   }
-  if (h.version != kMessageVersion) {
+  if (!accept.Has(h.version)) {
     return Status::InvalidArgument(
-        fmt::format("control message: version {} not supported", h.version));
+        fmt::format("control message: version {}; this rank speaks {}..{}", h.version,
+                    accept.oldest, accept.newest));
   }
   uint64_t seal = 0;
   for (size_t i = 0; i < kMessageSealBytes; ++i)
@@ -250,19 +251,66 @@ uint64_t MessageSeal(std::span<const std::byte> body) {
   return XXH3_64bits(body.data(), body.size());
 }
 
-std::vector<std::byte> EncodeMessage(const ControlMsg& msg) {
-  WireWriter w;
-  w.U16(kMessageMagic);
-  w.U8(kMessageVersion);
-  w.U8(static_cast<uint8_t>(msg.index() + 1));
-  wire::WriteBody(w, msg);
+namespace {
+std::vector<std::byte> Sealed(WireWriter& w) {
   std::vector<std::byte> out = w.Take();
   const uint64_t seal = MessageSeal(out);
   for (size_t i = 0; i < kMessageSealBytes; ++i) out.push_back(std::byte((seal >> (8 * i)) & 0xff));
   return out;
 }
+}  // namespace
 
-StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
+std::vector<std::byte> EncodeMessage(const ControlMsg& msg, uint8_t version) {
+  WireWriter w;
+  w.U16(kMessageMagic);
+  w.U8(version);
+  w.U8(static_cast<uint8_t>(msg.index() + 1));
+  wire::WriteBody(w, msg);
+  return Sealed(w);
+}
+
+uint8_t MessageVersionOf(std::span<const std::byte> bytes) {
+  if (bytes.size() < 4) return 0;
+  const uint16_t magic = std::to_integer<uint16_t>(bytes[0]) |
+                         static_cast<uint16_t>(std::to_integer<uint16_t>(bytes[1]) << 8);
+  return magic == kMessageMagic ? std::to_integer<uint8_t>(bytes[2]) : 0;
+}
+
+std::vector<std::byte> EncodeVersionMsg(VersionRange speaks) {
+  WireWriter w;
+  w.U16(kMessageMagic);
+  w.U8(speaks.newest);
+  w.U8(kVersionMsgType);
+  w.U8(speaks.oldest);
+  return Sealed(w);
+}
+
+bool IsVersionMsg(std::span<const std::byte> bytes) {
+  return MessageVersionOf(bytes) != 0 && std::to_integer<uint8_t>(bytes[3]) == kVersionMsgType;
+}
+
+StatusOr<VersionRange> DecodeVersionMsg(std::span<const std::byte> sealed) {
+  constexpr size_t kBytes = 5 + kMessageSealBytes;
+  if (sealed.size() != kBytes || !IsVersionMsg(sealed)) {
+    return Status::InvalidArgument(
+        fmt::format("VERSION message: {} bytes, not a VERSION of {} bytes", sealed.size(), kBytes));
+  }
+  const std::span<const std::byte> body = sealed.first(5);
+  uint64_t seal = 0;
+  for (size_t i = 0; i < kMessageSealBytes; ++i)
+    seal |= uint64_t{std::to_integer<uint8_t>(sealed[body.size() + i])} << (8 * i);
+  if (MessageSeal(body) != seal) {
+    return Status::DataLoss("VERSION message: seal does not match its bytes: corrupted");
+  }
+  VersionRange v{std::to_integer<uint8_t>(body[4]), std::to_integer<uint8_t>(body[2])};
+  if (v.oldest == 0 || v.oldest > v.newest) {
+    return Status::InvalidArgument(
+        fmt::format("VERSION message: oldest {} is 0 or above version {}", v.oldest, v.newest));
+  }
+  return v;
+}
+
+StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed, VersionRange accept) {
   if (sealed.size() < 4 + kMessageSealBytes) {
     return Status::InvalidArgument(
         fmt::format("control message: {} bytes, fewer than a header and its seal", sealed.size()));
@@ -273,7 +321,7 @@ StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> sealed) {
   h.magic = r.U16("magic");
   h.version = r.U8("version");
   h.type = r.U8("type");
-  KVF_RETURN_IF_ERROR(wire::CheckEnvelope(sealed, body, h));
+  KVF_RETURN_IF_ERROR(wire::CheckEnvelope(sealed, body, h, accept));
   if (h.type < 1 || h.type > wire::kBodyReaders.size()) {
     return Status::InvalidArgument(fmt::format("control message: unknown type {}", h.type));
   }

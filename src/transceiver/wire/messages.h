@@ -62,7 +62,13 @@ inline constexpr uint16_t kMessageMagic = 0x4D4B;  // "KM"
 // generation rank's memory (only the unpacking of staged rows, its own work, is left); no DONE, no
 // COMPLETE. A 128-token request by UCX puts took the DONE -> COMPLETE round trip, two more
 // wake-ups of the progress threads, on its critical path.
+// Version 11: a put pair's last CHUNK whose rows came packed goes at once, not saying complete,
+// while the request waits for other pairs; the pair then gets COMPLETE. The encoding is version
+// 10's: only the header's version byte and this behaviour differ.
 inline constexpr uint8_t kMessageVersion = 11;
+// The oldest version this build still speaks to a peer (docs/wire_format.md, "Versions"): a pair
+// with a peer of version 10 runs version 10's encoding and behaviour. Older peers are refused.
+inline constexpr uint8_t kOldestMessageVersion = 10;
 inline constexpr size_t kMessageSealBytes = 8;
 inline constexpr int kChunkTagBits = 20;
 
@@ -198,8 +204,33 @@ struct SiblingMsg {
 using ControlMsg = std::variant<FetchMsg, AcceptMsg, RejectMsg, CreditMsg, DoneMsg, AbortMsg,
                                 CompleteMsg, ChunkMsg, SiblingMsg>;
 
-std::vector<std::byte> EncodeMessage(const ControlMsg& msg);
-StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes);
+// The message versions a rank encodes and decodes, oldest to newest.
+struct VersionRange {
+  uint8_t oldest = kOldestMessageVersion;
+  uint8_t newest = kMessageVersion;
+  bool Has(uint8_t v) const { return v >= oldest && v <= newest; }
+  bool operator==(const VersionRange&) const = default;
+};
+
+// `version` in [kOldestMessageVersion, kMessageVersion]: the header says it (versions 10 and 11
+// share every body).
+std::vector<std::byte> EncodeMessage(const ControlMsg& msg, uint8_t version = kMessageVersion);
+// Refuses a message of a version outside `accept`, naming both ("version 9; this rank speaks
+// 10..11").
+StatusOr<ControlMsg> DecodeMessage(std::span<const std::byte> bytes, VersionRange accept = {});
+// The header's version byte; 0 when `bytes` is too short or its magic is not kMessageMagic.
+uint8_t MessageVersionOf(std::span<const std::byte> bytes);
+
+// VERSION (type 10, since version 11): the first message a rank sends a peer it has not heard
+// from, advertising what it speaks. Its form is frozen for every later version, so any version
+// can read it: header `magic, u8 speaks, u8 10`, body `u8 oldest` (the oldest version the sender
+// still serves), seal. A version-10 rank drops it as undecodable (one warning per peer).
+inline constexpr uint8_t kVersionMsgType = 10;
+std::vector<std::byte> EncodeVersionMsg(VersionRange speaks);
+// Whether `bytes` claim to be a VERSION (magic and type), of whatever version.
+bool IsVersionMsg(std::span<const std::byte> bytes);
+// The range a VERSION advertises (oldest <= newest, both >= 1), checking the seal.
+StatusOr<VersionRange> DecodeVersionMsg(std::span<const std::byte> bytes);
 // The seal of a message's bytes before it (EncodeMessage appends it; fuzz harnesses re-seal).
 uint64_t MessageSeal(std::span<const std::byte> body);
 

@@ -89,6 +89,9 @@ inline std::vector<WireSeed> WireSeeds() {
   f.rma_target.slot_bytes = 1024;
   f.rma_target.slots = 2;
   out.push_back({"message_fuzz", "fetch_rma", 0, EncodeMessage(f)});
+  // Mixed versions: a FETCH of the version before (served), and the VERSION message.
+  out.push_back({"message_fuzz", "fetch_v10", 0, EncodeMessage(SmallSeedFetch(), 10)});
+  out.push_back({"message_fuzz", "version", 0, EncodeVersionMsg({10, 11})});
   return out;
 }
 
