@@ -55,6 +55,10 @@ class BlockPool {
  public:
   // Validates the spec (shape, parallel config, rank, block count) and allocates the regions.
   static StatusOr<BlockPool> Create(Device& device, const PoolSpec& spec);
+  // The same with explicit strides (PoolLayout::Custom): `layout` must have the dims of spec's
+  // rank (RankPoolDims) and its element size; spec.layout is ignored (the pool's kind is
+  // layout.kind()). Custom layouts transfer too: handles and FETCH messages carry their strides.
+  static StatusOr<BlockPool> Create(Device& device, const PoolSpec& spec, const PoolLayout& layout);
   // Wraps engine-owned memory laid out as spec.layout (a named layout; the regions must match its
   // split: one, one per layer, or one per (layer, kv)). The pool never frees the memory, which
   // must outlive it. Validated before anything is touched, with errors naming the region and
@@ -65,8 +69,8 @@ class BlockPool {
                                   std::span<const ExternalRegion> regions);
   // The same with explicit strides (e.g. PoolLayout::FromByteStrides from a tensor's strides);
   // `layout` must have the dims of spec's rank (RankPoolDims). spec.layout is ignored: the pool's
-  // kind is layout.kind() (kCustom when the strides match no named layout: such a pool works
-  // for tiering and local copies but cannot be transferred).
+  // kind is layout.kind() (kCustom when the strides match no named layout; every rank of an
+  // instance that transfers must then have the same strides).
   static StatusOr<BlockPool> Wrap(Device& device, const PoolSpec& spec, const PoolLayout& layout,
                                   std::span<const ExternalRegion> regions);
 

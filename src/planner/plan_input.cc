@@ -21,12 +21,9 @@ Status CheckSide(std::string_view side, const InstanceDesc& d) {
   Status s = d.shape.Validate();
   if (s.ok()) s = d.parallel.Validate(d.shape);
   if (!s.ok()) return s.WithContext(side);
-  if (d.layout == LayoutKind::kCustom ||
-      static_cast<uint8_t>(d.layout) > static_cast<uint8_t>(kLastLayoutKind)) {
-    return Status::InvalidArgument(fmt::format(
-        "{}: layout {} ({}) is not supported by the planner: a transfer needs a named layout "
-        "that every rank derives from its dims (block-major, per-layer, ...)",
-        side, LayoutKindName(d.layout), static_cast<int>(d.layout)));
+  if (static_cast<uint8_t>(d.layout) > static_cast<uint8_t>(kLastLayoutKind)) {
+    return Status::InvalidArgument(fmt::format("{}: layout {} is unknown", side,
+                                               static_cast<int>(d.layout)));
   }
   if (d.pool_blocks < 1) {
     return Status::InvalidArgument(
@@ -40,6 +37,21 @@ Status CheckSide(std::string_view side, const InstanceDesc& d) {
     return Status::InvalidArgument(
         fmt::format("{}: pool_blocks={} blocks of {} bytes overflow int64", side, d.pool_blocks,
                     sh.BytesPerToken() * sh.tokens_per_block));
+  }
+  if (d.layout == LayoutKind::kCustom) {
+    // The shared strides must lay out every rank's pool (ranks differ in layers with uneven
+    // pipeline stages): checked once per distinct rank dims.
+    PoolDims last{};
+    for (int32_t r = 0; r < d.parallel.world_size(); ++r) {
+      KVF_ASSIGN_OR_RETURN(const RankSlice slice, SliceOf(sh, d.parallel, r));
+      const PoolDims dims = RankPoolDims(sh, slice, d.pool_blocks);
+      if (r > 0 && dims == last) continue;
+      last = dims;
+      if (auto layout = LayoutOf(d, dims, sh.ElementBytes()); !layout.ok()) {
+        return layout.status().WithContext(
+            fmt::format("{}: custom layout of rank {}", side, r));
+      }
+    }
   }
   return Status::Ok();
 }
@@ -184,6 +196,20 @@ std::optional<ElementFormat> ElementFormatOf(DType dtype) {
 
 int64_t DirectMin(const PlanInput& in) {
   return PlanConversion(in) ? std::numeric_limits<int64_t>::max() : in.direct_min_bytes;
+}
+
+StatusOr<PoolLayout> LayoutOf(const InstanceDesc& d, const PoolDims& dims, int64_t element_bytes) {
+  if (d.layout != LayoutKind::kCustom) return PoolLayout::Make(d.layout, dims, element_bytes);
+  return PoolLayout::Custom(dims, d.strides, d.split, element_bytes);
+}
+
+void DescribeLayout(const PoolLayout& layout, InstanceDesc& d) {
+  d.layout = layout.kind();
+  d.split = RegionSplit::kNone;
+  d.strides = {};
+  if (layout.kind() != LayoutKind::kCustom) return;
+  d.split = layout.split();
+  d.strides = layout.strides();
 }
 
 }  // namespace kvferry

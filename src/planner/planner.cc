@@ -311,10 +311,10 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
   const int64_t eb = in.gen.shape.ElementBytes();
   KVF_ASSIGN_OR_RETURN(
       const PoolLayout cl,
-      PoolLayout::Make(in.ctx.layout, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
+      LayoutOf(in.ctx, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
   KVF_ASSIGN_OR_RETURN(
       const PoolLayout gl,
-      PoolLayout::Make(in.gen.layout, RankPoolDims(in.gen.shape, g, in.gen.pool_blocks), eb));
+      LayoutOf(in.gen, RankPoolDims(in.gen.shape, g, in.gen.pool_blocks), eb));
   PairCut cut;
   cut.src = MakeSide(cl, b.l0 - c.layer_begin, b.h0 - c.head_begin);
   cut.dst = MakeSide(gl, b.l0 - g.layer_begin, b.h0 - g.head_begin);

@@ -75,8 +75,20 @@ struct InstanceDesc {
   ParallelConfig parallel;  // for the context side, dp_rank is the DP group serving the request
   LayoutKind layout = LayoutKind::kBlockMajor;
   int64_t pool_blocks = 0;  // blocks in each rank's pool (for the layout's strides)
+  // With layout kCustom: the region split and strides (in elements, 0 on the axes that select a
+  // region) of every rank's pool; all ranks of an instance share them. Zero with a named layout,
+  // whose strides each rank derives from its own dims.
+  RegionSplit split = RegionSplit::kNone;
+  PoolStrides strides{};
   bool operator==(const InstanceDesc&) const = default;
 };
+
+// The layout `d` gives a rank whose pool has `dims`: the named layout's, or the instance's custom
+// strides over these dims (validated: no two elements at one address, dim axis contiguous).
+StatusOr<PoolLayout> LayoutOf(const InstanceDesc& d, const PoolDims& dims, int64_t element_bytes);
+// Sets d's layout fields from a pool's layout: its kind when it is a named one; else kCustom with
+// the pool's split and strides.
+void DescribeLayout(const PoolLayout& layout, InstanceDesc& d);
 
 struct PlanInput {
   InstanceDesc ctx;

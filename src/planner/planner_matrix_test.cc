@@ -373,6 +373,76 @@ TEST(PlannerMatrix, DifferentBlockSizes) {
   }
 }
 
+// Custom layouts travel (issue 26 item 1): strides no named layout has (K/V outside the layers,
+// heads outermost, tokens outermost, one region per kv, padded blocks), on either side or both,
+// against named layouts, across splits, block sizes and dtypes. Padding is never written.
+TEST(PlannerMatrix, CustomLayoutsOnEitherSide) {
+  CountConfigs count;
+  using S = Case::Strided;
+  const S customs[] = {
+      {RegionSplit::kNone, {kBlockAxis, kKvAxis, kLayerAxis, kTokenAxis, kHeadAxis, kDimAxis}, 64},
+      {RegionSplit::kPerLayer, {kHeadAxis, kBlockAxis, kKvAxis, kTokenAxis, kDimAxis}, 0},
+      {RegionSplit::kPerLayerKv, {kTokenAxis, kBlockAxis, kHeadAxis, kDimAxis}, 8},
+      {RegionSplit::kPerKv, {kLayerAxis, kBlockAxis, kHeadAxis, kTokenAxis, kDimAxis}, 24},
+  };
+  const LayoutKind named[] = {LayoutKind::kBlockMajor, LayoutKind::kPerLayerHnd,
+                              LayoutKind::kVllmNhd, LayoutKind::kPerLayerKvNhd};
+  const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
+                                                              {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
+                                                              {{4, 2, {}, 1, 0}, {1, 3, {}, 1, 0}}};
+  int idx = 0;
+  for (const S& cs : customs) {
+    for (int other = 0; other < 8; ++other) {
+      for (int side = 0; side < 3; ++side) {  // custom on the context, the generation, both
+        const auto& [cp, gp] = splits[idx % 3];
+        Case c;
+        c.shape = KvShape{7, 8, 8, DType::kBf16, 2, 4};
+        c.ctx = cp;
+        c.gen = gp;
+        if (other < 4) {
+          c.ctx_layout = c.gen_layout = named[other];
+        } else {
+          c.gen_strided = customs[other - 4];
+        }
+        if (side != 1) c.ctx_strided = cs;
+        if (side == 1 || (side == 2 && other < 4)) c.gen_strided = cs;
+        if (idx % 4 == 3) c.gen_tokens_per_block = 8;
+        if (idx % 5 == 4) c.gen_dtype = DType::kFp16;
+        c.prompt = 1 + (idx * 7) % 23;
+        c.block_pattern = idx % 3;
+        c.reused = (idx % 5 == 2) ? std::min<int64_t>(1, Needed(c) - 1) : 0;
+        c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
+        c.direct_min = idx % 3 ? 256 << 10 : 0;
+        c.layer_wise = idx % 4 == 1;
+        ++idx;
+        RunCase(c);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+// Strides that alias, or fit one rank's dims but not another's, are refused before planning,
+// naming the side and the rank.
+TEST(Planner, RefusesCustomStridesThatAlias) {
+  Case c;
+  c.ctx = ParallelConfig{2, 1, {}, 1, 0};
+  c.ctx_strided =
+      Case::Strided{RegionSplit::kPerLayer, {kBlockAxis, kKvAxis, kHeadAxis, kTokenAxis, kDimAxis}};
+  PlanInput in = MakeInput(c);
+  ASSERT_TRUE(PlanTransfer(in).ok());
+  in.ctx.strides[kHeadAxis] = in.ctx.strides[kTokenAxis];  // heads step over nothing
+  auto st = PlanTransfer(in).status();
+  EXPECT_NE(st.message().find("context: custom layout of rank 0"), std::string_view::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find("aliases"), std::string_view::npos) << st.ToString();
+  in = MakeInput(c);
+  in.ctx.strides[kDimAxis] = 2;
+  st = PlanTransfer(in).status();
+  EXPECT_NE(st.message().find("dim axis must have stride 1"), std::string_view::npos)
+      << st.ToString();
+}
+
 // Every convertible pair of dtypes, across layouts, splits and block sizes: the sender converts
 // while packing, every generation element is the context one converted (CheckBlock), no byte
 // written twice or outside the request, and no chunk direct.

@@ -100,12 +100,39 @@ Status CheckDisjoint(const std::vector<PoolRegion>& regions, const std::vector<i
 
 }  // namespace
 
+namespace {
+// An explicit layout must have the rank's dims and the dtype's element size.
+Status CheckLayoutFits(const PoolSpec& spec, const RankSlice& slice, const PoolLayout& layout,
+                       std::string_view what) {
+  const PoolDims want = RankPoolDims(spec.shape, slice, spec.blocks);
+  if (layout.dims() != want) {
+    return Status::InvalidArgument(
+        fmt::format("{}: layout dims (blk,L,kv,h,t,d)=({}) differ from rank {}'s pool ({})", what,
+                    fmt::join(layout.dims(), ","), spec.rank, fmt::join(want, ",")));
+  }
+  if (layout.element_bytes() != spec.shape.ElementBytes()) {
+    return Status::InvalidArgument(fmt::format(
+        "{}: layout elements are {} bytes but dtype {} has {}", what, layout.element_bytes(),
+        DTypeName(spec.shape.dtype), spec.shape.ElementBytes()));
+  }
+  return Status::Ok();
+}
+}  // namespace
+
 StatusOr<BlockPool> BlockPool::Create(Device& device, const PoolSpec& spec) {
   KVF_ASSIGN_OR_RETURN(RankSlice slice, SliceOf(spec.shape, spec.parallel, spec.rank));
   KVF_RETURN_IF_ERROR(CheckSpec(spec));
   KVF_ASSIGN_OR_RETURN(PoolLayout layout,
                        PoolLayout::Make(spec.layout, RankPoolDims(spec.shape, slice, spec.blocks),
                                         spec.shape.ElementBytes()));
+  return Create(device, spec, layout);
+}
+
+StatusOr<BlockPool> BlockPool::Create(Device& device, const PoolSpec& spec,
+                                      const PoolLayout& layout) {
+  KVF_ASSIGN_OR_RETURN(RankSlice slice, SliceOf(spec.shape, spec.parallel, spec.rank));
+  KVF_RETURN_IF_ERROR(CheckSpec(spec));
+  KVF_RETURN_IF_ERROR(CheckLayoutFits(spec, slice, layout, "create"));
   std::vector<Buffer> owned;
   std::vector<PoolRegion> regions;
   for (int32_t r = 0; r < layout.num_regions(); ++r) {
@@ -117,7 +144,9 @@ StatusOr<BlockPool> BlockPool::Create(Device& device, const PoolSpec& spec) {
                                  layout.RegionKv(r)});
     owned.push_back(std::move(buf).value());
   }
-  return BlockPool(spec, slice, std::move(layout), std::move(regions), std::move(owned));
+  PoolSpec kept = spec;
+  kept.layout = layout.kind();
+  return BlockPool(kept, slice, layout, std::move(regions), std::move(owned));
 }
 
 StatusOr<BlockPool> BlockPool::Wrap(Device& device, const PoolSpec& spec,
@@ -138,17 +167,7 @@ StatusOr<BlockPool> BlockPool::Wrap(Device& device, const PoolSpec& spec, const 
                                     std::span<const ExternalRegion> regions) {
   KVF_ASSIGN_OR_RETURN(RankSlice slice, SliceOf(spec.shape, spec.parallel, spec.rank));
   KVF_RETURN_IF_ERROR(CheckSpec(spec));
-  const PoolDims want = RankPoolDims(spec.shape, slice, spec.blocks);
-  if (layout.dims() != want) {
-    return Status::InvalidArgument(
-        fmt::format("wrap: layout dims (blk,L,kv,h,t,d)=({}) differ from rank {}'s pool ({})",
-                    fmt::join(layout.dims(), ","), spec.rank, fmt::join(want, ",")));
-  }
-  if (layout.element_bytes() != spec.shape.ElementBytes()) {
-    return Status::InvalidArgument(fmt::format(
-        "wrap: layout elements are {} bytes but dtype {} has {}", layout.element_bytes(),
-        DTypeName(spec.shape.dtype), spec.shape.ElementBytes()));
-  }
+  KVF_RETURN_IF_ERROR(CheckLayoutFits(spec, slice, layout, "wrap"));
   if (static_cast<int64_t>(regions.size()) != layout.num_regions()) {
     return Status::InvalidArgument(
         fmt::format("wrap: {} regions given but layout {} has {} (regions {})", regions.size(),

@@ -37,13 +37,25 @@ struct Case {
   bool tight_pools = false;          // pool_blocks = the request's blocks
   int32_t gen_tokens_per_block = 0;  // the generation side's block size (0: shape's)
   std::optional<DType> gen_dtype;    // the generation side's dtype (none: shape's)
+  // A custom layout instead of ctx_layout / gen_layout (strides travel, issue 26): the region
+  // split, the in-region axes outermost first, and `pad` elements after each block.
+  struct Strided {
+    RegionSplit split = RegionSplit::kNone;
+    std::vector<int> order;
+    int64_t pad = 0;
+    std::string Name() const {
+      return fmt::format("custom {}/{} pad {}", RegionSplitName(split), fmt::join(order, ""), pad);
+    }
+  };
+  std::optional<Strided> ctx_strided, gen_strided;
 
   std::string Name() const {
     return fmt::format(
         "shape[{}] ctx[{} {}] gen[{} {}] prompt={} reused={} blocks#{} chunk={} "
         "direct_min={}{}{}{}",
-        shape.ToString(), ctx.ToString(), LayoutKindName(ctx_layout), gen.ToString(),
-        LayoutKindName(gen_layout), prompt, reused, block_pattern, chunk_bytes, direct_min,
+        shape.ToString(), ctx.ToString(),
+        ctx_strided ? ctx_strided->Name() : std::string(LayoutKindName(ctx_layout)),
+        gen.ToString(), gen_strided ? gen_strided->Name() : std::string(LayoutKindName(gen_layout)), prompt, reused, block_pattern, chunk_bytes, direct_min,
         layer_wise ? " layer-wise" : "",
         gen_tokens_per_block ? fmt::format(" gen_tokens_per_block={}", gen_tokens_per_block) : "",
         gen_dtype ? fmt::format(" gen_dtype={}", DTypeName(*gen_dtype)) : "");
@@ -64,12 +76,28 @@ inline int64_t CtxNeeded(const Case& c) { return BlocksFor(c, c.shape.tokens_per
 // Generation blocks of the prompt (what `reused` counts).
 inline int64_t Needed(const Case& c) { return BlocksFor(c, GenShape(c).tokens_per_block); }
 
+// Strides for `s` over the dims of rank 0 of `d` (every rank of the test cases has its dims).
+inline void SetStrided(InstanceDesc& d, const Case::Strided& s) {
+  const RankSlice slice = SliceOf(d.shape, d.parallel, 0).value();
+  const PoolDims dims = RankPoolDims(d.shape, slice, d.pool_blocks);
+  d.layout = LayoutKind::kCustom;
+  d.split = s.split;
+  d.strides = {};
+  int64_t extent = 1;  // elements spanned by the axes inside
+  for (auto it = s.order.rbegin(); it != s.order.rend(); ++it) {
+    d.strides[*it] = *it == kBlockAxis ? extent + s.pad : extent;
+    extent = d.strides[*it] * dims[*it];
+  }
+}
+
 inline PlanInput MakeInput(const Case& c) {
   PlanInput in;
   const int64_t nc = CtxNeeded(c);
   const int64_t ng = Needed(c);
   in.ctx = InstanceDesc{c.shape, c.ctx, c.ctx_layout, 2 * nc + 3};
   in.gen = InstanceDesc{GenShape(c), c.gen, c.gen_layout, 2 * ng + 2};
+  if (c.ctx_strided) SetStrided(in.ctx, *c.ctx_strided);
+  if (c.gen_strided) SetStrided(in.gen, *c.gen_strided);
   in.prompt_tokens = c.prompt;
   for (int64_t i = 0; i < nc; ++i) {
     switch (c.block_pattern) {
@@ -196,12 +224,14 @@ inline void CheckStructure(const Case& c, const PlanInput& in, const TransferPla
   }
 }
 
-inline std::vector<BlockPool> MakePools(Device& dev, const KvShape& shape,
-                                        const ParallelConfig& par, LayoutKind layout,
-                                        int64_t blocks, std::byte fill) {
+inline std::vector<BlockPool> MakePools(Device& dev, const InstanceDesc& d, std::byte fill) {
   std::vector<BlockPool> pools;
-  for (int32_t r = 0; r < par.world_size(); ++r) {
-    auto pool = BlockPool::Create(dev, PoolSpec{shape, par, r, layout, MemoryKind::kHost, blocks});
+  for (int32_t r = 0; r < d.parallel.world_size(); ++r) {
+    const PoolSpec spec{d.shape, d.parallel, r, d.layout, MemoryKind::kHost, d.pool_blocks};
+    const RankSlice slice = SliceOf(d.shape, d.parallel, r).value();
+    auto layout = LayoutOf(d, RankPoolDims(d.shape, slice, d.pool_blocks), d.shape.ElementBytes());
+    EXPECT_TRUE(layout.ok()) << layout.status().ToString();
+    auto pool = BlockPool::Create(dev, spec, *layout);
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     for (int32_t g = 0; g < pool->num_regions(); ++g) {
       std::memset(pool->region(g), static_cast<int>(fill),
@@ -228,12 +258,9 @@ inline void RunCase(const Case& c) {
   // `ref` holds the request's KV; `ctx` (what the plan reads) gets a layer of it only once a
   // chunk says it may be sent (chunk.last_layer), as in layer-wise transfer: a chunk reading a
   // layer beyond its last_layer reads sentinel bytes and fails the value check.
-  std::vector<BlockPool> ref =
-      MakePools(*dev, c.shape, c.ctx, c.ctx_layout, in.ctx.pool_blocks, kCtxSentinel);
-  std::vector<BlockPool> ctx =
-      MakePools(*dev, c.shape, c.ctx, c.ctx_layout, in.ctx.pool_blocks, kCtxSentinel);
-  std::vector<BlockPool> gen =
-      MakePools(*dev, GenShape(c), c.gen, c.gen_layout, in.gen.pool_blocks, kGenSentinel);
+  std::vector<BlockPool> ref = MakePools(*dev, in.ctx, kCtxSentinel);
+  std::vector<BlockPool> ctx = MakePools(*dev, in.ctx, kCtxSentinel);
+  std::vector<BlockPool> gen = MakePools(*dev, in.gen, kGenSentinel);
   const int64_t n = CtxNeeded(c);
   const int64_t tpb = c.shape.tokens_per_block;
   const int64_t gen_tpb = GenShape(c).tokens_per_block;

@@ -98,7 +98,25 @@ struct SideSpec {
   LayoutKind layout = LayoutKind::kBlockMajor;
   int64_t blocks = 16;
   int wire_version = 0;  // TransceiverOptions::wire_version of the side's ranks (0: the knob)
+  // With layout kCustom: every rank's region split and strides (elements; CustomSide).
+  RegionSplit split = RegionSplit::kNone;
+  PoolStrides strides{};
 };
+
+// A side whose pools have a custom layout: the in-region axes `order` (outermost first), each
+// block followed by `pad` elements; strides from rank 0's dims (the cases' ranks share them).
+inline SideSpec CustomSide(KvShape shape, ParallelConfig parallel, RegionSplit split,
+                           std::vector<int> order, int64_t pad) {
+  SideSpec s{shape, parallel, LayoutKind::kCustom};
+  s.split = split;
+  const PoolDims dims = RankPoolDims(shape, SliceOf(shape, parallel, 0).value(), s.blocks);
+  int64_t extent = 1;  // elements spanned by the axes inside
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    s.strides[*it] = *it == kBlockAxis ? extent + pad : extent;
+    extent = s.strides[*it] * dims[*it];
+  }
+  return s;
+}
 
 struct Instance {
   std::vector<BlockPool> pools;
@@ -144,7 +162,14 @@ class Cluster {
 
   BlockPool MakePool(const SideSpec& s, int rank) {
     PoolSpec p{s.shape, s.parallel, rank, s.layout, MemoryKind::kHost, s.blocks};
-    auto pool = BlockPool::Create(*device_, p);
+    auto pool = [&]() -> StatusOr<BlockPool> {
+      if (s.layout != LayoutKind::kCustom) return BlockPool::Create(*device_, p);
+      const PoolDims dims = RankPoolDims(s.shape, SliceOf(s.shape, s.parallel, rank).value(),
+                                         s.blocks);
+      KVF_ASSIGN_OR_RETURN(PoolLayout layout, PoolLayout::Custom(dims, s.strides, s.split,
+                                                                 s.shape.ElementBytes()));
+      return BlockPool::Create(*device_, p, layout);
+    }();
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     for (int i = 0; i < pool->num_regions(); ++i)
       std::memset(pool->region(i), 0xA5, pool->layout().region_bytes());

@@ -247,7 +247,7 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   h.request_id = id;
   h.shape = shape;
   h.parallel = engine_.SelfDesc().parallel;
-  h.layout = pool_.spec().layout;
+  DescribeLayout(pool_.layout(), h);
   h.pool_blocks = pool_.blocks();
   h.prompt_tokens = tokens;
   h.layer_wise = !all_ready;
@@ -516,12 +516,6 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
         "ContextSide: instance_secret is all zero (the default), which anyone could use to forge "
         "handles: rank 0 of the context instance makes one with NewInstanceSecret() and the other "
         "ranks take it (PublishInstanceSecret / FetchInstanceSecret, kvferry/rendezvous.h)");
-  }
-  if (pool.spec().layout == LayoutKind::kCustom) {
-    return Status::InvalidArgument(fmt::format(
-        "ContextSide: pool layout {} is custom: a transfer needs a named layout every rank derives "
-        "from its dims (PoolLayout presets)",
-        pool.layout().ToString()));
   }
   auto side = std::make_unique<ContextSideImpl>(device, pool, ResolveOptions(options, device),
                                                 std::move(transport));

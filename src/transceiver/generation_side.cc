@@ -62,7 +62,7 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     // What this rank plans with, as the context ranks will check it (FETCH).
     const HandleDigest digest = HandleDigestOf(handle_bytes);
     PlanInput in;
-    in.ctx = InstanceDesc{h.shape, h.parallel, h.layout, h.pool_blocks};
+    in.ctx = static_cast<const InstanceDesc&>(h);
     in.gen = engine_.SelfDesc();
     in.prompt_tokens = h.prompt_tokens;
     in.ctx_blocks = h.blocks;
@@ -114,10 +114,7 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     f.handle_digest = digest;
     f.gen_instance = options_.instance_id;
     f.gen_rank = pool_.slice().rank;
-    f.shape = in.gen.shape;
-    f.parallel = in.gen.parallel;
-    f.layout = in.gen.layout;
-    f.pool_blocks = in.gen.pool_blocks;
+    static_cast<InstanceDesc&>(f) = in.gen;
     f.prompt_tokens = h.prompt_tokens;
     f.reused_blocks = reused_blocks;
     f.chunk_bytes = in.chunk_bytes;
@@ -499,13 +496,6 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options,
     std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
-  if (pool.spec().layout == LayoutKind::kCustom) {
-    return Status::InvalidArgument(
-        fmt::format("GenerationSide: pool layout {} is custom: a transfer needs a named layout "
-                    "every rank derives "
-                    "from its dims (PoolLayout presets)",
-                    pool.layout().ToString()));
-  }
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options, device),
                                                    std::move(transport));
   KVF_RETURN_IF_ERROR(side->Start());

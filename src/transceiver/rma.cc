@@ -60,8 +60,7 @@ Status CheckRmaTarget(const FetchMsg& f) {
   const RmaTarget& t = f.rma_target;
   auto slice = SliceOf(f.shape, f.parallel, f.gen_rank);
   if (!slice.ok()) return slice.status().WithContext("rma target");
-  auto layout = PoolLayout::Make(f.layout, RankPoolDims(f.shape, *slice, f.pool_blocks),
-                                 f.shape.ElementBytes());
+  auto layout = LayoutOf(f, RankPoolDims(f.shape, *slice, f.pool_blocks), f.shape.ElementBytes());
   if (!layout.ok()) return layout.status().WithContext("rma target");
   if (static_cast<int64_t>(t.pool.size()) != layout->num_regions()) {
     return Status::InvalidArgument(

@@ -115,6 +115,39 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
     LayoutCaseName);
 
+// Custom layouts travel (issue 26 item 1): handles and FETCH messages carry the strides of pools
+// no named layout describes (K/V outside the layers with padded blocks, heads outermost in a
+// layer's region, one region per kv), on every data path, with splits and a dtype change.
+class CustomLayouts : public ::testing::TestWithParam<std::tuple<Case, Path>> {};
+
+TEST_P(CustomLayouts, DeliverEveryElement) {
+  const Case& c = std::get<0>(GetParam());
+  const bool converts = c.ctx.shape.dtype != c.gen.shape.dtype;
+  DeliverOverPath(c, std::get<1>(GetParam()), /*checksum=*/!converts);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Transceiver, CustomLayouts,
+    ::testing::Combine(
+        ::testing::Values(
+            Case{"kv_outside_layers_tp2_to_heads_outermost_tp4",
+                 CustomSide(Shape(), {2, 1, {}, 1, 0}, RegionSplit::kNone,
+                            {kBlockAxis, kKvAxis, kLayerAxis, kTokenAxis, kHeadAxis, kDimAxis},
+                            40),
+                 CustomSide(Shape(), {4, 1, {}, 1, 0}, RegionSplit::kPerLayer,
+                            {kHeadAxis, kBlockAxis, kKvAxis, kTokenAxis, kDimAxis}, 0)},
+            Case{"per_kv_pp2_to_per_layer_hnd",
+                 CustomSide(Shape(), {1, 2, {}, 1, 0}, RegionSplit::kPerKv,
+                            {kLayerAxis, kBlockAxis, kHeadAxis, kTokenAxis, kDimAxis}, 16),
+                 {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kPerLayerHnd}},
+            Case{"block_major_tp4_to_custom_fp16_tp2",
+                 {Shape(4, 2, DType::kBf16), {4, 1, {}, 1, 0}},
+                 CustomSide(Shape(4, 2, DType::kFp16), {2, 1, {}, 1, 0},
+                            RegionSplit::kPerLayerKv,
+                            {kTokenAxis, kBlockAxis, kHeadAxis, kDimAxis}, 8)}),
+        ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
+    LayoutCaseName);
+
 // Issue 29: the all-zero default secret keyed every instance's tokens alike, so a handle forged
 // with it fetched another request. A context side now refuses it; the generation side, which
 // holds no secret, does not need one.

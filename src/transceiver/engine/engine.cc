@@ -178,7 +178,7 @@ InstanceDesc Engine::SelfDesc() const {
   d.shape = pool_.shape();
   d.parallel = pool_.spec().parallel;
   d.parallel.dp_rank = pool_.slice().dp_group;
-  d.layout = pool_.spec().layout;
+  DescribeLayout(pool_.layout(), d);
   d.pool_blocks = pool_.blocks();
   return d;
 }

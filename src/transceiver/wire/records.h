@@ -1,5 +1,5 @@
 // The records the handle and the control messages share (docs/wire_format.md), each described
-// once (field_io.h): a KV shape, a parallel config, a named layout, the instance they describe
+// once (field_io.h): a KV shape, a parallel config, a layout, the instance they describe
 // with its pool size, and a list of block ids.
 #pragma once
 
@@ -45,18 +45,29 @@ void Fields(Io& io, Ref<Io, ParallelConfig> p) {
   io.I32(p.dp_rank, "parallel.dp_rank");
 }
 
-// u8: a named layout (kCustom is never sent: the planner needs layouts every rank derives).
+// u8 layout: a named layout every rank derives from its dims, or 2 (custom) followed by the
+// instance's u8 region split and 6 x i64 strides in elements (block, layer, kv, head, token, dim;
+// 0 on the axes that select a region). The planner checks the strides against every rank's dims.
 template <typename Io>
-void LayoutField(Io& io, Ref<Io, LayoutKind> layout) {
-  uint8_t v = static_cast<uint8_t>(layout);
+void LayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
+  uint8_t v = static_cast<uint8_t>(d.layout);
   io.U8(v, "layout");
-  io.Check(
-      v <= static_cast<uint8_t>(kLastLayoutKind) && v != static_cast<uint8_t>(LayoutKind::kCustom),
-      [&] {
-        return fmt::format("layout {} is unknown (named layouts are 0, 1 and 3..{})", v,
-                           static_cast<int>(kLastLayoutKind));
-      });
-  io.Set(layout, v);
+  io.Check(v <= static_cast<uint8_t>(kLastLayoutKind), [&] {
+    return fmt::format("layout {} is unknown (layouts are 0..{})", v,
+                       static_cast<int>(kLastLayoutKind));
+  });
+  io.Set(d.layout, v);
+  if (v != static_cast<uint8_t>(LayoutKind::kCustom)) return;
+  uint8_t split = static_cast<uint8_t>(d.split);
+  io.U8(split, "layout.split");
+  io.Check(split <= static_cast<uint8_t>(RegionSplit::kPerLayerKv),
+           [&] { return fmt::format("layout.split {} is unknown", split); });
+  io.Set(d.split, split);
+  for (int a = 0; a < kNumAxes; ++a) {
+    auto& stride = d.strides[static_cast<size_t>(a)];
+    io.I64(stride, "layout.strides[]");
+    io.Check(stride >= 0, [&] { return fmt::format("layout.strides[{}] {} is negative", a, stride); });
+  }
 }
 
 // An instance as both sides plan with it (the handle's context, a FETCH's generation instance):
@@ -65,7 +76,7 @@ template <typename Io>
 void InstanceFields(Io& io, Ref<Io, InstanceDesc> d) {
   Fields(io, d.shape);
   Fields(io, d.parallel);
-  LayoutField(io, d.layout);
+  LayoutFields(io, d);
   io.I64(d.pool_blocks, "pool_blocks");
 }
 

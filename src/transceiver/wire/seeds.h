@@ -62,6 +62,12 @@ inline std::vector<WireSeed> WireSeeds() {
   h.addresses = {"a", "b", "c", "d"};
   h.ctx_direct = false;
   out.push_back({"handle_fuzz", "dp2", 1 | (3 << 1), EncodeHandle(h)});
+  // A custom layout: its split and strides travel (per layer [head][block][kv][token][dim]).
+  h = SmallSeedHandle();
+  h.layout = LayoutKind::kCustom;
+  h.split = RegionSplit::kPerLayer;
+  h.strides = {2 * 4 * 8, 0, 4 * 8, 16 * 2 * 4 * 8, 8, 1};
+  out.push_back({"handle_fuzz", "custom_layout", 0, EncodeHandle(h)});
 
   const std::pair<const char*, ControlMsg> msgs[] = {
       {"fetch", SmallSeedFetch()},
@@ -89,6 +95,11 @@ inline std::vector<WireSeed> WireSeeds() {
   f.rma_target.slot_bytes = 1024;
   f.rma_target.slots = 2;
   out.push_back({"message_fuzz", "fetch_rma", 0, EncodeMessage(f)});
+  f = SmallSeedFetch();
+  f.layout = LayoutKind::kCustom;
+  f.split = RegionSplit::kNone;
+  f.strides = {4 * 2 * 4 * 8 + 8, 2 * 4 * 8, 4 * 8, 8, 4 * 8 * 4, 1};
+  out.push_back({"message_fuzz", "fetch_custom_layout", 0, EncodeMessage(f)});
   // Mixed versions: a FETCH of the version before (served), and the VERSION message.
   out.push_back({"message_fuzz", "fetch_v10", 0, EncodeMessage(SmallSeedFetch(), 10)});
   out.push_back({"message_fuzz", "version", 0, EncodeVersionMsg({10, 11})});

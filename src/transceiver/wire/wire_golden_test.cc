@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -34,9 +35,17 @@ std::vector<std::byte> FromHex(std::string_view hex) {
 
 TEST(WireGolden, EverySeedEncodesToItsCheckedInBytes) {
   const std::vector<WireSeed> seeds = WireSeeds();
-  ASSERT_EQ(seeds.size(), 19u);
+  ASSERT_EQ(seeds.size(), 21u);
+  // KVFERRY_WRITE_SEEDS=1 writes the seeds that have no file yet (a new seed's first run).
+  const char* write = std::getenv("KVFERRY_WRITE_SEEDS");
   for (const WireSeed& s : seeds) {
     const auto path = std::filesystem::path(KVFERRY_FUZZ_CORPUS) / s.target / s.name;
+    if (write && std::string_view(write) == "1" && !std::filesystem::exists(path)) {
+      std::ofstream out(path, std::ios::binary);
+      out.put(static_cast<char>(s.mode));
+      out.write(reinterpret_cast<const char*>(s.bytes.data()),
+                static_cast<std::streamsize>(s.bytes.size()));
+    }
     std::ifstream in(path, std::ios::binary);
     ASSERT_TRUE(in) << path;
     std::vector<char> file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -6,6 +6,7 @@
 #include "transceiver/wire/fuzz_body.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
+#include "transceiver/wire/seeds.h"
 
 namespace kvferry {
 namespace {
@@ -35,6 +36,44 @@ TEST(Handle, RoundTripsAndStartsWithItsMagic) {
   auto back = DecodeHandle(bytes);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(*back, h);
+}
+
+// Issue 26 item 1: a custom layout travels as its region split and strides (elements).
+TEST(Handle, CustomLayoutTravelsWithItsSplitAndStrides) {
+  ContextHandle h = SampleHandle();
+  h.layout = LayoutKind::kCustom;
+  h.split = RegionSplit::kPerLayer;
+  // [block][kv][head][token][dim] per layer, each block padded by 256 elements.
+  h.strides = {2 * 8 * 32 * 128 + 256, 0, 8 * 32 * 128, 32 * 128, 128, 1};
+  auto back = DecodeHandle(EncodeHandle(h));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, h);
+  EXPECT_EQ(back->strides, h.strides);
+
+  FetchMsg f = SmallSeedFetch();
+  static_cast<InstanceDesc&>(f) = static_cast<const InstanceDesc&>(h);
+  auto msg = DecodeMessage(EncodeMessage(f));
+  ASSERT_TRUE(msg.ok()) << msg.status().ToString();
+  ASSERT_TRUE(std::holds_alternative<FetchMsg>(*msg));
+  EXPECT_EQ(std::get<FetchMsg>(*msg), f);
+  f.strides[kTokenAxis] += 1;  // the strides are plan inputs
+  EXPECT_NE(std::get<FetchMsg>(*msg).plan_inputs(), f.plan_inputs());
+
+  ContextHandle bad = h;
+  bad.split = static_cast<RegionSplit>(7);
+  auto st = DecodeHandle(EncodeHandle(bad)).status();
+  EXPECT_NE(st.message().find("layout.split 7 is unknown"), std::string_view::npos)
+      << st.ToString();
+  bad = h;
+  bad.strides[kHeadAxis] = -128;
+  st = DecodeHandle(EncodeHandle(bad)).status();
+  EXPECT_NE(st.message().find("layout.strides[3] -128 is negative"), std::string_view::npos)
+      << st.ToString();
+  // A named layout carries no strides: its bytes are those of before (the golden files agree).
+  ContextHandle named = SampleHandle();
+  ContextHandle custom_bytes_named = named;
+  custom_bytes_named.strides = {1, 2, 3, 4, 5, 1};
+  EXPECT_EQ(EncodeHandle(named), EncodeHandle(custom_bytes_named));
 }
 
 // Issue 29: the token authenticated (request id, blocks, tokens) only, so a handle with its
