@@ -269,6 +269,32 @@ class PoolLayout {
 
 // The dims of a rank's pool of `blocks` blocks.
 PoolDims RankPoolDims(const KvShape& shape, const RankSlice& slice, int64_t blocks);
+// The largest dims of any rank's pool of an instance (ranks differ in layers with uneven pipeline
+// stages): what a custom layout shared by every rank must span.
+StatusOr<PoolDims> InstancePoolDims(const KvShape& shape, const ParallelConfig& parallel,
+                                    int64_t blocks);
+
+// A layout as a person writes it (command lines): a named layout ("per-layer-hnd"), or
+// "custom:SPLIT:AXES[:pad=N]": SPLIT one of one|per-layer|per-kv|per-layer-kv, AXES the axes
+// inside a region outermost first, comma-separated (block,layer,kv,head,token,dim; the axes that
+// select a region left out, dim last), N elements of padding after each block. A custom layout's
+// strides are packed over an instance's largest rank dims (InstancePoolDims), so every rank of
+// the instance has the same strides.
+struct LayoutSpec {
+  LayoutKind kind = LayoutKind::kBlockMajor;  // kCustom: split, order and pad say how
+  RegionSplit split = RegionSplit::kNone;
+  std::vector<int> order;  // in-region axes, outermost first
+  int64_t pad = 0;
+
+  static StatusOr<LayoutSpec> Parse(std::string_view text);
+  std::string ToString() const;  // what Parse reads back
+  // Strides (elements) over `span` (custom only; zero on region axes).
+  PoolStrides Strides(const PoolDims& span) const;
+  // The layout of a rank's pool with `dims`, of an instance spanning `span`.
+  StatusOr<PoolLayout> Make(const PoolDims& dims, const PoolDims& span,
+                            int64_t element_bytes) const;
+  bool operator==(const LayoutSpec&) const = default;
+};
 
 }  // namespace kvferry
 #pragma GCC visibility pop

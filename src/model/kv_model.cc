@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <numeric>
 #include <optional>
 
@@ -666,6 +667,114 @@ std::string PoolLayout::ToString() const {
 PoolDims RankPoolDims(const KvShape& shape, const RankSlice& slice, int64_t blocks) {
   return PoolDims{blocks,           slice.layer_count,      shape.kv_factor,
                   slice.head_count, shape.tokens_per_block, shape.head_dim};
+}
+
+StatusOr<PoolDims> InstancePoolDims(const KvShape& shape, const ParallelConfig& parallel,
+                                    int64_t blocks) {
+  PoolDims span{};
+  for (int32_t r = 0; r < parallel.world_size(); ++r) {
+    KVF_ASSIGN_OR_RETURN(const RankSlice slice, SliceOf(shape, parallel, r));
+    const PoolDims dims = RankPoolDims(shape, slice, blocks);
+    for (int a = 0; a < kNumAxes; ++a) span[a] = std::max(span[a], dims[a]);
+  }
+  return span;
+}
+
+namespace {
+constexpr std::string_view kAxisNames[kNumAxes] = {"block", "layer", "kv", "head", "token", "dim"};
+constexpr std::string_view kCustomSyntax =
+    "custom:SPLIT:AXES[:pad=N] (SPLIT one|per-layer|per-kv|per-layer-kv; AXES the axes inside a "
+    "region outermost first, e.g. block,kv,layer,head,token,dim, without those the split selects, "
+    "dim last)";
+
+std::vector<std::string_view> SplitOn(std::string_view text, char sep) {
+  std::vector<std::string_view> out;
+  size_t start = 0;
+  for (size_t i = 0; i <= text.size(); ++i) {
+    if (i == text.size() || text[i] == sep) {
+      out.push_back(text.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+StatusOr<LayoutSpec> LayoutSpec::Parse(std::string_view text) {
+  LayoutSpec spec;
+  if (!text.starts_with("custom:")) {
+    KVF_ASSIGN_OR_RETURN(spec.kind, ParseLayoutKind(text));
+    return spec;
+  }
+  auto bad = [&](std::string_view why) {
+    return Status::InvalidArgument(
+        fmt::format("layout '{}': {}; expected {}", text, why, kCustomSyntax));
+  };
+  const std::vector<std::string_view> parts = SplitOn(text, ':');
+  if (parts.size() < 3 || parts.size() > 4) return bad("wrong number of ':' fields");
+  spec.kind = LayoutKind::kCustom;
+  bool split_known = false;
+  for (RegionSplit s : {RegionSplit::kNone, RegionSplit::kPerLayer, RegionSplit::kPerKv,
+                        RegionSplit::kPerLayerKv}) {
+    if (RegionSplitName(s) == parts[1]) {
+      spec.split = s;
+      split_known = true;
+    }
+  }
+  if (!split_known) return bad(fmt::format("unknown region split '{}'", parts[1]));
+  bool seen[kNumAxes] = {};
+  for (std::string_view name : SplitOn(parts[2], ',')) {
+    const auto* it = std::find(std::begin(kAxisNames), std::end(kAxisNames), name);
+    if (it == std::end(kAxisNames)) return bad(fmt::format("unknown axis '{}'", name));
+    const int a = static_cast<int>(it - std::begin(kAxisNames));
+    if (seen[a]) return bad(fmt::format("axis '{}' twice", name));
+    if (IsRegionAxis(spec.split, a)) {
+      return bad(fmt::format("axis '{}' selects a region with split {}", name, parts[1]));
+    }
+    seen[a] = true;
+    spec.order.push_back(a);
+  }
+  for (int a = 0; a < kNumAxes; ++a) {
+    if (!seen[a] && !IsRegionAxis(spec.split, a))
+      return bad(fmt::format("axis '{}' is missing", kAxisNames[a]));
+  }
+  if (spec.order.back() != kDimAxis) return bad("dim must be the last (contiguous) axis");
+  if (parts.size() == 4) {
+    const std::string_view p = parts[3];
+    int64_t pad = -1;
+    if (p.starts_with("pad=")) {
+      const std::string_view digits = p.substr(4);
+      auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), pad);
+      if (ec != std::errc() || end != digits.data() + digits.size()) pad = -1;
+    }
+    if (pad < 0 || pad > (int64_t{1} << 40)) return bad(fmt::format("bad padding '{}'", p));
+    spec.pad = pad;
+  }
+  return spec;
+}
+
+std::string LayoutSpec::ToString() const {
+  if (kind != LayoutKind::kCustom) return std::string(LayoutKindName(kind));
+  std::string axes;
+  for (int a : order) axes += fmt::format("{}{}", axes.empty() ? "" : ",", kAxisNames[a]);
+  return fmt::format("custom:{}:{}{}", RegionSplitName(split), axes,
+                     pad ? fmt::format(":pad={}", pad) : "");
+}
+
+PoolStrides LayoutSpec::Strides(const PoolDims& span) const {
+  PoolStrides strides{};
+  int64_t extent = 1;  // elements spanned by the axes inside
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    strides[*it] = *it == kBlockAxis ? extent + pad : extent;
+    extent = CheckedMul(strides[*it], span[*it]).value_or(INT64_MAX / 2);
+  }
+  return strides;
+}
+
+StatusOr<PoolLayout> LayoutSpec::Make(const PoolDims& dims, const PoolDims& span,
+                                      int64_t element_bytes) const {
+  if (kind != LayoutKind::kCustom) return PoolLayout::Make(kind, dims, element_bytes);
+  return PoolLayout::Custom(dims, Strides(span), split, element_bytes);
 }
 
 }  // namespace kvferry

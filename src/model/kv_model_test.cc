@@ -351,5 +351,42 @@ TEST(PoolLayout, DimsWhoseSizeOverflowsAreRefused) {
   EXPECT_TRUE(PoolLayout::Custom({4, 2, 2, 8, 512, 128}, strides, false, 2).ok());
 }
 
+// Command-line layouts: a named one, or custom strides as split, axis order and padding.
+TEST(LayoutSpec, ParsesNamedAndCustomAndSaysWhatIsWrong) {
+  auto named = LayoutSpec::Parse("vllm-hnd");
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  EXPECT_EQ(named->kind, LayoutKind::kVllmHnd);
+  EXPECT_EQ(named->ToString(), "vllm-hnd");
+
+  const std::string text = "custom:per-layer:head,block,kv,token,dim:pad=64";
+  auto spec = LayoutSpec::Parse(text);
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->kind, LayoutKind::kCustom);
+  EXPECT_EQ(spec->split, RegionSplit::kPerLayer);
+  EXPECT_EQ(spec->ToString(), text);
+  // [head][block][kv][token][dim] over (blk,L,kv,h,t,d) = (10, 3, 2, 4, 8, 16): a block is
+  // 2*8*16 = 256 elements plus 64 of padding, a head 10 such blocks.
+  const PoolDims span{10, 3, 2, 4, 8, 16};
+  EXPECT_EQ(spec->Strides(span), (PoolStrides{320, 0, 128, 3200, 16, 1}));
+  auto layout = spec->Make({10, 3, 2, 2, 8, 16}, span, 2);  // a rank with half the heads
+  ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+  EXPECT_EQ(layout->strides(), (PoolStrides{320, 0, 128, 3200, 16, 1}));
+  EXPECT_EQ(layout->num_regions(), 3);
+
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"custom:per-layer:block,kv,layer,head,token,dim", "axis 'layer' selects a region"},
+           {"custom:one:block,layer,kv,head,dim", "axis 'token' is missing"},
+           {"custom:one:block,layer,kv,head,token,token,dim", "axis 'token' twice"},
+           {"custom:one:block,layer,kv,head,dim,token", "dim must be the last"},
+           {"custom:per-head:block,layer,kv,head,token,dim", "unknown region split 'per-head'"},
+           {"custom:one:block,layer,kv,heads,token,dim", "unknown axis 'heads'"},
+           {"custom:one:block,layer,kv,head,token,dim:pad=-1", "bad padding 'pad=-1'"},
+           {"custom:one", "wrong number of ':' fields"},
+           {"per-layers", "unknown layout 'per-layers'"}}) {
+    auto st = LayoutSpec::Parse(bad).status();
+    EXPECT_NE(st.message().find(why), std::string_view::npos) << bad << ": " << st.ToString();
+  }
+}
+
 }  // namespace
 }  // namespace kvferry

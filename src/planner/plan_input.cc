@@ -22,8 +22,8 @@ Status CheckSide(std::string_view side, const InstanceDesc& d) {
   if (s.ok()) s = d.parallel.Validate(d.shape);
   if (!s.ok()) return s.WithContext(side);
   if (static_cast<uint8_t>(d.layout) > static_cast<uint8_t>(kLastLayoutKind)) {
-    return Status::InvalidArgument(fmt::format("{}: layout {} is unknown", side,
-                                               static_cast<int>(d.layout)));
+    return Status::InvalidArgument(
+        fmt::format("{}: layout {} is unknown", side, static_cast<int>(d.layout)));
   }
   if (d.pool_blocks < 1) {
     return Status::InvalidArgument(
@@ -48,8 +48,7 @@ Status CheckSide(std::string_view side, const InstanceDesc& d) {
       if (r > 0 && dims == last) continue;
       last = dims;
       if (auto layout = LayoutOf(d, dims, sh.ElementBytes()); !layout.ok()) {
-        return layout.status().WithContext(
-            fmt::format("{}: custom layout of rank {}", side, r));
+        return layout.status().WithContext(fmt::format("{}: custom layout of rank {}", side, r));
       }
     }
   }

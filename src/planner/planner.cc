@@ -309,12 +309,10 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
   // Both layouts in the generation side's element bytes: pieces come out in destination bytes
   // (ScaleSource then moves the source's fields to its own element size when the dtypes differ).
   const int64_t eb = in.gen.shape.ElementBytes();
-  KVF_ASSIGN_OR_RETURN(
-      const PoolLayout cl,
-      LayoutOf(in.ctx, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
-  KVF_ASSIGN_OR_RETURN(
-      const PoolLayout gl,
-      LayoutOf(in.gen, RankPoolDims(in.gen.shape, g, in.gen.pool_blocks), eb));
+  KVF_ASSIGN_OR_RETURN(const PoolLayout cl,
+                       LayoutOf(in.ctx, RankPoolDims(shape, c, in.ctx.pool_blocks), eb));
+  KVF_ASSIGN_OR_RETURN(const PoolLayout gl,
+                       LayoutOf(in.gen, RankPoolDims(in.gen.shape, g, in.gen.pool_blocks), eb));
   PairCut cut;
   cut.src = MakeSide(cl, b.l0 - c.layer_begin, b.h0 - c.head_begin);
   cut.dst = MakeSide(gl, b.l0 - g.layer_begin, b.h0 - g.head_begin);

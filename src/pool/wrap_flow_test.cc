@@ -200,36 +200,77 @@ INSTANTIATE_TEST_SUITE_P(Wrap, WrappedTransfer, ::testing::ValuesIn(NamedLayoutK
                            return s;
                          });
 
-TEST(WrappedTransferRefusal, ACustomLayoutPoolIsRefusedAtCreate) {
+// An engine's tensor whose strides match no named layout (padded blocks, from its byte strides)
+// is a transfer source and destination: the strides travel in the handle and the FETCH.
+TEST(WrappedTransferCustom, PaddedEngineTensorsOnBothSides) {
   auto dev = OpenCpuDevice();
-  PoolSpec spec{kShape, ParallelConfig{}, 0, LayoutKind::kBlockMajor, MemoryKind::kHost, 4};
+  PoolSpec spec{kShape, ParallelConfig{}, 0, LayoutKind::kCustom, MemoryKind::kHost, 4};
   const PoolDims n = RankPoolDims(kShape, *SliceOf(kShape, spec.parallel, 0), 4);
-  PoolStrides bytes{};
-  const int64_t eb = 2, row = n[kDimAxis] * eb;
-  bytes[kDimAxis] = eb;
-  bytes[kTokenAxis] = row;
-  bytes[kHeadAxis] = row * n[kTokenAxis];
-  bytes[kKvAxis] = bytes[kHeadAxis] * n[kHeadAxis];
-  bytes[kLayerAxis] = bytes[kKvAxis] * n[kKvAxis];
-  bytes[kBlockAxis] = bytes[kLayerAxis] * n[kLayerAxis] + 256;  // padded blocks
-  auto lay = PoolLayout::FromByteStrides(n, bytes, RegionSplit::kNone, eb);
-  ASSERT_TRUE(lay.ok());
-  ASSERT_EQ(lay->kind(), LayoutKind::kCustom);
-  auto mem = std::move(dev->Allocate(MemoryKind::kHost, lay->region_bytes()).value());
-  ExternalRegion region{mem.data(), lay->region_bytes(), MemoryKind::kHost, 0, {}, {}};
-  auto pool = BlockPool::Wrap(*dev, spec, *lay, std::span(&region, 1));
-  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  // [block][layer][kv][head][token][dim] with `pad` bytes after each block.
+  auto wrap = [&](int64_t pad, std::vector<Buffer>& keep) {
+    PoolStrides bytes{};
+    const int64_t eb = 2, row = n[kDimAxis] * eb;
+    bytes[kDimAxis] = eb;
+    bytes[kTokenAxis] = row;
+    bytes[kHeadAxis] = row * n[kTokenAxis];
+    bytes[kKvAxis] = bytes[kHeadAxis] * n[kHeadAxis];
+    bytes[kLayerAxis] = bytes[kKvAxis] * n[kKvAxis];
+    bytes[kBlockAxis] = bytes[kLayerAxis] * n[kLayerAxis] + pad;
+    auto lay = PoolLayout::FromByteStrides(n, bytes, RegionSplit::kNone, eb);
+    EXPECT_TRUE(lay.ok());
+    EXPECT_EQ(lay->kind(), LayoutKind::kCustom);
+    keep.push_back(std::move(dev->Allocate(MemoryKind::kHost, lay->region_bytes()).value()));
+    std::memset(keep.back().data(), 0xA5, static_cast<size_t>(lay->region_bytes()));
+    ExternalRegion region{keep.back().data(), lay->region_bytes(), MemoryKind::kHost, 0, {}, {}};
+    return BlockPool::Wrap(*dev, spec, *lay, std::span(&region, 1));
+  };
+  std::vector<Buffer> keep;
+  auto ctx_pool = wrap(256, keep);
+  auto gen_pool = wrap(64, keep);
+  ASSERT_TRUE(ctx_pool.ok()) << ctx_pool.status().ToString();
+  ASSERT_TRUE(gen_pool.ok()) << gen_pool.status().ToString();
   TransceiverOptions o;
   o.transport = "inproc";
   o.instance_secret = NewInstanceSecret();
   TransportOptions t;
   t.fabric = InProcFabric::Create();
-  auto side = ContextSide::Create(*dev, *pool, o, std::move(CreateTransport(t).value()));
-  ASSERT_FALSE(side.ok());
-  EXPECT_NE(side.status().message().find("custom"), std::string_view::npos)
-      << side.status().ToString();
-  auto gen = GenerationSide::Create(*dev, *pool, o, std::move(CreateTransport(t).value()));
-  ASSERT_FALSE(gen.ok());
+  auto ctx = ContextSide::Create(*dev, *ctx_pool, o, std::move(CreateTransport(t).value()));
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  ASSERT_TRUE((*ctx)->SetInstanceAddresses({(*ctx)->address()}).ok());
+  o.instance_id = 5;
+  auto gen = GenerationSide::Create(*dev, *gen_pool, o, std::move(CreateTransport(t).value()));
+  ASSERT_TRUE(gen.ok()) << gen.status().ToString();
+  const int64_t tpb = kShape.tokens_per_block, tokens = 3 * tpb - 2;
+  const std::vector<int64_t> cb{3, 0, 2}, gb{1, 2, 0};
+  for (size_t i = 0; i < cb.size(); ++i) {
+    ASSERT_TRUE(
+        FillBlock(*ctx_pool, 7, {cb[i], int64_t(i) * tpb, std::min(tpb, tokens - int64_t(i) * tpb)})
+            .ok());
+  }
+  auto h = (*ctx)->MarkReady(7, cb, tokens);
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  ASSERT_TRUE((*gen)->Fetch(*h, gb, 0).ok());
+  const Deadline deadline = DeadlineIn(milliseconds(10000));
+  auto cs = (*ctx)->Poll(1, deadline);
+  auto gs = (*gen)->Poll(1, deadline);
+  ASSERT_EQ(cs.size(), 1u);
+  ASSERT_EQ(gs.size(), 1u);
+  EXPECT_EQ(cs[0].state, TransferState::kComplete) << cs[0].reason.ToString();
+  EXPECT_EQ(gs[0].state, TransferState::kComplete) << gs[0].reason.ToString();
+  for (size_t i = 0; i < gb.size(); ++i) {
+    auto r = CheckBlock(*gen_pool, 7,
+                        {gb[i], int64_t(i) * tpb, std::min(tpb, tokens - int64_t(i) * tpb)});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_FALSE(r->has_value()) << "block " << i << ": " << (*r)->ToString();
+  }
+  // The padding after each generation block is never written.
+  const std::byte* base = gen_pool->region(0);
+  const int64_t block = gen_pool->layout().strides()[kBlockAxis] * 2;
+  for (int64_t b = 0; b < 3; ++b) {
+    for (int64_t k = block - 64; k < block; ++k) {
+      ASSERT_EQ(base[b * block + k], std::byte{0xA5}) << "block " << b << " pad byte " << k;
+    }
+  }
 }
 
 // ---- tiering ---------------------------------------------------------------------------------

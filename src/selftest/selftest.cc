@@ -215,12 +215,17 @@ struct RankMemory {
 
 StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, bool context, int rank) {
   const ParallelConfig& split = context ? cfg.ctx : cfg.gen;
-  const LayoutKind layout = context ? cfg.ctx_layout : cfg.gen_layout;
+  const LayoutSpec& layout = context ? cfg.ctx_layout : cfg.gen_layout;
   RankMemory m;
   KVF_ASSIGN_OR_RETURN(m.dev, OpenDevice(RankDevice(cfg, context, rank)));
-  PoolSpec spec{SideShape(cfg, context), split, rank, layout, MemoryKind::kDevice,
-                PoolBlocks(cfg, context)};
-  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*m.dev, spec));
+  const KvShape shape = SideShape(cfg, context);
+  const int64_t blocks = PoolBlocks(cfg, context);
+  PoolSpec spec{shape, split, rank, layout.kind, MemoryKind::kDevice, blocks};
+  KVF_ASSIGN_OR_RETURN(const RankSlice slice, SliceOf(shape, split, rank));
+  KVF_ASSIGN_OR_RETURN(const PoolDims span, InstancePoolDims(shape, split, blocks));
+  KVF_ASSIGN_OR_RETURN(const PoolLayout pool_layout,
+                       layout.Make(RankPoolDims(shape, slice, blocks), span, shape.ElementBytes()));
+  KVF_ASSIGN_OR_RETURN(BlockPool pool, BlockPool::Create(*m.dev, spec, pool_layout));
   m.pool = std::make_unique<BlockPool>(std::move(pool));
   KVF_ASSIGN_OR_RETURN(PoolAccess access, PoolAccess::Make(*m.dev, *m.pool));
   m.access = std::make_unique<PoolAccess>(std::move(access));

@@ -14,6 +14,20 @@
 #include "testing/faulty_transport.h"
 
 namespace kvferry {
+namespace {
+// A side as the planner sees it with pools of `blocks` blocks (a custom layout's strides too).
+InstanceDesc SideDesc(const SelftestConfig& cfg, bool context, int64_t blocks) {
+  const LayoutSpec& spec = context ? cfg.ctx_layout : cfg.gen_layout;
+  InstanceDesc d{SideShape(cfg, context), context ? cfg.ctx : cfg.gen, spec.kind, blocks};
+  if (spec.kind == LayoutKind::kCustom) {
+    // An invalid parallel config leaves the span zero; CheckCompatible names it first.
+    auto span = InstancePoolDims(d.shape, d.parallel, blocks);
+    d.split = spec.split;
+    d.strides = spec.Strides(span.ok() ? *span : PoolDims{});
+  }
+  return d;
+}
+}  // namespace
 
 int64_t TokensOf(const SelftestConfig& cfg, int i) {
   return cfg.prompt_tokens[i % cfg.prompt_tokens.size()];
@@ -80,9 +94,7 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
   KVF_RETURN_IF_ERROR(SideShape(cfg, false).Validate().WithContext("generation shape"));
   if (cfg.gen_dtype && *cfg.gen_dtype != cfg.shape.dtype) {
-    KVF_RETURN_IF_ERROR(
-        CheckCompatible(InstanceDesc{cfg.shape, cfg.ctx, cfg.ctx_layout, 1},
-                        InstanceDesc{SideShape(cfg, false), cfg.gen, cfg.gen_layout, 1}));
+    KVF_RETURN_IF_ERROR(CheckCompatible(SideDesc(cfg, true, 1), SideDesc(cfg, false, 1)));
     if (cfg.checksum) {
       return Status::InvalidArgument(fmt::format(
           "--checksum true with a dtype conversion ({} to {}) is not built yet; pass --checksum "
@@ -91,9 +103,7 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     }
   }
   if (cfg.gen_tokens_per_block != 0 && cfg.gen_tokens_per_block != cfg.shape.tokens_per_block) {
-    KVF_RETURN_IF_ERROR(
-        CheckCompatible(InstanceDesc{cfg.shape, cfg.ctx, cfg.ctx_layout, 1},
-                        InstanceDesc{SideShape(cfg, false), cfg.gen, cfg.gen_layout, 1}));
+    KVF_RETURN_IF_ERROR(CheckCompatible(SideDesc(cfg, true, 1), SideDesc(cfg, false, 1)));
     if (cfg.shared_prefix_blocks > 0) {
       return Status::InvalidArgument(fmt::format(
           "--shared-prefix-blocks {} needs the same tokens per block on both sides "

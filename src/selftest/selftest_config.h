@@ -26,8 +26,8 @@ struct SelftestConfig {
   // The generation instance's dtype (none: shape's); the context side converts while packing.
   std::optional<DType> gen_dtype;
   ParallelConfig ctx, gen;
-  LayoutKind ctx_layout = LayoutKind::kBlockMajor;
-  LayoutKind gen_layout = LayoutKind::kBlockMajor;
+  LayoutSpec ctx_layout;  // a named layout or custom strides (LayoutSpec)
+  LayoutSpec gen_layout;
   int requests = 8;
   std::vector<int64_t> prompt_tokens{100};  // request i uses prompt_tokens[i % size]
   int concurrency = 4;                      // requests in flight per rank

@@ -54,9 +54,9 @@ struct Case {
         "shape[{}] ctx[{} {}] gen[{} {}] prompt={} reused={} blocks#{} chunk={} "
         "direct_min={}{}{}{}",
         shape.ToString(), ctx.ToString(),
-        ctx_strided ? ctx_strided->Name() : std::string(LayoutKindName(ctx_layout)),
-        gen.ToString(), gen_strided ? gen_strided->Name() : std::string(LayoutKindName(gen_layout)), prompt, reused, block_pattern, chunk_bytes, direct_min,
-        layer_wise ? " layer-wise" : "",
+        ctx_strided ? ctx_strided->Name() : std::string(LayoutKindName(ctx_layout)), gen.ToString(),
+        gen_strided ? gen_strided->Name() : std::string(LayoutKindName(gen_layout)), prompt, reused,
+        block_pattern, chunk_bytes, direct_min, layer_wise ? " layer-wise" : "",
         gen_tokens_per_block ? fmt::format(" gen_tokens_per_block={}", gen_tokens_per_block) : "",
         gen_dtype ? fmt::format(" gen_dtype={}", DTypeName(*gen_dtype)) : "");
   }

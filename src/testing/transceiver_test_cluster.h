@@ -164,10 +164,10 @@ class Cluster {
     PoolSpec p{s.shape, s.parallel, rank, s.layout, MemoryKind::kHost, s.blocks};
     auto pool = [&]() -> StatusOr<BlockPool> {
       if (s.layout != LayoutKind::kCustom) return BlockPool::Create(*device_, p);
-      const PoolDims dims = RankPoolDims(s.shape, SliceOf(s.shape, s.parallel, rank).value(),
-                                         s.blocks);
-      KVF_ASSIGN_OR_RETURN(PoolLayout layout, PoolLayout::Custom(dims, s.strides, s.split,
-                                                                 s.shape.ElementBytes()));
+      const PoolDims dims =
+          RankPoolDims(s.shape, SliceOf(s.shape, s.parallel, rank).value(), s.blocks);
+      KVF_ASSIGN_OR_RETURN(PoolLayout layout,
+                           PoolLayout::Custom(dims, s.strides, s.split, s.shape.ElementBytes()));
       return BlockPool::Create(*device_, p, layout);
     }();
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();

@@ -62,7 +62,8 @@ Status ContextSideImpl::CheckFetch(const CtxRequest& r, const FetchMsg& f) const
   if (f.token != r.token) {
     return Status::InvalidArgument(
         fmt::format("request {}: the access token is of another handle of this instance (a "
-                    "handle altered to name another request)",
+                    "handle altered to name another request, or context ranks of one instance "
+                    "with different custom layout strides)",
                     r.id));
   }
   if (r.heard && f.gen_instance != r.gen_instance) {

@@ -132,8 +132,7 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(
             Case{"kv_outside_layers_tp2_to_heads_outermost_tp4",
                  CustomSide(Shape(), {2, 1, {}, 1, 0}, RegionSplit::kNone,
-                            {kBlockAxis, kKvAxis, kLayerAxis, kTokenAxis, kHeadAxis, kDimAxis},
-                            40),
+                            {kBlockAxis, kKvAxis, kLayerAxis, kTokenAxis, kHeadAxis, kDimAxis}, 40),
                  CustomSide(Shape(), {4, 1, {}, 1, 0}, RegionSplit::kPerLayer,
                             {kHeadAxis, kBlockAxis, kKvAxis, kTokenAxis, kDimAxis}, 0)},
             Case{"per_kv_pp2_to_per_layer_hnd",
@@ -142,8 +141,7 @@ INSTANTIATE_TEST_SUITE_P(
                  {Shape(), {2, 1, {}, 1, 0}, LayoutKind::kPerLayerHnd}},
             Case{"block_major_tp4_to_custom_fp16_tp2",
                  {Shape(4, 2, DType::kBf16), {4, 1, {}, 1, 0}},
-                 CustomSide(Shape(4, 2, DType::kFp16), {2, 1, {}, 1, 0},
-                            RegionSplit::kPerLayerKv,
+                 CustomSide(Shape(4, 2, DType::kFp16), {2, 1, {}, 1, 0}, RegionSplit::kPerLayerKv,
                             {kTokenAxis, kBlockAxis, kHeadAxis, kDimAxis}, 8)}),
         ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
     LayoutCaseName);

@@ -70,8 +70,8 @@ StatusOr<ProcessSoakReport> RunProcessSoak(
     c.shape = KvShape{6, 4, 16, DType::kBf16, 2, 8};
     c.ctx = split.ctx;
     c.gen = split.gen;
-    c.ctx_layout = split.ctx_layout;
-    c.gen_layout = split.gen_layout;
+    c.ctx_layout.kind = split.ctx_layout;
+    c.gen_layout.kind = split.gen_layout;
     c.requests = static_cast<int>(std::min<int64_t>(cfg.epoch_requests, cfg.requests - done));
     c.prompt_tokens = {40};
     c.concurrency = 4;

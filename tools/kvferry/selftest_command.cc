@@ -86,7 +86,10 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->delimiter(',');
   const char* const layouts =
       "a named layout: block-major|per-layer|per-layer-hnd|per-layer-kv|per-layer-kv-hnd|"
-      "flashinfer|flashinfer-hnd|block-major-nhd|vllm-cpu|vllm-hnd|vllm-nhd";
+      "flashinfer|flashinfer-hnd|block-major-nhd|vllm-cpu|vllm-hnd|vllm-nhd; or explicit strides "
+      "as custom:SPLIT:AXES[:pad=N], e.g. custom:per-layer:head,block,kv,token,dim:pad=64 (SPLIT "
+      "one|per-layer|per-kv|per-layer-kv; AXES inside a region outermost first, dim last; N "
+      "elements after each block)";
   cmd->add_option("--ctx-layout", f.ctx_layout, layouts)->capture_default_str();
   cmd->add_option("--gen-layout", f.gen_layout, layouts)->capture_default_str();
   cmd->add_option("--requests", f.requests,
@@ -162,8 +165,8 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   if (gen_dt != dt) c.gen_dtype = gen_dt;
   c.ctx = f.ctx.Make();
   c.gen = f.gen.Make();
-  KVF_ASSIGN_OR_RETURN(c.ctx_layout, ParseLayoutKind(f.ctx_layout));
-  KVF_ASSIGN_OR_RETURN(c.gen_layout, ParseLayoutKind(f.gen_layout));
+  KVF_ASSIGN_OR_RETURN(c.ctx_layout, LayoutSpec::Parse(f.ctx_layout));
+  KVF_ASSIGN_OR_RETURN(c.gen_layout, LayoutSpec::Parse(f.gen_layout));
   c.requests = f.requests;
   c.prompt_tokens = f.prompt_tokens;
   c.concurrency = f.concurrency;

@@ -66,7 +66,8 @@ void LayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
   for (int a = 0; a < kNumAxes; ++a) {
     auto& stride = d.strides[static_cast<size_t>(a)];
     io.I64(stride, "layout.strides[]");
-    io.Check(stride >= 0, [&] { return fmt::format("layout.strides[{}] {} is negative", a, stride); });
+    io.Check(stride >= 0,
+             [&] { return fmt::format("layout.strides[{}] {} is negative", a, stride); });
   }
 }
 
