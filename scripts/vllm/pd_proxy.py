@@ -3,8 +3,9 @@
     client -> proxy -> prefill (max_tokens=1, kv_transfer_params={"do_remote_decode": true})
                     -> decode  (the request as sent, kv_transfer_params = the prefill's answer)
 
-OpenAI-compatible `POST /v1/completions` and `/v1/chat/completions` (not streamed); the
-decode instance's answer goes back to the client. Standard library only.
+OpenAI-compatible `POST /v1/completions` and `/v1/chat/completions`; the decode instance's
+answer goes back to the client, streamed as it comes when the request says `"stream": true` (the
+prefill request is never streamed). Standard library only.
 
     python pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
@@ -36,16 +37,37 @@ def make_handler(prefill: str, decode: str, timeout: float):
             if self.path not in ROUTES:
                 return self.reply(404, {"error": f"{self.path}: only {ROUTES}"})
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            if body.get("stream"):
-                return self.reply(400, {"error": "streaming is not supported by this proxy"})
-            first = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            first.pop("max_completion_tokens", None)
+            first = dict(body, max_tokens=1, stream=False,
+                         kv_transfer_params={"do_remote_decode": True})
+            for key in ("max_completion_tokens", "stream_options"):
+                first.pop(key, None)
             code, out = post(prefill + self.path, first, timeout)
             if code != 200:
                 return self.reply(code, {"error": "prefill failed", "prefill": out})
             second = dict(body, kv_transfer_params=out.get("kv_transfer_params"))
+            if body.get("stream"):
+                return self.relay(decode + self.path, second)
             code, out = post(decode + self.path, second, timeout)
             self.reply(code, out)
+
+        def relay(self, url: str, body: dict) -> None:
+            """The decode instance's event stream, line by line as it comes (the connection
+            closes at its end: HTTP/1.0, no length)."""
+            req = urllib.request.Request(url, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                upstream = urllib.request.urlopen(req, timeout=timeout)
+            except urllib.error.HTTPError as e:
+                return self.reply(e.code, json.loads(e.read() or b"{}"))
+            with upstream:
+                self.send_response(upstream.status)
+                self.send_header("Content-Type",
+                                 upstream.headers.get("Content-Type", "text/event-stream"))
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                for line in upstream:
+                    self.wfile.write(line)
+                    self.wfile.flush()
 
         def reply(self, code: int, obj: dict) -> None:
             data = json.dumps(obj).encode()
