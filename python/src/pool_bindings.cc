@@ -381,18 +381,25 @@ void BindPool(nb::module_& m) {
           [](PyDevice& device, const KvShape& shape, const ParallelConfig& parallel, int32_t rank,
              const std::string& layout, const std::string& memory, int64_t blocks) {
             const std::shared_ptr<DeviceCore>& dev = device.core();
-            PoolSpec spec{shape, parallel, rank, Take(ParseLayoutKind(layout)), ParseMemory(memory),
-                          blocks};
+            const LayoutSpec chosen = Take(LayoutSpec::Parse(layout));
+            PoolSpec spec{shape, parallel, rank, chosen.kind, ParseMemory(memory), blocks};
+            const RankSlice slice = Take(SliceOf(shape, parallel, rank));
+            const PoolDims span = Take(InstancePoolDims(shape, parallel, blocks));
+            const PoolLayout pool_layout =
+                Take(chosen.Make(RankPoolDims(shape, slice, blocks), span, shape.ElementBytes()));
             auto core = std::make_shared<PoolCore>();
             core->device = dev;
-            core->pool.emplace(Take(BlockPool::Create(*dev->device, spec)));
+            core->pool.emplace(Take(BlockPool::Create(*dev->device, spec, pool_layout)));
             return PyPool(std::move(core));
           },
           nb::arg("device"), nb::arg("shape"), nb::arg("parallel") = ParallelConfig{},
           nb::arg("rank") = 0, nb::arg("layout") = "block-major", nb::arg("memory") = "device",
           nb::arg("blocks"),
-          "Allocates a pool of `blocks` blocks; layout 'block-major' (TensorRT-LLM) or "
-          "'per-layer' (vLLM, one region per layer), memory 'device', 'pinned' or 'host'.")
+          "Allocates a pool of `blocks` blocks; layout a named one ('block-major' (TensorRT-LLM), "
+          "'per-layer' (vLLM, one region per layer), ...) or custom strides "
+          "'custom:SPLIT:AXES[:pad=N]' (e.g. 'custom:one:block,kv,layer,head,token,dim:pad=64', "
+          "packed over the instance's largest rank so every rank has the same strides); memory "
+          "'device', 'pinned' or 'host'.")
       .def_static(
           "wrap", &WrapTensors, nb::arg("device"), nb::arg("shape"), nb::arg("tensors"),
           nb::arg("parallel") = ParallelConfig{}, nb::arg("rank") = 0,

@@ -245,3 +245,47 @@ def test_layer_wise_marks_and_events(cpu, small_shape):
             ctx.mark_layer_ready_on(4, 0, foreign)
     stream.close()
     inst.close()
+
+
+def test_custom_layouts_transfer(cpu, small_shape):
+    """Custom strides on both sides (K/V outside the layers with padded blocks; tokens outside
+    heads, the generation's blocks padded otherwise): the strides travel in the handle and the
+    FETCH, every element lands where the generation pool's strides say."""
+    layouts = ("custom:one:block,kv,layer,head,token,dim:pad=24",
+               "custom:one:block,layer,kv,token,head,dim:pad=8")
+    ctx_tp, gen_tp = 2, 1
+    fabric = kvferry.InProcFabric()
+    ctx_pools = [kvferry.Pool.allocate(cpu, small_shape, kvferry.ParallelConfig(tp=ctx_tp),
+                                       rank=r, layout=layouts[0], memory="host", blocks=8)
+                 for r in range(ctx_tp)]
+    gen_pools = [kvferry.Pool.allocate(cpu, small_shape, kvferry.ParallelConfig(tp=gen_tp),
+                                       rank=r, layout=layouts[1], memory="host", blocks=8)
+                 for r in range(gen_tp)]
+    # (blk, L, kv, h, t, d) = (8, 4, 2, 2, 4, 8) per context rank, [block][kv][layer][head][token]
+    # [dim] with 24 elements after each block.
+    assert tuple(ctx_pools[0].strides) == (2 * 4 * 2 * 4 * 8 + 24, 2 * 4 * 8, 4 * 2 * 4 * 8,
+                                           4 * 8, 8, 1)
+    ctx = [kvferry.ContextSide(cpu, p, transport="inproc", fabric=fabric, instance_secret=SECRET)
+           for p in ctx_pools]
+    for c in ctx:
+        c.set_instance_addresses([c.address for c in ctx])
+    gen = [kvferry.GenerationSide(cpu, p, transport="inproc", fabric=fabric, instance_id=9)
+           for p in gen_pools]
+    prompt_tokens = 3 * small_shape.tokens_per_block - 2
+    g = kv_check.global_kv(small_shape, 3, seed=5)
+    ctx_blocks, gen_blocks = [4, 0, 6], [1, 7, 3]
+    for p in ctx_pools:
+        kv_check.fill(p, ctx_blocks, g)
+    handle = [c.mark_ready(5, ctx_blocks, prompt_tokens) for c in ctx][0]
+    for s in gen:
+        s.fetch(handle, gen_blocks)
+    for s in gen + ctx:
+        (st,) = s.poll(at_least=1, timeout=10.0)
+        assert st.state == kvferry.TransferState.COMPLETE, st
+    for p in gen_pools:
+        kv_check.check(p, gen_blocks, g, prompt_tokens)
+    with pytest.raises(kvferry.InvalidArgumentError, match="axis 'token' is missing"):
+        kvferry.Pool.allocate(cpu, small_shape, layout="custom:one:block,layer,kv,head,dim",
+                              memory="host", blocks=8)
+    for s in gen + ctx + gen_pools + ctx_pools:
+        s.close()

@@ -19,7 +19,11 @@
 # With --lossy, the hosts are joined not by a veth pair but by link_emulator.py (this kernel has
 # no sch_netem): 1% of packets lost and 50 ms of delay each way, 1% reordered; every request of a
 # TP2 -> TP2 run must still be fetched and verified within its deadline.
-# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut|--vanish|--lossy]]
+# With --matrix, a layout matrix across the two hosts: one context and one generation instance
+# command per case (a fresh rendezvous each), TP, PP (uneven), attention DP, MLA, duplicated
+# heads, block sizes, a dtype conversion and custom strides differing between the sides; every
+# generation rank must verify every element of every request.
+# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut|--vanish|--lossy|--matrix]]
 #   (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
@@ -28,7 +32,9 @@ cut=0; [ "${3:-}" = --link-cut ] && cut=1
 [ "${3:-}" = --long-cut ] && cut=2
 [ "${3:-}" = --vanish ] && cut=3
 lossy=0; [ "${3:-}" = --lossy ] && lossy=1
-((((cut || lossy)) && !netns)) && { echo "FAIL: --link-cut, --long-cut, --vanish and --lossy need --netns"; exit 1; }
+matrix=0; [ "${3:-}" = --matrix ] && matrix=1
+((((cut || lossy || matrix)) && !netns)) &&
+  { echo "FAIL: --link-cut, --long-cut, --vanish, --lossy and --matrix need --netns"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
 # The generation rank's summary, "generation rank 0: S requests, F failed, V verified" (requests
@@ -89,16 +95,64 @@ if ((netns)); then
   run_b=(ip netns exec "$ns_b" unshare --ipc --mount --pid --fork --kill-child --mount-proc)
   bind=10.77.0.1:0
 fi
-"${run_a[@]}" "$kvferry" rendezvous --bind "$bind" --key-file "$tmp/key" >"$tmp/rv.out" 2>&1 &
-pids+=($!)
-addr=
-for _ in $(seq 1 200); do
-  addr=$(sed -n 's/^kvferry rendezvous: serving on \([^ ]*\) .*/\1/p' "$tmp/rv.out")
-  [ -n "$addr" ] && break
-  sleep 0.05
-done
-[ -n "$addr" ] || { echo "FAIL: the rendezvous did not start"; cat "$tmp/rv.out"; exit 1; }
-echo "rendezvous at $addr"
+# A rendezvous server on the context host; its address into $addr.
+start_rendezvous() {
+  "${run_a[@]}" "$kvferry" rendezvous --bind "$bind" --key-file "$tmp/key" >"$tmp/rv.out" 2>&1 &
+  pids+=($!)
+  addr=
+  for _ in $(seq 1 200); do
+    addr=$(sed -n 's/^kvferry rendezvous: serving on \([^ ]*\) .*/\1/p' "$tmp/rv.out")
+    [ -n "$addr" ] && break
+    sleep 0.05
+  done
+  [ -n "$addr" ] || { echo "FAIL: the rendezvous did not start"; cat "$tmp/rv.out"; exit 1; }
+  echo "rendezvous at $addr"
+}
+if ((matrix)); then
+  base=(--layers 4 --head-dim 16 --tokens-per-block 8 --requests 6 --concurrency 2
+        --prompt-tokens 20,37,9 --timeout-ms 20000 --transport ucx)
+  cases=(
+    "tp2 -> tp1 pp2, per-layer-hnd|--ctx-tp 2 --gen-pp 2 --gen-layout per-layer-hnd"
+    "uneven pp3 -> tp4, vllm-nhd|--ctx-pp 3 --ctx-pp-layers 1,2,1 --gen-tp 4 --gen-layout vllm-nhd"
+    "mla tp2 dp2 -> tp2, layer-wise|--mla --ctx-tp 2 --ctx-dp 2 --gen-tp 2 --layer-wise"
+    "duplicated heads tp1 -> tp4|--kv-heads 2 --gen-tp 4 --ctx-layout flashinfer-hnd"
+    "tp4 -> tp2 per-layer-kv, blocks 16 -> 8|--ctx-tp 4 --gen-tp 2 --gen-layout per-layer-kv --ctx-tokens-per-block 16"
+    "bf16 -> fp8, tp2 -> tp1, vllm-hnd -> vllm-nhd|--ctx-tp 2 --ctx-layout vllm-hnd --gen-layout vllm-nhd --gen-dtype fp8"
+    "custom strides both sides, tp2 -> pp2|--ctx-tp 2 --ctx-layout custom:one:block,kv,layer,token,head,dim:pad=40 --gen-pp 2 --gen-layout custom:per-layer:head,block,kv,token,dim"
+  )
+  fail=0
+  for c in "${cases[@]}"; do
+    name=${c%%|*}
+    read -r -a extra <<<"${c#*|}"
+    [[ " ${extra[*]} " == *" --kv-heads "* ]] || extra+=(--kv-heads 4)
+    start_rendezvous
+    common=(--rendezvous "$addr" --rendezvous-key-file "$tmp/key" "${base[@]}" "${extra[@]}")
+    "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" >"$tmp/ctx.out" 2>&1 &
+    ctx=$!
+    "${run_b[@]}" "$kvferry" instance --role generation "${common[@]}" >"$tmp/gen.out" 2>&1 &
+    gen=$!
+    ok=1
+    for p in ctx gen; do
+      timeout 120 tail --pid="${!p}" -f /dev/null
+      wait "${!p}" || ok=0
+    done
+    # The rendezvous: unshare's parent ignores SIGTERM; killed, it takes its child (--kill-child).
+    kill -KILL "${pids[-1]}" 2>/dev/null; wait "${pids[-1]}" 2>/dev/null
+    ranks=$(grep -c "generation rank [0-9]*: 6 requests, 0 failed, 6 verified" "$tmp/gen.out")
+    world=$(sed -n 's/.*generation instance, ranks \([0-9,-]*\) here.*/\1/p' "$tmp/gen.out" |
+            tr ',' '\n' | grep -c .)
+    if ((ok && ranks > 0 && ranks == world)) && ! grep -q "peer-memory" "$tmp/gen.out"; then
+      echo "PASS  $name: $ranks generation ranks verified 6 of 6"
+    else
+      echo "FAIL  $name ($ranks of $world generation ranks verified)"
+      echo "== ctx"; cat "$tmp/ctx.out"; echo "== gen"; cat "$tmp/gen.out"
+      fail=1
+    fi
+  done
+  ((fail == 0)) && echo PASS
+  exit "$fail"
+fi
+start_rendezvous
 common=(--rendezvous "$addr" --rendezvous-key-file "$tmp/key")
 if ((cut)); then
   # Long enough to span the cut (about 1,000 requests a second here), a deadline well past it
