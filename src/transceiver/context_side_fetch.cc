@@ -83,12 +83,6 @@ Status ContextSideImpl::CheckFetch(const CtxRequest& r, const FetchMsg& f) const
                     r.id, f.chunk_bytes, f.direct_min_bytes, options_.chunk_bytes,
                     engine_.direct_ok() ? "can" : "can't"));
   }
-  if (f.checksum && Converts(f)) {
-    return Status::InvalidArgument(fmt::format(
-        "request {}: checksums (transfer.checksum) with a dtype conversion ({} to {}) are not "
-        "built yet: the digest covers the context's unconverted bytes",
-        r.id, DTypeName(engine_.SelfDesc().shape.dtype), DTypeName(f.shape.dtype)));
-  }
   if (f.prompt_tokens != r.tokens) {
     return Status::InvalidArgument(
         fmt::format("request {}: fetch asks for {} tokens, the context holds {}", r.id,

@@ -80,12 +80,6 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     in.max_chunks = engine_.plan_chunk_cap();
     // Incompatible shapes, too few blocks and bad ids are the caller's errors: report them now.
     KVF_ASSIGN_OR_RETURN(std::vector<PairPlan> plan, PlanForGenRank(in, pool_.slice().rank));
-    if (converts && options_.checksum) {
-      return Status::InvalidArgument(fmt::format(
-          "request {}: checksums (transfer.checksum) with a dtype conversion ({} to {}) are not "
-          "built yet",
-          h.request_id, DTypeName(h.shape.dtype), DTypeName(in.gen.shape.dtype)));
-    }
     KVF_ASSIGN_OR_RETURN(std::vector<int32_t> ctx_ranks, CtxRanksToFetch(in, pool_.slice().rank));
     // The rest runs on the progress thread, and this call does not wait for it (a blocking call
     // cost a wake-up of the caller per request); what fails there (a context rank unreachable)

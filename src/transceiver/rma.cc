@@ -152,6 +152,24 @@ StatusOr<uint64_t> ChunkDigester::Of(const Chunk& chunk, bool context_side, cons
                                 static_cast<size_t>(p.rows), static_cast<size_t>(pitch)});
     }
   }
+  return Sum(host, device, stream, deadline);
+}
+
+StatusOr<uint64_t> ChunkDigester::OfPacked(const Chunk& chunk, const std::byte* packed, bool host,
+                                           Device& device, Stream& stream, Deadline deadline) {
+  runs_.clear();
+  for (const Piece& p : chunk.pieces) {
+    for (int64_t q = 0; q < p.planes; ++q) {
+      runs_.push_back(DigestRun{packed, static_cast<size_t>(p.bytes), static_cast<size_t>(p.rows),
+                                static_cast<size_t>(p.bytes)});
+      packed += p.bytes * p.rows;
+    }
+  }
+  return Sum(host, device, stream, deadline);
+}
+
+StatusOr<uint64_t> ChunkDigester::Sum(bool host, Device& device, Stream& stream,
+                                      Deadline deadline) {
   const size_t n = DigestSegmentCount(runs_);
   if (host) {
     host_.resize(n);

@@ -76,11 +76,19 @@ class ChunkDigester {
   // provides the pinned buffer it writes to (grown when a chunk has more segments than before).
   StatusOr<uint64_t> Of(const Chunk& chunk, bool context_side, const BlockPool& pool, bool host,
                         Device& device, Stream& stream, Deadline deadline);
+  // The same digest over the chunk as packed at `packed` (its rows back to back, plane by plane,
+  // in the generation side's bytes): what the generation side computes over its pool once it
+  // unpacked it. A chunk converted while packing is summed so, after its pack completed.
+  StatusOr<uint64_t> OfPacked(const Chunk& chunk, const std::byte* packed, bool host,
+                              Device& device, Stream& stream, Deadline deadline);
   // Allocates the pinned buffer for `segments` digests now (a pinned allocation waits for the
   // device's queued work: better at start than behind a stream).
   Status Reserve(Device& device, size_t segments);
 
  private:
+  // The digest of runs_.
+  StatusOr<uint64_t> Sum(bool host, Device& device, Stream& stream, Deadline deadline);
+
   std::vector<DigestRun> runs_;
   std::vector<uint64_t> host_;
   Buffer out_;  // pinned: written by the device's kernel

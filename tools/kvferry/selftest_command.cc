@@ -46,7 +46,9 @@ struct Flags {
   int crash_ctx_rank = -1;
   std::string fault;
   std::vector<int> gpus;
-  std::optional<bool> checksum;  // default: on, off when the dtypes differ (not built for them)
+  // Default: on; off when the dtypes differ (a converting pair with checksums packs instead of
+  // copying into the mapped generation pool: the default keeps the fast path).
+  std::optional<bool> checksum;
   int timeout_ms = 60000;
   int give_up_ms = 0;
   std::string model;
@@ -69,7 +71,7 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--ctx-dtype", f.ctx_dtype, "the context instance's dtype (default: --dtype)");
   cmd->add_option("--gen-dtype", f.gen_dtype,
                   "the generation instance's dtype (default: --dtype); the context side converts "
-                  "while packing (fp32|fp16|bf16|fp8, fp8 being e4m3; no checksums yet)");
+                  "while packing (fp32|fp16|bf16|fp8, fp8 being e4m3)");
   cmd->add_flag("--mla", f.mla, "MLA latent cache: one head, K only (kv factor 1)");
   cmd->add_option("--ctx-tp", f.ctx.tp)->capture_default_str();
   cmd->add_option("--ctx-pp", f.ctx.pp)->capture_default_str();
@@ -131,7 +133,9 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
       ->delimiter(',');
   cmd->add_option("--checksum", f.checksum,
                   "per-chunk payload checksums (GPU pools too), verified by the generation side "
-                  "(default: true, false when --ctx-dtype and --gen-dtype differ)");
+                  "(default: true, false when --ctx-dtype and --gen-dtype differ: with them a "
+                  "converting pair sums the converted chunks in staging, so it packs instead of "
+                  "copying into the mapped generation pool)");
 }
 
 // " (N tokens per block, DTYPE)" for what the generation side's shape changes from the context

@@ -163,6 +163,10 @@ class Engine final : public PathHost {
     return digester_.Of(chunk, context_side, pool_, host_visible_pool(), device_, *stream_,
                         Clock::now() + options_.timeout);
   }
+  StatusOr<uint64_t> PackedDigest(const Chunk& chunk, const StagingLease& slot) override {
+    return digester_.OfPacked(chunk, SlotData(slot), staging_wire_kind_ != MemoryKind::kDevice,
+                              device_, *stream_, Clock::now() + options_.timeout);
+  }
   void Fail(PathRequest& r, Status why) override { side_.Fail(r, std::move(why)); }
   void FailById(uint64_t request_id, const Status& why) override {
     side_.FailById(request_id, why);

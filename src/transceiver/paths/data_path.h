@@ -110,6 +110,9 @@ class PathHost {
   virtual bool direct_ok() const = 0;
   // The chunk digest of a chunk's bytes in this rank's pool (rma.h ChunkDigester).
   virtual StatusOr<uint64_t> ChunkDigest(const Chunk& chunk, bool context_side) = 0;
+  // The chunk digest of a chunk packed (and converted) into staging `slot`, once its pack
+  // completed: the generation side's digest of the same bytes in its pool.
+  virtual StatusOr<uint64_t> PackedDigest(const Chunk& chunk, const StagingLease& slot) = 0;
   virtual void SendMsg(PeerId peer, const ControlMsg& msg) = 0;
   // A chunk of the request is in place (metrics); `started` is when its move began.
   virtual void NoteChunk(uint64_t request_id, int64_t bytes, Clock::time_point started) = 0;

@@ -87,7 +87,10 @@ bool OneSidedSend::Reap(PathHost& host, PathRequest& r, const PathPair& p) {
     if (s.packed && s.packed->Query()) {
       s.packed.Reset();
       busy = true;
-      if (!r.ending) {
+      Status summed = r.ending ? Status::Ok() : SumPacked(host, p, s);
+      if (!summed.ok()) {
+        host.Fail(r, summed);
+      } else if (!r.ending) {
         const uint32_t slot = slots_[s.chunk];
         auto op = host.transport().Put(
             p.peer, host.SlotData(s.slot), PackedBytes(chunks[s.chunk], t.row_min_bytes),

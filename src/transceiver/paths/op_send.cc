@@ -9,8 +9,15 @@ void OpSendPath::Cancel(Transport& transport) {
 }
 
 Status OpSendPath::SumSource(PathHost& host, const PathPair& p, const Chunk& c, SendOp& s) {
-  if (!p.checksum) return Status::Ok();
+  if (!p.checksum || p.conversion) return Status::Ok();  // a converting pack is summed packed
   KVF_ASSIGN_OR_RETURN(s.checksum, host.ChunkDigest(c, true));
+  s.has_checksum = true;
+  return Status::Ok();
+}
+
+Status OpSendPath::SumPacked(PathHost& host, const PathPair& p, SendOp& s) {
+  if (!p.checksum || !p.conversion) return Status::Ok();
+  KVF_ASSIGN_OR_RETURN(s.checksum, host.PackedDigest(p.plan.chunks[s.chunk], s.slot));
   s.has_checksum = true;
   return Status::Ok();
 }

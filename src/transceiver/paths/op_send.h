@@ -48,7 +48,11 @@ class OpSendPath : public SendPath {
   }
   // The checksum of a chunk's source bytes, when the pair asked for them; taken once the chunk
   // can go (not again on every retry while staging slots are short).
+  // A pair that converts is summed from the packed chunk instead (SumPacked).
   static Status SumSource(PathHost& host, const PathPair& p, const Chunk& c, SendOp& s);
+  // The checksum of a converting pair's chunk, from its staging slot once the pack completed:
+  // the converted bytes, as the generation rank sums them in its pool (docs/conversion.md).
+  static Status SumPacked(PathHost& host, const PathPair& p, SendOp& s);
   // A chunk is in place at the generation rank (tagged: its send completed; one-sided: flushed):
   // counted, and reported by CHUNK where the path or a checksum needs one. A one-sided pair
   // without checksums holds its last CHUNK instead (Folds): the side's Finish sends it saying the

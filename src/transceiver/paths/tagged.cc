@@ -64,6 +64,12 @@ bool TaggedSend::Reap(PathHost& host, PathRequest& r, const PathPair& p) {
         busy = true;
         continue;
       }
+      if (Status st = SumPacked(host, p, *it); !st.ok()) {
+        host.Fail(r, st);
+        it = inflight_.erase(it);
+        busy = true;
+        continue;
+      }
       auto op =
           host.transport().Send(p.peer, DataTag(p.transfer_id, it->chunk), host.SlotData(it->slot),
                                 p.plan.chunks[it->chunk].bytes, host.staging_wire_kind());

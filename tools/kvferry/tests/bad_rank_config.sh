@@ -23,7 +23,7 @@ check wrong_type "cluster config .*wrong_type.json: INVALID_ARGUMENT: malformed:
 check not_json "cluster config .*not_json.json: INVALID_ARGUMENT: malformed" gen:0 'hello'
 # Well-formed, but values the command line refuses: the same refusal.
 good='{"shape":[2,2,16,2,2,8],"ctx":{"tp":1,"pp":1,"stage_layers":[],"dp_size":1,"dp_rank":0},
-"gen":{"tp":1,"pp":1,"stage_layers":[],"dp_size":1,"dp_rank":0},"ctx_layout":0,"gen_layout":0,
+"gen":{"tp":1,"pp":1,"stage_layers":[],"dp_size":1,"dp_rank":0},"ctx_layout":"block-major","gen_layout":"block-major",
 "requests":2,"prompt_tokens":[16],"concurrency":1,"transport":"inproc","device":"cpu",
 "layer_wise":false,"shared_prefix_blocks":0,"crash_ctx_rank":-1,"fault":"","verify":true,
 "baseline":false,"timeout_ms":1000,"dir":"'"$tmp"'"}'
