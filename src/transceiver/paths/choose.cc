@@ -107,8 +107,8 @@ StatusOr<std::unique_ptr<SendPath>> SendPathChooser::Choose(FetchMsg& f, bool co
   std::optional<MappedPeerPool> mapped;
   if (converts) f.rma_target.row_min_bytes = kNoDirect;
   // A converting pair with checksums sums each chunk packed (OpSendPath::SumPacked): it packs.
-  if (one_sided && settings_.peer_knob != PeerMemoryMode::kOff &&
-      !f.rma_target.peer_pool.empty() && !(converts && f.checksum))
+  if (one_sided && settings_.peer_knob != PeerMemoryMode::kOff && !f.rma_target.peer_pool.empty() &&
+      !(converts && f.checksum))
     mapped = MapOffered(f.rma_target);
   switch (SendPathFor(f.rma, local_.one_sided(), mapped.has_value())) {
     case DataPathKind::kTagged:
