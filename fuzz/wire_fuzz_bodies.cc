@@ -90,10 +90,10 @@ void CheckPiecesInside(const std::vector<PairPlan>& pairs, const InstanceDesc& c
     auto cs = SliceOf(ctx.shape, ctx.parallel, pair.ctx_rank);
     auto gs = SliceOf(gen.shape, gen.parallel, pair.gen_rank);
     Check(cs.ok() && gs.ok());
-    auto cl = PoolLayout::Make(ctx.layout, RankPoolDims(ctx.shape, *cs, ctx.pool_blocks),
-                               ctx.shape.ElementBytes());
-    auto gl = PoolLayout::Make(gen.layout, RankPoolDims(gen.shape, *gs, gen.pool_blocks),
-                               gen.shape.ElementBytes());
+    auto cl =
+        LayoutOf(ctx, RankPoolDims(ctx.shape, *cs, ctx.pool_blocks), ctx.shape.ElementBytes());
+    auto gl =
+        LayoutOf(gen, RankPoolDims(gen.shape, *gs, gen.pool_blocks), gen.shape.ElementBytes());
     Check(cl.ok() && gl.ok());
     Check(static_cast<int64_t>(pair.chunks.size()) <= kMaxChunksPerPair);
     int64_t total = 0;

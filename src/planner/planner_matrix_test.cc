@@ -298,6 +298,16 @@ TEST(Planner, SingleBlockAndTightPools) {
   }
 }
 
+// The block ids, reuse (up to max_reused blocks), chunking and layer-wise flag of case `idx` of a
+// matrix: each cycles on its own period, so the cases cover their combinations.
+void VaryBlocksAndChunking(Case& c, int idx, int64_t max_reused) {
+  c.block_pattern = idx % 3;
+  c.reused = (idx % 5 == 2) ? std::min<int64_t>(max_reused, Needed(c) - 1) : 0;
+  c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
+  c.direct_min = idx % 3 ? 256 << 10 : 0;
+  c.layer_wise = idx % 4 == 1;
+}
+
 // Every pair of named layouts (the engine presets: vLLM NHD/HND, K/V tensors per layer,
 // FlashInfer, block-major NHD), on splits that cut heads and layers differently on each side,
 // with partial blocks, reuse, small chunks and layer-wise pieces.
@@ -320,11 +330,7 @@ TEST(PlannerMatrix, EveryNamedLayoutPair) {
           c.ctx_layout = cl;
           c.gen_layout = gl;
           c.prompt = prompt;
-          c.block_pattern = idx % 3;
-          c.reused = (idx % 5 == 2) ? std::min<int64_t>(1, Needed(c) - 1) : 0;
-          c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
-          c.direct_min = idx % 3 ? 256 << 10 : 0;
-          c.layer_wise = idx % 4 == 1;
+          VaryBlocksAndChunking(c, idx, 1);
           ++idx;
           RunCase(c);
           if (HasFailure()) return;
@@ -359,11 +365,7 @@ TEST(PlannerMatrix, DifferentBlockSizes) {
           c.ctx_layout = cl;
           c.gen_layout = gl;
           c.prompt = prompt;
-          c.block_pattern = idx % 3;
-          c.reused = (idx % 5 == 2) ? std::min<int64_t>(2, Needed(c) - 1) : 0;
-          c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
-          c.direct_min = idx % 3 ? 256 << 10 : 0;
-          c.layer_wise = idx % 4 == 1;
+          VaryBlocksAndChunking(c, idx, 2);
           ++idx;
           RunCase(c);
           if (HasFailure()) return;
@@ -409,11 +411,7 @@ TEST(PlannerMatrix, CustomLayoutsOnEitherSide) {
         if (idx % 4 == 3) c.gen_tokens_per_block = 8;
         if (idx % 5 == 4) c.gen_dtype = DType::kFp16;
         c.prompt = 1 + (idx * 7) % 23;
-        c.block_pattern = idx % 3;
-        c.reused = (idx % 5 == 2) ? std::min<int64_t>(1, Needed(c) - 1) : 0;
-        c.chunk_bytes = idx % 2 ? 4 << 20 : 96;
-        c.direct_min = idx % 3 ? 256 << 10 : 0;
-        c.layer_wise = idx % 4 == 1;
+        VaryBlocksAndChunking(c, idx, 1);
         ++idx;
         RunCase(c);
         if (HasFailure()) return;

@@ -174,7 +174,6 @@ bool ProgressLoop::TakeControl(ProgressHandler& handler) {
   bool any = false;
   while (auto m = transport_.PollControl()) {
     any = true;
-    profile_.Count(ProfileCounter::kControlReceived);
     PeerVersions::Incoming in =
         versions_.OnReceive(m->from, m->bytes, transport_.DescribePeer(m->from));
     if (in.reply) (void)transport_.SendControl(m->from, *in.reply);
@@ -183,7 +182,8 @@ bool ProgressLoop::TakeControl(ProgressHandler& handler) {
       handler.OnPeerRefused(m->from, in.why);
       continue;
     }
-    if (in.kind == PeerVersions::Incoming::kConsumed) continue;
+    if (in.kind == PeerVersions::Incoming::kConsumed) continue;  // VERSION: not counted
+    profile_.Count(ProfileCounter::kControlReceived);
     auto msg = DecodeMessage(m->bytes, versions_.ours());
     if (!msg.ok()) {
       Log(LogLevel::kWarn, "transceiver: dropped a control message from peer {}: {}", m->from,

@@ -52,8 +52,8 @@ enum class ProfileCounter : int {
   kBusyIterations,
   kIdleIterations,
   kControlSent,
-  kControlReceived,
-  kBatches,  // peer-memory batches launched
+  kControlReceived,  // protocol messages handed on (a VERSION is not one)
+  kBatches,          // peer-memory batches launched
   kCount
 };
 
