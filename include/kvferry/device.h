@@ -94,6 +94,14 @@ struct CopyDesc {
   size_t planes = 1;
   size_t dst_plane_pitch = 0;
   size_t src_plane_pitch = 0;
+  // ConvertBatch only (CopyBatch ignores them: kvferry passes scaled pieces only to ConvertBatch):
+  // each element read is multiplied by src_scale, then divided by dst_scale, in fp32 (each step
+  // rounded to nearest even), before the narrowing. A stored value q with scale s stands for
+  // q * s (fp8 KV caches with per-tensor or per-head scales): src_scale dequantizes, dst_scale
+  // quantizes. Both 1: the plain conversion.
+  float src_scale = 1.0f;
+  float dst_scale = 1.0f;
+  bool scaled() const { return src_scale != 1.0f || dst_scale != 1.0f; }
 };
 
 // Element formats a stream converts between (Stream::ConvertBatch; docs/conversion.md).
@@ -148,7 +156,8 @@ class Stream {
   virtual Status CopyBatch(std::span<const CopyDesc> copies) = 0;
   // CopyBatch converting every element (Conversion): each descriptor's `bytes` counts a
   // destination row's bytes, its source row holding as many elements of `conversion.from`;
-  // pitches and plane pitches are each side's own bytes. The default refuses (kInvalidArgument):
+  // pitches and plane pitches are each side's own bytes; descriptors may carry scales (CopyDesc),
+  // and from == to is a scaled copy. The default refuses (kInvalidArgument):
   // a Stream implemented outside kvferry converts nothing unless it says so.
   virtual Status ConvertBatch(std::span<const CopyDesc> copies, Conversion conversion);
   // `height` rows of `width` bytes, rows `src_pitch` / `dst_pitch` bytes apart.

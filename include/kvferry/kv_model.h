@@ -42,6 +42,30 @@ struct KvShape {
   bool operator==(const KvShape&) const = default;
 };
 
+// Scales of a quantized KV cache (fp8 e4m3 with scales, as vLLM's k_scale / v_scale): a stored
+// value q stands for q * scale. Per tensor: one scale per (layer, kv), as vLLM's per-layer
+// k_scale and v_scale; per head: one per (layer, kv, head). Global indices, the same on every rank
+// of an instance. A transfer between sides whose scales differ (or whose dtypes differ) converts
+// each element: read, times the source's scale, divided by the destination's, in fp32, narrowed
+// (docs/conversion.md). No scales (kNone): every scale is 1.
+enum class ScaleGranularity : uint8_t { kNone = 0, kTensor = 1, kHead = 2 };
+std::string_view ScaleGranularityName(ScaleGranularity granularity);  // "none", "tensor", "head"
+
+struct KvScales {
+  ScaleGranularity granularity = ScaleGranularity::kNone;
+  // kTensor: layers * kv_factor values, [layer][kv]; kHead: layers * kv_factor * kv_heads values,
+  // [layer][kv][head]; kNone: empty.
+  std::vector<float> values;
+
+  // How many values `shape` takes at `granularity`.
+  static int64_t CountFor(ScaleGranularity granularity, const KvShape& shape);
+  // Every value finite and positive, as many as the shape takes.
+  Status Check(const KvShape& shape) const;
+  // The scale of (global layer, kv, global head); 1 without scales. Check() first.
+  float At(const KvShape& shape, int64_t layer, int64_t kv, int64_t head) const;
+  bool operator==(const KvScales&) const = default;
+};
+
 // The most ranks (tp * pp) one instance may have; ParallelConfig::Validate refuses more.
 inline constexpr int32_t kMaxWorldSize = 1 << 16;
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -96,6 +97,14 @@ void NarrowOne(uint32_t x, std::byte* dst, size_t i) {
 template <ElementFormat From, ElementFormat To>
 void RowScalar(std::byte* dst, const std::byte* src, size_t begin, size_t n) {
   for (size_t i = begin; i < n; ++i) NarrowOne<To>(WidenOne<From>(src, i), dst, i);
+}
+
+// A row with scales (CopyDesc::src_scale, dst_scale): one element at a time through Rescale.
+template <ElementFormat From, ElementFormat To>
+void ScaledRow(std::byte* dst, const std::byte* src, size_t n, float src_scale, float dst_scale) {
+  for (size_t i = 0; i < n; ++i) {
+    NarrowOne<To>(convert::Rescale(WidenOne<From>(src, i), src_scale, dst_scale), dst, i);
+  }
 }
 
 // Software prefetch distance: one core's loads alone do not keep enough misses in flight to stream
@@ -382,6 +391,8 @@ ConvertPath BestPath() {
 }
 
 using RowFn = void (*)(std::byte* dst, const std::byte* src, size_t n);
+using ScaledRowFn = void (*)(std::byte* dst, const std::byte* src, size_t n, float src_scale,
+                             float dst_scale);
 
 template <ElementFormat From, ElementFormat To>
 void PortableRow(std::byte* dst, const std::byte* src, size_t n) {
@@ -426,6 +437,35 @@ RowFn RowFor(Conversion c, ConvertPath path = BestPath()) {
   return nullptr;
 }
 
+template <ElementFormat From>
+ScaledRowFn ScaledRowTo(ElementFormat to) {
+  switch (to) {
+    case ElementFormat::kFp32:
+      return &ScaledRow<From, ElementFormat::kFp32>;
+    case ElementFormat::kFp16:
+      return &ScaledRow<From, ElementFormat::kFp16>;
+    case ElementFormat::kBf16:
+      return &ScaledRow<From, ElementFormat::kBf16>;
+    case ElementFormat::kFp8E4m3:
+      return &ScaledRow<From, ElementFormat::kFp8E4m3>;
+  }
+  return nullptr;
+}
+
+ScaledRowFn ScaledRowFor(Conversion c) {
+  switch (c.from) {
+    case ElementFormat::kFp32:
+      return ScaledRowTo<ElementFormat::kFp32>(c.to);
+    case ElementFormat::kFp16:
+      return ScaledRowTo<ElementFormat::kFp16>(c.to);
+    case ElementFormat::kBf16:
+      return ScaledRowTo<ElementFormat::kBf16>(c.to);
+    case ElementFormat::kFp8E4m3:
+      return ScaledRowTo<ElementFormat::kFp8E4m3>(c.to);
+  }
+  return nullptr;
+}
+
 // Asks for the cache lines of `bytes` at `p` (a no-op where the platform has no prefetch).
 void PrefetchRow(const std::byte* p, size_t bytes) {
 #if defined(__x86_64__)
@@ -440,19 +480,29 @@ void PrefetchRow(const std::byte* p, size_t bytes) {
 }  // namespace
 
 void ConvertElements(void* dst, const void* src, size_t count, Conversion c) {
+  if (c.from == c.to) {
+    ScaledRowFor(c)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count, 1, 1);
+    return;
+  }
   RowFor(c)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count);
 }
 
+void ConvertElementsScaled(void* dst, const void* src, size_t count, Conversion c, float src_scale,
+                           float dst_scale) {
+  ScaledRowFor(c)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count,
+                  src_scale, dst_scale);
+}
+
 bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t count, Conversion c) {
-  if (!PathRuns(path)) return false;
+  if (!PathRuns(path) || c.from == c.to) return false;
   RowFor(c, path)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count);
   return true;
 }
 
-uint32_t ConvertElement(uint32_t bits, Conversion c) {
+uint32_t ConvertElement(uint32_t bits, Conversion c, float src_scale, float dst_scale) {
   std::byte in[4], out[4] = {};
   std::memcpy(in, &bits, sizeof in);  // little-endian: the low bytes are the element
-  ConvertElements(out, in, 1, c);
+  ConvertElementsScaled(out, in, 1, c, src_scale, dst_scale);
   uint32_t r = 0;
   std::memcpy(&r, out, sizeof r);
   const int bits_out = 8 * ElementFormatSize(c.to);
@@ -466,22 +516,26 @@ Status CheckConversion(std::span<const CopyDesc> copies, Conversion c) {
     return Status::InvalidArgument(fmt::format("conversion between unknown element formats {}, {}",
                                                static_cast<int>(c.from), static_cast<int>(c.to)));
   }
-  if (c.from == c.to) {
-    return Status::InvalidArgument(
-        fmt::format("conversion from {} to itself: use CopyBatch", ElementFormatName(c.from)));
-  }
   for (size_t i = 0; i < copies.size(); ++i) {
-    if (copies[i].bytes % static_cast<size_t>(out) != 0) {
+    const CopyDesc& d = copies[i];
+    if (d.bytes % static_cast<size_t>(out) != 0) {
       return Status::InvalidArgument(
-          fmt::format("ConvertBatch descriptor {}: {} bytes are not whole {} elements", i,
-                      copies[i].bytes, ElementFormatName(c.to)));
+          fmt::format("ConvertBatch descriptor {}: {} bytes are not whole {} elements", i, d.bytes,
+                      ElementFormatName(c.to)));
+    }
+    if (!(std::isfinite(d.src_scale) && d.src_scale > 0 && std::isfinite(d.dst_scale) &&
+          d.dst_scale > 0)) {
+      return Status::InvalidArgument(
+          fmt::format("ConvertBatch descriptor {}: scales {} and {} must be finite and positive", i,
+                      d.src_scale, d.dst_scale));
     }
   }
   return Status::Ok();
 }
 
 void ConvertHostBatch(std::span<const CopyDesc> copies, Conversion c) {
-  const RowFn row = RowFor(c);
+  const RowFn row = c.from == c.to ? nullptr : RowFor(c);
+  const ScaledRowFn scaled_row = ScaledRowFor(c);
   const size_t out_size = static_cast<size_t>(ElementFormatSize(c.to));
   for (const CopyDesc& d : copies) {
     const size_t count = d.bytes / out_size;
@@ -497,7 +551,13 @@ void ConvertHostBatch(std::span<const CopyDesc> copies, Conversion c) {
       auto* dst = static_cast<std::byte*>(d.dst) + (planes > 1 ? q * d.dst_plane_pitch : 0);
       for (size_t r = 0; r < rows; ++r) {
         if (rows > 1 && r + ahead < rows) PrefetchRow(src + (r + ahead) * d.src_pitch, src_row);
-        row(dst + (rows > 1 ? r * d.dst_pitch : 0), src + (rows > 1 ? r * d.src_pitch : 0), count);
+        std::byte* to = dst + (rows > 1 ? r * d.dst_pitch : 0);
+        const std::byte* from = src + (rows > 1 ? r * d.src_pitch : 0);
+        if (row != nullptr && !d.scaled()) {
+          row(to, from, count);
+        } else {
+          scaled_row(to, from, count, d.src_scale, d.dst_scale);
+        }
       }
     }
   }

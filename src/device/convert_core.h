@@ -78,6 +78,16 @@ KVF_CONVERT_HD uint32_t E4m3ToF32(uint32_t q) {
   return sign | (nan ? kF32QuietNan : e == 0 ? sub : normal);
 }
 
+// Scales (CopyDesc::src_scale, dst_scale): x * src_scale, then / dst_scale, each an fp32 operation
+// rounded to nearest even (IEEE multiply and divide: no contraction into a fused operation, no
+// reciprocal). With both scales 1 the value is unchanged. A NaN passes untouched: arithmetic on
+// it gives the GPU's canonical NaN, without its sign, where the host keeps the sign.
+KVF_CONVERT_HD uint32_t Rescale(uint32_t x, float src_scale, float dst_scale) {
+  const float scaled = AsFloat(x) * src_scale;
+  const bool nan = (x & 0x7fffffffu) > 0x7f800000u;
+  return nan ? x : AsBits(scaled / dst_scale);
+}
+
 // ---- narrowing from fp32 bits (round to nearest, ties to even) --------------------------------
 
 KVF_CONVERT_HD uint32_t F32ToBf16(uint32_t x) {

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -306,7 +307,71 @@ TEST(Convert, CpuStreamConvertsPitchedPlanes) {
   }
 }
 
-TEST(Convert, RefusesSameFormatAndPartialElements) {
+// Scales (CopyDesc::src_scale, dst_scale): every 8- and 16-bit source code, dequantized by a
+// source scale, quantized by a destination scale, or both (fp8 -> fp8 requantized), through a CPU
+// stream's ConvertBatch, against the reference: the value times src_scale, divided by dst_scale
+// in fp32 (as the engines compute it), then the reference's nearest code.
+TEST(Convert, ScalesAgainstTheReference) {
+  auto dev = OpenDevice("cpu");
+  ASSERT_TRUE(dev.ok());
+  auto stream = (*dev)->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  struct Case {
+    ElementFormat from, to;
+    float src_scale, dst_scale;
+  };
+  const Case cases[] = {
+      {ElementFormat::kBf16, ElementFormat::kFp8E4m3, 1.0f, 0.0137f},
+      {ElementFormat::kBf16, ElementFormat::kFp8E4m3, 1.0f, 3.0f},
+      {ElementFormat::kFp16, ElementFormat::kFp8E4m3, 1.0f, 0.21f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kBf16, 0.0137f, 1.0f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kFp16, 7.5f, 1.0f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kFp32, 0.3f, 1.0f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kFp8E4m3, 0.0137f, 0.05f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kFp8E4m3, 2.0f, 0.5f},
+      {ElementFormat::kBf16, ElementFormat::kBf16, 1.0f, 1.0f},  // a copy, NaNs made quiet
+      {ElementFormat::kFp16, ElementFormat::kBf16, 1.5f, 0.75f},
+  };
+  for (const Case& k : cases) {
+    const Conversion c{k.from, k.to};
+    const std::optional<NarrowReference> narrow =
+        k.to == ElementFormat::kFp32 ? std::nullopt : std::optional(NarrowReference(k.to));
+    const int in = ElementFormatSize(k.from), out = ElementFormatSize(k.to);
+    const uint32_t codes = 1u << (8 * in);
+    std::vector<std::byte> src(codes * in), dst(codes * out);
+    for (uint32_t v = 0; v < codes; ++v) std::memcpy(src.data() + v * in, &v, in);
+    // Two descriptors: the codes' first half scaled, the second half too (rows of a 2-D copy).
+    CopyDesc d[2]{};
+    for (int h = 0; h < 2; ++h) {
+      d[h].src = src.data() + h * (codes / 2) * in;
+      d[h].dst = dst.data() + h * (codes / 2) * out;
+      d[h].bytes = codes / 4 * out;
+      d[h].rows = 2;
+      d[h].src_pitch = codes / 4 * in;
+      d[h].dst_pitch = codes / 4 * out;
+      d[h].src_scale = k.src_scale;
+      d[h].dst_scale = k.dst_scale;
+    }
+    ASSERT_TRUE((*stream)->ConvertBatch(d, c).ok());
+    ASSERT_TRUE((*stream)->Synchronize(DeadlineIn(std::chrono::seconds(30))).ok());
+    for (uint32_t v = 0; v < codes; ++v) {
+      uint32_t got = 0;
+      std::memcpy(&got, dst.data() + v * out, out);
+      const double value = Decode(k.from, v);
+      const float scaled = static_cast<float>(value) * k.src_scale / k.dst_scale;
+      const bool negative = (v >> (8 * in - 1)) & 1u;
+      const uint32_t want = IsNanCode(k.from, v)
+                                ? ((negative ? 1u << (8 * out - 1) : 0u) | QuietNan(k.to))
+                            : narrow ? (*narrow)(scaled)
+                                     : ExpectedFromValue(k.to, scaled);
+      ASSERT_EQ(got, want) << ElementFormatName(k.from) << " -> " << ElementFormatName(k.to)
+                           << " code " << v << " scales " << k.src_scale << ", " << k.dst_scale;
+      ASSERT_EQ(ConvertElement(v, c, k.src_scale, k.dst_scale), want);
+    }
+  }
+}
+
+TEST(Convert, RefusesBadScalesAndPartialElements) {
   auto dev = OpenDevice("cpu");
   ASSERT_TRUE(dev.ok());
   auto stream = (*dev)->CreateStream();
@@ -321,8 +386,12 @@ TEST(Convert, RefusesSameFormatAndPartialElements) {
   EXPECT_NE(s.message().find("3 bytes are not whole fp16 elements"), std::string::npos)
       << s.ToString();
   d.bytes = 4;
-  s = (*stream)->ConvertBatch({&d, 1}, {ElementFormat::kBf16, ElementFormat::kBf16});
-  EXPECT_NE(s.message().find("from bf16 to itself"), std::string::npos) << s.ToString();
+  for (float bad : {0.0f, -1.0f, INFINITY, NAN}) {
+    d.dst_scale = bad;
+    s = (*stream)->ConvertBatch({&d, 1}, {ElementFormat::kBf16, ElementFormat::kFp8E4m3});
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("must be finite and positive"), std::string::npos) << s.ToString();
+  }
 }
 
 }  // namespace

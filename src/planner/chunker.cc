@@ -13,6 +13,7 @@ static_assert(kPlanChunkCharge >= static_cast<int64_t>(sizeof(Chunk) + sizeof(Pi
 bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
   if (one_layer && p.layer != next.layer) return false;
   if (p.planes > 1 || next.planes > 1) return false;
+  if (p.src_scale != next.src_scale || p.dst_scale != next.dst_scale) return false;
   if (!MergeRuns(p, next, RunMerge::kStrided)) return false;
   p.layer = std::max(p.layer, next.layer);
   return true;

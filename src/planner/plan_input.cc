@@ -163,15 +163,40 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
   }
   KVF_RETURN_IF_ERROR(CheckSide("context", ctx));
   KVF_RETURN_IF_ERROR(CheckSide("generation", gen));
+  for (const auto& [name, d] : {std::pair{"context", &ctx}, std::pair{"generation", &gen}}) {
+    if (Status s = d->scales.Check(d->shape); !s.ok()) {
+      return Status::InvalidArgument(fmt::format("{}: {}", name, s.message()));
+    }
+    if (d->scales.granularity != ScaleGranularity::kNone && !ElementFormatOf(d->shape.dtype)) {
+      return Status::InvalidArgument(
+          fmt::format("{}: kv scales with dtype {}: kvferry scales fp32, fp16, bf16 and fp8", name,
+                      DTypeName(d->shape.dtype)));
+    }
+  }
   return Status::Ok();
 }
 
+bool Converts(const InstanceDesc& ctx, const InstanceDesc& gen) {
+  if (ctx.shape.dtype != gen.shape.dtype) return true;
+  if (ctx.scales == gen.scales) return false;
+  // Scales described differently may still be equal everywhere (per head, all of a tensor's the
+  // same): compare them where they apply. Unchecked scales convert (the planner refuses them).
+  if (!ctx.scales.Check(ctx.shape).ok() || !gen.scales.Check(gen.shape).ok()) return true;
+  const KvShape& s = ctx.shape;
+  for (int64_t l = 0; l < s.layers; ++l) {
+    for (int64_t k = 0; k < s.kv_factor; ++k) {
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        if (ctx.scales.At(s, l, k, h) != gen.scales.At(gen.shape, l, k, h)) return true;
+      }
+    }
+  }
+  return false;
+}
+
 std::optional<Conversion> PlanConversion(const PlanInput& input) {
-  const DType from = input.ctx.shape.dtype;
-  const DType to = input.gen.shape.dtype;
-  if (from == to) return std::nullopt;
-  const auto from_format = ElementFormatOf(from);
-  const auto to_format = ElementFormatOf(to);
+  if (!Converts(input.ctx, input.gen)) return std::nullopt;
+  const auto from_format = ElementFormatOf(input.ctx.shape.dtype);
+  const auto to_format = ElementFormatOf(input.gen.shape.dtype);
   if (!from_format || !to_format) return std::nullopt;  // refused by CheckCompatible
   return Conversion{*from_format, *to_format};
 }

@@ -71,23 +71,25 @@ struct Template {
   int64_t bytes = 0;  // contiguous run per row
   int64_t rows = 1;
   int64_t src_pitch = 0, dst_pitch = 0;
-  bool layer_outer = false;  // layers enumerated (outermost loop)
-  int n = 0;                 // other enumerated axes, outermost first
+  bool layer_outer = false;   // layers enumerated (outermost loop)
+  int n = 0;                  // other enumerated axes, outermost first
+  std::array<int, 3> axis{};  // the box axis (BoxAxis) of each
   std::array<int64_t, 3> ext{}, src_step{}, dst_step{};
 };
 
+// `apart`: box axes kept out of runs and rows (enumerated): layers for layer-wise sending, the axes
+// a transfer's scales vary over (ScaleAxes).
 Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src, const Side& dst,
-                       int64_t row_bytes, bool forbid_layer) {
+                       int64_t row_bytes, AxisSet apart) {
   // Layers in separate regions (or kept apart) are never folded into runs or rows.
+  if (src.layer_regions || dst.layer_regions) apart |= AxisSet{1} << kL;
   CopyAxis copy_axes[kBoxAxes];
   AxisSet foldable = 0;
   std::array<bool, kBoxAxes> used{};
   for (int a = 0; a < kBoxAxes; ++a) {
     copy_axes[a] = CopyAxis{ext[a], src.stride[a], dst.stride[a]};
     used[a] = ext[a] <= 1;
-    if (!used[a] && !(a == kL && (src.layer_regions || dst.layer_regions || forbid_layer))) {
-      foldable |= AxisSet{1} << a;
-    }
+    if (!used[a] && !InSet(apart, a)) foldable |= AxisSet{1} << a;
   }
   Template t;
   // Contiguous on both sides: grow the run.
@@ -122,6 +124,7 @@ Template BuildTemplate(const std::array<int64_t, kBoxAxes>& ext, const Side& src
     }
   }
   for (int i = 0; i < t.n; ++i) {
+    t.axis[i] = axes[i];
     t.ext[i] = ext[axes[i]];
     t.src_step[i] = src.stride[axes[i]];
     t.dst_step[i] = dst.stride[axes[i]];
@@ -199,18 +202,20 @@ void MergeRun(const Template& t, const Side& src, const Side& dst, int64_t count
   }
 }
 
-// Calls fn(src_delta, dst_delta) for every index of the template's enumerated axes, innermost
-// fastest.
+// Calls fn(src_delta, dst_delta, index) for every index of the template's enumerated axes,
+// innermost fastest (index[k]: the position along t.axis[k]).
+using Index = std::array<int64_t, 3>;
+
 template <typename Fn>
 void ForEachIndex(const Template& t, Fn&& fn) {
-  std::array<int64_t, 3> idx{};
+  Index idx{};
   while (true) {
     int64_t sd = 0, dd = 0;
     for (int k = 0; k < t.n; ++k) {
       sd += idx[k] * t.src_step[k];
       dd += idx[k] * t.dst_step[k];
     }
-    fn(sd, dd);
+    fn(sd, dd, idx);
     int k = t.n - 1;
     for (; k >= 0; --k) {
       if (++idx[k] < t.ext[k]) break;
@@ -300,7 +305,19 @@ struct PairCut {
   int64_t layer_iters = 1;  // layers are a loop outside the template
   bool layer_outer = false;
   bool axes_outside = false;  // enumerated axes outside the block loop (runs of blocks merge)
+  AxisSet scale_axes = 0;     // the box axes the pieces' scales vary over (ScaleAxes)
 };
+
+// With a conversion whose scales are not all 1, each piece lies in one (layer, kv) and, with scales
+// per head on either side, one head: those axes are enumerated, never folded into a piece.
+AxisSet ScaleAxes(const PlanInput& in) {
+  const ScaleGranularity a = in.ctx.scales.granularity, b = in.gen.scales.granularity;
+  if ((a == ScaleGranularity::kNone && b == ScaleGranularity::kNone) || !Converts(in.ctx, in.gen))
+    return 0;
+  AxisSet axes = (AxisSet{1} << kL) | (AxisSet{1} << kK);
+  if (a == ScaleGranularity::kHead || b == ScaleGranularity::kHead) axes |= AxisSet{1} << kH;
+  return axes;
+}
 
 StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice& g,
                           const PairBox& b) {
@@ -328,15 +345,17 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
   std::array<int64_t, kBoxAxes> ext{b.l1 - b.l0, kv_outer ? 1 : shape.kv_factor, b.h1 - b.h0, tpb};
   const bool has_full =
       cx.segs.runs.size() > 1 || cx.segs.runs.front().count > 1 || last_valid == tpb;
-  cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, in.layer_wise);
+  cut.scale_axes = ScaleAxes(in);
+  const AxisSet apart = cut.scale_axes | (in.layer_wise ? AxisSet{1} << kL : 0);
+  cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, apart);
   ext[kT] = last_valid;
-  cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, in.layer_wise);
+  cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, apart);
   if (last_valid < tpb && has_full && cut.full.layer_outer != cut.part.layer_outer) {
     // Keep one piece order (layer, then block) for both: enumerate layers in both.
     ext[kT] = tpb;
-    cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, true);
+    cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, apart | AxisSet{1} << kL);
     ext[kT] = last_valid;
-    cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, true);
+    cut.part = BuildTemplate(ext, src, dst, cut.row_bytes, apart | AxisSet{1} << kL);
   }
   cut.layer_outer = (last_valid < tpb ? cut.part : cut.full).layer_outer;
   cut.layer_iters = cut.layer_outer ? b.l1 - b.l0 : 1;
@@ -399,11 +418,13 @@ class PieceWriter {
   void Write(const PairBox& b) {
     const Side& src = cut_.src;
     const Side& dst = cut_.dst;
+    h0_ = b.h0;
     for (int64_t li = 0; li < cut_.layer_iters && !chunker_.failed(); ++li) {
       p_.layer = cut_.layer_outer ? static_cast<int32_t>(b.l0 + li) : b.l1 - 1;
       src_l_ = src.layer_regions ? 0 : li * src.stride[kL];
       dst_l_ = dst.layer_regions ? 0 : li * dst.stride[kL];
       for (int64_t ki = 0; ki < cut_.kv_iters && !chunker_.failed(); ++ki) {
+        kv_ = ki;
         p_.src_region = Region(src, li, ki);
         p_.dst_region = Region(dst, li, ki);
         src_k_ = src.kv_regions ? 0 : ki * src.stride[kK];
@@ -423,16 +444,33 @@ class PieceWriter {
     return static_cast<int32_t>(side.kv_regions ? l * side.kv_factor + ki : l);
   }
 
+  // The scales of the pieces at enumerated index `idx` of `t` (Piece::src_scale, dst_scale):
+  // layer, kv and head are whole in each piece when the transfer has scales (ScaleAxes).
+  void SetScales(const Template& t, const Index& idx) {
+    if (cut_.scale_axes == 0) return;
+    int64_t kv = kv_, head = h0_;
+    for (int k = 0; k < t.n; ++k) {
+      if (t.axis[k] == kK) kv += idx[k];
+      if (t.axis[k] == kH) head += idx[k];
+    }
+    p_.src_scale = in_.ctx.scales.At(in_.ctx.shape, p_.layer, kv, head);
+    p_.dst_scale = in_.gen.scales.At(in_.gen.shape, p_.layer, kv, head);
+  }
+
   // Order (enumerated axes, block): runs of full blocks merge.
   void WriteAxesOutside() {
-    ForEachIndex(cut_.full, [&](int64_t sd, int64_t dd) {
+    ForEachIndex(cut_.full, [&](int64_t sd, int64_t dd, const Index& idx) {
+      SetScales(cut_.full, idx);
       for (const BlockRun& run : runs_) {
         if (!run.partial) Emit(cut_.full, run, sd, dd);
       }
     });
     const BlockRun& last = runs_.back();  // the partial block, if any, is the last run
     if (last.partial) {
-      ForEachIndex(cut_.part, [&](int64_t sd, int64_t dd) { Emit(cut_.part, last, sd, dd); });
+      ForEachIndex(cut_.part, [&](int64_t sd, int64_t dd, const Index& idx) {
+        SetScales(cut_.part, idx);
+        Emit(cut_.part, last, sd, dd);
+      });
     }
   }
 
@@ -444,18 +482,23 @@ class PieceWriter {
       if (chunker_.failed()) break;
       const Template& t = run.partial ? cut_.part : cut_.full;
       if (t.n == 0) {
+        SetScales(t, Index{});
         Emit(t, run, 0, 0);
         continue;
       }
       Template outer = t;
-      const bool planes = t.rows > 1;
+      // Planes along an axis the scales vary over would mix scales in one piece.
+      const bool planes = t.rows > 1 && !InSet(cut_.scale_axes, t.axis[t.n - 1]);
       if (planes) --outer.n;
       for (int64_t i = 0; i < run.count; ++i) {
         BlockRun one = run;
         one.ctx += i;
         one.gen += i;
         one.count = 1;
-        ForEachIndex(outer, [&](int64_t sd, int64_t dd) { Emit(t, one, sd, dd, planes); });
+        ForEachIndex(outer, [&](int64_t sd, int64_t dd, const Index& idx) {
+          SetScales(outer, idx);
+          Emit(t, one, sd, dd, planes);
+        });
       }
     }
   }
@@ -496,6 +539,8 @@ class PieceWriter {
   Piece p_;
   int64_t src_l_ = 0, dst_l_ = 0;  // offset of the current layer (layouts without layer regions)
   int64_t src_k_ = 0, dst_k_ = 0;  // offset of the current kv (kv outside, no kv regions)
+  int64_t kv_ = 0;                 // the current kv of the loop outside the template
+  int64_t h0_ = 0;                 // global head of the box's first head
 };
 
 // With a dtype conversion, the pieces were cut in destination bytes on both sides: the source's

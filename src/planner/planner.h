@@ -80,8 +80,13 @@ struct InstanceDesc {
   // whose strides each rank derives from its own dims.
   RegionSplit split = RegionSplit::kNone;
   PoolStrides strides{};
+  KvScales scales{};  // the instance's KV scales (none: every scale 1)
   bool operator==(const InstanceDesc&) const = default;
 };
+
+// Whether a transfer from `ctx` to `gen` converts its elements: the dtypes differ, or some
+// (layer, kv, head) has another scale on each side.
+bool Converts(const InstanceDesc& ctx, const InstanceDesc& gen);
 
 // The layout `d` gives a rank whose pool has `dims`: the named layout's, or the instance's custom
 // strides over these dims (validated: no two elements at one address, dim axis contiguous).
@@ -124,6 +129,10 @@ struct Piece : StridedRun {
   // Highest global layer among the piece's bytes (a piece may span several layers when the
   // layouts allow it); layer-wise transfer sends a chunk once its layers are ready.
   int32_t layer = 0;
+  // The scales of the piece's elements on each side (KvScales::At), when the transfer converts
+  // with scales: the planner then cuts pieces that lie in one (layer, kv) and, per head, one head.
+  float src_scale = 1.0f;
+  float dst_scale = 1.0f;
   int64_t planes = 1;
   int64_t src_plane_pitch = 0;  // unused when planes == 1
   int64_t dst_plane_pitch = 0;
@@ -188,11 +197,12 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen);
 StatusOr<TransferPlan> PlanTransfer(const PlanInput& input);
 
 // The element conversion a plan's copies make (context dtype to generation dtype), or none when
-// the dtypes are equal. With one, a piece's `bytes`, offsets and pitches at the destination are in
-// the generation dtype's bytes, and at the source in the context dtype's (a source row holds
-// bytes / gen element size elements); chunks are packed in the generation dtype (the sender
-// converts while packing, or while copying into a peer's pool), and no chunk is direct
-// (DirectMin: a direct chunk is copied as it is).
+// the transfer does not convert (Converts: equal dtypes and scales). With scales, each piece's
+// src_scale and dst_scale go with its copy (CopyDesc), the dtypes possibly equal. With one, a
+// piece's `bytes`, offsets and pitches at the destination are in the generation dtype's bytes, and
+// at the source in the context dtype's (a source row holds bytes / gen element size elements);
+// chunks are packed in the generation dtype (the sender converts while packing, or while copying
+// into a peer's pool), and no chunk is direct (DirectMin: a direct chunk is copied as it is).
 std::optional<Conversion> PlanConversion(const PlanInput& input);
 // The element format of a dtype a plan can convert (fp32, fp16, bf16, fp8 e4m3), or none.
 std::optional<ElementFormat> ElementFormatOf(DType dtype);

@@ -482,6 +482,95 @@ TEST(PlannerMatrix, DifferentDtypes) {
   }
 }
 
+// Distinct scales for every (layer, kv[, head]) of `shape` (none: empty).
+KvScales MakeScales(ScaleGranularity g, const KvShape& shape, float base) {
+  KvScales s{g, {}};
+  for (int64_t i = 0; i < KvScales::CountFor(g, shape); ++i) s.values.push_back(base + 0.0137f * i);
+  return s;
+}
+
+// Scales (issue 26 item 3): fp8 quantized, dequantized and requantized with scales per tensor or
+// per head on either side, over the named layout pairs, splits and block sizes; every element is
+// checked against its value times the source's scale, divided by the destination's, narrowed.
+TEST(PlannerMatrix, Scales) {
+  CountConfigs count;
+  struct Dtypes {
+    DType from, to;
+  };
+  const Dtypes dtypes[] = {{DType::kBf16, DType::kFp8E4M3},
+                           {DType::kFp8E4M3, DType::kBf16},
+                           {DType::kFp8E4M3, DType::kFp8E4M3},
+                           {DType::kFp16, DType::kFp8E4M3}};
+  using G = ScaleGranularity;
+  const std::pair<G, G> grains[] = {{G::kNone, G::kTensor},   {G::kNone, G::kHead},
+                                    {G::kTensor, G::kTensor}, {G::kHead, G::kTensor},
+                                    {G::kTensor, G::kNone},   {G::kHead, G::kHead}};
+  const std::pair<ParallelConfig, ParallelConfig> splits[] = {{{1, 1, {}, 1, 0}, {1, 1, {}, 1, 0}},
+                                                              {{2, 1, {}, 1, 0}, {4, 1, {}, 1, 0}},
+                                                              {{4, 2, {}, 1, 0}, {1, 3, {}, 1, 0}}};
+  const std::pair<int32_t, int32_t> sizes[] = {{4, 4}, {8, 2}, {2, 8}};
+  int idx = 0;
+  for (const auto& [from, to] : dtypes) {
+    for (const auto& [cg, gg] : grains) {
+      for (LayoutKind cl : NamedLayoutKinds()) {
+        for (LayoutKind gl : {LayoutKind::kBlockMajor, LayoutKind::kVllmNhd,
+                              LayoutKind::kPerLayerKvNhd, LayoutKind::kFlashInferHnd}) {
+          const auto& [cp, gp] = splits[idx % 3];
+          const auto& [ctx_tpb, gen_tpb] = sizes[idx % 3];
+          Case c;
+          c.shape = KvShape{5, 8, 8, from, idx % 7 == 3 ? 1 : 2, ctx_tpb};
+          c.gen_dtype = to;
+          c.gen_tokens_per_block = gen_tpb;
+          c.ctx = cp;
+          c.gen = gp;
+          c.ctx_layout = cl;
+          c.gen_layout = gl;
+          c.ctx_scales = MakeScales(cg, c.shape, 0.031f);
+          c.gen_scales = MakeScales(gg, c.shape, 0.0071f);
+          c.prompt = idx % 2 ? 2 * std::max(ctx_tpb, gen_tpb) + 1 : 5;
+          VaryBlocksAndChunking(c, idx, 1);
+          c.direct_min = 0;
+          ++idx;
+          RunCase(c);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// Equal scales and dtypes on both sides (however described) convert nothing: chunks may go
+// direct. Scales that do not fit the shape, or are not finite and positive, are refused naming the
+// side.
+TEST(Planner, EqualScalesConvertNothingAndBadScalesAreRefused) {
+  Case c;
+  c.shape = KvShape{3, 2, 8, DType::kFp8E4M3, 2, 4};
+  c.ctx_scales = KvScales{ScaleGranularity::kTensor, {1, 2, 3, 4, 5, 6}};
+  c.gen_scales = KvScales{ScaleGranularity::kHead, {1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6}};
+  c.direct_min = 0;
+  PlanInput in = MakeInput(c);
+  EXPECT_FALSE(Converts(in.ctx, in.gen));
+  EXPECT_FALSE(PlanConversion(in));
+  RunCase(c);
+  c.gen_scales.values[5] = 2.5f;  // layer 1, K, head 1
+  in = MakeInput(c);
+  EXPECT_TRUE(Converts(in.ctx, in.gen));
+  ASSERT_TRUE(PlanConversion(in));
+  EXPECT_EQ(PlanConversion(in)->from, PlanConversion(in)->to);
+  RunCase(c);
+  c.gen_scales.values.pop_back();
+  auto plan = PlanTransfer(MakeInput(c));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "generation: kv scales per head: 11 values, and the shape (3 layers, kv_factor 2, 2 kv "
+            "heads) takes 12");
+  c.gen_scales.values.push_back(0);
+  plan = PlanTransfer(MakeInput(c));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "generation: kv scales: value 11 is 0; scales must be finite and positive");
+}
+
 TEST(Planner, RefusesDtypesWithoutAConversion) {
   Case c;
   c.shape.dtype = DType::kBf16;

@@ -107,7 +107,8 @@ class PoolAccess {
     if (mirror_ || dev_->info().platform == "cpu") return Status::Ok();
     PoolSpec s = pool_->spec();
     s.memory = MemoryKind::kPinnedHost;
-    KVF_ASSIGN_OR_RETURN(BlockPool mirror, BlockPool::Create(*dev_, s));
+    // The mirror has the pool's layout, custom strides included (extents are copied as they are).
+    KVF_ASSIGN_OR_RETURN(BlockPool mirror, BlockPool::Create(*dev_, s, pool_->layout()));
     mirror_ = std::make_unique<BlockPool>(std::move(mirror));
     KVF_ASSIGN_OR_RETURN(stream_, dev_->CreateStream());
     return Status::Ok();

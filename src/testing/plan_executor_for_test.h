@@ -118,9 +118,9 @@ inline Status ExecutePlanForTest(const std::vector<PairPlan>& pairs,
             return Status::Internal("chunk pieces exceed chunk.bytes");
           const std::byte* from = src.region(p.src_region) + p.src_offset + r * p.src_pitch;
           if (conversion) {
-            ConvertElements(staging.data() + at, from,
-                            static_cast<size_t>(p.bytes / ElementFormatSize(conversion->to)),
-                            *conversion);
+            ConvertElementsScaled(staging.data() + at, from,
+                                  static_cast<size_t>(p.bytes / ElementFormatSize(conversion->to)),
+                                  *conversion, p.src_scale, p.dst_scale);
           } else {
             std::memcpy(staging.data() + at, from, static_cast<size_t>(p.bytes));
           }

@@ -48,17 +48,24 @@ struct Case {
     }
   };
   std::optional<Strided> ctx_strided, gen_strided;
+  KvScales ctx_scales, gen_scales;  // each side's KV scales (none: 1)
 
   std::string Name() const {
     return fmt::format(
         "shape[{}] ctx[{} {}] gen[{} {}] prompt={} reused={} blocks#{} chunk={} "
-        "direct_min={}{}{}{}",
+        "direct_min={}{}{}{}{}",
         shape.ToString(), ctx.ToString(),
         ctx_strided ? ctx_strided->Name() : std::string(LayoutKindName(ctx_layout)), gen.ToString(),
         gen_strided ? gen_strided->Name() : std::string(LayoutKindName(gen_layout)), prompt, reused,
         block_pattern, chunk_bytes, direct_min, layer_wise ? " layer-wise" : "",
         gen_tokens_per_block ? fmt::format(" gen_tokens_per_block={}", gen_tokens_per_block) : "",
-        gen_dtype ? fmt::format(" gen_dtype={}", DTypeName(*gen_dtype)) : "");
+        gen_dtype ? fmt::format(" gen_dtype={}", DTypeName(*gen_dtype)) : "",
+        ScaleName(" ctx_scales", ctx_scales) + ScaleName(" gen_scales", gen_scales));
+  }
+  static std::string ScaleName(const char* side, const KvScales& s) {
+    return s.granularity == ScaleGranularity::kNone
+               ? std::string()
+               : fmt::format("{} per {}", side, ScaleGranularityName(s.granularity));
   }
 };
 
@@ -98,6 +105,8 @@ inline PlanInput MakeInput(const Case& c) {
   in.gen = InstanceDesc{GenShape(c), c.gen, c.gen_layout, 2 * ng + 2};
   if (c.ctx_strided) SetStrided(in.ctx, *c.ctx_strided);
   if (c.gen_strided) SetStrided(in.gen, *c.gen_strided);
+  in.ctx.scales = c.ctx_scales;
+  in.gen.scales = c.gen_scales;
   in.prompt_tokens = c.prompt;
   for (int64_t i = 0; i < nc; ++i) {
     switch (c.block_pattern) {
@@ -317,8 +326,8 @@ inline void RunCase(const Case& c) {
           std::fill_n(needed[e.region].begin() + e.offset, e.bytes, 1);
           expected_total += e.bytes;
         }
-        auto mismatch =
-            CheckBlock(pool, kRequest, {in.gen_blocks[i], i * gen_tpb, valid}, c.shape.dtype);
+        auto mismatch = CheckBlock(pool, kRequest, {in.gen_blocks[i], i * gen_tpb, valid},
+                                   c.shape.dtype, c.ctx_scales, c.gen_scales);
         ASSERT_TRUE(mismatch.ok());
         ASSERT_FALSE(mismatch->has_value())
             << "gen rank " << r << " block " << i << ": " << (*mismatch)->ToString();

@@ -86,13 +86,22 @@ Status FillBlock(const BlockPool& pool, uint64_t request, const BlockTokens& whe
 }
 
 StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t request,
-                                             const BlockTokens& where,
-                                             std::optional<DType> sent_as) {
+                                             const BlockTokens& where, std::optional<DType> sent_as,
+                                             const KvScales& sent_scales,
+                                             const KvScales& own_scales) {
   KVF_RETURN_IF_ERROR(CheckArgs(pool, where));
+  KVF_RETURN_IF_ERROR(sent_scales.Check(pool.shape()));
+  KVF_RETURN_IF_ERROR(own_scales.Check(pool.shape()));
   const int esize = DTypeSize(pool.shape().dtype);
   const int64_t dims = pool.shape().head_dim;
   std::optional<Conversion> conversion;
-  if (sent_as && *sent_as != pool.shape().dtype) {
+  InstanceDesc sender, receiver;
+  sender.shape = receiver.shape = pool.shape();
+  if (sent_as) sender.shape.dtype = *sent_as;
+  sender.scales = sent_scales;
+  receiver.scales = own_scales;
+  if (Converts(sender, receiver)) {
+    if (!sent_as) sent_as = pool.shape().dtype;
     const auto from = ElementFormatOf(*sent_as);
     const auto to = ElementFormatOf(pool.shape().dtype);
     if (!from || !to) {
@@ -103,14 +112,18 @@ StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t req
   }
   const int sent_size = conversion ? DTypeSize(*sent_as) : esize;
   const uint64_t sent_mask = sent_size == 8 ? ~0ULL : ((1ULL << (8 * sent_size)) - 1);
-  const auto expected = [&](uint64_t filled) -> uint64_t {
-    filled &= sent_mask;
-    return conversion ? ConvertElement(static_cast<uint32_t>(filled), *conversion) : filled;
-  };
   std::optional<Mismatch> first;
   ForEachRow(pool, request, where, [&](const ElementCoord& c, std::byte* row) {
     if (first) return;
     uint64_t seed = RowSeed(c.request, c.layer, c.kv, c.head, c.token);
+    const float src_scale = sent_scales.At(pool.shape(), c.layer, c.kv, c.head);
+    const float dst_scale = own_scales.At(pool.shape(), c.layer, c.kv, c.head);
+    const auto expected = [&](uint64_t filled) -> uint64_t {
+      filled &= sent_mask;
+      return conversion
+                 ? ConvertElement(static_cast<uint32_t>(filled), *conversion, src_scale, dst_scale)
+                 : filled;
+    };
     for (int64_t i = 0; i < dims; ++i) {
       uint64_t want = expected(ElementValue(seed, i));
       uint64_t got = 0;

@@ -45,10 +45,13 @@ struct Mismatch {
 
 // Checks a host-accessible pool's block (same ranges as FillBlock); the first wrong element if
 // any, or an error for bad arguments. With `sent_as` (the dtype the values were filled in, when
-// it differs from the pool's), each expected value is the filled one converted to the pool's
-// dtype (Stream::ConvertBatch's rules).
+// it differs from the pool's) or scales that differ (`sent_scales`, the sender's, and
+// `own_scales`, the pool's: a transfer that Converts), each expected value is the filled one
+// converted to the pool's dtype with the element's scales (Stream::ConvertBatch's rules).
 StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t request,
                                              const BlockTokens& where,
-                                             std::optional<DType> sent_as = std::nullopt);
+                                             std::optional<DType> sent_as = std::nullopt,
+                                             const KvScales& sent_scales = {},
+                                             const KvScales& own_scales = {});
 
 }  // namespace kvferry

@@ -56,8 +56,17 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// One element: widened, rescaled when the descriptor has scales (uniform across the block),
+// narrowed.
 template <int From, int To>
-__global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* descs, uint32_t count) {
+__device__ __forceinline__ uint32_t ConvertOne(uint32_t v, bool scaled, float2 s) {
+  const uint32_t wide = Format<From>::Widen(v);
+  return Format<To>::Narrow(scaled ? convert::Rescale(wide, s.x, s.y) : wide);
+}
+
+template <int From, int To>
+__global__ void __launch_bounds__(kThreads)
+    ConvertKernel(const GatherDesc* descs, const float2* scales, uint32_t count) {
   using In = typename Format<From>::Bits;
   using Out = typename Format<To>::Bits;
   constexpr int kGroup = 16 / (sizeof(In) < sizeof(Out) ? sizeof(In) : sizeof(Out));
@@ -70,6 +79,8 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* desc
           reinterpret_cast<const uint64_t*>(descs + i)[threadIdx.x];
     }
     __syncthreads();
+    const float2 s = scales != nullptr ? scales[i] : make_float2(1.0f, 1.0f);
+    const bool scaled = s.x != 1.0f || s.y != 1.0f;
     const uint64_t n = desc.bytes / sizeof(Out);  // elements per row
     const uint64_t rows = desc.rows;
     const uint64_t dp = rows > 1 ? desc.dst_pitch : 0, sp = rows > 1 ? desc.src_pitch : 0;
@@ -91,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* desc
         Pack<Out, kGroup> out;
 #pragma unroll
         for (int k = 0; k < kGroup; ++k) {
-          out.v[k] = static_cast<Out>(Format<To>::Narrow(Format<From>::Widen(in.v[k])));
+          out.v[k] = static_cast<Out>(ConvertOne<From, To>(in.v[k], scaled, s));
         }
         *reinterpret_cast<Pack<Out, kGroup>*>(dst + r * dp + g * kGroup * sizeof(Out)) = out;
       }
@@ -101,14 +112,14 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(const GatherDesc* desc
         const uint64_t r = u / n, e = u - r * n;
         const In v = *reinterpret_cast<const In*>(src + r * sp + e * sizeof(In));
         *reinterpret_cast<Out*>(dst + r * dp + e * sizeof(Out)) =
-            static_cast<Out>(Format<To>::Narrow(Format<From>::Widen(v)));
+            static_cast<Out>(ConvertOne<From, To>(v, scaled, s));
       }
     }
     __syncthreads();  // `desc` is overwritten by the next iteration
   }
 }
 
-using Kernel = void (*)(const GatherDesc*, uint32_t);
+using Kernel = void (*)(const GatherDesc*, const float2*, uint32_t);
 
 template <int From>
 Kernel KernelTo(int to) {
@@ -141,18 +152,18 @@ Kernel KernelFor(int from, int to) {
 
 }  // namespace
 
-cudaError_t LaunchConvert(const GatherDesc* descs, uint32_t count, int from, int to,
-                          uint32_t max_blocks, cudaStream_t stream) {
+cudaError_t LaunchConvert(const GatherDesc* descs, const float2* scales, uint32_t count, int from,
+                          int to, uint32_t max_blocks, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   const Kernel kernel = KernelFor(from, to);
-  if (kernel == nullptr || from == to) return cudaErrorInvalidValue;
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
   const uint32_t blocks = std::min(count, cap);
   // As the gather kernel: spare blocks of the cap share the descriptors' rows. Uncapped (0), a
   // few tall descriptors still get up to 256 blocks each (conversion is arithmetic too).
   const uint32_t parts = std::min<uint32_t>(
       max_blocks == 0 ? std::max<uint32_t>(1, 1024 / blocks) : cap / blocks, kMaxParts);
-  kernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, count);
+  kernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, scales, count);
   return cudaGetLastError();
 }
 

@@ -87,6 +87,29 @@ TEST_F(CudaConvertTest, EveryCodeOfEveryPairMatchesTheHost) {
   }
 }
 
+// Scales (CopyDesc::src_scale, dst_scale): every code of every pair, from == to included (fp8
+// requantized), grouped and element by element, matches the host's scaled loop.
+TEST_F(CudaConvertTest, ScaledEveryCodeOfEveryPairMatchesTheHost) {
+  for (ElementFormat from : kFormats) {
+    for (ElementFormat to : kFormats) {
+      SCOPED_TRACE(fmt::format("{} -> {} scaled", ElementFormatName(from), ElementFormatName(to)));
+      const size_t count = 65536;
+      const std::vector<std::byte> src = EveryCode(from, count + 1);
+      for (size_t offset : {size_t{0}, size_t{1}}) {  // aligned groups, then element by element
+        CopyDesc one{};
+        one.src = reinterpret_cast<const void*>(offset * ElementFormatSize(from));
+        one.bytes = count * ElementFormatSize(to);
+        one.src_scale = 0.0137f;
+        one.dst_scale = 0.21f;
+        const size_t dst_size = one.bytes;
+        const auto want = HostAnswer(src, {from, to}, one, dst_size);
+        EXPECT_EQ(Run(src, {from, to}, one, dst_size, MemoryKind::kDevice, MemoryKind::kDevice),
+                  want);
+      }
+    }
+  }
+}
+
 TEST_F(CudaConvertTest, PitchedPlanesAlignedAndNotMatchTheHost) {
   struct Shape {
     size_t elements, rows, planes, src_skew, dst_skew;  // skew: elements of padding

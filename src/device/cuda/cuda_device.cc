@@ -467,11 +467,14 @@ class CudaStream final : public Stream {
     }
     KVF_RETURN_IF_ERROR(Use());
     small_.clear();
+    scales_.clear();
+    bool scaled = false;
     {
       Classifier cls(ordinal_);
       for (size_t i = 0; i < copies.size(); ++i) {
         const CopyDesc& c = copies[i];
         if (c.bytes == 0 || c.planes == 0) continue;
+        scaled = scaled || c.scaled();
         const auto [dst, src] = cls.Ends(c.dst, c.src);
         for (const PtrInfo& end : {dst, src}) {
           if (end.cls != PtrClass::kMappedHost &&
@@ -487,17 +490,23 @@ class CudaStream final : public Stream {
           small_.push_back(GatherDesc{reinterpret_cast<uint64_t>(c.dst) + q * c.dst_plane_pitch,
                                       reinterpret_cast<uint64_t>(c.src) + q * c.src_plane_pitch,
                                       c.bytes, rows, c.dst_pitch, c.src_pitch});
+          scales_.push_back(float2{c.src_scale, c.dst_scale});
         }
       }
     }
     if (small_.empty()) return Status::Ok();
-    KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(small_.size()));
-    std::memcpy(slots, small_.data(), small_.size() * sizeof(GatherDesc));
+    // Scales, when any descriptor has them, travel in the ring after the descriptors.
+    const size_t n = small_.size();
+    const size_t scale_slots =
+        scaled ? (n * sizeof(float2) + sizeof(GatherDesc) - 1) / sizeof(GatherDesc) : 0;
+    KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(n + scale_slots));
+    std::memcpy(slots, small_.data(), n * sizeof(GatherDesc));
+    float2* scales = scaled ? reinterpret_cast<float2*>(slots + n) : nullptr;
+    if (scaled) std::memcpy(scales, scales_.data(), n * sizeof(float2));
     std::atomic_thread_fence(std::memory_order_release);
     KVF_RETURN_IF_ERROR(CudaCheck(
-        LaunchConvert(slots, static_cast<uint32_t>(small_.size()),
-                      static_cast<int>(conversion.from), static_cast<int>(conversion.to),
-                      routing_.gather_blocks, s_),
+        LaunchConvert(slots, scales, static_cast<uint32_t>(n), static_cast<int>(conversion.from),
+                      static_cast<int>(conversion.to), routing_.gather_blocks, s_),
         "cuda:{} conversion kernel launch ({} descriptors, {} to {})", ordinal_, small_.size(),
         ElementFormatName(conversion.from), ElementFormatName(conversion.to)));
     return ring_.Commit(s_);
@@ -633,6 +642,7 @@ class CudaStream final : public Stream {
   const cudaStream_t s_;
   DescRing ring_;
   std::vector<GatherDesc> small_;  // scratch, reused across batches
+  std::vector<float2> scales_;     // ConvertBatch's scales of small_, likewise
   CopyEngineBatch ce_;             // scratch, reused across batches
 };
 
