@@ -97,6 +97,10 @@ struct TransceiverOptions {
   // The control-message version this rank speaks; 0: knob transfer.wire_version (11, meeting
   // peers of version 10 in version 10; 10: behave as a version-10 build).
   int wire_version = 0;
+  // The instance's KV scales (kv_model.h; every rank of an instance passes the same), for a
+  // quantized cache: fp8 with vLLM's per-layer k_scale / v_scale is per tensor. A transfer between
+  // instances whose scales or dtypes differ converts each element on the context side. None: 1.
+  KvScales kv_scales;
 };
 
 // 16 bytes from the OS's random source (getrandom), never all zero: a context instance's secret.

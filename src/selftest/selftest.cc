@@ -93,11 +93,14 @@ class PoolAccess {
     return Move(where.block, true);
   }
   // `sent_as`: the dtype the context side filled (the values arrive converted when it differs).
-  StatusOr<std::optional<Mismatch>> Check(uint64_t req, const BlockTokens& where, DType sent_as) {
+  // `sent_scales` and `own_scales`: the context's and this instance's KV scales.
+  StatusOr<std::optional<Mismatch>> Check(uint64_t req, const BlockTokens& where, DType sent_as,
+                                          const KvScales& sent_scales = {},
+                                          const KvScales& own_scales = {}) {
     KVF_RETURN_IF_ERROR(OpenMirror());
-    if (!mirror_) return CheckBlock(*pool_, req, where, sent_as);
+    if (!mirror_) return CheckBlock(*pool_, req, where, sent_as, sent_scales, own_scales);
     KVF_RETURN_IF_ERROR(Move(where.block, false));
-    return CheckBlock(*mirror_, req, where, sent_as);
+    return CheckBlock(*mirror_, req, where, sent_as, sent_scales, own_scales);
   }
 
  private:
@@ -156,8 +159,9 @@ void GiveUp(RankResult& r, std::string msg, const std::vector<uint64_t>& live, s
 }
 
 // The context ranks add the instance secret (RunContextRank); the generation side needs none.
-TransceiverOptions SideOptions(const SelftestConfig& cfg) {
+TransceiverOptions SideOptions(const SelftestConfig& cfg, bool context) {
   TransceiverOptions o;
+  o.kv_scales = SideScales(cfg, context);
   o.transport = cfg.transport;
   o.timeout = cfg.timeout;
   o.instance_id = 0xD0D0;
@@ -298,7 +302,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   // TSan at load 30, rank 0 gave up on rank 1's address after the 2 s request deadline).
   auto deadline = DeadlineIn(StallLimit(cfg));
   // Rank 0 makes the instance's secret; the other ranks take it from the rendezvous.
-  TransceiverOptions options = SideOptions(cfg);
+  TransceiverOptions options = SideOptions(cfg, true);
   if (rank == 0) {
     options.instance_secret = NewInstanceSecret();
     KVF_RETURN_IF_ERROR(PublishInstanceSecret(*rv, kContextInstance, options.instance_id,
@@ -465,10 +469,11 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   PoolAccess& access = *m.access;
   const int64_t bpr = MaxBlocksPerRequest(cfg, false);
   const int64_t tpb = TokensPerBlock(cfg, false);
+  const KvScales ctx_scales = SideScales(cfg, true), gen_scales = SideScales(cfg, false);
   KVF_ASSIGN_OR_RETURN(RankTransportParts parts, RankTransport(cfg, false, rank, make));
   std::unique_ptr<Transport> transport = std::move(parts.transport);
-  KVF_ASSIGN_OR_RETURN(auto side,
-                       GenerationSide::Create(dev, pool, SideOptions(cfg), std::move(transport)));
+  KVF_ASSIGN_OR_RETURN(
+      auto side, GenerationSide::Create(dev, pool, SideOptions(cfg, false), std::move(transport)));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   MetricsBoard board;  // before the server: the server's thread reads it
   std::unique_ptr<MetricsServer> metrics_server;
@@ -563,9 +568,9 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
         int64_t tokens = TokensOf(cfg, i);
         for (int64_t b = 0; ok && b < BlocksFor(cfg, false, tokens); ++b) {
           const int64_t valid = std::min<int64_t>(tpb, tokens - b * tpb);
-          auto m =
-              access.Check(SeedOf(cfg, b, s.request_id),
-                           {BlockId(cfg, bpr, slots, slot, b), b * tpb, valid}, cfg.shape.dtype);
+          auto m = access.Check(SeedOf(cfg, b, s.request_id),
+                                {BlockId(cfg, bpr, slots, slot, b), b * tpb, valid},
+                                cfg.shape.dtype, ctx_scales, gen_scales);
           if (!m.ok() || m->has_value()) {
             ok = false;
             AddError(res, fmt::format("request {} block {}: {}", s.request_id, b,

@@ -19,6 +19,7 @@ namespace {
 InstanceDesc SideDesc(const SelftestConfig& cfg, bool context, int64_t blocks) {
   const LayoutSpec& spec = context ? cfg.ctx_layout : cfg.gen_layout;
   InstanceDesc d{SideShape(cfg, context), context ? cfg.ctx : cfg.gen, spec.kind, blocks};
+  d.scales = SideScales(cfg, context);
   if (spec.kind == LayoutKind::kCustom) {
     // An invalid parallel config leaves the span zero; CheckCompatible names it first.
     auto span = InstancePoolDims(d.shape, d.parallel, blocks);
@@ -93,7 +94,8 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
   }
   KVF_RETURN_IF_ERROR(cfg.shape.Validate());
   KVF_RETURN_IF_ERROR(SideShape(cfg, false).Validate().WithContext("generation shape"));
-  if (cfg.gen_dtype && *cfg.gen_dtype != cfg.shape.dtype) {
+  if ((cfg.gen_dtype && *cfg.gen_dtype != cfg.shape.dtype) ||
+      cfg.ctx_scales != ScaleGranularity::kNone || cfg.gen_scales != ScaleGranularity::kNone) {
     KVF_RETURN_IF_ERROR(CheckCompatible(SideDesc(cfg, true, 1), SideDesc(cfg, false, 1)));
   }
   if (cfg.gen_tokens_per_block != 0 && cfg.gen_tokens_per_block != cfg.shape.tokens_per_block) {
@@ -180,6 +182,18 @@ Status ValidateSelftest(const SelftestConfig& cfg) {
     }
   }
   return Status::Ok();
+}
+
+KvScales SideScales(const SelftestConfig& cfg, bool context) {
+  KvScales s;
+  s.granularity = context ? cfg.ctx_scales : cfg.gen_scales;
+  const KvShape shape = SideShape(cfg, context);
+  const int64_t n = KvScales::CountFor(s.granularity, shape);
+  for (int64_t i = 0; i < n; ++i) {
+    s.values.push_back(context ? 0.5f + 0.0137f * static_cast<float>(i)
+                               : 0.25f + 0.0071f * static_cast<float>(i));
+  }
+  return s;
 }
 
 KvShape SideShape(const SelftestConfig& cfg, bool context) {

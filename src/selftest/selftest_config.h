@@ -25,6 +25,10 @@ struct SelftestConfig {
   int32_t gen_tokens_per_block = 0;
   // The generation instance's dtype (none: shape's); the context side converts while packing.
   std::optional<DType> gen_dtype;
+  // Each instance's KV scales (SideScales: distinct made-up values per tensor or per head); the
+  // context side converts with them when they differ.
+  ScaleGranularity ctx_scales = ScaleGranularity::kNone;
+  ScaleGranularity gen_scales = ScaleGranularity::kNone;
   ParallelConfig ctx, gen;
   LayoutSpec ctx_layout;  // a named layout or custom strides (LayoutSpec)
   LayoutSpec gen_layout;
@@ -93,6 +97,9 @@ Status ValidateSelftest(const SelftestConfig& cfg);
 
 // One instance's shape: `shape`, with gen_tokens_per_block on the generation side.
 KvShape SideShape(const SelftestConfig& cfg, bool context);
+// One instance's KV scales at its granularity (ctx_scales / gen_scales): value i of the context's
+// 0.5 + 0.0137 i, of the generation's 0.25 + 0.0071 i (every scale differs from the other side's).
+KvScales SideScales(const SelftestConfig& cfg, bool context);
 // The device a rank process opens ("cpu", "cuda:N").
 std::string RankDevice(const SelftestConfig& cfg, bool context, int rank);
 // The prompt tokens of request i.

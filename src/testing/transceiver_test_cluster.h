@@ -101,7 +101,16 @@ struct SideSpec {
   // With layout kCustom: every rank's region split and strides (elements; CustomSide).
   RegionSplit split = RegionSplit::kNone;
   PoolStrides strides{};
+  KvScales scales{};  // TransceiverOptions::kv_scales of the side's ranks
 };
+
+// `s` with distinct KV scales at granularity `g`: value i is base + 0.0137 i.
+inline SideSpec WithScales(SideSpec s, ScaleGranularity g, float base) {
+  s.scales.granularity = g;
+  for (int64_t i = 0; i < KvScales::CountFor(g, s.shape); ++i)
+    s.scales.values.push_back(base + 0.0137f * static_cast<float>(i));
+  return s;
+}
 
 // A side whose pools have a custom layout: the in-region axes `order` (outermost first), each
 // block followed by `pad` elements; strides from rank 0's dims (the cases' ranks share them).
@@ -132,6 +141,7 @@ class Cluster {
     if (options.timeout.count() == 0) options.timeout = milliseconds(5000);
     options.instance_secret[0] = 42;
     options.wire_version = ctx.wire_version;
+    options.kv_scales = ctx.scales;
     for (int r = 0; r < ctx.parallel.world_size(); ++r) {
       ctx_pools_.push_back(MakePool(ctx, r));
       auto t = Transport();
@@ -144,6 +154,7 @@ class Cluster {
     for (auto& c : ctx_) EXPECT_TRUE(c->SetInstanceAddresses(addrs).ok());
     options.instance_id = 7;
     options.wire_version = gen.wire_version;
+    options.kv_scales = gen.scales;
     for (int r = 0; r < gen.parallel.world_size(); ++r) {
       gen_pools_.push_back(MakePool(gen, r));
       auto t = Transport();
@@ -275,7 +286,8 @@ class Cluster {
         int64_t valid = std::min<int64_t>(tpb, tokens - static_cast<int64_t>(i) * tpb);
         if (valid <= 0) continue;
         BlockTokens where{blocks[i], int64_t(i) * tpb, valid};
-        auto m = CheckBlock(gen_pools_[r], id, where, ctx_spec_.shape.dtype);
+        auto m = CheckBlock(gen_pools_[r], id, where, ctx_spec_.shape.dtype, ctx_spec_.scales,
+                            gen_spec_.scales);
         ASSERT_TRUE(m.ok());
         if (static_cast<int64_t>(i) < reused) {
           EXPECT_TRUE(m->has_value())

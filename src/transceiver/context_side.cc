@@ -245,10 +245,7 @@ StatusOr<std::vector<std::byte>> ContextSideImpl::Begin(uint64_t id,
   r.deadline = r.start + options_.timeout;
   ContextHandle h;
   h.request_id = id;
-  h.shape = shape;
-  h.parallel = engine_.SelfDesc().parallel;
-  DescribeLayout(pool_.layout(), h);
-  h.pool_blocks = pool_.blocks();
+  static_cast<InstanceDesc&>(h) = engine_.SelfDesc();  // shape, split, layout, pool, scales
   h.prompt_tokens = tokens;
   h.layer_wise = !all_ready;
   h.ctx_direct = engine_.direct_ok();
@@ -510,6 +507,9 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
+  if (Status s = options.kv_scales.Check(pool.shape()); !s.ok()) {
+    return Status::InvalidArgument(fmt::format("ContextSide: {}", s.message()));
+  }
   if (std::all_of(options.instance_secret.begin(), options.instance_secret.end(),
                   [](uint8_t b) { return b == 0; })) {
     return Status::InvalidArgument(

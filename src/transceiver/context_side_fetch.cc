@@ -128,7 +128,7 @@ Status ContextSideImpl::Plan(CtxRequest& r, const FetchMsg& f) {
 }
 
 bool ContextSideImpl::Converts(const FetchMsg& f) const {
-  return f.shape.dtype != engine_.SelfDesc().shape.dtype;
+  return kvferry::Converts(engine_.SelfDesc(), f);
 }
 
 void ContextSideImpl::AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f,

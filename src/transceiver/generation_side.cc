@@ -71,8 +71,9 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     // Chunking both sides agree on: packed chunks fit both sides' staging slots; direct chunks
     // only when both can move bytes straight from and into their pools.
     in.chunk_bytes = std::min(options_.chunk_bytes, h.chunk_bytes);
-    // A dtype conversion sends no chunk pool to pool: the context side converts on the way.
-    const bool converts = h.shape.dtype != in.gen.shape.dtype;
+    // A conversion (dtypes or scales) sends no chunk pool to pool: the context side converts on
+    // the way.
+    const bool converts = Converts(in.ctx, in.gen);
     in.direct_min_bytes =
         h.ctx_direct && engine_.direct_ok() && !converts ? options_.direct_min_bytes : kNoDirect;
     in.layer_wise = h.layer_wise;
@@ -116,7 +117,7 @@ class GenerationSideImpl final : public SideSurface<GenerationSide, GenerationSi
     f.blocks = in.gen_blocks;
     f.reply_address = engine_.address();
     f.checksum = options_.checksum;
-    const bool converts = h.shape.dtype != in.gen.shape.dtype;
+    const bool converts = Converts(in.ctx, in.gen);
     DescribeOffer(engine_.local_paths(), options_.chunk_bytes,
                   static_cast<uint32_t>(options_.staging_chunks), RowMin(h.ctx_direct && !converts),
                   f);
@@ -490,6 +491,9 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options,
     std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
+  if (Status s = options.kv_scales.Check(pool.shape()); !s.ok()) {
+    return Status::InvalidArgument(fmt::format("GenerationSide: {}", s.message()));
+  }
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options, device),
                                                    std::move(transport));
   KVF_RETURN_IF_ERROR(side->Start());

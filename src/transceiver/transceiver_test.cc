@@ -300,6 +300,34 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
     LayoutCaseName);
 
+// Scales (issue 26 item 3): quantized with the generation's scales, dequantized with the
+// context's, requantized between both (fp8 -> fp8), per tensor and per head, on every data path,
+// with and without checksums.
+INSTANTIATE_TEST_SUITE_P(
+    Scales, Conversions,
+    ::testing::Combine(
+        ::testing::Values(
+            Case{"bf16_tp2_to_fp8_tp4_per_tensor",
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}},
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {4, 1, {}, 1, 0}, LayoutKind::kVllmNhd},
+                            ScaleGranularity::kTensor, 0.02f)},
+            Case{"fp8_per_head_hnd_to_bf16_tp2",
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {1, 1, {}, 1, 0}, LayoutKind::kVllmHnd},
+                            ScaleGranularity::kHead, 0.3f),
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}}},
+            Case{"fp8_per_tensor_tp4_to_fp8_per_head_tp2",
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {4, 1, {}, 1, 0}},
+                            ScaleGranularity::kTensor, 0.5f),
+                 WithScales(
+                     {Shape(4, 2, DType::kFp8E4M3), {2, 1, {}, 1, 0}, LayoutKind::kPerLayerKvHnd},
+                     ScaleGranularity::kHead, 0.05f)},
+            Case{"mla_fp16_to_fp8_dup",
+                 {Shape(1, 1, DType::kFp16), {2, 1, {}, 1, 0}},
+                 WithScales({Shape(1, 1, DType::kFp8E4M3), {4, 1, {}, 1, 0}},
+                            ScaleGranularity::kTensor, 0.01f)}),
+        ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
+    LayoutCaseName);
+
 TEST(Transceiver, FetchOfARequestLiveOnThisRankIsRefusedAtOnce) {
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});
   // Layer-wise with no layer ready: the first fetch can't complete before the second call (a

@@ -57,6 +57,8 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["gen"] = ParallelJson(c.gen);
   j["gen_tokens_per_block"] = c.gen_tokens_per_block;
   if (c.gen_dtype) j["gen_dtype"] = static_cast<int>(*c.gen_dtype);
+  j["ctx_scales"] = static_cast<int>(c.ctx_scales);
+  j["gen_scales"] = static_cast<int>(c.gen_scales);
   j["ctx_layout"] = c.ctx_layout.ToString();
   j["gen_layout"] = c.gen_layout.ToString();
   j["requests"] = c.requests;
@@ -95,6 +97,8 @@ StatusOr<SelftestConfig> ConfigFromJson(const std::string& s) try {
   c.gen = ParallelFrom(j["gen"]);
   c.gen_tokens_per_block = j.value("gen_tokens_per_block", 0);
   if (j.contains("gen_dtype")) c.gen_dtype = static_cast<DType>(j["gen_dtype"].get<int>());
+  c.ctx_scales = static_cast<ScaleGranularity>(j.value("ctx_scales", 0));
+  c.gen_scales = static_cast<ScaleGranularity>(j.value("gen_scales", 0));
   KVF_ASSIGN_OR_RETURN(c.ctx_layout, LayoutSpec::Parse(j["ctx_layout"].get<std::string>()));
   KVF_ASSIGN_OR_RETURN(c.gen_layout, LayoutSpec::Parse(j["gen_layout"].get<std::string>()));
   c.requests = j["requests"];

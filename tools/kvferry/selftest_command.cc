@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "kvferry/config.h"
 #include "kvferry/nixl_info.h"
@@ -32,6 +33,7 @@ struct Flags {
   int ctx_tokens_per_block = 0, gen_tokens_per_block = 0;  // 0: tokens_per_block
   std::string dtype = "bf16";
   std::string ctx_dtype, gen_dtype;  // empty: dtype
+  std::string ctx_scales = "none", gen_scales = "none";
   bool mla = false;
   SplitFlags ctx, gen;
   std::string ctx_layout = "block-major", gen_layout = "block-major";
@@ -72,6 +74,17 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
   cmd->add_option("--gen-dtype", f.gen_dtype,
                   "the generation instance's dtype (default: --dtype); the context side converts "
                   "while packing (fp32|fp16|bf16|fp8, fp8 being e4m3)");
+  for (auto [flag, value, side] : {std::tuple{"--ctx-scales", &f.ctx_scales, "context"},
+                                   std::tuple{"--gen-scales", &f.gen_scales, "generation"}}) {
+    cmd->add_option(flag, *value,
+                    fmt::format("the {} instance's KV scales: none|tensor (one per layer and K/V, "
+                                "as vLLM's k_scale/v_scale)|head (one per layer, K/V and head), "
+                                "made-up distinct values; the context side converts with both "
+                                "sides' scales, each element checked",
+                                side))
+        ->check(CLI::IsMember({"none", "tensor", "head"}))
+        ->capture_default_str();
+  }
   cmd->add_flag("--mla", f.mla, "MLA latent cache: one head, K only (kv factor 1)");
   cmd->add_option("--ctx-tp", f.ctx.tp)->capture_default_str();
   cmd->add_option("--ctx-pp", f.ctx.pp)->capture_default_str();
@@ -167,6 +180,13 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.gen_tokens_per_block =
       f.gen_tokens_per_block ? f.gen_tokens_per_block : c.shape.tokens_per_block;
   if (gen_dt != dt) c.gen_dtype = gen_dt;
+  const auto grain = [](const std::string& s) {
+    return s == "tensor" ? ScaleGranularity::kTensor
+           : s == "head" ? ScaleGranularity::kHead
+                         : ScaleGranularity::kNone;
+  };
+  c.ctx_scales = grain(f.ctx_scales);
+  c.gen_scales = grain(f.gen_scales);
   c.ctx = f.ctx.Make();
   c.gen = f.gen.Make();
   KVF_ASSIGN_OR_RETURN(c.ctx_layout, LayoutSpec::Parse(f.ctx_layout));
@@ -182,7 +202,8 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
   c.fault = f.fault;
   c.verify = !f.no_verify;
   c.gpus = f.gpus;
-  c.checksum = f.checksum.value_or(!c.gen_dtype.has_value());
+  // Checksums with a conversion make the pair pack (the digest covers the converted chunk).
+  c.checksum = f.checksum.value_or(!c.gen_dtype.has_value() && f.ctx_scales == f.gen_scales);
   c.timeout = std::chrono::milliseconds(f.timeout_ms);
   c.give_up = std::chrono::milliseconds(f.give_up_ms);
   c.metrics_port = f.metrics_port;
@@ -452,6 +473,8 @@ std::string ConversionName(const Flags& f) {
   const std::string& cd = f.ctx_dtype.empty() ? f.dtype : f.ctx_dtype;
   const std::string& gd = f.gen_dtype.empty() ? f.dtype : f.gen_dtype;
   if (cd != gd) parts.push_back(fmt::format("{} -> {}", cd, gd));
+  if (f.ctx_scales != f.gen_scales)
+    parts.push_back(fmt::format("scales per {} -> per {}", f.ctx_scales, f.gen_scales));
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
@@ -462,6 +485,7 @@ Flags Unconverted(const Flags& f) {
   g.gen_layout = f.ctx_layout;
   g.gen_tokens_per_block = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
   g.gen_dtype = f.ctx_dtype;
+  g.gen_scales = f.ctx_scales;
   return g;
 }
 

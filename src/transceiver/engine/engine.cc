@@ -65,6 +65,7 @@ EngineOptions ResolveOptions(const TransceiverOptions& o, const Device& device) 
   e.instance_id = o.instance_id;
   if (e.instance_id == 0)
     e.instance_id = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
+  e.kv_scales = o.kv_scales;
   return e;
 }
 
@@ -180,6 +181,7 @@ InstanceDesc Engine::SelfDesc() const {
   d.parallel.dp_rank = pool_.slice().dp_group;
   DescribeLayout(pool_.layout(), d);
   d.pool_blocks = pool_.blocks();
+  d.scales = options_.kv_scales;
   return d;
 }
 

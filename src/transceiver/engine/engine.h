@@ -63,6 +63,7 @@ struct EngineOptions {
   // transfer.wire_version: kMessageVersion (negotiates with older peers) or the previous one
   // (behaves as a build of that version: rolling-upgrade tests).
   uint8_t wire_version = kMessageVersion;
+  KvScales kv_scales;  // TransceiverOptions::kv_scales
 };
 
 // The options of a side on `device`: `options` where set, else the transfer.* knobs.

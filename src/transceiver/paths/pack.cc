@@ -23,6 +23,8 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
     d.planes = static_cast<size_t>(p.planes);
     const size_t packed_plane = static_cast<size_t>(p.rows * p.bytes);
     if (to_packed) {
+      d.src_scale = p.src_scale;  // used when packing converts (ConvertBatch)
+      d.dst_scale = p.dst_scale;
       d.dst = buf;
       d.dst_pitch = static_cast<size_t>(p.bytes);
       d.dst_plane_pitch = packed_plane;

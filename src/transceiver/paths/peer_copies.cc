@@ -90,6 +90,8 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.planes = static_cast<size_t>(pc.planes);
     d.dst_plane_pitch = static_cast<size_t>(pc.dst_plane_pitch);
     d.src_plane_pitch = static_cast<size_t>(pc.src_plane_pitch);
+    d.src_scale = pc.src_scale;  // used when the copy converts (ConvertBatch)
+    d.dst_scale = pc.dst_scale;
     // Only within one region at each end (a copy engine copies within one allocation); never
     // when converting (ExtendRows takes a row's bytes for both ends).
     if (!converts && !out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <bit>
 #include <cstdint>
 #include <vector>
 
@@ -45,19 +46,9 @@ void Fields(Io& io, Ref<Io, ParallelConfig> p) {
   io.I32(p.dp_rank, "parallel.dp_rank");
 }
 
-// u8 layout: a named layout every rank derives from its dims, or 2 (custom) followed by the
-// instance's u8 region split and 6 x i64 strides in elements (block, layer, kv, head, token, dim;
-// 0 on the axes that select a region). The planner checks the strides against every rank's dims.
+// A custom layout's fields: u8 region split, 6 x i64 strides.
 template <typename Io>
-void LayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
-  uint8_t v = static_cast<uint8_t>(d.layout);
-  io.U8(v, "layout");
-  io.Check(v <= static_cast<uint8_t>(kLastLayoutKind), [&] {
-    return fmt::format("layout {} is unknown (layouts are 0..{})", v,
-                       static_cast<int>(kLastLayoutKind));
-  });
-  io.Set(d.layout, v);
-  if (v != static_cast<uint8_t>(LayoutKind::kCustom)) return;
+void CustomLayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
   uint8_t split = static_cast<uint8_t>(d.split);
   io.U8(split, "layout.split");
   io.Check(split <= static_cast<uint8_t>(RegionSplit::kPerLayerKv),
@@ -69,6 +60,48 @@ void LayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
     io.Check(stride >= 0,
              [&] { return fmt::format("layout.strides[{}] {} is negative", a, stride); });
   }
+}
+
+// Bit 7 of the layout byte: the instance's KV scales follow its layout's fields.
+inline constexpr uint8_t kScalesFollow = 0x80;
+inline constexpr uint32_t kMaxScales = 1 << 20;
+
+// u8 granularity (1 per tensor, 2 per head), u32 n, n x f32 (the bits of each scale). The planner
+// checks the count against the shape and every value (finite, positive).
+template <typename Io>
+void ScaleFields(Io& io, Ref<Io, KvScales> s) {
+  uint8_t g = static_cast<uint8_t>(s.granularity);
+  io.U8(g, "scales.granularity");
+  io.Check(g == static_cast<uint8_t>(ScaleGranularity::kTensor) ||
+               g == static_cast<uint8_t>(ScaleGranularity::kHead),
+           [&] { return fmt::format("scales.granularity {} is unknown (1 tensor, 2 head)", g); });
+  io.Set(s.granularity, g);
+  io.List(s.values, "scales.values", Limit{.max = kMaxScales, .min_bytes = 4, .empty_ok = false},
+          [](auto& io, auto& value) {
+            uint32_t bits = std::bit_cast<uint32_t>(value);
+            io.U32(bits, "scales.values[]");
+            io.Set(value, std::bit_cast<float>(bits));
+          });
+}
+
+// u8 layout: a named layout every rank derives from its dims, or 2 (custom) followed by the
+// instance's u8 region split and 6 x i64 strides in elements (block, layer, kv, head, token, dim;
+// 0 on the axes that select a region). The planner checks the strides against every rank's dims.
+// With bit 7 set (kScalesFollow), the instance's scales (ScaleFields) come after those fields.
+template <typename Io>
+void LayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
+  const bool scaled = d.scales.granularity != ScaleGranularity::kNone;
+  uint8_t v = static_cast<uint8_t>(static_cast<uint8_t>(d.layout) | (scaled ? kScalesFollow : 0));
+  io.U8(v, "layout");
+  const bool scales_follow = (v & kScalesFollow) != 0;
+  v &= static_cast<uint8_t>(~kScalesFollow);
+  io.Check(v <= static_cast<uint8_t>(kLastLayoutKind), [&] {
+    return fmt::format("layout {} is unknown (layouts are 0..{})", v,
+                       static_cast<int>(kLastLayoutKind));
+  });
+  io.Set(d.layout, v);
+  if (v == static_cast<uint8_t>(LayoutKind::kCustom)) CustomLayoutFields(io, d);
+  if (scales_follow) ScaleFields(io, d.scales);
 }
 
 // An instance as both sides plan with it (the handle's context, a FETCH's generation instance):

@@ -68,6 +68,12 @@ inline std::vector<WireSeed> WireSeeds() {
   h.split = RegionSplit::kPerLayer;
   h.strides = {2 * 4 * 8, 0, 4 * 8, 16 * 2 * 4 * 8, 8, 1};
   out.push_back({"handle_fuzz", "custom_layout", 0, EncodeHandle(h)});
+  // Scales (issue 26 item 3): an fp8 context with a scale per (layer, kv, head).
+  h = SmallSeedHandle();
+  h.shape.dtype = DType::kFp8E4M3;
+  h.scales.granularity = ScaleGranularity::kHead;
+  for (int i = 0; i < 4 * 2 * 4; ++i) h.scales.values.push_back(0.01f * (i + 1));
+  out.push_back({"handle_fuzz", "scales_per_head", 0, EncodeHandle(h)});
 
   const std::pair<const char*, ControlMsg> msgs[] = {
       {"fetch", SmallSeedFetch()},
@@ -100,6 +106,10 @@ inline std::vector<WireSeed> WireSeeds() {
   f.split = RegionSplit::kNone;
   f.strides = {4 * 2 * 4 * 8 + 8, 2 * 4 * 8, 4 * 8, 8, 4 * 8 * 4, 1};
   out.push_back({"message_fuzz", "fetch_custom_layout", 0, EncodeMessage(f)});
+  f = SmallSeedFetch();  // an fp8 generation instance with per-tensor scales (per layer K and V)
+  f.shape.dtype = DType::kFp8E4M3;
+  f.scales = KvScales{ScaleGranularity::kTensor, {1, 2, 3, 4, 0.5f, 0.25f, 0.125f, 8}};
+  out.push_back({"message_fuzz", "fetch_scales_per_tensor", 1 | 16, EncodeMessage(f)});
   // Mixed versions: a FETCH of the version before (served), and the VERSION message.
   out.push_back({"message_fuzz", "fetch_v10", 0, EncodeMessage(SmallSeedFetch(), 10)});
   out.push_back({"message_fuzz", "version", 0, EncodeVersionMsg({10, 11})});

@@ -76,6 +76,46 @@ TEST(Handle, CustomLayoutTravelsWithItsSplitAndStrides) {
   EXPECT_EQ(EncodeHandle(named), EncodeHandle(custom_bytes_named));
 }
 
+// Issue 26 item 3: an instance's KV scales travel after its layout (bit 7 of the layout byte),
+// in handles and FETCH; without scales the bytes are those of before.
+TEST(Handle, ScalesTravelAfterTheLayout) {
+  ContextHandle h = SampleHandle();
+  h.shape.dtype = DType::kFp8E4M3;
+  h.scales.granularity = ScaleGranularity::kTensor;
+  for (int i = 0; i < 64; ++i) h.scales.values.push_back(0.5f + i);
+  for (LayoutKind layout : {LayoutKind::kPerLayer, LayoutKind::kCustom}) {
+    h.layout = layout;
+    if (layout == LayoutKind::kCustom)
+      h.strides = {2 * 8 * 32 * 128, 0, 8 * 32 * 128, 32 * 128, 128, 1};
+    auto back = DecodeHandle(EncodeHandle(h));
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, h);
+  }
+  FetchMsg f = SmallSeedFetch();
+  f.scales = KvScales{ScaleGranularity::kHead, std::vector<float>(4 * 2 * 4, 0.25f)};
+  auto msg = DecodeMessage(EncodeMessage(f));
+  ASSERT_TRUE(msg.ok()) << msg.status().ToString();
+  EXPECT_EQ(std::get<FetchMsg>(*msg), f);
+  FetchMsg other = f;
+  other.scales.values[3] = 0.5f;  // scales are plan inputs
+  EXPECT_NE(std::get<FetchMsg>(*msg).plan_inputs(), other.plan_inputs());
+
+  ContextHandle bad = h;
+  bad.scales.granularity = static_cast<ScaleGranularity>(3);
+  auto st = DecodeHandle(EncodeHandle(bad)).status();
+  EXPECT_NE(st.message().find("scales.granularity 3 is unknown"), std::string_view::npos)
+      << st.ToString();
+  bad = h;
+  bad.scales.values.clear();
+  st = DecodeHandle(EncodeHandle(bad)).status();
+  EXPECT_FALSE(st.ok());
+  // No scales: the layout byte and everything after it as before.
+  ContextHandle plain = SampleHandle();
+  ContextHandle none = plain;
+  none.scales.values = {1, 2};  // ignored without a granularity
+  EXPECT_EQ(EncodeHandle(plain), EncodeHandle(none));
+}
+
 // Issue 29: the token authenticated (request id, blocks, tokens) only, so a handle with its
 // layout byte or layer-wise flag altered kept a valid token and was served with wrong KV. The
 // token of version 2 is the instance's MAC over every byte but itself and the checksum: changing
