@@ -119,10 +119,27 @@ Secret ContextSecret(const std::optional<nb::bytes>& given, PyRendezvous* rendez
   return Take(FetchInstanceSecret(*rv, instance, instance_id, d));
 }
 
+// kv_scales (None: none) per kv_scales_per ("tensor": one per layer and K/V, as vLLM's k_scale and
+// v_scale; "head": one per layer, K/V and head), [layer][kv][head] order; checked by the side.
+KvScales MakeScales(const std::optional<std::vector<float>>& values, const std::string& per) {
+  KvScales s;
+  if (!values.has_value()) return s;
+  if (per == "tensor") {
+    s.granularity = ScaleGranularity::kTensor;
+  } else if (per == "head") {
+    s.granularity = ScaleGranularity::kHead;
+  } else {
+    ThrowInvalid("kv_scales_per must be 'tensor' or 'head', not '" + per + "'");
+  }
+  s.values = *values;
+  return s;
+}
+
 TransceiverOptions MakeOptions(const std::string& transport, double timeout, int64_t chunk_bytes,
                                int64_t staging_chunks, int64_t direct_min_bytes,
-                               uint64_t instance_id) {
+                               uint64_t instance_id, KvScales kv_scales) {
   TransceiverOptions o;
+  o.kv_scales = std::move(kv_scales);
   o.transport = transport;
   if (!(timeout >= 0)) ThrowInvalid("timeout must be >= 0 seconds (0: knob transfer.timeout_ms)");
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000.0));
@@ -316,12 +333,14 @@ void BindTransceiver(nb::module_& m) {
             double timeout, int64_t chunk_bytes, int64_t staging_chunks, int64_t direct_min_bytes,
             const std::optional<nb::bytes>& secret, uint64_t instance_id,
             std::optional<PyFabric*> fabric, std::optional<PyRendezvous*> rendezvous,
-            const std::string& instance, double rendezvous_timeout) {
+            const std::string& instance, double rendezvous_timeout,
+            const std::optional<std::vector<float>>& kv_scales, const std::string& kv_scales_per) {
            std::shared_ptr<DeviceCore> dev = device.core();
            std::shared_ptr<PoolCore> pc = pool.core();
            pc->CheckWrapped();
            TransceiverOptions o = MakeOptions(transport, timeout, chunk_bytes, staging_chunks,
-                                              direct_min_bytes, instance_id);
+                                              direct_min_bytes, instance_id,
+                                              MakeScales(kv_scales, kv_scales_per));
            std::unique_ptr<Transport> t = MakeInProc(fabric, transport, *dev);
            // Last of the checks: with a rendezvous, this waits for rank 0.
            const Secret s = ContextSecret(secret, rendezvous.value_or(nullptr), instance,
@@ -341,6 +360,11 @@ void BindTransceiver(nb::module_& m) {
          nb::arg("instance_secret") = nb::none(), nb::arg("instance_id") = 0,
          nb::arg("fabric") = nb::none(), nb::arg("rendezvous") = nb::none(),
          nb::arg("instance") = "context", nb::arg("rendezvous_timeout") = 60.0,
+         nb::arg("kv_scales") = nb::none(), nb::arg("kv_scales_per") = "tensor",
+         "kv_scales: the instance's KV scales (a quantized cache stores q for q * scale), "
+         "kv_scales_per 'tensor' (one per layer and K/V, [layer][kv]: vLLM's k_scale/v_scale) or "
+         "'head' ([layer][kv][head]); None: 1. Where the sides' scales or dtypes differ the "
+         "context side converts each element (docs/conversion.md). "
          "instance_secret: 16 bytes shared by every rank of the context instance and no one else "
          "(it keys the handles' tokens). Left out: with `rendezvous` (and a non-zero "
          "instance_id), rank 0 makes one and publishes it under `instance` and the other ranks "
@@ -410,7 +434,8 @@ void BindTransceiver(nb::module_& m) {
          [](PyGeneration* self, PyDevice& device, PyPool& pool, const std::string& transport,
             double timeout, int64_t chunk_bytes, int64_t staging_chunks, int64_t direct_min_bytes,
             const std::optional<nb::bytes>& secret, uint64_t instance_id,
-            std::optional<PyFabric*> fabric) {
+            std::optional<PyFabric*> fabric, const std::optional<std::vector<float>>& kv_scales,
+            const std::string& kv_scales_per) {
            std::shared_ptr<DeviceCore> dev = device.core();
            std::shared_ptr<PoolCore> pc = pool.core();
            pc->CheckWrapped();
@@ -418,7 +443,8 @@ void BindTransceiver(nb::module_& m) {
            // checked like the context side's, then not used.
            if (secret.has_value()) SecretFrom(*secret);
            TransceiverOptions o = MakeOptions(transport, timeout, chunk_bytes, staging_chunks,
-                                              direct_min_bytes, instance_id);
+                                              direct_min_bytes, instance_id,
+                                              MakeScales(kv_scales, kv_scales_per));
            std::unique_ptr<Transport> t = MakeInProc(fabric, transport, *dev);
            std::unique_ptr<GenerationSide> side;
            {
@@ -432,7 +458,9 @@ void BindTransceiver(nb::module_& m) {
          nb::arg("device"), nb::arg("pool"), nb::arg("transport") = "ucx", nb::arg("timeout") = 0.0,
          nb::arg("chunk_bytes") = 0, nb::arg("staging_chunks") = 0, nb::arg("direct_min_bytes") = 0,
          nb::arg("instance_secret") = nb::none(), nb::arg("instance_id") = 0,
-         nb::arg("fabric") = nb::none(),
+         nb::arg("fabric") = nb::none(), nb::arg("kv_scales") = nb::none(),
+         nb::arg("kv_scales_per") = "tensor",
+         "kv_scales, kv_scales_per: this instance's KV scales, as ContextSide's. "
          "instance_secret is not needed here (a handle carries its token); one given must still "
          "be 16 bytes, not all zero.")
       .def(

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import kvferry
@@ -288,4 +289,46 @@ def test_custom_layouts_transfer(cpu, small_shape):
         kvferry.Pool.allocate(cpu, small_shape, layout="custom:one:block,layer,kv,head,dim",
                               memory="host", blocks=8)
     for s in gen + ctx + gen_pools + ctx_pools:
+        s.close()
+
+
+def test_kv_scales_requantize_every_element(cpu, small_shape):
+    """KV scales (a stored q stands for q * scale): context per tensor ([layer][kv], as vLLM's
+    k_scale/v_scale), generation per head; the same dtype on both sides, so only the scales
+    convert. Every element arrives as numpy's float32 value * src_scale / dst_scale."""
+    L, kv, H = small_shape.layers, small_shape.kv_factor, small_shape.kv_heads
+    ctx_scales = [0.5 + 0.25 * i for i in range(L * kv)]
+    gen_scales = [0.125 + 0.0625 * i for i in range(L * kv * H)]
+    fabric = kvferry.InProcFabric()
+    ctx_pool = kvferry.Pool.allocate(cpu, small_shape, memory="host", blocks=8)
+    gen_pools = [kvferry.Pool.allocate(cpu, small_shape, kvferry.ParallelConfig(tp=2), rank=r,
+                                       memory="host", blocks=8) for r in range(2)]
+    ctx = kvferry.ContextSide(cpu, ctx_pool, transport="inproc", fabric=fabric,
+                              instance_secret=SECRET, kv_scales=ctx_scales)
+    ctx.set_instance_addresses([ctx.address])
+    gen = [kvferry.GenerationSide(cpu, p, transport="inproc", fabric=fabric, instance_id=9,
+                                  kv_scales=gen_scales, kv_scales_per="head") for p in gen_pools]
+    prompt_tokens = 3 * small_shape.tokens_per_block - 1
+    g = kv_check.global_kv(small_shape, 3, seed=11)
+    ctx_blocks, gen_blocks = [2, 5, 0], [6, 1, 3]
+    kv_check.fill(ctx_pool, ctx_blocks, g)
+    handle = ctx.mark_ready(3, ctx_blocks, prompt_tokens)
+    for s in gen:
+        s.fetch(handle, gen_blocks)
+    for s in gen + [ctx]:
+        (st,) = s.poll(at_least=1, timeout=10.0)
+        assert st.state == kvferry.TransferState.COMPLETE, st
+    src = np.array(ctx_scales, dtype=np.float32).reshape(1, L, kv, 1, 1, 1)
+    dst = np.array(gen_scales, dtype=np.float32).reshape(1, L, kv, H, 1, 1)
+    want = (g * src) / dst  # float32, each step rounded to nearest even
+    assert not np.array_equal(want, g)
+    for p in gen_pools:
+        kv_check.check(p, gen_blocks, want, prompt_tokens)
+    with pytest.raises(kvferry.InvalidArgumentError, match="kv scales per tensor: 3 values"):
+        kvferry.GenerationSide(cpu, gen_pools[0], transport="inproc", fabric=fabric,
+                               kv_scales=[1.0, 2.0, 3.0])
+    with pytest.raises(kvferry.InvalidArgumentError, match="kv_scales_per"):
+        kvferry.GenerationSide(cpu, gen_pools[0], transport="inproc", fabric=fabric,
+                               kv_scales=ctx_scales, kv_scales_per="block")
+    for s in gen + [ctx] + gen_pools + [ctx_pool]:
         s.close()
