@@ -230,9 +230,11 @@ TEST_F(DeviceConformance, CopyBatchScatteredFragments) {
 TEST_F(DeviceConformance, CopyBatchPlanesTransposeHeadsAndTokens) {
   // An HND block [head][token][dim] to NHD [token][head][dim] and back, one descriptor per block:
   // planes are heads, rows tokens; the destination planes interleave (plane pitch = one row).
-  // Twice over: 256-byte rows (the kernel's aligned path) and 6-byte rows (its unaligned one).
-  for (const size_t row : {size_t{256}, size_t{6}}) {
-    const size_t heads = 8, tokens = 16, blocks = 3, block = heads * tokens * row;
+  // Rows of 1024 bytes (the kernel's warp per row), 256 (its flat aligned walk) and 6 (its
+  // unaligned one); blocks of one token too (planes of a single row).
+  for (const auto& [row, tokens] :
+       {std::pair<size_t, size_t>{1024, 16}, {256, 16}, {6, 16}, {256, 1}, {6, 1}}) {
+    const size_t heads = 8, blocks = 3, block = heads * tokens * row;
     const size_t n = blocks * block;
     Buffer src = Alloc(MemoryKind::kPinnedHost, n), back = Alloc(MemoryKind::kPinnedHost, n);
     Buffer nhd = Alloc(MemoryKind::kDevice, n), hnd = Alloc(MemoryKind::kDevice, n);

@@ -82,36 +82,41 @@ __global__ void __launch_bounds__(kThreads)
     const float2 s = scales != nullptr ? scales[i] : make_float2(1.0f, 1.0f);
     const bool scaled = s.x != 1.0f || s.y != 1.0f;
     const uint64_t n = desc.bytes / sizeof(Out);  // elements per row
-    const uint64_t rows = desc.rows;
+    const uint64_t rows = desc.rows, planes = desc.planes;
     const uint64_t dp = rows > 1 ? desc.dst_pitch : 0, sp = rows > 1 ? desc.src_pitch : 0;
+    const uint64_t dpp = planes > 1 ? desc.dst_plane_pitch : 0;
+    const uint64_t spp = planes > 1 ? desc.src_plane_pitch : 0;
+    const uint64_t all_rows = rows * planes;  // (plane, row) as one index (RowOffset)
     char* dst = reinterpret_cast<char*>(desc.dst);
     const char* src = reinterpret_cast<const char*>(desc.src);
-    const bool grouped = n % kGroup == 0 && (desc.src | sp) % (sizeof(In) * kGroup) == 0 &&
-                         (desc.dst | dp) % (sizeof(Out) * kGroup) == 0;
+    const bool grouped = n % kGroup == 0 && (desc.src | sp | spp) % (sizeof(In) * kGroup) == 0 &&
+                         (desc.dst | dp | dpp) % (sizeof(Out) * kGroup) == 0;
     if (grouped) {
       const uint64_t per_row = n / kGroup;
       const uint64_t row_step = threads / per_row, group_step = threads % per_row;
       uint64_t r = tid / per_row, g = tid % per_row;
-      for (; r < rows; r += row_step, g += group_step) {
+      for (; r < all_rows; r += row_step, g += group_step) {
         if (g >= per_row) {  // carry into the next row (group_step < per_row)
           g -= per_row;
-          if (++r >= rows) break;
+          if (++r >= all_rows) break;
         }
-        const auto in =
-            *reinterpret_cast<const Pack<In, kGroup>*>(src + r * sp + g * kGroup * sizeof(In));
+        const auto in = *reinterpret_cast<const Pack<In, kGroup>*>(
+            src + RowOffset(r, rows, planes, sp, spp) + g * kGroup * sizeof(In));
         Pack<Out, kGroup> out;
 #pragma unroll
         for (int k = 0; k < kGroup; ++k) {
           out.v[k] = static_cast<Out>(ConvertOne<From, To>(in.v[k], scaled, s));
         }
-        *reinterpret_cast<Pack<Out, kGroup>*>(dst + r * dp + g * kGroup * sizeof(Out)) = out;
+        *reinterpret_cast<Pack<Out, kGroup>*>(dst + RowOffset(r, rows, planes, dp, dpp) +
+                                              g * kGroup * sizeof(Out)) = out;
       }
     } else {
-      const uint64_t total = n * rows;
+      const uint64_t total = n * all_rows;
       for (uint64_t u = tid; u < total; u += threads) {
         const uint64_t r = u / n, e = u - r * n;
-        const In v = *reinterpret_cast<const In*>(src + r * sp + e * sizeof(In));
-        *reinterpret_cast<Out*>(dst + r * dp + e * sizeof(Out)) =
+        const In v = *reinterpret_cast<const In*>(src + RowOffset(r, rows, planes, sp, spp) +
+                                                  e * sizeof(In));
+        *reinterpret_cast<Out*>(dst + RowOffset(r, rows, planes, dp, dpp) + e * sizeof(Out)) =
             static_cast<Out>(ConvertOne<From, To>(v, scaled, s));
       }
     }

@@ -136,6 +136,19 @@ void PinnedRegion::Reset() noexcept {
 
 namespace {
 
+// A CopyDesc as the kernels read it (GatherDesc), planes and all; planes of a single row are rows.
+GatherDesc KernelDesc(const CopyDesc& c) {
+  const uint64_t rows = std::max<size_t>(c.rows, 1);  // rows 0 is a plain copy, as on the CPU
+  const uint64_t planes = std::max<size_t>(c.planes, 1);
+  const uint64_t d = reinterpret_cast<uint64_t>(c.dst), s = reinterpret_cast<uint64_t>(c.src);
+  if (rows == 1 && planes > 1) {
+    return GatherDesc{d, s, c.bytes, planes, c.dst_plane_pitch, c.src_plane_pitch, 1, 0, 0};
+  }
+  if (planes == 1) return GatherDesc{d, s, c.bytes, rows, c.dst_pitch, c.src_pitch, 1, 0, 0};
+  return GatherDesc{
+      d, s, c.bytes, rows, c.dst_pitch, c.src_pitch, planes, c.dst_plane_pitch, c.src_plane_pitch};
+}
+
 using std::chrono::microseconds;
 
 // Polls `query` (cudaEventQuery / cudaStreamQuery) until it stops answering cudaErrorNotReady or
@@ -415,24 +428,24 @@ class CudaStream final : public Stream {
       for (const CopyDesc& c : copies) {
         if (c.bytes == 0 || c.planes == 0) continue;
         const size_t rows = std::max<size_t>(c.rows, 1);  // rows 0 is a plain copy, as on the CPU
-        // Planes: the path is chosen once for all of them (one allocation at each end), then each
-        // plane is a 2-D descriptor of its own.
+        // Planes: the path is chosen once for all of them (one allocation at each end); the
+        // kernel takes them in one descriptor, the copy engine a 2-D copy per plane.
         const auto [dst, src] = cls.Ends(c.dst, c.src);
         const bool kernel = ToKernel(c, rows, dst, src, cls);
         const bool pageable = dst.cls == PtrClass::kHost || src.cls == PtrClass::kHost;
+        if (kernel) {  // one descriptor, planes and all (GatherDesc)
+          small_.push_back(KernelDesc(c));
+          continue;
+        }
         for (size_t q = 0; q < c.planes; ++q) {
           const uint64_t d = reinterpret_cast<uint64_t>(c.dst) + q * c.dst_plane_pitch;
           const uint64_t s = reinterpret_cast<uint64_t>(c.src) + q * c.src_plane_pitch;
-          if (kernel) {
-            small_.push_back(GatherDesc{d, s, c.bytes, rows, c.dst_pitch, c.src_pitch});
-          } else {
-            CopyDesc one = c;
-            one.dst = reinterpret_cast<void*>(d);
-            one.src = reinterpret_cast<const void*>(s);
-            one.rows = rows;
-            one.planes = 1;
-            ce_.Add(one, pageable);
-          }
+          CopyDesc one = c;
+          one.dst = reinterpret_cast<void*>(d);
+          one.src = reinterpret_cast<const void*>(s);
+          one.rows = rows;
+          one.planes = 1;
+          ce_.Add(one, pageable);
         }
       }
     }
@@ -485,13 +498,8 @@ class CudaStream final : public Stream {
                 i, ordinal_));
           }
         }
-        const size_t rows = std::max<size_t>(c.rows, 1);
-        for (size_t q = 0; q < c.planes; ++q) {
-          small_.push_back(GatherDesc{reinterpret_cast<uint64_t>(c.dst) + q * c.dst_plane_pitch,
-                                      reinterpret_cast<uint64_t>(c.src) + q * c.src_plane_pitch,
-                                      c.bytes, rows, c.dst_pitch, c.src_pitch});
-          scales_.push_back(float2{c.src_scale, c.dst_scale});
-        }
+        small_.push_back(KernelDesc(c));
+        scales_.push_back(float2{c.src_scale, c.dst_scale});
       }
     }
     if (small_.empty()) return Status::Ok();

@@ -88,28 +88,35 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
     __syncthreads();
     char* dst = reinterpret_cast<char*>(desc.dst);
     const char* src = reinterpret_cast<const char*>(desc.src);
-    const uint64_t bytes = desc.bytes, rows = desc.rows;
+    const uint64_t bytes = desc.bytes, rows = desc.rows, planes = desc.planes;
     const uint64_t dp = desc.dst_pitch, sp = desc.src_pitch;
-    const uint64_t all = desc.dst | desc.src | bytes | (rows > 1 ? (dp | sp) : 0);
+    const uint64_t dpp = desc.dst_plane_pitch, spp = desc.src_plane_pitch;
+    // Rows of all planes, as one index (RowOffset); a single row per plane never comes (the host
+    // makes planes of single rows rows).
+    const uint64_t all_rows = rows * planes;
+    const uint64_t all =
+        desc.dst | desc.src | bytes | (rows > 1 ? (dp | sp) : 0) | (planes > 1 ? (dpp | spp) : 0);
+    const auto dst_row = [&](uint64_t r) { return dst + RowOffset(r, rows, planes, dp, dpp); };
+    const auto src_row = [&](uint64_t r) { return src + RowOffset(r, rows, planes, sp, spp); };
     if ((all & 15) == 0) {
       const uint64_t per_row = bytes / 16;
-      if (rows == 1) {
+      if (all_rows == 1) {
         CopyVectors<kLoads>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
                             per_row, tid, threads);
       } else if (per_row >= kWarp) {  // rows of 512 bytes or more: one warp per row
-        for (uint64_t r = warp; r < rows; r += warps) {
-          CopyVectors<kLoads>(reinterpret_cast<uint4*>(dst + r * dp),
-                              reinterpret_cast<const uint4*>(src + r * sp), per_row,
+        for (uint64_t r = warp; r < all_rows; r += warps) {
+          CopyVectors<kLoads>(reinterpret_cast<uint4*>(dst_row(r)),
+                              reinterpret_cast<const uint4*>(src_row(r)), per_row,
                               threadIdx.x % kWarp, kWarp);
         }
       } else {
         // Narrow rows, walked flat over (row, vector), kLoads vectors in flight per thread
         // (gather_kernel_bench_test on the H200, 256-byte rows: one vector at a time moved 0.66
         // of a cudaMemcpy of the same bytes, four 0.96, each beside its run's cudaMemcpy).
-        const uint64_t total = per_row * rows;
-        auto at = [&](const char* base, uint64_t pitch, uint64_t u) {
+        const uint64_t total = per_row * all_rows;
+        auto at = [&](const char* base, uint64_t pitch, uint64_t plane_pitch, uint64_t u) {
           const uint64_t r = u / per_row;
-          return base + r * pitch + (u - r * per_row) * 16;
+          return base + RowOffset(r, rows, planes, pitch, plane_pitch) + (u - r * per_row) * 16;
         };
         uint64_t u = tid;
         for (; u + (kLoads - 1) * static_cast<uint64_t>(threads) < total;
@@ -117,23 +124,23 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
           uint4 v[kLoads];
 #pragma unroll
           for (int k = 0; k < kLoads; ++k) {
-            v[k] = *reinterpret_cast<const uint4*>(at(src, sp, u + k * threads));
+            v[k] = *reinterpret_cast<const uint4*>(at(src, sp, spp, u + k * threads));
           }
 #pragma unroll
           for (int k = 0; k < kLoads; ++k) {
-            *reinterpret_cast<uint4*>(const_cast<char*>(at(dst, dp, u + k * threads))) = v[k];
+            *reinterpret_cast<uint4*>(const_cast<char*>(at(dst, dp, dpp, u + k * threads))) = v[k];
           }
         }
         for (; u < total; u += threads) {
-          *reinterpret_cast<uint4*>(const_cast<char*>(at(dst, dp, u))) =
-              *reinterpret_cast<const uint4*>(at(src, sp, u));
+          *reinterpret_cast<uint4*>(const_cast<char*>(at(dst, dp, dpp, u))) =
+              *reinterpret_cast<const uint4*>(at(src, sp, spp, u));
         }
       }
-    } else if (rows == 1) {
+    } else if (all_rows == 1) {
       CopyRow(dst, src, bytes, tid, threads);
     } else {
-      for (uint64_t r = warp; r < rows; r += warps) {
-        CopyRow(dst + r * dp, src + r * sp, bytes, threadIdx.x % kWarp, kWarp);
+      for (uint64_t r = warp; r < all_rows; r += warps) {
+        CopyRow(dst_row(r), src_row(r), bytes, threadIdx.x % kWarp, kWarp);
       }
     }
     __syncthreads();  // `desc` is overwritten by the next iteration

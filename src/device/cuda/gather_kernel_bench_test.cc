@@ -53,7 +53,7 @@ std::vector<GatherDesc> Descs(const Shape& s, uint64_t bytes, char* dst, const c
     const uint64_t n = std::min(per, rows - r);
     out.push_back(GatherDesc{reinterpret_cast<uint64_t>(dst + r * s.dst_pitch),
                              reinterpret_cast<uint64_t>(src + r * s.src_pitch), s.row, n,
-                             s.dst_pitch, s.src_pitch});
+                             s.dst_pitch, s.src_pitch, 1, 0, 0});
   }
   return out;
 }
