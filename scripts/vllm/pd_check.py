@@ -30,7 +30,13 @@ producer, any other request from the offloaded tiers). Rounds A1 and A2 as above
       offloaded blocks serve them (hits from host and files); outputs must equal the baseline
 
     python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|multi|nixl] [--prefill-tp 2]
-                       [--decode-tp 2] [--transport ucx|nixl]
+                       [--decode-tp 2] [--transport ucx|nixl] [--kv-cache-dtype fp8]
+
+--kv-cache-dtype sets vLLM's kv_cache_dtype of every instance (`fp8`: uint8 tensors the connector
+wraps as kvferry's fp8). --prefill-kv-cache-dtype gives the prefill instance another one (kvferry
+converts on the way); its outputs are not comparable with a one-instance baseline, whose prefill
+computes with the other cache dtype (fp32 prefill -> fp8 decode: 0 of 10 identical to an fp8
+instance, some first tokens already different), so no test uses it.
 
 --transport names the kvferry transport of the `kvferry` and `multi` pairs (the connector's
 kv_connector_extra_config `transport`; `nixl` is kvferry's transport over NIXL's C API, not vLLM's
@@ -77,12 +83,12 @@ def engine_env() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 
-def make_llm(model: str, kv_config: dict | None, tp: int = 1):
+def make_llm(model: str, kv_config: dict | None, tp: int = 1, kv_cache_dtype: str = "auto"):
     from vllm import LLM
 
     kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=BLOCK, max_model_len=512, max_num_batched_tokens=2048, seed=0,
-              tensor_parallel_size=tp)
+              tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype)
     if kv_config is not None:
         kw["kv_transfer_config"] = kv_config
     return LLM(**kw)
@@ -141,7 +147,7 @@ def write_json(path: str, obj) -> None:
 
 
 def role_baseline(args) -> None:
-    llm = make_llm(args.model, None)
+    llm = make_llm(args.model, None, kv_cache_dtype=args.kv_cache_dtype)
     outs = llm.generate([tokens_prompt(p) for p in prompts()], sampling(MAX_TOKENS))
     write_json(os.path.join(args.work, "baseline.json"),
                [list(o.outputs[0].token_ids) for o in outs])
@@ -161,7 +167,8 @@ def serve_until(llm, path: str, timeout: float, until=None) -> bool:
 
 def role_prefill(args) -> None:
     conn = args.connector
-    llm = make_llm(args.model, kv_config(conn, "kv_producer", args), tp=args.prefill_tp)
+    llm = make_llm(args.model, kv_config(conn, "kv_producer", args), tp=args.prefill_tp,
+                   kv_cache_dtype=args.prefill_kv_cache_dtype or args.kv_cache_dtype)
     wait_for(os.path.join(args.work, f"{conn}-decode-ready"), 900)
     ps = prompts()
     rounds = {"A1": A1, "A2": A2, "T": list(range(len(ps))), "C": A1}
@@ -342,7 +349,8 @@ def role_decode(args) -> None:
     else:
         from kvferry.integrations.vllm import KvferryConnector as cls
     timings = Timings(cls)
-    llm = make_llm(args.model, kv_config(args.connector, "kv_consumer", args), tp=args.decode_tp)
+    llm = make_llm(args.model, kv_config(args.connector, "kv_consumer", args), tp=args.decode_tp,
+                   kv_cache_dtype=args.kv_cache_dtype)
     open(os.path.join(args.work, f"{args.connector}-decode-ready"), "w").close()
     wait_for(os.path.join(args.work, f"{args.connector}-tickets.json"), 600)
     with open(os.path.join(args.work, f"{args.connector}-tickets.json")) as f:
@@ -435,7 +443,9 @@ def spawn(args, role: str, connector: str, log: str, env_extra: dict | None = No
     cmd = [sys.executable, __file__, args.model, args.work, "--role", role, "--connector",
            connector, "--rendezvous", args.rendezvous, "--rendezvous-key", args.rendezvous_key,
            "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp),
-           "--decode-tp", str(args.decode_tp), "--transport", args.transport]
+           "--decode-tp", str(args.decode_tp), "--transport", args.transport,
+           "--kv-cache-dtype", args.kv_cache_dtype,
+           "--prefill-kv-cache-dtype", args.prefill_kv_cache_dtype]
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
@@ -732,6 +742,11 @@ def main() -> int:
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode")
     ap.add_argument("--transport", default="ucx",
                     help="kvferry transport of the kvferry and multi pairs (ucx, nixl)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="vLLM's kv_cache_dtype of the baseline and decode instances (auto, fp8)")
+    ap.add_argument("--prefill-kv-cache-dtype", default="",
+                    help="the prefill instance's kv_cache_dtype (default: --kv-cache-dtype); "
+                         "when they differ kvferry converts on the way")
     args = ap.parse_args()
     if args.role is None:
         return orchestrate(args)

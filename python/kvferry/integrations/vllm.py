@@ -541,7 +541,7 @@ class _Worker:
         local_heads = mc.get_num_kv_heads(self.vllm_config.parallel_config)
         head_dim = mc.get_head_size()
         bs = self.vllm_config.cache_config.block_size
-        dtype = _kvferry_dtype(tensors[0].dtype)
+        dtype = _kvferry_dtype(tensors[0].dtype, self.vllm_config.cache_config.cache_dtype)
         layout, strides, blocks = _detect_layout(tensors[0], local_heads, bs, head_dim)
         t0 = tensors[0]
         self.device = kvferry.Device("cpu" if t0.device.type == "cpu"
@@ -562,7 +562,8 @@ class _Worker:
         instance = f"vllm-{self.engine_id}"
         if self.o.transport == "nixl":
             nixl_environment()
-        common = dict(transport=self.o.transport, instance_id=self.instance_id)
+        common = dict(transport=self.o.transport, instance_id=self.instance_id,
+                      kv_scales=self._kv_scales(names))
         if self.producer:
             secret = self._instance_secret(instance)
             self.ctx = kvferry.ContextSide(self.device, self.pool, timeout=self.o.hold_timeout_s,
@@ -580,6 +581,22 @@ class _Worker:
         logger.info("kvferry: rank %d/%d of %s wraps %d layers as %s (%s), %s%s", self.tp_rank,
                     self.tp_size, self.engine_id, len(tensors), layout, self.pool.layout,
                     "producer " if self.producer else "", "consumer" if self.consumer else "")
+
+    def _kv_scales(self, names: list[str]) -> list[float] | None:
+        """The layers' k_scale and v_scale ([layer][kv], kvferry's scales per tensor) when any is
+        not 1: a quantized cache whose stored q stands for q * scale. The other side converts each
+        element where its scales or dtype differ (docs/conversion.md). Scales computed later
+        (calculate_kv_scales, on the first forward) are not seen here."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase, names)
+        scales: list[float] = []
+        for n in names:
+            layer = layers.get(n)
+            scales += [float(getattr(layer, "_k_scale_float", 1.0)),
+                       float(getattr(layer, "_v_scale_float", 1.0))]
+        return scales if any(s != 1.0 for s in scales) else None
 
     def _instance_secret(self, instance: str) -> bytes:
         if self.o.instance_secret:
@@ -771,7 +788,11 @@ class _Worker:
                 obj.close()
 
 
-def _kvferry_dtype(dtype: torch.dtype) -> str:
+def _kvferry_dtype(dtype: torch.dtype, cache_dtype: str = "auto") -> str:
+    # vLLM keeps an fp8 cache (kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") in uint8 tensors.
+    if str(cache_dtype).startswith("fp8") and dtype in (torch.uint8, torch.float8_e4m3fn,
+                                                       torch.float8_e5m2):
+        return "fp8e5m2" if cache_dtype == "fp8_e5m2" else "fp8"
     names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
              torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8e5m2", torch.int8: "int8"}
     if dtype not in names:
