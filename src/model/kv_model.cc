@@ -437,11 +437,25 @@ PoolLayout PoolLayout::VllmCpu(const PoolDims& d, int64_t element_bytes) {
                 RegionSplit::kPerLayer, element_bytes);
 }
 
+namespace {
+// "blocks 0, layers 4, kv 2, heads 4, tokens 4, dim 8": which dim is which in an error.
+std::string DimsNamed(const PoolDims& dims) {
+  static constexpr const char* kNames[kNumAxes] = {"blocks", "layers", "kv",
+                                                   "heads",  "tokens", "dim"};
+  std::string out;
+  for (int a = 0; a < kNumAxes; ++a) {
+    out += fmt::format("{}{} {}", a ? ", " : "", kNames[a], dims[a]);
+  }
+  return out;
+}
+}  // namespace
+
 StatusOr<PoolLayout> PoolLayout::Make(LayoutKind kind, const PoolDims& dims,
                                       int64_t element_bytes) {
   for (int a = 0; a < kNumAxes; ++a) {
     if (dims[a] < 1)
-      return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
+      return Status::InvalidArgument(
+          fmt::format("pool dims ({}) must all be positive", DimsNamed(dims)));
   }
   if (element_bytes < 1) return Status::InvalidArgument("element_bytes must be positive");
   // Named layouts are dense: a region spans at most the product of all dims.
@@ -497,7 +511,8 @@ StatusOr<PoolLayout> PoolLayout::Custom(const PoolDims& dims, const PoolStrides&
                                         RegionSplit split, int64_t element_bytes) {
   for (int a = 0; a < kNumAxes; ++a) {
     if (dims[a] < 1)
-      return Status::InvalidArgument(fmt::format("pool dims {} must all be positive", dims));
+      return Status::InvalidArgument(
+          fmt::format("pool dims ({}) must all be positive", DimsNamed(dims)));
     if (strides[a] < 0)
       return Status::InvalidArgument(fmt::format("strides {} must not be negative", strides));
   }
