@@ -459,14 +459,9 @@ TEST(PlannerMatrix, DifferentDtypes) {
         for (LayoutKind gl : NamedLayoutKinds()) {
           const auto& [cp, gp] = splits[idx % 3];
           const auto& [ctx_tpb, gen_tpb] = sizes[idx % 3];
-          Case c;
-          c.shape = KvShape{7, 8, 8, from, 2, ctx_tpb};
+          Case c = PairCase(KvShape{7, 8, 8, from, 2, ctx_tpb}, cp, gp, cl, gl);
           c.gen_dtype = to;
           c.gen_tokens_per_block = gen_tpb;
-          c.ctx = cp;
-          c.gen = gp;
-          c.ctx_layout = cl;
-          c.gen_layout = gl;
           c.prompt = idx % 2 ? 2 * std::max(ctx_tpb, gen_tpb) + 1 : 5;
           c.block_pattern = idx % 3;
           c.reused = idx % 5 == 2 ? 1 : 0;
@@ -517,14 +512,9 @@ TEST(PlannerMatrix, Scales) {
                               LayoutKind::kPerLayerKvNhd, LayoutKind::kFlashInferHnd}) {
           const auto& [cp, gp] = splits[idx % 3];
           const auto& [ctx_tpb, gen_tpb] = sizes[idx % 3];
-          Case c;
-          c.shape = KvShape{5, 8, 8, from, idx % 7 == 3 ? 1 : 2, ctx_tpb};
+          Case c = PairCase(KvShape{5, 8, 8, from, idx % 7 == 3 ? 1 : 2, ctx_tpb}, cp, gp, cl, gl);
           c.gen_dtype = to;
           c.gen_tokens_per_block = gen_tpb;
-          c.ctx = cp;
-          c.gen = gp;
-          c.ctx_layout = cl;
-          c.gen_layout = gl;
           c.ctx_scales = MakeScales(cg, c.shape, 0.031f);
           c.gen_scales = MakeScales(gg, c.shape, 0.0071f);
           c.prompt = idx % 2 ? 2 * std::max(ctx_tpb, gen_tpb) + 1 : 5;

@@ -69,6 +69,18 @@ struct Case {
   }
 };
 
+// A case between two splits and layouts of `shape` (the rest default).
+inline Case PairCase(const KvShape& shape, const ParallelConfig& ctx, const ParallelConfig& gen,
+                     LayoutKind ctx_layout, LayoutKind gen_layout) {
+  Case c;
+  c.shape = shape;
+  c.ctx = ctx;
+  c.gen = gen;
+  c.ctx_layout = ctx_layout;
+  c.gen_layout = gen_layout;
+  return c;
+}
+
 inline KvShape GenShape(const Case& c) {
   KvShape s = c.shape;
   if (c.gen_tokens_per_block) s.tokens_per_block = c.gen_tokens_per_block;
