@@ -338,9 +338,9 @@ void BindTransceiver(nb::module_& m) {
            std::shared_ptr<DeviceCore> dev = device.core();
            std::shared_ptr<PoolCore> pc = pool.core();
            pc->CheckWrapped();
-           TransceiverOptions o = MakeOptions(transport, timeout, chunk_bytes, staging_chunks,
-                                              direct_min_bytes, instance_id,
-                                              MakeScales(kv_scales, kv_scales_per));
+           TransceiverOptions o =
+               MakeOptions(transport, timeout, chunk_bytes, staging_chunks, direct_min_bytes,
+                           instance_id, MakeScales(kv_scales, kv_scales_per));
            std::unique_ptr<Transport> t = MakeInProc(fabric, transport, *dev);
            // Last of the checks: with a rendezvous, this waits for rank 0.
            const Secret s = ContextSecret(secret, rendezvous.value_or(nullptr), instance,
@@ -442,9 +442,9 @@ void BindTransceiver(nb::module_& m) {
            // The generation side holds no secret (a handle carries its token); one given is
            // checked like the context side's, then not used.
            if (secret.has_value()) SecretFrom(*secret);
-           TransceiverOptions o = MakeOptions(transport, timeout, chunk_bytes, staging_chunks,
-                                              direct_min_bytes, instance_id,
-                                              MakeScales(kv_scales, kv_scales_per));
+           TransceiverOptions o =
+               MakeOptions(transport, timeout, chunk_bytes, staging_chunks, direct_min_bytes,
+                           instance_id, MakeScales(kv_scales, kv_scales_per));
            std::unique_ptr<Transport> t = MakeInProc(fabric, transport, *dev);
            std::unique_ptr<GenerationSide> side;
            {
