@@ -31,12 +31,7 @@ TEST(PlannerMatrix, TpPpLayoutsPrompts) {
         for (LayoutKind cl : kLayouts) {
           for (LayoutKind gl : kLayouts) {
             for (int64_t prompt : prompts) {
-              Case c;
-              c.shape = shape;
-              c.ctx = cp;
-              c.gen = gp;
-              c.ctx_layout = cl;
-              c.gen_layout = gl;
+              Case c = PairCase(shape, cp, gp, cl, gl);
               c.prompt = prompt;
               c.block_pattern = idx % 3;
               c.reused = (idx % 7 == 3) ? std::min<int64_t>(1, Needed(c) - 1) : 0;
@@ -125,12 +120,7 @@ TEST(PlannerMatrix, PromptLengthsReuseAndBlockIds) {
         for (int pattern = 0; pattern < 3; ++pattern) {
           for (LayoutKind cl : kLayouts) {
             for (LayoutKind gl : kLayouts) {
-              Case c;
-              c.shape = KvShape{5, 8, 16, DType::kFp16, 2, tpb};
-              c.ctx = cp;
-              c.gen = gp;
-              c.ctx_layout = cl;
-              c.gen_layout = gl;
+              Case c = PairCase(KvShape{5, 8, 16, DType::kFp16, 2, tpb}, cp, gp, cl, gl);
               c.prompt = prompt;
               c.reused = reused;
               c.block_pattern = pattern;
@@ -154,12 +144,7 @@ TEST(PlannerMatrix, UnevenPipelineStages) {
     for (const auto& gp : configs) {
       for (LayoutKind cl : kLayouts) {
         for (LayoutKind gl : kLayouts) {
-          Case c;
-          c.shape = shape;
-          c.ctx = cp;
-          c.gen = gp;
-          c.ctx_layout = cl;
-          c.gen_layout = gl;
+          Case c = PairCase(shape, cp, gp, cl, gl);
           c.prompt = 9;
           c.block_pattern = 1;
           c.chunk_bytes = 200;
@@ -186,12 +171,7 @@ TEST(PlannerMatrix, Mla) {
     for (const auto& gp : configs) {
       for (LayoutKind cl : kLayouts) {
         for (LayoutKind gl : kLayouts) {
-          Case c;
-          c.shape = shape;
-          c.ctx = cp;
-          c.gen = gp;
-          c.ctx_layout = cl;
-          c.gen_layout = gl;
+          Case c = PairCase(shape, cp, gp, cl, gl);
           c.prompt = 11;
           c.block_pattern = 2;
           c.chunk_bytes = 64;
@@ -217,12 +197,7 @@ TEST(PlannerMatrix, AttentionDataParallel) {
     for (const auto& gp : configs) {
       for (LayoutKind cl : kLayouts) {
         for (LayoutKind gl : kLayouts) {
-          Case c;
-          c.shape = shape;
-          c.ctx = cp;
-          c.gen = gp;
-          c.ctx_layout = cl;
-          c.gen_layout = gl;
+          Case c = PairCase(shape, cp, gp, cl, gl);
           c.prompt = 13;
           c.reused = 1;
           c.block_pattern = 1;
@@ -323,12 +298,7 @@ TEST(PlannerMatrix, EveryNamedLayoutPair) {
     for (LayoutKind gl : NamedLayoutKinds()) {
       for (const auto& [cp, gp] : splits) {
         for (int64_t prompt : prompts) {
-          Case c;
-          c.shape = KvShape{7, 8, 8, DType::kBf16, 2, tpb};
-          c.ctx = cp;
-          c.gen = gp;
-          c.ctx_layout = cl;
-          c.gen_layout = gl;
+          Case c = PairCase(KvShape{7, 8, 8, DType::kBf16, 2, tpb}, cp, gp, cl, gl);
           c.prompt = prompt;
           VaryBlocksAndChunking(c, idx, 1);
           ++idx;
