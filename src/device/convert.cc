@@ -426,33 +426,40 @@ RowFn Pick(ConvertPath path) {
   return &PortableRow<From, To>;
 }
 
-template <ElementFormat From>
-RowFn RowTo(ElementFormat to, ConvertPath path) {
+// fn.template operator()<From, To>() for the conversion's pair of formats (the loops are
+// templates over both): one dispatch for the plain and the scaled rows.
+template <ElementFormat From, typename Fn>
+auto DispatchTo(ElementFormat to, Fn&& fn) {
   switch (to) {
     case ElementFormat::kFp32:
-      return Pick<From, ElementFormat::kFp32>(path);
+      return fn.template operator()<From, ElementFormat::kFp32>();
     case ElementFormat::kFp16:
-      return Pick<From, ElementFormat::kFp16>(path);
+      return fn.template operator()<From, ElementFormat::kFp16>();
     case ElementFormat::kBf16:
-      return Pick<From, ElementFormat::kBf16>(path);
+      return fn.template operator()<From, ElementFormat::kBf16>();
     case ElementFormat::kFp8E4m3:
-      return Pick<From, ElementFormat::kFp8E4m3>(path);
+      break;
   }
-  return nullptr;
+  return fn.template operator()<From, ElementFormat::kFp8E4m3>();
+}
+
+template <typename Fn>
+auto Dispatch(Conversion c, Fn&& fn) {
+  switch (c.from) {
+    case ElementFormat::kFp32:
+      return DispatchTo<ElementFormat::kFp32>(c.to, fn);
+    case ElementFormat::kFp16:
+      return DispatchTo<ElementFormat::kFp16>(c.to, fn);
+    case ElementFormat::kBf16:
+      return DispatchTo<ElementFormat::kBf16>(c.to, fn);
+    case ElementFormat::kFp8E4m3:
+      break;
+  }
+  return DispatchTo<ElementFormat::kFp8E4m3>(c.to, fn);
 }
 
 RowFn RowFor(Conversion c, ConvertPath path = BestPath()) {
-  switch (c.from) {
-    case ElementFormat::kFp32:
-      return RowTo<ElementFormat::kFp32>(c.to, path);
-    case ElementFormat::kFp16:
-      return RowTo<ElementFormat::kFp16>(c.to, path);
-    case ElementFormat::kBf16:
-      return RowTo<ElementFormat::kBf16>(c.to, path);
-    case ElementFormat::kFp8E4m3:
-      return RowTo<ElementFormat::kFp8E4m3>(c.to, path);
-  }
-  return nullptr;
+  return Dispatch(c, [&]<ElementFormat From, ElementFormat To>() { return Pick<From, To>(path); });
 }
 
 // Scaled rows run AVX-512 where the CPU has it, one element at a time elsewhere.
@@ -465,33 +472,9 @@ ScaledRowFn PickScaled(ConvertPath path) {
   return &ScaledRow<From, To>;
 }
 
-template <ElementFormat From>
-ScaledRowFn ScaledRowTo(ElementFormat to, ConvertPath path) {
-  switch (to) {
-    case ElementFormat::kFp32:
-      return PickScaled<From, ElementFormat::kFp32>(path);
-    case ElementFormat::kFp16:
-      return PickScaled<From, ElementFormat::kFp16>(path);
-    case ElementFormat::kBf16:
-      return PickScaled<From, ElementFormat::kBf16>(path);
-    case ElementFormat::kFp8E4m3:
-      return PickScaled<From, ElementFormat::kFp8E4m3>(path);
-  }
-  return nullptr;
-}
-
 ScaledRowFn ScaledRowFor(Conversion c, ConvertPath path = BestPath()) {
-  switch (c.from) {
-    case ElementFormat::kFp32:
-      return ScaledRowTo<ElementFormat::kFp32>(c.to, path);
-    case ElementFormat::kFp16:
-      return ScaledRowTo<ElementFormat::kFp16>(c.to, path);
-    case ElementFormat::kBf16:
-      return ScaledRowTo<ElementFormat::kBf16>(c.to, path);
-    case ElementFormat::kFp8E4m3:
-      return ScaledRowTo<ElementFormat::kFp8E4m3>(c.to, path);
-  }
-  return nullptr;
+  return Dispatch(
+      c, [&]<ElementFormat From, ElementFormat To>() { return PickScaled<From, To>(path); });
 }
 
 // Asks for the cache lines of `bytes` at `p` (a no-op where the platform has no prefetch).
