@@ -528,8 +528,9 @@ TEST_P(Paths, CorruptedByteFailsTheRequestWithDataLoss) {
   for (const auto& [nth, gen_dtype] :
        {std::pair{1, DType::kFp16}, {3, DType::kFp16}, {1, DType::kFp8E4M3}, {2, DType::kBf16}}) {
     Cluster cl({Shape(), {2, 1, {}, 1, 0}}, {Shape(4, 2, gen_dtype), {4, 1, {}, 1, 0}},
-               SmallChunks(GetParam()),
-               [nth](auto t) { return std::make_unique<CorruptingTransport>(std::move(t), nth); });
+               SmallChunks(GetParam()), [n = nth](auto t) {
+                 return std::make_unique<CorruptingTransport>(std::move(t), n);
+               });
     auto h = cl.Publish(21, {3, 4, 9}, 11);
     ASSERT_TRUE(cl.Fetch(h, {0, 5, 6}).ok());
     auto st = cl.Drain(0, 0, 1, milliseconds(5000));
