@@ -103,7 +103,7 @@ StatusOr<std::string> GetText(Rendezvous& rv, std::string_view key, Deadline dea
 }  // namespace
 
 StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make,
-                                        Device& dev) {
+                                        Device& dev, const BaselineResult& copy) {
   auto deadline = DeadlineIn(cfg.timeout);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   KVF_ASSIGN_OR_RETURN(auto t, make());
@@ -186,14 +186,17 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
                            : " (raw nixl agent write: " + raw.status().ToString() + ")";
     }
   }
-  KVF_RETURN_IF_ERROR(PutText(*rv, "done", fmt::format("{}", out.gbps), deadline));
+  const nlohmann::json done = {
+      {"gbps", out.gbps}, {"name", out.name}, {"copy_gbps", copy.gbps}, {"copy_name", copy.name}};
+  KVF_RETURN_IF_ERROR(PutText(*rv, "done", done.dump(), deadline));
   // Keep the transport alive until the receiver has seen the end.
   KVF_ASSIGN_OR_RETURN(std::string ack, GetText(*rv, "ack", deadline));
   local.reset();
   return out;
 }
 
-Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, Device& dev) {
+StatusOr<ReceivedBaselines> BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make,
+                                             Device& dev) {
   auto deadline = DeadlineIn(cfg.timeout);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Rendezvous> rv, ConnectRunRendezvous(cfg));
   KVF_ASSIGN_OR_RETURN(auto t, make());
@@ -234,17 +237,28 @@ Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, D
   }
   // Keep progressing (one-sided puts need the target alive) until the sender is done (asked of
   // the rendezvous every 10 ms, each look a few ms at most).
+  std::string done;
   for (Deadline look = Clock::now();;) {
     t->Progress();
     if (nixl_raw) nixl_raw->Progress();
     if (Clock::now() >= look) {
-      if (GetText(*rv, "done", DeadlineIn(milliseconds(3))).ok()) break;
+      auto d = GetText(*rv, "done", DeadlineIn(milliseconds(3)));
+      if (d.ok()) {
+        done = std::move(d).value();
+        break;
+      }
       look = DeadlineIn(milliseconds(10));
     }
     if (Clock::now() > deadline) return Status::DeadlineExceeded("baseline sender did not finish");
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  return PutText(*rv, "ack", "1", deadline);
+  KVF_RETURN_IF_ERROR(PutText(*rv, "ack", "1", deadline));
+  auto j = nlohmann::json::parse(done, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::Internal("baseline sender's result: " + done);
+  ReceivedBaselines out;
+  out.raw = {j.value("gbps", 0.0), j.value("name", std::string())};
+  out.copy = {j.value("copy_gbps", 0.0), j.value("copy_name", std::string())};
+  return out;
 }
 
 Status BaselineBystander(const SelftestConfig& cfg, const TransportMaker& make) {

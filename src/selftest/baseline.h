@@ -20,10 +20,16 @@ struct BaselineResult {
 // Raw transport bandwidth: the faster of one-sided put (when the transport has it) and tagged
 // send, 4 MiB messages, 16 in flight, BaselineBytes(cfg) in all. Context rank 0 sends, generation
 // rank 0 receives (it runs BaselineReceiver at the same time); other ranks run the bystander
-// (MPI transports are created collectively).
+// (MPI transports are created collectively). The sender hands its result and `copy` (its
+// CopyBaseline, measured first) to the receiver, so that a generation instance started on
+// another host (`kvferry instance --bench`) reports both.
 StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const TransportMaker& make,
-                                        Device& dev);
-Status BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make, Device& dev);
+                                        Device& dev, const BaselineResult& copy);
+struct ReceivedBaselines {
+  BaselineResult raw, copy;
+};
+StatusOr<ReceivedBaselines> BaselineReceiver(const SelftestConfig& cfg, const TransportMaker& make,
+                                             Device& dev);
 Status BaselineBystander(const SelftestConfig& cfg, const TransportMaker& make);
 
 // One copy of min(BaselineBytes, 256 MiB) between two buffers of the pools' memory kind, pages

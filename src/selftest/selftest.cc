@@ -438,19 +438,19 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());
   }
   if (cfg.baseline && rank == 0) {
-    auto b = BaselineSender(cfg, make, dev);
-    if (b.ok()) {
-      res.baseline_gbps = b->gbps;
-      res.baseline_name = b->name;
-    } else {
-      AddError(res, "baseline: " + b.status().ToString());
-    }
     auto c = CopyBaseline(cfg, dev);
     if (c.ok()) {
       res.copy_gbps = c->gbps;
       res.copy_name = c->name;
     } else {
       AddError(res, "copy baseline: " + c.status().ToString());
+    }
+    auto b = BaselineSender(cfg, make, dev, {res.copy_gbps, res.copy_name});
+    if (b.ok()) {
+      res.baseline_gbps = b->gbps;
+      res.baseline_name = b->name;
+    } else {
+      AddError(res, "baseline: " + b.status().ToString());
     }
   }
   KVF_RETURN_IF_ERROR(WriteText(dir / fmt::format("ctx-{}.json", rank), ResultToJson(res)));
@@ -603,8 +603,15 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
   NoteEnd(res, *side);
   NoteFaultMissed(res, cfg, parts.fault);
   if (cfg.baseline && rank == 0) {
-    Status b = BaselineReceiver(cfg, make, dev);
-    if (!b.ok()) AddError(res, "baseline: " + b.ToString());
+    auto b = BaselineReceiver(cfg, make, dev);
+    if (b.ok()) {
+      res.baseline_gbps = b->raw.gbps;
+      res.baseline_name = b->raw.name;
+      res.copy_gbps = b->copy.gbps;
+      res.copy_name = b->copy.name;
+    } else {
+      AddError(res, "baseline: " + b.status().ToString());
+    }
   } else if (cfg.baseline) {
     Status b = BaselineBystander(cfg, make);
     if (!b.ok()) AddError(res, "baseline: " + b.ToString());

@@ -57,7 +57,8 @@ struct RankResult {
   std::vector<double> latencies;  // per request, seconds (generation: fetch to complete)
   double baseline_gbps = 0;       // raw transport bandwidth, same processes, same bytes (rank 0s)
   std::string baseline_name;
-  double copy_gbps = 0;  // one memcpy / cudaMemcpy of the same bytes in this process (ctx rank 0)
+  double copy_gbps =
+      0;  // one memcpy / cudaMemcpy of the same bytes in ctx rank 0 (gen rank 0 hears it)
   std::string copy_name;
   std::vector<std::string> errors;  // the first few
   // cfg.fault names this rank and it never fired (its step was not reached): the run fails.

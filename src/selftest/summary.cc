@@ -131,14 +131,16 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
       else if (i == 3)
         s.errors.push_back(fmt::format("{} rank {}: ({} more)", side, r.rank, r.errors.size() - 4));
     }
+    // Context rank 0 measured the baselines and generation rank 0 heard them: either says
+    // (a generation instance started alone has only the latter).
+    if (r.baseline_gbps > 0 && (r.context || s.baseline_gbps == 0)) {
+      s.baseline_gbps = r.baseline_gbps;
+      s.baseline_name = r.baseline_name;
+      s.copy_gbps = r.copy_gbps;
+      s.copy_name = r.copy_name;
+    }
     if (r.context) {
       if (r.failed) s.failed = std::max(s.failed, r.failed);
-      if (r.baseline_gbps > 0) {
-        s.baseline_gbps = r.baseline_gbps;
-        s.baseline_name = r.baseline_name;
-        s.copy_gbps = r.copy_gbps;
-        s.copy_name = r.copy_name;
-      }
       continue;
     }
     s.bytes += r.bytes;
