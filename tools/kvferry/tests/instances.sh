@@ -23,11 +23,15 @@
 # command per case (a fresh rendezvous each), TP, PP (uneven), attention DP, MLA, duplicated
 # heads, block sizes, a dtype conversion and custom strides differing between the sides; every
 # generation rank must verify every element of every request.
-# Usage: instances.sh KVFERRY [--netns [--link-cut|--long-cut|--vanish|--lossy|--matrix]]
+# With --bench (on this host), both instances run with --bench: the generation instance must print
+# a measured row whose raw-transport and copy baselines came from context rank 0 through the
+# rendezvous, every request verified.
+# Usage: instances.sh KVFERRY [--bench | --netns [--link-cut|--long-cut|--vanish|--lossy|--matrix]]
 #   (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
 netns=0; [ "${2:-}" = --netns ] && netns=1
+bench=0; [ "${2:-}" = --bench ] && bench=1
 cut=0; [ "${3:-}" = --link-cut ] && cut=1
 [ "${3:-}" = --long-cut ] && cut=2
 [ "${3:-}" = --vanish ] && cut=3
@@ -108,6 +112,37 @@ start_rendezvous() {
   [ -n "$addr" ] || { echo "FAIL: the rendezvous did not start"; cat "$tmp/rv.out"; exit 1; }
   echo "rendezvous at $addr"
 }
+if ((bench)); then
+  start_rendezvous
+  common=(--rendezvous "$addr" --rendezvous-key-file "$tmp/key" --layers 4 --kv-heads 4
+          --head-dim 16 --tokens-per-block 8 --requests 6 --concurrency 2 --prompt-tokens 64
+          --transport ucx --timeout-ms 20000 --bench --warmup 1)
+  "$kvferry" instance --role context "${common[@]}" >"$tmp/ctx.out" 2>&1 &
+  ctx=$!
+  "$kvferry" instance --role generation "${common[@]}" --json >"$tmp/gen.json" 2>"$tmp/gen.err" &
+  gen=$!
+  fail=0
+  for p in ctx gen; do
+    timeout 120 tail --pid="${!p}" -f /dev/null
+    wait "${!p}" || { echo "FAIL: the $p instance failed"; fail=1; }
+  done
+  python3 - "$tmp/gen.json" <<'EOF' || fail=1
+import json, sys
+doc = json.load(open(sys.argv[1]))
+rows = [r for r in doc["rows"] if r.get("role") == "summary"]
+if not doc["ok"] or len(rows) != 1:
+    sys.exit(f"FAIL: no passing measured row: ok {doc['ok']}, error {doc.get('error')}")
+r = rows[0]
+print(f"measured: {r['gbps']:.2f} GB/s, raw {r['baseline_gbps']:.2f} ({r['baseline']}), "
+      f"copy {r['copy_gbps']:.2f}, {r['verified']} of {r['requests']} verified")
+if not (r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["copy_gbps"] > 0 and r["verified_all"]
+        and r["verified"] == r["requests"] == 6 and r["warmup"] == 1):
+    sys.exit("FAIL: the row lacks a measurement, a baseline or a verified request")
+EOF
+  ((fail)) && { echo "== ctx"; cat "$tmp/ctx.out"; echo "== gen"; cat "$tmp/gen.json" "$tmp/gen.err"; }
+  ((fail == 0)) && echo PASS
+  exit "$fail"
+fi
 if ((matrix)); then
   base=(--layers 4 --head-dim 16 --tokens-per-block 8 --requests 6 --concurrency 2
         --prompt-tokens 20,37,9 --timeout-ms 20000 --transport ucx)

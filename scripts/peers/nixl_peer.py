@@ -5,10 +5,11 @@
 # UCX backend between two processes that may sit in different hosts or network namespaces. Not
 # run by CI; a harness starts the target, waits for its READY line, then starts the initiator
 # (both typically under `ip netns exec`). scripts/compare-nixl does the same work for processes
-# of one host over multiprocessing; this is its two-process form (helpers copied, not imported).
+# of one host over multiprocessing; this is its two-process form (helpers copied, not imported;
+# what it shares with mooncake_peer.py is in peer_common.py).
 #
-#   target:    nixl.py --role target --bind IP --port PORT [common options]
-#   initiator: nixl.py --role initiator --peer IP:PORT --bind IP [common options]
+#   target:    nixl_peer.py --role target --bind IP --port PORT [common options]
+#   initiator: nixl_peer.py --role initiator --peer IP:PORT --bind IP [common options]
 #
 # - Side channel: one small TCP connection between the two given IPs (the initiator binds its
 #   end to --bind). The initiator sends its parameters and agent metadata; the target checks the
@@ -46,37 +47,22 @@
 #   process if a NIXL call itself blocks past it. NIXL processes crash at interpreter exit after
 #   their work is done (tried: SIGSEGV, rc 139, on both roles with sys.exit), so both roles end
 #   with os._exit(rc) after flushing.
-import argparse
-import faulthandler
 import fcntl
 import importlib.metadata
-import json
 import os
-import select
 import socket
 import struct
 import sys
 import time
 
+sys.dont_write_bytecode = True  # importing peer_common leaves no __pycache__ in the tree
+from peer_common import (FILL, connect_target, fill_block, finish_initiator,  # noqa: E402
+                         log, params, parse_args, pattern_base, pattern_key, peer_gone,
+                         recv_msg, run_main, send_msg, serve_target)
+
 MAGIC = "kvferry-nixl-peer/1"
 NOTIF_PREFIX = b"kvf-nixl r"
 SIOCGIFADDR = 0x8915
-
-
-def log(msg):
-    sys.stderr.write(f"nixl-peer: {msg}\n")
-    sys.stderr.flush()
-
-
-class Deadline:
-    def __init__(self, seconds):
-        self.end = time.monotonic() + seconds
-
-    def left(self, what):
-        s = self.end - time.monotonic()
-        if s <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
-        return s
 
 
 # ---- environment (before NIXL loads) ----------------------------------------------------------
@@ -129,68 +115,12 @@ def nixl_version():
     return "?"
 
 
-# ---- side channel: frames of a JSON header and an optional binary blob ------------------------
-
-def send_msg(sock, obj, blob=b""):
-    head = json.dumps(obj).encode()
-    sock.sendall(struct.pack(">II", len(head), len(blob)) + head + blob)
-
-
-def recv_exact(sock, n, dl, what):
-    buf = bytearray()
-    while len(buf) < n:
-        sock.settimeout(dl.left(what))
-        try:
-            chunk = sock.recv(n - len(buf))
-        except socket.timeout:
-            raise TimeoutError(f"timed out waiting for {what}") from None
-        if not chunk:
-            raise ConnectionError(f"peer closed the side channel while waiting for {what}")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_msg(sock, dl, what):
-    hl, bl = struct.unpack(">II", recv_exact(sock, 8, dl, what))
-    if hl > 1 << 20 or bl > 1 << 30:
-        raise ConnectionError(f"malformed side-channel frame while waiting for {what}")
-    obj = json.loads(recv_exact(sock, hl, dl, what))
-    blob = recv_exact(sock, bl, dl, what) if bl else b""
-    if obj.get("error"):
-        raise RuntimeError(f"peer failed: {obj['error']}")
-    return obj, blob
-
-
-# ---- the data -----------------------------------------------------------------------------------
-
-def params(a):
-    return {"block_bytes": a.block_bytes, "blocks_per_request": a.blocks_per_request,
-            "requests": a.requests, "warmup": a.warmup, "concurrency": a.concurrency}
-
-
-class Pattern:
-    """Slot s block b holds base ^ key(s, b), uint64-wise: unique per (slot, block) and offset."""
-
-    def __init__(self, np, block_bytes):
-        self.np = np
-        n = block_bytes // 8
-        self.base = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-
-    def key(self, s, b):
-        x = (s << 32 | b) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB
-        return self.np.uint64(x & 0xFFFFFFFFFFFFFFFF)
-
-    def fill(self, view, s, b):
-        self.np.bitwise_xor(self.base, self.key(s, b), out=view)
-
-    def check(self, view, s, b):
-        return bool(self.np.array_equal(view, self.base ^ self.key(s, b)))
-
+# ---- the data (side channel frames carry a binary blob: blobs=True) ---------------------------
 
 def make_pool(np, a, agent):
     nbytes = a.block_bytes * a.blocks_per_request * a.concurrency
     pool = np.empty(nbytes // 8, dtype=np.uint64)
-    pool.fill(0xA5A5A5A5A5A5A5A5)  # paged in
+    pool.fill(FILL)  # paged in
     agent.register_memory([(pool.ctypes.data, pool.nbytes, 0, "")], "DRAM")
     return pool
 
@@ -208,32 +138,13 @@ def run_target(a, out_fd, dl):
     nixl_agent, nixl_agent_config = nixl_api()
     agent = nixl_agent(f"kvf-nixl-target-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
     pool = make_pool(np, a, agent)
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind((a.bind, a.port))
-    lsock.listen(1)
-    os.write(out_fd, b"READY\n")
-    lsock.settimeout(dl.left("the initiator to connect"))
-    try:
-        sock, addr = lsock.accept()
-    except socket.timeout:
-        raise TimeoutError("timed out waiting for the initiator to connect") from None
-    lsock.close()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    log(f"initiator connected from {addr[0]}:{addr[1]}")
-    try:
-        hello, md = recv_msg(sock, dl, "the initiator's hello")
-        if hello.get("magic") != MAGIC:
-            raise RuntimeError(f"unexpected hello {hello!r}")
-        if hello["params"] != params(a):
-            raise RuntimeError(f"parameters differ: initiator {hello['params']}, "
-                               f"target {params(a)}")
+
+    def answer(hello, md):
         del md  # the initiator's agent metadata: not needed for its WRITEs (see the header)
-        send_msg(sock, {"magic": MAGIC, "name": agent.name, "base": pool.ctypes.data,
-                        "nbytes": pool.nbytes}, agent.get_agent_metadata())
-        done, _ = recv_msg(sock, dl, "the initiator's done")
-        if done.get("op") != "done":
-            raise RuntimeError(f"unexpected message {done!r}")
+        return ({"magic": MAGIC, "name": agent.name, "base": pool.ctypes.data,
+                 "nbytes": pool.nbytes}, agent.get_agent_metadata())
+
+    def verify(done):
         total = a.warmup + a.requests
         # Every request's notification arrives after its data: wait for all of them.
         want = {NOTIF_PREFIX + str(r).encode() for r in range(total)}
@@ -247,35 +158,18 @@ def run_target(a, out_fd, dl):
             dl.left(f"notifications ({len(want & got)} of {total} came)")
             time.sleep(0.001)
         bad = []
-        pat = Pattern(np, a.block_bytes)
+        base = pattern_base(np, a.block_bytes)
         for s in range(a.concurrency):
             written = s < total  # some request used this slot
             for b in range(a.blocks_per_request):
                 v = block_view(pool, a, s, b)
-                ok = pat.check(v, s, b) if written else bool((v == 0xA5A5A5A5A5A5A5A5).all())
+                ok = (bool(np.array_equal(v, base ^ pattern_key(np, s, b))) if written
+                      else bool((v == FILL).all()))
                 if not ok:
                     bad.append((s, b))
-        verified = not bad
-        why = "" if verified else (f"{len(bad)} blocks differ, first (slot, block) {bad[:4]}")
-        if not verified:
-            log(f"verification failed: {why}")
-        send_msg(sock, {"op": "result", "verified": verified, "why": why,
-                        "notifs": len(got)})
-        # Let the initiator read the answer (and close) before this end goes.
-        sock.settimeout(min(5.0, max(0.1, dl.end - time.monotonic())))
-        try:
-            sock.recv(1)
-        except OSError:
-            pass
-    except Exception as e:
-        try:
-            send_msg(sock, {"error": f"target: {e}"})
-        except OSError:
-            pass
-        raise
-    finally:
-        sock.close()
-    return 0
+        return bad, {"notifs": len(got)}
+
+    return serve_target(a, out_fd, dl, MAGIC, answer, verify, blobs=True)
 
 
 def run_initiator(a, out_fd, dl):
@@ -284,28 +178,15 @@ def run_initiator(a, out_fd, dl):
     agent = nixl_agent(f"kvf-nixl-initiator-{os.getpid()}",
                        nixl_agent_config(backends=["UCX"]))
     pool = make_pool(np, a, agent)
-    pat = Pattern(np, a.block_bytes)
+    base = pattern_base(np, a.block_bytes)
     for s in range(a.concurrency):
         for b in range(a.blocks_per_request):
-            pat.fill(block_view(pool, a, s, b), s, b)
+            fill_block(np, base, block_view(pool, a, s, b), s, b)
 
-    host, port = a.peer.rsplit(":", 1)
-    sock = None
-    while sock is None:  # the target may still be starting: retry until the deadline
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind((a.bind, 0))
-        s.settimeout(min(5.0, dl.left(f"the target at {a.peer}")))
-        try:
-            s.connect((host, int(port)))
-            sock = s
-        except OSError as e:
-            s.close()
-            dl.left(f"the target at {a.peer} ({e})")
-            time.sleep(0.2)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock, _ = connect_target(a, dl)
     send_msg(sock, {"magic": MAGIC, "name": agent.name, "params": params(a)},
              agent.get_agent_metadata())
-    info, md = recv_msg(sock, dl, "the target's metadata")
+    info, md = recv_msg(sock, dl, "the target's metadata", blobs=True)
     if info.get("magic") != MAGIC:
         raise RuntimeError(f"unexpected answer {info!r}")
     remote = agent.add_remote_agent(md)
@@ -325,15 +206,6 @@ def run_initiator(a, out_fd, dl):
         ro = np.uint64(info["base"] + s * slot_bytes) + idx
         lists.append((agent.get_xfer_descs(np.stack([lo, sizes, zeros], axis=1), "DRAM"),
                       agent.get_xfer_descs(np.stack([ro, sizes, zeros], axis=1), "DRAM")))
-
-    def peer_gone():  # the side channel says something (EOF or an error) mid-run
-        r, _, _ = select.select([sock], [], [], 0)
-        if r:
-            try:
-                recv_msg(sock, dl, "-")
-            except Exception as e:
-                raise RuntimeError(f"target went away mid-run: {e}") from None
-            raise RuntimeError("unexpected side-channel message mid-run")
 
     def run(first, count):
         """Requests first..first+count-1, `concurrency` in flight; [(t0, t1)] per request."""
@@ -366,72 +238,27 @@ def run_initiator(a, out_fd, dl):
             if now - last_check > 0.05:
                 last_check = now
                 dl.left(f"transfers ({len(inflight)} in flight, next {nxt})")
-                peer_gone()
-        return sorted(times)
+                peer_gone(sock, dl, blobs=True)
+        return [(t0, t1) for _, t0, t1 in sorted(times)]
 
     run(0, a.warmup)  # untimed; the timed requests start once these ended
     timed = run(a.warmup, a.requests)
-    send_msg(sock, {"op": "done", "requests": a.warmup + a.requests})
-    res, _ = recv_msg(sock, dl, "the target's verification")
-    sock.close()
-    if res.get("op") != "result":
-        raise RuntimeError(f"unexpected answer {res!r}")
-
-    req_bytes = a.block_bytes * a.blocks_per_request
-    wall = max(t1 for _, _, t1 in timed) - min(t0 for _, t0, _ in timed)
     detail = (f"nixl {nixl_version()}, UCX backend, UCX_TLS={os.environ.get('UCX_TLS')}, "
               f"UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}")
-    doc = {"name": "nixl", "bytes_per_request": req_bytes, "requests": a.requests,
-           "request_s": [t1 - t0 for _, t0, t1 in timed], "wall_s": wall,
-           "gbps": a.requests * req_bytes / wall / 1e9, "verified": bool(res["verified"]),
-           "detail": detail}
-    os.write(out_fd, (json.dumps(doc) + "\n").encode())
-    if not res["verified"]:
-        log(f"target's verification failed: {res.get('why')}")
-        return 1
-    return 0
+    return finish_initiator(a, out_fd, sock, dl, "nixl", timed, detail, blobs=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description="NIXL (UCX over TCP) cross-host benchmark peer")
-    ap.add_argument("--role", choices=["target", "initiator"], required=True)
-    ap.add_argument("--bind", required=True, help="this side's IPv4 address")
-    ap.add_argument("--port", type=int, help="target: side-channel port")
-    ap.add_argument("--peer", help="initiator: the target's side channel, IP:PORT")
-    ap.add_argument("--block-bytes", type=int, default=4194304)
-    ap.add_argument("--blocks-per-request", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=120.0, help="overall deadline, seconds")
-    a = ap.parse_args()
-    if a.role == "target" and a.port is None:
-        ap.error("--role target needs --port")
-    if a.role == "initiator" and (not a.peer or ":" not in a.peer):
-        ap.error("--role initiator needs --peer IP:PORT")
-    if a.block_bytes <= 0 or a.block_bytes % 8:
-        ap.error("--block-bytes must be a positive multiple of 8")
-    if a.blocks_per_request < 1 or a.requests < 1 or a.warmup < 0 or a.concurrency < 1:
-        ap.error("--blocks-per-request, --requests, --concurrency >= 1, --warmup >= 0")
+    a = parse_args("NIXL (UCX over TCP) cross-host benchmark peer", 8, "a positive multiple of 8")
 
-    # The result lines go to the original stdout; anything else (NIXL, UCX) to stderr.
-    sys.stdout.flush()
-    out_fd = os.dup(1)
-    os.dup2(2, 1)
-    dl = Deadline(a.timeout)
-    faulthandler.dump_traceback_later(a.timeout + 15, exit=True)  # a NIXL call that blocks
-    rc = 1
-    try:
+    def prepare():
         set_ucx_env(a.bind)
         log(f"{a.role}: UCX_TLS={os.environ['UCX_TLS']} "
             f"UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']}")
-        rc = (run_target if a.role == "target" else run_initiator)(a, out_fd, dl)
-    except Exception as e:
-        log(f"{a.role} failed: {type(e).__name__}: {e}")
-        rc = 1
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(rc)  # NIXL may crash in interpreter teardown once its work is done
+
+    # The watchdog: a NIXL call that blocks. os._exit at the end: NIXL may crash in interpreter
+    # teardown once its work is done.
+    run_main(a, "nixl-peer", 15, run_target, run_initiator, prepare)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 # requests first) moved by Mooncake's TCP transport between two processes that may sit in
 # different hosts or network namespaces. Not run by CI; a harness starts the target, waits for
 # its READY line, then starts the initiator (both typically under `ip netns exec`). The same
-# contract as scripts/peers/nixl.py (side-channel framing and data pattern follow it).
+# contract as scripts/peers/nixl_peer.py (side-channel framing and data pattern follow it; what
+# the two share is in scripts/peers/peer_common.py).
 #
 # Mooncake comes from PyPI into a throw-away venv. The plain `mooncake-transfer-engine` wheel
 # links libcudart.so.12 and libcuda.so.1 and cannot even be imported on a machine without a CUDA
@@ -14,8 +15,8 @@
 #   ~/.cache/kvferry/mooncake-venv/bin/pip install \
 #       mooncake-transfer-engine-non-cuda==0.3.13.post1 numpy
 #   PY=~/.cache/kvferry/mooncake-venv/bin/python
-#   target:    $PY scripts/peers/mooncake.py --role target --bind IP --port PORT [common options]
-#   initiator: $PY scripts/peers/mooncake.py --role initiator --peer IP:PORT --bind IP [common]
+#   target:    $PY scripts/peers/mooncake_peer.py --role target --bind IP --port PORT [common]
+#   initiator: $PY scripts/peers/mooncake_peer.py --role initiator --peer IP:PORT --bind IP [common]
 #   common:    --block-bytes 4194304 --blocks-per-request 128 --requests 8 --warmup 1
 #              --concurrency 2 --timeout 120
 #
@@ -69,42 +70,20 @@
 #   (connection reset); a hung one is noticed by the engine's 30 s transfer timeout or the
 #   watchdog. Both roles end with os._exit(rc) after flushing, so that no engine thread can hold
 #   the process at interpreter exit.
-import argparse
-import faulthandler
 import importlib.metadata
-import json
 import os
-import select
-import socket
-import struct
 import sys
 import time
 
-# This file is named mooncake.py: run as a script, its own folder is sys.path[0] and
-# `import mooncake` would find this file instead of the package. Drop that entry.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.dont_write_bytecode = True  # importing peer_common leaves no __pycache__ in the tree
+from peer_common import (FILL, connect_target, fill_block, finish_initiator,  # noqa: E402
+                         log, params, parse_args, pattern_base, pattern_key, peer_gone,
+                         recv_msg, run_main, send_msg, serve_target)
 
 MAGIC = "kvferry-mooncake-peer/1"
 DISTS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine",
          "mooncake-transfer-engine-cuda13")
 API = "batch_transfer_async_write + get_batch_transfer_status"
-
-
-def log(msg):
-    sys.stderr.write(f"mooncake-peer: {msg}\n")
-    sys.stderr.flush()
-
-
-class Deadline:
-    def __init__(self, seconds):
-        self.end = time.monotonic() + seconds
-
-    def left(self, what):
-        s = self.end - time.monotonic()
-        if s <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
-        return s
 
 
 # ---- the engine -------------------------------------------------------------------------------
@@ -129,60 +108,17 @@ def start_engine(bind):
     return te, f"{bind}:{te.get_rpc_port()}"
 
 
-# ---- side channel: frames of a JSON header (as nixl.py, without the binary part) --------------
-
-def send_msg(sock, obj):
-    head = json.dumps(obj).encode()
-    sock.sendall(struct.pack(">I", len(head)) + head)
-
-
-def recv_exact(sock, n, dl, what):
-    buf = bytearray()
-    while len(buf) < n:
-        sock.settimeout(dl.left(what))
-        try:
-            chunk = sock.recv(n - len(buf))
-        except socket.timeout:
-            raise TimeoutError(f"timed out waiting for {what}") from None
-        if not chunk:
-            raise ConnectionError(f"peer closed the side channel while waiting for {what}")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_msg(sock, dl, what):
-    (hl,) = struct.unpack(">I", recv_exact(sock, 4, dl, what))
-    if hl > 1 << 20:
-        raise ConnectionError(f"malformed side-channel frame while waiting for {what}")
-    obj = json.loads(recv_exact(sock, hl, dl, what))
-    if obj.get("error"):
-        raise RuntimeError(f"peer failed: {obj['error']}")
-    return obj
-
-
-# ---- the data ---------------------------------------------------------------------------------
-
-def params(a):
-    return {"block_bytes": a.block_bytes, "blocks_per_request": a.blocks_per_request,
-            "requests": a.requests, "warmup": a.warmup, "concurrency": a.concurrency}
-
+# ---- the data (side channel frames carry no binary blob: blobs=False) -------------------------
 
 class Pattern:
     """Request r's block b on slot s, uint64-wise: words 1..n-2 hold base ^ key(s, b) (unique per
     slot, block and offset, written once before timing); word 0 holds stamp(r, b) and word n-1
     its complement (written per request)."""
 
-    FILL = 0xA5A5A5A5A5A5A5A5  # the target's pool before any request
-
     def __init__(self, np, block_bytes, blocks):
         self.np = np
-        n = block_bytes // 8
-        self.base = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        self.base = pattern_base(np, block_bytes)
         self.blocks = np.arange(blocks, dtype=np.uint64)
-
-    def key(self, s, b):
-        x = (s << 32 | b) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB
-        return self.np.uint64(x & 0xFFFFFFFFFFFFFFFF)
 
     def stamps(self, r):
         """stamp(r, b) of every block b: (r + 1) in the high half, b in the low half."""
@@ -191,7 +127,7 @@ class Pattern:
     def fill(self, slot, s):
         """slot: (blocks, words) view; the keyed part of every block (ends stamped later)."""
         for b in range(slot.shape[0]):
-            self.np.bitwise_xor(self.base, self.key(s, b), out=slot[b])
+            fill_block(self.np, self.base, slot[b], s, b)
 
     def stamp(self, slot, r):
         st = self.stamps(r)
@@ -202,10 +138,10 @@ class Pattern:
         """Blocks of slot s that differ from request r's (r None: from the initial fill)."""
         np = self.np
         if r is None:
-            return [b for b in range(slot.shape[0]) if not (slot[b] == self.FILL).all()]
+            return [b for b in range(slot.shape[0]) if not (slot[b] == FILL).all()]
         st, want, bad = self.stamps(r), np.empty_like(self.base), []
         for b in range(slot.shape[0]):
-            np.bitwise_xor(self.base, self.key(s, b), out=want)
+            np.bitwise_xor(self.base, pattern_key(np, s, b), out=want)
             v = slot[b]
             if not (v[0] == st[b] and v[-1] == ~st[b]
                     and np.array_equal(v[1:-1], want[1:-1])):
@@ -216,7 +152,7 @@ class Pattern:
 def make_pool(np, a, te):
     """The registered pool as a (concurrency, blocks_per_request, words) uint64 array."""
     pool = np.empty((a.concurrency, a.blocks_per_request, a.block_bytes // 8), dtype=np.uint64)
-    pool.fill(Pattern.FILL)  # paged in
+    pool.fill(FILL)  # paged in
     if te.register_memory(pool.ctypes.data, pool.nbytes) != 0:
         raise RuntimeError(f"register_memory of {pool.nbytes} bytes failed")
     return pool
@@ -233,59 +169,22 @@ def run_target(a, out_fd, dl):
     import numpy as np
     te, session = start_engine(a.bind)
     pool = make_pool(np, a, te)
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    lsock.bind((a.bind, a.port))
-    lsock.listen(1)
-    log(f"target: session {session}, pool {pool.nbytes} bytes at {pool.ctypes.data:#x}")
-    os.write(out_fd, b"READY\n")
-    lsock.settimeout(dl.left("the initiator to connect"))
-    try:
-        sock, addr = lsock.accept()
-    except socket.timeout:
-        raise TimeoutError("timed out waiting for the initiator to connect") from None
-    lsock.close()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    log(f"initiator connected from {addr[0]}:{addr[1]}")
-    try:
-        hello = recv_msg(sock, dl, "the initiator's hello")
-        if hello.get("magic") != MAGIC:
-            raise RuntimeError(f"unexpected hello {hello!r}")
-        if hello["params"] != params(a):
-            raise RuntimeError(f"parameters differ: initiator {hello['params']}, "
-                               f"target {params(a)}")
-        send_msg(sock, {"magic": MAGIC, "session": session, "base": pool.ctypes.data,
-                        "nbytes": pool.nbytes, "version": mooncake_version()})
-        # The engine serves the WRITEs on its own threads; this one waits for the end.
-        done = recv_msg(sock, dl, "the initiator's done")
-        if done.get("op") != "done":
-            raise RuntimeError(f"unexpected message {done!r}")
+
+    def answer(hello, _):
+        return ({"magic": MAGIC, "session": session, "base": pool.ctypes.data,
+                 "nbytes": pool.nbytes, "version": mooncake_version()}, None)
+
+    def verify(done):
+        # The engine served the WRITEs on its own threads; this one waited for the end.
         total = a.warmup + a.requests
         if done.get("requests") != total:
             raise RuntimeError(f"initiator ran {done.get('requests')} requests, expected {total}")
         pat = Pattern(np, a.block_bytes, a.blocks_per_request)
-        bad = [(s, b) for s in range(a.concurrency)
-               for b in pat.bad_blocks(pool[s], s, last_request(s, total, a.concurrency))]
-        verified = not bad
-        why = "" if verified else f"{len(bad)} blocks differ, first (slot, block) {bad[:4]}"
-        if not verified:
-            log(f"verification failed: {why}")
-        send_msg(sock, {"op": "result", "verified": verified, "why": why})
-        # Let the initiator read the answer (and close) before this end goes.
-        sock.settimeout(min(5.0, max(0.1, dl.end - time.monotonic())))
-        try:
-            sock.recv(1)
-        except OSError:
-            pass
-    except Exception as e:
-        try:
-            send_msg(sock, {"error": f"target: {e}"})
-        except OSError:
-            pass
-        raise
-    finally:
-        sock.close()
-    return 0
+        return [(s, b) for s in range(a.concurrency)
+                for b in pat.bad_blocks(pool[s], s, last_request(s, total, a.concurrency))], {}
+
+    note = f"target: session {session}, pool {pool.nbytes} bytes at {pool.ctypes.data:#x}"
+    return serve_target(a, out_fd, dl, MAGIC, answer, verify, note=note)
 
 
 def run_initiator(a, out_fd, dl):
@@ -296,22 +195,9 @@ def run_initiator(a, out_fd, dl):
     for s in range(a.concurrency):
         pat.fill(pool[s], s)
 
-    host, port = a.peer.rsplit(":", 1)
-    sock = None
-    while sock is None:  # the target may still be starting: retry until the deadline
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind((a.bind, 0))
-        s.settimeout(min(5.0, dl.left(f"the target at {a.peer}")))
-        try:
-            s.connect((host, int(port)))
-            sock = s
-        except OSError as e:
-            s.close()
-            dl.left(f"the target at {a.peer} ({e})")
-            time.sleep(0.2)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock, host = connect_target(a, dl)
     send_msg(sock, {"magic": MAGIC, "session": session, "params": params(a)})
-    info = recv_msg(sock, dl, "the target's session")
+    info, _ = recv_msg(sock, dl, "the target's session")
     if info.get("magic") != MAGIC:
         raise RuntimeError(f"unexpected answer {info!r}")
     if info["nbytes"] != pool.nbytes:
@@ -330,15 +216,6 @@ def run_initiator(a, out_fd, dl):
                        for b in range(a.blocks_per_request)],
                       [info["base"] + s * slot_bytes + b * a.block_bytes
                        for b in range(a.blocks_per_request)]))
-
-    def peer_gone():  # the side channel says something (EOF or an error) mid-run
-        r, _, _ = select.select([sock], [], [], 0)
-        if r:
-            try:
-                recv_msg(sock, dl, "-")
-            except Exception as e:
-                raise RuntimeError(f"target went away mid-run: {e}") from None
-            raise RuntimeError("unexpected side-channel message mid-run")
 
     def run(first, count):
         """Requests first..first+count-1, `concurrency` in flight; [(t0, t1)] per request.
@@ -361,72 +238,24 @@ def run_initiator(a, out_fd, dl):
                 raise RuntimeError(f"request {r} failed or timed out")
             times.append((t0, time.perf_counter()))
             dl.left(f"transfers (request {r} done, next {nxt})")
-            peer_gone()
+            peer_gone(sock, dl)
         return times
 
     run(0, a.warmup)  # untimed; the timed requests start once these ended
     timed = run(a.warmup, a.requests)
-    send_msg(sock, {"op": "done", "requests": a.warmup + a.requests})
-    res = recv_msg(sock, dl, "the target's verification")
-    sock.close()
-    if res.get("op") != "result":
-        raise RuntimeError(f"unexpected answer {res!r}")
-
-    req_bytes = a.block_bytes * a.blocks_per_request
-    wall = max(t1 for _, t1 in timed) - min(t0 for t0, _ in timed)
     knobs = "".join(f", {k}={v}" for k, v in sorted(os.environ.items())
                     if k.startswith("MC_") and k not in ("MC_FORCE_TCP", "MC_LOG_LEVEL"))
     detail = (f"mooncake {mooncake_version()}, protocol tcp, {API}, P2PHANDSHAKE, "
               f"MC_FORCE_TCP=1{knobs}")
-    doc = {"name": "mooncake-tcp", "bytes_per_request": req_bytes, "requests": a.requests,
-           "request_s": [t1 - t0 for t0, t1 in timed], "wall_s": wall,
-           "gbps": a.requests * req_bytes / wall / 1e9, "verified": bool(res["verified"]),
-           "detail": detail}
-    os.write(out_fd, (json.dumps(doc) + "\n").encode())
-    if not res["verified"]:
-        log(f"target's verification failed: {res.get('why')}")
-        return 1
-    return 0
+    return finish_initiator(a, out_fd, sock, dl, "mooncake-tcp", timed, detail)
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Mooncake Transfer Engine (TCP) cross-host "
-                                             "benchmark peer")
-    ap.add_argument("--role", choices=["target", "initiator"], required=True)
-    ap.add_argument("--bind", required=True, help="this side's IPv4 address")
-    ap.add_argument("--port", type=int, help="target: side-channel port")
-    ap.add_argument("--peer", help="initiator: the target's side channel, IP:PORT")
-    ap.add_argument("--block-bytes", type=int, default=4194304)
-    ap.add_argument("--blocks-per-request", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=120.0, help="overall deadline, seconds")
-    a = ap.parse_args()
-    if a.role == "target" and a.port is None:
-        ap.error("--role target needs --port")
-    if a.role == "initiator" and (not a.peer or ":" not in a.peer):
-        ap.error("--role initiator needs --peer IP:PORT")
-    if a.block_bytes < 16 or a.block_bytes % 8:
-        ap.error("--block-bytes must be a multiple of 8, at least 16")
-    if a.blocks_per_request < 1 or a.requests < 1 or a.warmup < 0 or a.concurrency < 1:
-        ap.error("--blocks-per-request, --requests, --concurrency >= 1, --warmup >= 0")
-
-    # The result lines go to the original stdout; anything else (the engine's logs) to stderr.
-    sys.stdout.flush()
-    out_fd = os.dup(1)
-    os.dup2(2, 1)
-    dl = Deadline(a.timeout)
-    faulthandler.dump_traceback_later(a.timeout + 5, exit=True)  # a Mooncake call that blocks
-    rc = 1
-    try:
-        rc = (run_target if a.role == "target" else run_initiator)(a, out_fd, dl)
-    except Exception as e:
-        log(f"{a.role} failed: {type(e).__name__}: {e}")
-        rc = 1
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(rc)  # engine threads (listeners, io loop) must not hold the process at exit
+    a = parse_args("Mooncake Transfer Engine (TCP) cross-host benchmark peer", 16,
+                   "a multiple of 8, at least 16")
+    # The watchdog: a Mooncake call that blocks. os._exit at the end: engine threads (listeners,
+    # io loop) must not hold the process at exit.
+    run_main(a, "mooncake-peer", 5, run_target, run_initiator)
 
 
 if __name__ == "__main__":
