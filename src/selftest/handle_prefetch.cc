@@ -35,6 +35,11 @@ std::optional<std::vector<std::byte>> HandlePrefetch::Take(size_t i,
   return out;
 }
 
+Status HandlePrefetch::LastError() const {
+  MutexLock lock(mu_);
+  return last_error_;
+}
+
 void HandlePrefetch::Run() {
   // The rendezvous server holds the Get until the handle is published (WAIT), so a handle
   // published late is seen at once, in one call; the deadline only bounds how long a stop waits
@@ -53,11 +58,13 @@ void HandlePrefetch::Run() {
     if (!handle.ok()) {  // not published yet, or the rendezvous is slow: ask again
       wait = std::min(wait * 2, kMaxWait);
       MutexLock lock(mu_);
+      last_error_ = handle.status();
       if (stop_) return;
       continue;
     }
     {
       MutexLock lock(mu_);
+      last_error_ = Status::Ok();
       ready_.emplace(i, std::move(handle).value());
     }
     cv_.notify_all();

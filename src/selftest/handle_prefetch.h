@@ -36,6 +36,10 @@ class HandlePrefetch {
   // The handle of ids[i] (i: the next to start, taken in order), waiting up to `wait` for it;
   // nullopt when it has not been fetched by then (not yet published).
   std::optional<std::vector<std::byte>> Take(size_t i, std::chrono::microseconds wait);
+  // Why the last look-up failed (OK when the last one succeeded or none failed): a rank that
+  // gives up waiting for handles says what its rendezvous answered, e.g. that nothing listens
+  // at its address, rather than only that no handle came.
+  Status LastError() const;
 
  private:
   void Run();
@@ -43,11 +47,12 @@ class HandlePrefetch {
   const std::unique_ptr<Rendezvous> rv_;
   const std::vector<uint64_t> ids_;
   const size_t depth_;
-  Mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
   std::map<size_t, std::vector<std::byte>> ready_ GUARDED_BY(mu_);
   size_t taken_ GUARDED_BY(mu_) = 0;  // handles [0, taken_) were taken
   bool stop_ GUARDED_BY(mu_) = false;
+  Status last_error_ GUARDED_BY(mu_);
   std::thread thread_;  // last: starts once the members above exist
 };
 

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <iostream>
 #include <thread>
 
 #include "kvferry/rendezvous.h"
@@ -88,6 +89,24 @@ TEST(HandlePrefetch, ASlowLinkStillDeliversEveryHandle) {
     ASSERT_TRUE(h.has_value()) << "handle " << i << " never came over the slow link";
     EXPECT_EQ(*h, HandleOf(static_cast<uint8_t>(i)));
   }
+}
+
+// LastError: what the rendezvous answered the last look-up that failed (a rank that gives up
+// says it), cleared by a handle that came.
+TEST(HandlePrefetch, SaysWhatTheRendezvousLastAnswered) {
+  const RendezvousKey key = RandomKey();
+  Rig rig(key);
+  HandlePrefetch prefetch(rig.Client(key), {60, 61}, 2);
+  EXPECT_FALSE(prefetch.Take(0, 500ms).has_value());
+  EXPECT_FALSE(prefetch.LastError().ok()) << "no handle yet: the look-up timed out";
+  ASSERT_TRUE(PublishHandle(*rig.publisher, 60, HandleOf(1), DeadlineIn(2000ms)).ok());
+  ASSERT_TRUE(prefetch.Take(0, std::chrono::microseconds(5s)).has_value());
+  EXPECT_TRUE(prefetch.LastError().ok()) << prefetch.LastError().ToString();
+  rig.server.reset();  // the rendezvous goes away
+  EXPECT_FALSE(prefetch.Take(1, 1s).has_value());
+  const Status e = prefetch.LastError();
+  EXPECT_FALSE(e.ok());
+  std::cout << "after the rendezvous went away: " << e.ToString() << "\n";
 }
 
 }  // namespace

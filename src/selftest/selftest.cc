@@ -592,7 +592,11 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
     if (watch.Stalled()) {
       std::vector<uint64_t> live;
       for (const auto& [id, where] : inflight) live.push_back(id);
-      GiveUp(res, StallMessage(watch), live, mine.size() - next, "no handle was published for it");
+      const Status looked = handles.LastError();
+      GiveUp(res, StallMessage(watch), live, mine.size() - next,
+             looked.ok() ? std::string("no handle was published for it")
+                         : "no handle was published for it; the last rendezvous look-up: " +
+                               looked.ToString());
       break;
     }
   }
