@@ -101,7 +101,21 @@ struct CopyDesc {
   // quantizes. Both 1: the plain conversion.
   float src_scale = 1.0f;
   float dst_scale = 1.0f;
-  bool scaled() const { return src_scale != 1.0f || dst_scale != 1.0f; }
+  // Per-block scales (ConvertBatch only; docs/conversion.md "Per-block scales"): each plane is one
+  // scale group (a KV block's rows of one layer, K or V, and head). With src_scales, plane q's
+  // source scale is src_scales[q * src_scale_stride] instead of src_scale. With dst_scales (the
+  // destination fp8 e4m3), plane q's destination scale is computed, BlockScale in
+  // convert_core.h: the largest finite |element| of the plane, widened, times its source scale,
+  // over 448 (e4m3's largest value), at least kMinBlockScale; it is written to
+  // dst_scales[q * dst_scale_stride] and quantizes the plane. Both set and from == to: the scales
+  // travel instead, each plane's elements copied unchanged and its source scale written.
+  // Scale arrays are fp32, in memory the stream reaches (as the rows).
+  const float* src_scales = nullptr;
+  float* dst_scales = nullptr;
+  size_t src_scale_stride = 1;
+  size_t dst_scale_stride = 1;
+  bool scaled() const { return src_scale != 1.0f || dst_scale != 1.0f || block_scaled(); }
+  bool block_scaled() const { return src_scales != nullptr || dst_scales != nullptr; }
 };
 
 // Element formats a stream converts between (Stream::ConvertBatch; docs/conversion.md).

@@ -477,6 +477,33 @@ ScaledRowFn ScaledRowFor(Conversion c, ConvertPath path = BestPath()) {
       c, [&]<ElementFormat From, ElementFormat To>() { return PickScaled<From, To>(path); });
 }
 
+// The largest FiniteMagnitude of a plane's widened elements (per-block scales): `rows` rows of
+// `n` elements, `pitch` bytes apart.
+template <ElementFormat F>
+uint32_t PlaneMaxMagnitude(const std::byte* src, size_t rows, size_t pitch, size_t n) {
+  uint32_t m = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    const std::byte* row = src + r * pitch;
+    for (size_t i = 0; i < n; ++i) m = std::max(m, convert::FiniteMagnitude(WidenOne<F>(row, i)));
+  }
+  return m;
+}
+
+uint32_t PlaneMaxMagnitudeOf(ElementFormat f, const std::byte* src, size_t rows, size_t pitch,
+                             size_t n) {
+  switch (f) {
+    case ElementFormat::kFp32:
+      return PlaneMaxMagnitude<ElementFormat::kFp32>(src, rows, pitch, n);
+    case ElementFormat::kFp16:
+      return PlaneMaxMagnitude<ElementFormat::kFp16>(src, rows, pitch, n);
+    case ElementFormat::kBf16:
+      return PlaneMaxMagnitude<ElementFormat::kBf16>(src, rows, pitch, n);
+    case ElementFormat::kFp8E4m3:
+      break;
+  }
+  return PlaneMaxMagnitude<ElementFormat::kFp8E4m3>(src, rows, pitch, n);
+}
+
 // Asks for the cache lines of `bytes` at `p` (a no-op where the platform has no prefetch).
 void PrefetchRow(const std::byte* p, size_t bytes) {
 #if defined(__x86_64__)
@@ -540,15 +567,69 @@ Status CheckConversion(std::span<const CopyDesc> copies, Conversion c) {
           fmt::format("ConvertBatch descriptor {}: scales {} and {} must be finite and positive", i,
                       d.src_scale, d.dst_scale));
     }
+    const bool travel = c.from == c.to && d.src_scales != nullptr;
+    if (d.dst_scales != nullptr && c.to != ElementFormat::kFp8E4m3 && !travel) {
+      return Status::InvalidArgument(fmt::format(
+          "ConvertBatch descriptor {}: per-block destination scales are computed for fp8 only, "
+          "and the destination is {}",
+          i, ElementFormatName(c.to)));
+    }
+    if (d.dst_scales != nullptr && d.planes > 1 && d.dst_scale_stride == 0) {
+      return Status::InvalidArgument(fmt::format(
+          "ConvertBatch descriptor {}: {} planes would write one destination scale (stride 0)", i,
+          d.planes));
+    }
   }
   return Status::Ok();
 }
+
+namespace {
+
+// A descriptor with per-block scales (CopyDesc::src_scales, dst_scales), plane by plane: each
+// plane's source scale read, its destination scale computed (or, from == to with both, the source
+// scale travelling), then its rows converted.
+void ConvertBlockScaled(const CopyDesc& d, Conversion c, ScaledRowFn scaled_row) {
+  const size_t count = d.bytes / static_cast<size_t>(ElementFormatSize(c.to));
+  const size_t rows = d.rows < 1 ? 1 : d.rows;
+  const size_t planes = d.planes < 1 ? 1 : d.planes;
+  const bool travel = c.from == c.to && d.src_scales != nullptr && d.dst_scales != nullptr;
+  for (size_t q = 0; q < planes; ++q) {
+    const auto* src =
+        static_cast<const std::byte*>(d.src) + (planes > 1 ? q * d.src_plane_pitch : 0);
+    auto* dst = static_cast<std::byte*>(d.dst) + (planes > 1 ? q * d.dst_plane_pitch : 0);
+    const float src_scale = d.src_scales ? d.src_scales[q * d.src_scale_stride] : d.src_scale;
+    float dst_scale = d.dst_scale;
+    if (travel) {
+      d.dst_scales[q * d.dst_scale_stride] = src_scale;
+      for (size_t r = 0; r < rows; ++r) {
+        std::memcpy(dst + (rows > 1 ? r * d.dst_pitch : 0), src + (rows > 1 ? r * d.src_pitch : 0),
+                    d.bytes);
+      }
+      continue;
+    }
+    if (d.dst_scales != nullptr) {
+      dst_scale = convert::BlockScale(
+          PlaneMaxMagnitudeOf(c.from, src, rows, rows > 1 ? d.src_pitch : 0, count), src_scale);
+      d.dst_scales[q * d.dst_scale_stride] = dst_scale;
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      scaled_row(dst + (rows > 1 ? r * d.dst_pitch : 0), src + (rows > 1 ? r * d.src_pitch : 0),
+                 count, src_scale, dst_scale);
+    }
+  }
+}
+
+}  // namespace
 
 void ConvertHostBatch(std::span<const CopyDesc> copies, Conversion c) {
   const RowFn row = c.from == c.to ? nullptr : RowFor(c);
   const ScaledRowFn scaled_row = ScaledRowFor(c);
   const size_t out_size = static_cast<size_t>(ElementFormatSize(c.to));
   for (const CopyDesc& d : copies) {
+    if (d.block_scaled()) {
+      ConvertBlockScaled(d, c, scaled_row);
+      continue;
+    }
     const size_t count = d.bytes / out_size;
     // Pitched rows (a 256-byte head row of a KV block) are too short for the loops' own prefetch:
     // the rows about kPrefetchBytes ahead are fetched instead.

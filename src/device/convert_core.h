@@ -88,6 +88,31 @@ KVF_CONVERT_HD uint32_t Rescale(uint32_t x, float src_scale, float dst_scale) {
   return nan ? x : AsBits(scaled / dst_scale);
 }
 
+// ---- per-block scales (CopyDesc::dst_scales) --------------------------------------------------
+
+inline constexpr float kE4m3Max = 448.0f;
+// The smallest computed scale: 1 / (448 * 512), as vLLM's dynamic fp8 quantization (a plane of
+// zeros gets it).
+inline constexpr float kMinBlockScale = 1.0f / (448.0f * 512.0f);
+inline constexpr float kFloatMax = 3.40282347e+38f;
+
+// The magnitude bits of a widened element for a plane's amax: |x|, or 0 for NaN and infinity
+// (non-finite elements are left out). Magnitudes compare as their bits.
+KVF_CONVERT_HD uint32_t FiniteMagnitude(uint32_t x) {
+  const uint32_t ax = x & 0x7fffffffu;
+  return ax < 0x7f800000u ? ax : 0u;
+}
+
+// The scale a plane is quantized to e4m3 with: (amax * src_scale) / 448, each an fp32 operation
+// rounded to nearest even, clamped to [kMinBlockScale, kFloatMax]. amax_bits: the plane's largest
+// FiniteMagnitude. Multiplying the maximum once equals the maximum of the products (rounding is
+// monotone).
+KVF_CONVERT_HD float BlockScale(uint32_t amax_bits, float src_scale) {
+  const float amax = AsFloat(amax_bits) * src_scale;
+  const float s = amax / kE4m3Max;
+  return s < kMinBlockScale ? kMinBlockScale : s > kFloatMax ? kFloatMax : s;
+}
+
 // ---- narrowing from fp32 bits (round to nearest, ties to even) --------------------------------
 
 KVF_CONVERT_HD uint32_t F32ToBf16(uint32_t x) {

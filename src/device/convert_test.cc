@@ -371,6 +371,149 @@ TEST(Convert, ScalesAgainstTheReference) {
   }
 }
 
+// Per-block scales (CopyDesc::src_scales, dst_scales): each plane a scale group. Quantizing to
+// fp8, a plane's scale is its largest finite |value| times the source scale over 448 (a plane of
+// zeros gets kMinBlockScale; NaN and infinity are left out of the maximum, NaN passes, infinity
+// saturates), and its elements are the reference's nearest code of value * src / scale.
+// Dequantizing reads each plane's scale; fp8 -> fp8 with both arrays moves codes and scales
+// unchanged.
+TEST(Convert, PerBlockScalesAgainstTheReference) {
+  auto dev = OpenDevice("cpu");
+  ASSERT_TRUE(dev.ok());
+  auto stream = (*dev)->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  constexpr size_t kRows = 3, kElems = 40, kPlanes = 4;
+  constexpr size_t kPlaneElems = kRows * kElems;
+  std::mt19937 rng(26);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  // bf16 source planes: random; all zeros; with NaN and infinities; one huge value.
+  std::vector<uint16_t> src(kPlanes * kPlaneElems);
+  for (size_t i = 0; i < src.size(); ++i) {
+    const float v = i / kPlaneElems == 1 ? 0.0f : normal(rng);
+    src[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(v) >> 16);
+  }
+  src[2 * kPlaneElems + 5] = 0x7fc1;  // NaN
+  src[2 * kPlaneElems + 6] = 0x7f80;  // +infinity
+  src[2 * kPlaneElems + 7] = 0xff80;  // -infinity
+  src[3 * kPlaneElems + 9] = 0xc7c3;  // -99840
+  const float kSrcScale = 0.5f;
+  std::vector<uint8_t> q(kPlanes * kPlaneElems, 0xee);
+  std::vector<float> scales(2 * kPlanes, -1.0f);  // stride 2: the odd ones stay untouched
+  CopyDesc d{};
+  d.src = src.data();
+  d.dst = q.data();
+  d.bytes = kElems;
+  d.rows = kRows;
+  d.src_pitch = kElems * 2;
+  d.dst_pitch = kElems;
+  d.planes = kPlanes;
+  d.src_plane_pitch = kPlaneElems * 2;
+  d.dst_plane_pitch = kPlaneElems;
+  d.src_scale = kSrcScale;
+  d.dst_scales = scales.data();
+  d.dst_scale_stride = 2;
+  const Conversion to_fp8{ElementFormat::kBf16, ElementFormat::kFp8E4m3};
+  ASSERT_TRUE((*stream)->ConvertBatch({&d, 1}, to_fp8).ok());
+  ASSERT_TRUE((*stream)->Synchronize(DeadlineIn(std::chrono::seconds(30))).ok());
+  const NarrowReference narrow(ElementFormat::kFp8E4m3);
+  for (size_t p = 0; p < kPlanes; ++p) {
+    float amax = 0;
+    for (size_t i = 0; i < kPlaneElems; ++i) {
+      const double v = Decode(ElementFormat::kBf16, src[p * kPlaneElems + i]);
+      if (std::isfinite(v)) amax = std::max(amax, static_cast<float>(std::fabs(v)));
+    }
+    const float want_scale = std::max(amax * kSrcScale / 448.0f, 1.0f / (448.0f * 512.0f));
+    ASSERT_EQ(scales[2 * p], want_scale) << "plane " << p;
+    ASSERT_EQ(scales[2 * p + 1], -1.0f);
+    for (size_t i = 0; i < kPlaneElems; ++i) {
+      const uint16_t v = src[p * kPlaneElems + i];
+      const uint8_t got = q[p * kPlaneElems + i];
+      if (IsNanCode(ElementFormat::kBf16, v)) {
+        ASSERT_EQ(got, 0x7f) << p << " " << i;
+        continue;
+      }
+      const float x = static_cast<float>(Decode(ElementFormat::kBf16, v)) * kSrcScale / want_scale;
+      ASSERT_EQ(got, narrow(x)) << "plane " << p << " element " << i;
+    }
+  }
+  EXPECT_EQ(scales[2], 1.0f / (448.0f * 512.0f));  // the plane of zeros
+  EXPECT_EQ(q[2 * kPlaneElems + 6], 0x7e);         // +infinity saturates
+  EXPECT_EQ(q[2 * kPlaneElems + 7], 0xfe);
+  EXPECT_EQ(q[3 * kPlaneElems + 9], 0xfe);  // the plane's largest value becomes -448
+
+  // Back to bf16 with each plane's scale read (stride 2).
+  std::vector<uint16_t> back(src.size(), 0xeeee);
+  CopyDesc b{};
+  b.src = q.data();
+  b.dst = back.data();
+  b.bytes = kElems * 2;
+  b.rows = kRows;
+  b.src_pitch = kElems;
+  b.dst_pitch = kElems * 2;
+  b.planes = kPlanes;
+  b.src_plane_pitch = kPlaneElems;
+  b.dst_plane_pitch = kPlaneElems * 2;
+  b.src_scales = scales.data();
+  b.src_scale_stride = 2;
+  ASSERT_TRUE(
+      (*stream)->ConvertBatch({&b, 1}, {ElementFormat::kFp8E4m3, ElementFormat::kBf16}).ok());
+  ASSERT_TRUE((*stream)->Synchronize(DeadlineIn(std::chrono::seconds(30))).ok());
+  const NarrowReference to_bf16(ElementFormat::kBf16);
+  for (size_t i = 0; i < back.size(); ++i) {
+    const uint8_t v = q[i];
+    if (IsNanCode(ElementFormat::kFp8E4m3, v)) continue;
+    const float x =
+        static_cast<float>(Decode(ElementFormat::kFp8E4m3, v)) * scales[2 * (i / kPlaneElems)];
+    ASSERT_EQ(back[i], to_bf16(x)) << i;
+  }
+
+  // fp8 -> fp8 with both arrays: codes and scales travel unchanged.
+  std::vector<uint8_t> moved(q.size(), 0);
+  std::vector<float> moved_scales(kPlanes, 0.0f);
+  CopyDesc m{};
+  m.src = q.data();
+  m.dst = moved.data();
+  m.bytes = kPlaneElems;
+  m.planes = kPlanes;
+  m.src_plane_pitch = kPlaneElems;
+  m.dst_plane_pitch = kPlaneElems;
+  m.src_scales = scales.data();
+  m.src_scale_stride = 2;
+  m.dst_scales = moved_scales.data();
+  const Conversion same{ElementFormat::kFp8E4m3, ElementFormat::kFp8E4m3};
+  ASSERT_TRUE((*stream)->ConvertBatch({&m, 1}, same).ok());
+  ASSERT_TRUE((*stream)->Synchronize(DeadlineIn(std::chrono::seconds(30))).ok());
+  EXPECT_EQ(moved, q);
+  for (size_t p = 0; p < kPlanes; ++p) EXPECT_EQ(moved_scales[p], scales[2 * p]);
+}
+
+TEST(Convert, RefusesPerBlockScalesItCannotCompute) {
+  auto dev = OpenDevice("cpu");
+  ASSERT_TRUE(dev.ok());
+  auto stream = (*dev)->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  std::vector<std::byte> a(64), b(64);
+  float scales[2] = {};
+  CopyDesc d{};
+  d.src = a.data();
+  d.dst = b.data();
+  d.bytes = 8;
+  d.dst_scales = scales;
+  Status s = (*stream)->ConvertBatch({&d, 1}, {ElementFormat::kFp32, ElementFormat::kBf16});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("computed for fp8 only, and the destination is bf16"),
+            std::string::npos)
+      << s.ToString();
+  d.planes = 2;
+  d.src_plane_pitch = 16;
+  d.dst_plane_pitch = 8;
+  d.dst_scale_stride = 0;
+  s = (*stream)->ConvertBatch({&d, 1}, {ElementFormat::kBf16, ElementFormat::kFp8E4m3});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("2 planes would write one destination scale"), std::string::npos)
+      << s.ToString();
+}
+
 TEST(Convert, RefusesBadScalesAndPartialElements) {
   auto dev = OpenDevice("cpu");
   ASSERT_TRUE(dev.ok());

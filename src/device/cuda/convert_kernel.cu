@@ -124,43 +124,164 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-using Kernel = void (*)(const GatherDesc*, const float2*, uint32_t);
+// The largest of every thread's `v` in the block (kThreads threads), in every thread.
+__device__ __forceinline__ uint32_t BlockMax(uint32_t v) {
+  __shared__ uint32_t warp_max[kThreads / 32];
+  __shared__ uint32_t all;
+  v = __reduce_max_sync(0xffffffffu, v);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const uint32_t w = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
+    const uint32_t m = __reduce_max_sync(0xffffffffu, w);
+    if (threadIdx.x == 0) all = m;
+  }
+  __syncthreads();
+  return all;
+}
 
-template <int From>
-Kernel KernelTo(int to) {
+// Per-block scales (CopyDesc::src_scales, dst_scales): a thread block takes one (descriptor,
+// plane) at a time, blockIdx.x over descriptors and blockIdx.y over planes, so a plane's amax is
+// reduced within one block: a first pass over the plane's rows (reading them into the caches), the
+// scale, then the rows converted as ConvertKernel does. The plane's threads walk (row, group) with
+// a 32-bit division (a plane holds few rows).
+template <int From, int To>
+__global__ void __launch_bounds__(kThreads)
+    ConvertBlockScaledKernel(const GatherDesc* descs, const BlockScaleDesc* scales,
+                             uint32_t count) {
+  using In = typename Format<From>::Bits;
+  using Out = typename Format<To>::Bits;
+  constexpr int kGroup = 16 / (sizeof(In) < sizeof(Out) ? sizeof(In) : sizeof(Out));
+  __shared__ GatherDesc desc;
+  __shared__ BlockScaleDesc sd;
+  for (uint32_t i = blockIdx.x; i < count; i += gridDim.x) {
+    if (threadIdx.x < sizeof(GatherDesc) / sizeof(uint64_t)) {
+      reinterpret_cast<uint64_t*>(&desc)[threadIdx.x] =
+          reinterpret_cast<const uint64_t*>(descs + i)[threadIdx.x];
+    }
+    if (threadIdx.x < sizeof(BlockScaleDesc) / sizeof(uint64_t)) {
+      reinterpret_cast<uint64_t*>(&sd)[threadIdx.x] =
+          reinterpret_cast<const uint64_t*>(scales + i)[threadIdx.x];
+    }
+    __syncthreads();
+    const uint32_t n = static_cast<uint32_t>(desc.bytes / sizeof(Out));  // elements per row
+    const uint32_t rows = static_cast<uint32_t>(desc.rows);
+    const uint64_t planes = desc.planes;
+    const uint64_t dp = rows > 1 ? desc.dst_pitch : 0, sp = rows > 1 ? desc.src_pitch : 0;
+    const uint64_t dpp = planes > 1 ? desc.dst_plane_pitch : 0;
+    const uint64_t spp = planes > 1 ? desc.src_plane_pitch : 0;
+    const bool grouped = n % kGroup == 0 && (desc.src | sp | spp) % (sizeof(In) * kGroup) == 0 &&
+                         (desc.dst | dp | dpp) % (sizeof(Out) * kGroup) == 0;
+    const uint32_t per_row = grouped ? n / kGroup : n;  // work items per row
+    const uint32_t items = per_row * rows;
+    const auto* src_scales = reinterpret_cast<const float*>(sd.src_scales);
+    auto* dst_scales = reinterpret_cast<float*>(sd.dst_scales);
+    const bool travel = From == To && src_scales != nullptr && dst_scales != nullptr;
+    for (uint64_t q = blockIdx.y; q < planes; q += gridDim.y) {
+      const char* src = reinterpret_cast<const char*>(desc.src) + q * spp;
+      char* dst = reinterpret_cast<char*>(desc.dst) + q * dpp;
+      const float s_src = src_scales != nullptr ? src_scales[q * sd.src_stride] : sd.src_scale;
+      float s_dst = sd.dst_scale;
+      if (travel) {
+        if (threadIdx.x == 0) dst_scales[q * sd.dst_stride] = s_src;
+      } else if (dst_scales != nullptr) {
+        uint32_t m = 0;
+        for (uint32_t u = threadIdx.x; u < items; u += kThreads) {
+          const uint32_t r = u / per_row, g = u - r * per_row;
+          if (grouped) {
+            const auto in =
+                *reinterpret_cast<const Pack<In, kGroup>*>(src + r * sp + g * kGroup * sizeof(In));
+#pragma unroll
+            for (int k = 0; k < kGroup; ++k) {
+              m = max(m, convert::FiniteMagnitude(Format<From>::Widen(in.v[k])));
+            }
+          } else {
+            const In v = *reinterpret_cast<const In*>(src + r * sp + g * sizeof(In));
+            m = max(m, convert::FiniteMagnitude(Format<From>::Widen(v)));
+          }
+        }
+        s_dst = convert::BlockScale(BlockMax(m), s_src);
+        if (threadIdx.x == 0) dst_scales[q * sd.dst_stride] = s_dst;
+      }
+      const bool scaled = !travel && (s_src != 1.0f || s_dst != 1.0f);
+      const float2 s = make_float2(s_src, s_dst);
+      for (uint32_t u = threadIdx.x; u < items; u += kThreads) {
+        const uint32_t r = u / per_row, g = u - r * per_row;
+        if (grouped) {
+          const auto in =
+              *reinterpret_cast<const Pack<In, kGroup>*>(src + r * sp + g * kGroup * sizeof(In));
+          Pack<Out, kGroup> out;
+#pragma unroll
+          for (int k = 0; k < kGroup; ++k) {
+            out.v[k] = travel ? static_cast<Out>(in.v[k])
+                              : static_cast<Out>(ConvertOne<From, To>(in.v[k], scaled, s));
+          }
+          *reinterpret_cast<Pack<Out, kGroup>*>(dst + r * dp + g * kGroup * sizeof(Out)) = out;
+        } else {
+          const In v = *reinterpret_cast<const In*>(src + r * sp + g * sizeof(In));
+          *reinterpret_cast<Out*>(dst + r * dp + g * sizeof(Out)) =
+              travel ? static_cast<Out>(v) : static_cast<Out>(ConvertOne<From, To>(v, scaled, s));
+        }
+      }
+      __syncthreads();  // BlockMax's shared words are reused by the next plane
+    }
+    __syncthreads();  // `desc` is overwritten by the next iteration
+  }
+}
+
+using Kernel = void (*)(const GatherDesc*, const float2*, uint32_t);
+using BlockScaledKernel = void (*)(const GatherDesc*, const BlockScaleDesc*, uint32_t);
+
+// The kernel instance for (from, to): Pick<From, To>() of a functor templated on both.
+template <typename K, int From, typename Pick>
+K KernelTo(int to, Pick pick) {
   switch (to) {
     case 0:
-      return &ConvertKernel<From, 0>;
+      return pick.template operator()<From, 0>();
     case 1:
-      return &ConvertKernel<From, 1>;
+      return pick.template operator()<From, 1>();
     case 2:
-      return &ConvertKernel<From, 2>;
+      return pick.template operator()<From, 2>();
     case 3:
-      return &ConvertKernel<From, 3>;
+      return pick.template operator()<From, 3>();
   }
   return nullptr;
 }
 
-Kernel KernelFor(int from, int to) {
+template <typename K, typename Pick>
+K KernelFor(int from, int to, Pick pick) {
   switch (from) {
     case 0:
-      return KernelTo<0>(to);
+      return KernelTo<K, 0>(to, pick);
     case 1:
-      return KernelTo<1>(to);
+      return KernelTo<K, 1>(to, pick);
     case 2:
-      return KernelTo<2>(to);
+      return KernelTo<K, 2>(to, pick);
     case 3:
-      return KernelTo<3>(to);
+      return KernelTo<K, 3>(to, pick);
   }
   return nullptr;
 }
+
+struct PickConvert {
+  template <int From, int To>
+  Kernel operator()() const {
+    return &ConvertKernel<From, To>;
+  }
+};
+struct PickBlockScaled {
+  template <int From, int To>
+  BlockScaledKernel operator()() const {
+    return &ConvertBlockScaledKernel<From, To>;
+  }
+};
 
 }  // namespace
 
 cudaError_t LaunchConvert(const GatherDesc* descs, const float2* scales, uint32_t count, int from,
                           int to, uint32_t max_blocks, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  const Kernel kernel = KernelFor(from, to);
+  const Kernel kernel = KernelFor<Kernel>(from, to, PickConvert{});
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
   const uint32_t blocks = std::min(count, cap);
@@ -168,6 +289,22 @@ cudaError_t LaunchConvert(const GatherDesc* descs, const float2* scales, uint32_
   // few tall descriptors still get up to 256 blocks each (conversion is arithmetic too).
   const uint32_t parts = std::min<uint32_t>(
       max_blocks == 0 ? std::max<uint32_t>(1, 1024 / blocks) : cap / blocks, kMaxParts);
+  kernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, scales, count);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchConvertBlockScaled(const GatherDesc* descs, const BlockScaleDesc* scales,
+                                     uint32_t count, uint64_t max_planes, int from, int to,
+                                     uint32_t max_blocks, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const BlockScaledKernel kernel = KernelFor<BlockScaledKernel>(from, to, PickBlockScaled{});
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
+  const uint32_t blocks = std::min(count, cap);
+  // Enough (descriptor, plane) blocks to fill the GPU: the cap's spare blocks go to planes.
+  const uint64_t want = std::max<uint64_t>(1, std::max<uint32_t>(cap, 1024) / blocks);
+  const uint32_t parts = static_cast<uint32_t>(
+      std::min<uint64_t>(std::min<uint64_t>(std::max<uint64_t>(max_planes, 1), want), kMaxBlocks));
   kernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, scales, count);
   return cudaGetLastError();
 }

@@ -18,4 +18,23 @@ namespace kvferry::internal::cuda {
 cudaError_t LaunchConvert(const GatherDesc* descs, const float2* scales, uint32_t count, int from,
                           int to, uint32_t max_blocks, cudaStream_t stream);
 
+// A descriptor's per-block scales (CopyDesc::src_scales, dst_scales, their strides in floats,
+// and its uniform scales for what has no array), read by the device like `descs`.
+struct BlockScaleDesc {
+  uint64_t src_scales;  // const float*, or 0
+  uint64_t dst_scales;  // float*, or 0
+  uint64_t src_stride;
+  uint64_t dst_stride;
+  float src_scale;
+  float dst_scale;
+};
+static_assert(sizeof(BlockScaleDesc) == 40, "BlockScaleDesc travels in the descriptor ring");
+
+// LaunchConvert for a batch with per-block scales: one thread block per (descriptor, plane) at a
+// time, each plane a scale group (its amax reduced in the block before the plane is written).
+// `max_planes`: the most planes of any descriptor (the grid's second dimension).
+cudaError_t LaunchConvertBlockScaled(const GatherDesc* descs, const BlockScaleDesc* scales,
+                                     uint32_t count, uint64_t max_planes, int from, int to,
+                                     uint32_t max_blocks, cudaStream_t stream);
+
 }  // namespace kvferry::internal::cuda

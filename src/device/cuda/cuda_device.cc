@@ -481,40 +481,67 @@ class CudaStream final : public Stream {
     KVF_RETURN_IF_ERROR(Use());
     small_.clear();
     scales_.clear();
-    bool scaled = false;
+    block_scales_.clear();
+    bool scaled = false, block_scaled = false;
+    uint64_t max_planes = 1;
     {
       Classifier cls(ordinal_);
+      const auto reach = [&](PtrInfo end) {
+        return end.cls == PtrClass::kMappedHost ||
+               (end.cls == PtrClass::kDevice && end.ordinal == ordinal_);
+      };
       for (size_t i = 0; i < copies.size(); ++i) {
         const CopyDesc& c = copies[i];
         if (c.bytes == 0 || c.planes == 0) continue;
         scaled = scaled || c.scaled();
+        block_scaled = block_scaled || c.block_scaled();
+        max_planes = std::max<uint64_t>(max_planes, c.planes);
         const auto [dst, src] = cls.Ends(c.dst, c.src);
-        for (const PtrInfo& end : {dst, src}) {
-          if (end.cls != PtrClass::kMappedHost &&
-              !(end.cls == PtrClass::kDevice && end.ordinal == ordinal_)) {
-            return Status::InvalidArgument(fmt::format(
-                "ConvertBatch: descriptor {} reads or writes memory the conversion kernel of "
-                "cuda:{} can't reach (pageable host memory or another GPU's)",
-                i, ordinal_));
-          }
+        bool ok = reach(dst) && reach(src);
+        if (c.block_scaled()) {  // scale arrays: the kernel reads and writes them too
+          const auto [ds, ss] =
+              cls.Ends(c.dst_scales ? c.dst_scales : c.dst, c.src_scales ? c.src_scales : c.src);
+          ok = ok && reach(ds) && reach(ss);
+        }
+        if (!ok) {
+          return Status::InvalidArgument(fmt::format(
+              "ConvertBatch: descriptor {} reads or writes memory the conversion kernel of "
+              "cuda:{} can't reach (pageable host memory or another GPU's)",
+              i, ordinal_));
         }
         small_.push_back(KernelDesc(c));
         scales_.push_back(float2{c.src_scale, c.dst_scale});
+        block_scales_.push_back(BlockScaleDesc{
+            reinterpret_cast<uint64_t>(c.src_scales), reinterpret_cast<uint64_t>(c.dst_scales),
+            c.src_scale_stride, c.dst_scale_stride, c.src_scale, c.dst_scale});
       }
     }
     if (small_.empty()) return Status::Ok();
-    // Scales, when any descriptor has them, travel in the ring after the descriptors.
+    // Scales, when any descriptor has them, travel in the ring after the descriptors: (src_scale,
+    // dst_scale) pairs, or BlockScaleDesc when any descriptor has per-block scales.
     const size_t n = small_.size();
-    const size_t scale_slots =
-        scaled ? (n * sizeof(float2) + sizeof(GatherDesc) - 1) / sizeof(GatherDesc) : 0;
-    KVF_ASSIGN_OR_RETURN(GatherDesc * slots, ring_.Reserve(n + scale_slots));
+    const size_t scale_bytes = block_scaled ? n * sizeof(BlockScaleDesc)
+                               : scaled     ? n * sizeof(float2)
+                                            : 0;
+    KVF_ASSIGN_OR_RETURN(
+        GatherDesc * slots,
+        ring_.Reserve(n + (scale_bytes + sizeof(GatherDesc) - 1) / sizeof(GatherDesc)));
     std::memcpy(slots, small_.data(), n * sizeof(GatherDesc));
-    float2* scales = scaled ? reinterpret_cast<float2*>(slots + n) : nullptr;
-    if (scaled) std::memcpy(scales, scales_.data(), n * sizeof(float2));
+    void* scales = scale_bytes > 0 ? static_cast<void*>(slots + n) : nullptr;
+    if (scales != nullptr) {
+      std::memcpy(scales,
+                  block_scaled ? static_cast<const void*>(block_scales_.data()) : scales_.data(),
+                  scale_bytes);
+    }
     std::atomic_thread_fence(std::memory_order_release);
+    const int from = static_cast<int>(conversion.from), to = static_cast<int>(conversion.to);
     KVF_RETURN_IF_ERROR(CudaCheck(
-        LaunchConvert(slots, scales, static_cast<uint32_t>(n), static_cast<int>(conversion.from),
-                      static_cast<int>(conversion.to), routing_.gather_blocks, s_),
+        block_scaled
+            ? LaunchConvertBlockScaled(slots, static_cast<const BlockScaleDesc*>(scales),
+                                       static_cast<uint32_t>(n), max_planes, from, to,
+                                       routing_.gather_blocks, s_)
+            : LaunchConvert(slots, static_cast<const float2*>(scales), static_cast<uint32_t>(n),
+                            from, to, routing_.gather_blocks, s_),
         "cuda:{} conversion kernel launch ({} descriptors, {} to {})", ordinal_, small_.size(),
         ElementFormatName(conversion.from), ElementFormatName(conversion.to)));
     return ring_.Commit(s_);
@@ -649,9 +676,10 @@ class CudaStream final : public Stream {
   StreamHandle owned_;
   const cudaStream_t s_;
   DescRing ring_;
-  std::vector<GatherDesc> small_;  // scratch, reused across batches
-  std::vector<float2> scales_;     // ConvertBatch's scales of small_, likewise
-  CopyEngineBatch ce_;             // scratch, reused across batches
+  std::vector<GatherDesc> small_;             // scratch, reused across batches
+  std::vector<float2> scales_;                // ConvertBatch's scales of small_, likewise
+  std::vector<BlockScaleDesc> block_scales_;  // and its per-block scales
+  CopyEngineBatch ce_;                        // scratch, reused across batches
 };
 
 // ---- the device ------------------------------------------------------------------------------
