@@ -22,19 +22,7 @@
 // (address ranges, under a shared mutex taken once per batch), with cudaPointerGetAttributes as
 // the fallback for pointers it does not know (memory from other allocators). The registry keeps
 // the common case (pool and staging buffers allocated here) free of driver calls per descriptor.
-//
-// Descriptor ring. The gather kernel reads its descriptors through the mapped pointer of a
-// per-stream pinned ring. A slice of the ring is reused only after the event recorded behind the
-// launch that read it has completed; when no slice is free the ring doubles, and the old region is
-// freed once the last launch that used it has finished. In steady state a batch allocates nothing.
-// The ring is allocated when the stream is created, not at its first batch: CUDA treats a pinned
-// host allocation as an implicit synchronization (it waits for work already queued on the GPU), so
-// allocating behind a stream that waits on the caller (a host callback, an event of another
-// stream) would stall or deadlock. Growing has the same cost and is rare: it happens only when a
-// stream keeps more than the initial 16k descriptors in flight. (On the H200, a test that queued
-// batches behind a host callback waiting for the enqueuing thread hung while the ring was still
-// allocated at first use; the CUDA guide lists page-locked allocation among the implicit
-// synchronizations.)
+// Descriptor ring: desc_ring.h.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -55,6 +43,7 @@
 #include "device/cuda/cuda_ipc.h"
 #include "device/cuda/cuda_kernels.h"
 #include "device/cuda/cuda_util.h"
+#include "device/cuda/desc_ring.h"
 #include "device/cuda/digest_kernel.h"
 #include "device/cuda/memory_registry.h"
 #include "device/cuda_entry.h"
@@ -215,124 +204,6 @@ class Classifier {
   Cache dst_cache_, src_cache_;
 };
 
-// ---- descriptor ring -------------------------------------------------------------------------
-
-// A per-stream ring of GatherDesc slots in mapped pinned memory. Reserve() hands out a contiguous
-// slice for one launch, Commit() records an event behind that launch; a slice is reused only
-// after its event completed. Not thread-safe (a Stream is used by one thread at a time).
-class DescRing {
- public:
-  static constexpr size_t kInitialSlots = 16384;  // 768 KiB
-
-  // Allocates the initial ring (see the file comment for why this happens up front).
-  Status Init() { return Grow(kInitialSlots); }
-
-  // Slots for `n` descriptors, to be written by the host and read by the next launch.
-  StatusOr<GatherDesc*> Reserve(size_t n) {
-    Reclaim();
-    size_t start = 0;
-    if (!FindSpace(n, &start)) {
-      KVF_RETURN_IF_ERROR(Grow(n));
-      start = 0;
-    }
-    pending_start_ = start;
-    pending_count_ = n;
-    return static_cast<GatherDesc*>(region_.get()) + start;
-  }
-
-  // Marks the reserved slice busy until the work enqueued on `stream` so far has finished.
-  Status Commit(cudaStream_t stream) {
-    EventHandle ev;
-    if (!spare_.empty()) {
-      ev = std::move(spare_.back());
-      spare_.pop_back();
-    } else {
-      KVF_ASSIGN_OR_RETURN(ev, EventHandle::Create(false));
-    }
-    Status st = CudaCheck(cudaEventRecord(ev.get(), stream), "cudaEventRecord(descriptor ring)");
-    if (!st.ok()) {
-      spare_.push_back(std::move(ev));
-      return st;
-    }
-    inflight_.push_back(Slice{pending_start_, pending_count_, std::move(ev)});
-    head_ = pending_start_ + pending_count_;
-    return Status::Ok();
-  }
-
- private:
-  struct Slice {
-    size_t start;
-    size_t count;
-    EventHandle done;
-  };
-  struct Retired {
-    PinnedRegion region;
-    EventHandle done;
-  };
-
-  void Reclaim() {
-    while (!inflight_.empty() && cudaEventQuery(inflight_.front().done.get()) == cudaSuccess) {
-      spare_.push_back(std::move(inflight_.front().done));
-      inflight_.erase(inflight_.begin());  // few slices in flight: a short move
-    }
-    cudaGetLastError();  // cudaErrorNotReady is not an error; real ones surface at Synchronize
-    std::erase_if(retired_, [](Retired& r) { return cudaEventQuery(r.done.get()) == cudaSuccess; });
-    cudaGetLastError();
-    if (inflight_.empty()) head_ = 0;
-  }
-
-  bool FindSpace(size_t n, size_t* start) const {
-    if (n > capacity_) return false;
-    if (inflight_.empty()) {
-      *start = 0;
-      return true;
-    }
-    const size_t tail = inflight_.front().start;
-    if (head_ > tail) {  // busy [tail, head): free [head, cap) and [0, tail)
-      if (capacity_ - head_ >= n) {
-        *start = head_;
-        return true;
-      }
-      if (tail >= n) {
-        *start = 0;
-        return true;
-      }
-      return false;
-    }
-    // busy [tail, cap) and [0, head) (head == tail: full)
-    if (tail - head_ >= n) {
-      *start = head_;
-      return true;
-    }
-    return false;
-  }
-
-  Status Grow(size_t n) {
-    size_t cap = std::max(kInitialSlots, capacity_ * 2);
-    while (cap < n) cap *= 2;
-    KVF_ASSIGN_OR_RETURN(PinnedRegion bigger, PinnedRegion::Create(cap * sizeof(GatherDesc)));
-    if (!inflight_.empty()) {
-      // Stream order: the newest slice's event completes after every older launch.
-      retired_.push_back(Retired{std::move(region_), std::move(inflight_.back().done)});
-      inflight_.pop_back();
-      for (Slice& s : inflight_) spare_.push_back(std::move(s.done));
-      inflight_.clear();
-    }
-    region_ = std::move(bigger);
-    capacity_ = cap;
-    head_ = 0;
-    return Status::Ok();
-  }
-
-  PinnedRegion region_;
-  size_t capacity_ = 0;  // in descriptors
-  size_t head_ = 0;      // one past the newest busy slot
-  size_t pending_start_ = 0, pending_count_ = 0;
-  std::vector<Slice> inflight_;  // oldest first
-  std::vector<EventHandle> spare_;
-  std::vector<Retired> retired_;
-};
-
 // ---- events and streams ----------------------------------------------------------------------
 
 class CudaEvent final : public Event {
@@ -486,10 +357,6 @@ class CudaStream final : public Stream {
     uint64_t max_planes = 1;
     {
       Classifier cls(ordinal_);
-      const auto reach = [&](PtrInfo end) {
-        return end.cls == PtrClass::kMappedHost ||
-               (end.cls == PtrClass::kDevice && end.ordinal == ordinal_);
-      };
       for (size_t i = 0; i < copies.size(); ++i) {
         const CopyDesc& c = copies[i];
         if (c.bytes == 0 || c.planes == 0) continue;
@@ -497,11 +364,11 @@ class CudaStream final : public Stream {
         block_scaled = block_scaled || c.block_scaled();
         max_planes = std::max<uint64_t>(max_planes, c.planes);
         const auto [dst, src] = cls.Ends(c.dst, c.src);
-        bool ok = reach(dst) && reach(src);
+        bool ok = cls.Reachable(dst) && cls.Reachable(src);
         if (c.block_scaled()) {  // scale arrays: the kernel reads and writes them too
           const auto [ds, ss] =
               cls.Ends(c.dst_scales ? c.dst_scales : c.dst, c.src_scales ? c.src_scales : c.src);
-          ok = ok && reach(ds) && reach(ss);
+          ok = ok && cls.Reachable(ds) && cls.Reachable(ss);
         }
         if (!ok) {
           return Status::InvalidArgument(fmt::format(
