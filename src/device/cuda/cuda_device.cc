@@ -125,12 +125,13 @@ void PinnedRegion::Reset() noexcept {
 
 namespace {
 
-// A CopyDesc as the kernels read it (GatherDesc), planes and all; planes of a single row are rows.
+// A CopyDesc as the kernels read it (GatherDesc), planes and all; planes of a single row are rows,
+// except with per-block scales (a plane is a scale group).
 GatherDesc KernelDesc(const CopyDesc& c) {
   const uint64_t rows = std::max<size_t>(c.rows, 1);  // rows 0 is a plain copy, as on the CPU
   const uint64_t planes = std::max<size_t>(c.planes, 1);
   const uint64_t d = reinterpret_cast<uint64_t>(c.dst), s = reinterpret_cast<uint64_t>(c.src);
-  if (rows == 1 && planes > 1) {
+  if (rows == 1 && planes > 1 && !c.block_scaled()) {
     return GatherDesc{d, s, c.bytes, planes, c.dst_plane_pitch, c.src_plane_pitch, 1, 0, 0};
   }
   if (planes == 1) return GatherDesc{d, s, c.bytes, rows, c.dst_pitch, c.src_pitch, 1, 0, 0};
