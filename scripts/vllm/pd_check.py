@@ -30,7 +30,7 @@ producer, any other request from the offloaded tiers). Rounds A1 and A2 as above
       offloaded blocks serve them (hits from host and files); outputs must equal the baseline
 
     python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|multi|nixl] [--prefill-tp 2]
-                       [--decode-tp 2] [--transport ucx|nixl] [--kv-cache-dtype fp8]
+                       [--prefill-pp 2] [--decode-tp 2] [--transport ucx|nixl] [--kv-cache-dtype fp8]
 
 --kv-cache-dtype sets vLLM's kv_cache_dtype of every instance (`fp8`: uint8 tensors the connector
 wraps as kvferry's fp8). --prefill-kv-cache-dtype gives the prefill instance another one (kvferry
@@ -83,14 +83,17 @@ def engine_env() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 
-def make_llm(model: str, kv_config: dict | None, tp: int = 1, kv_cache_dtype: str = "auto"):
+def make_llm(model: str, kv_config: dict | None, tp: int = 1, kv_cache_dtype: str = "auto",
+             pp: int = 1):
     from vllm import LLM
 
     kw = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=BLOCK, max_model_len=512, max_num_batched_tokens=2048, seed=0,
-              tensor_parallel_size=tp, kv_cache_dtype=kv_cache_dtype)
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype)
     if kv_config is not None:
         kw["kv_transfer_config"] = kv_config
+    if pp > 1:
+        kw["worker_extension_cls"] = "cpu_pp_fix.Extension"  # vLLM's own CPU PP bug (there)
     return LLM(**kw)
 
 
@@ -168,6 +171,7 @@ def serve_until(llm, path: str, timeout: float, until=None) -> bool:
 def role_prefill(args) -> None:
     conn = args.connector
     llm = make_llm(args.model, kv_config(conn, "kv_producer", args), tp=args.prefill_tp,
+                   pp=args.prefill_pp,
                    kv_cache_dtype=args.prefill_kv_cache_dtype or args.kv_cache_dtype)
     wait_for(os.path.join(args.work, f"{conn}-decode-ready"), 900)
     ps = prompts()
@@ -443,6 +447,7 @@ def spawn(args, role: str, connector: str, log: str, env_extra: dict | None = No
     cmd = [sys.executable, __file__, args.model, args.work, "--role", role, "--connector",
            connector, "--rendezvous", args.rendezvous, "--rendezvous-key", args.rendezvous_key,
            "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp),
+           "--prefill-pp", str(args.prefill_pp),
            "--decode-tp", str(args.decode_tp), "--transport", args.transport,
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--prefill-kv-cache-dtype", args.prefill_kv_cache_dtype]
@@ -567,8 +572,8 @@ def orchestrate(args) -> int:
     checks = Checks()
     ps = prompts()
     t_start = time.time()
-    print(f"pd_check: prefill TP{args.prefill_tp} -> decode TP{args.decode_tp}, kvferry "
-          f"transport {args.transport}", flush=True)
+    print(f"pd_check: prefill TP{args.prefill_tp} PP{args.prefill_pp} -> decode "
+          f"TP{args.decode_tp}, kvferry transport {args.transport}", flush=True)
     logs = {n: os.path.join(args.work, f"{n}.log") for n in
             ("baseline", "kvferry-prefill", "kvferry-decode", "multi-prefill", "multi-decode",
              "nixl-prefill", "nixl-decode")}
@@ -595,10 +600,10 @@ def orchestrate(args) -> int:
         if conn == "multi":
             finish_pending()
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port)} if conn == "nixl" else {}
-        if args.prefill_tp > 1:
+        if args.prefill_tp * args.prefill_pp > 1:
             # vLLM's CPU workers bind one NUMA node each unless told which cores to use.
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                str(r % os.cpu_count()) for r in range(args.prefill_tp))
+                str(r % os.cpu_count()) for r in range(args.prefill_tp * args.prefill_pp))
         pre = spawn(args, "prefill", conn, logs[f"{conn}-prefill"], env)
         env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(args.nixl_port + 10)} if conn == "nixl" else {}
         if args.decode_tp > 1:
@@ -710,7 +715,9 @@ def orchestrate(args) -> int:
               f"us CPU ({o['connector_ns_per_request'] / 1e3:.0f} us wall) per request beside the "
               f"library's {o['library_cpu_ns_per_request'] / 1e3:.0f} us CPU "
               f"({o['library_ns_per_request'] / 1e3:.0f} us wall) ({o['requests']} requests; most "
-              f"in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us wall)")
+              f"in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us wall); {o['idle_steps']} of {o['steps']} "
+              f"steps without connector work, {o['idle_cpu_ns_per_step'] / 1e3:.1f} us CPU each "
+              f"(connector and library)")
     if over:  # a measurement, not a check: it depends on the machine's load
         # Judged on the engine thread's CPU time: wall time on this 2-core machine also counts
         # waiting for a core while builds run beside it.
@@ -739,6 +746,8 @@ def main() -> int:
     ap.add_argument("--hold-timeout-s", type=float, default=30.0)
     ap.add_argument("--nixl-port", type=int, default=25600)
     ap.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of prefill")
+    ap.add_argument("--prefill-pp", type=int, default=1,
+                    help="pipeline parallel size of prefill (kvferry only)")
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode")
     ap.add_argument("--transport", default="ucx",
                     help="kvferry transport of the kvferry and multi pairs (ucx, nixl)")

@@ -90,40 +90,72 @@ _LIVE: "weakref.WeakSet[KvferryConnector]" = weakref.WeakSet()
 
 class Overhead:
     """What the connector costs vLLM's engine thread: the time of each hook vLLM calls (its
-    Python and the kvferry calls it makes, which `library_ns` counts on their own), per process,
+    Python and the kvferry calls it makes, which `library_*` counts on their own), per process,
     as wall time and as the engine thread's CPU time (`*_cpu_ns`: what a loaded machine does not
     inflate; the wall time also counts the thread waiting for a core or the GIL). The fetch
-    threads' rendezvous lookups and fetches run beside the step and are not counted. The
-    connector's own overhead per request is (hooks - library) / requests."""
+    threads' rendezvous lookups and fetches run beside the step and are not counted.
+
+    A hook call that carried no request's work (an empty metadata, a poll that found nothing
+    finished) is counted apart, as an idle call: vLLM calls the step hooks on every step, so their
+    cost is per step, not per request, and an engine steps without work as often as its driver
+    asks (vLLM's loop every millisecond while sends are held, a test's loop as it pleases). The
+    connector's overhead per request is (work hooks - their library calls) / requests; idle
+    calls are reported as a count and a cost per step."""
 
     def __init__(self) -> None:
-        self.hooks: dict[str, list[int]] = {}  # hook -> [calls, ns, cpu ns]
-        self.library_ns = 0  # kvferry calls made from hooks (mark_ready, poll, put, cancel)
+        # hook -> [calls, ns, cpu ns, idle calls, idle ns, idle cpu ns]
+        self.hooks: dict[str, list[int]] = {}
+        self.library_ns = 0  # kvferry calls made from work hooks (mark_ready, poll, put, cancel)
         self.library_cpu_ns = 0
+        self.idle_library_ns = 0  # ... and from idle ones (a poll that found nothing)
+        self.idle_library_cpu_ns = 0
         self.requests = 0  # requests the worker saw end (sent or received)
         # P/D requests the scheduler saw (a ticket returned, a load scheduled): the count where no
         # worker shares the process (TP > 1 runs the workers in processes of their own).
         self.scheduler_requests = 0
+        self.lib_ns = 0  # running totals of every library call, split when the hook returns
+        self.lib_cpu_ns = 0
 
-    def hook(self, name: str, ns: int, cpu_ns: int) -> None:
-        calls = self.hooks.setdefault(name, [0, 0, 0])
-        calls[0] += 1
-        calls[1] += ns
-        calls[2] += cpu_ns
+    def hook(self, name: str, ns: int, cpu_ns: int, idle: bool, lib_ns: int,
+             lib_cpu_ns: int) -> None:
+        h = self.hooks.setdefault(name, [0, 0, 0, 0, 0, 0])
+        i = 3 if idle else 0
+        h[i] += 1
+        h[i + 1] += ns
+        h[i + 2] += cpu_ns
+        if idle:
+            self.idle_library_ns += lib_ns
+            self.idle_library_cpu_ns += lib_cpu_ns
+        else:
+            self.library_ns += lib_ns
+            self.library_cpu_ns += lib_cpu_ns
 
     def snapshot(self) -> dict[str, Any]:
-        total = sum(h[1] for h in self.hooks.values())
-        total_cpu = sum(h[2] for h in self.hooks.values())
+        work = [sum(h[k] for h in self.hooks.values()) for k in (1, 2)]
+        idle = [sum(h[k] for h in self.hooks.values()) for k in (4, 5)]
         per = max(self.requests or self.scheduler_requests, 1)
-        return {"hooks": {k: {"calls": c, "ns": ns, "cpu_ns": cpu}
-                          for k, (c, ns, cpu) in self.hooks.items()},
-                "hook_ns": total, "library_ns": self.library_ns,
-                "hook_cpu_ns": total_cpu, "library_cpu_ns": self.library_cpu_ns,
-                "requests": self.requests or self.scheduler_requests,
-                "connector_ns_per_request": (total - self.library_ns) / per,
+        # Steps seen, and those without connector work: calls of the scheduler's
+        # build_connector_meta or the worker's get_transfer_results (each once a step; a process
+        # with the scheduler only calls the first, one with a worker only the second).
+        step_hooks = [self.hooks.get(k, [0] * 6)
+                      for k in ("build_connector_meta", "get_transfer_results")]
+        steps = max(h[0] + h[3] for h in step_hooks)
+        idle_steps = max(h[3] for h in step_hooks)
+        return {"hooks": {k: {"calls": h[0], "ns": h[1], "cpu_ns": h[2], "idle_calls": h[3],
+                              "idle_ns": h[4], "idle_cpu_ns": h[5]}
+                          for k, h in self.hooks.items()},
+                "hook_ns": work[0], "library_ns": self.library_ns,
+                "hook_cpu_ns": work[1], "library_cpu_ns": self.library_cpu_ns,
+                "idle_hook_ns": idle[0], "idle_hook_cpu_ns": idle[1],
+                "idle_library_cpu_ns": self.idle_library_cpu_ns,
+                "requests": self.requests or self.scheduler_requests, "steps": steps,
+                "idle_steps": idle_steps,
+                "connector_ns_per_request": (work[0] - self.library_ns) / per,
                 "library_ns_per_request": self.library_ns / per,
-                "connector_cpu_ns_per_request": (total_cpu - self.library_cpu_ns) / per,
-                "library_cpu_ns_per_request": self.library_cpu_ns / per}
+                "connector_cpu_ns_per_request": (work[1] - self.library_cpu_ns) / per,
+                "library_cpu_ns_per_request": self.library_cpu_ns / per,
+                # what the idle hook calls cost a step without work, connector and library
+                "idle_cpu_ns_per_step": idle[1] / max(idle_steps, 1)}
 
     def reset(self) -> None:
         self.__init__()
@@ -132,20 +164,35 @@ class Overhead:
 OVERHEAD = Overhead()
 
 
-def _timed(fn):
-    """Counts a hook's time in OVERHEAD (four clock reads, ~1 us)."""
-    name = fn.__name__
+def _timed(idle):
+    """Counts a hook's time in OVERHEAD (six clock reads, ~2 us), as idle when
+    `idle(connector, args, result)` says the call carried no request's work."""
 
-    def hook(self, *args, **kwargs):
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            OVERHEAD.hook(name, time.perf_counter_ns() - t0, time.thread_time_ns() - c0)
+    def wrap(fn):
+        name = fn.__name__
 
-    hook.__name__ = name
-    hook.__doc__ = fn.__doc__
-    return hook
+        def hook(self, *args, **kwargs):
+            o = OVERHEAD
+            lib, lib_cpu = o.lib_ns, o.lib_cpu_ns
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            result = None
+            try:
+                result = fn(self, *args, **kwargs)
+                return result
+            finally:
+                ns, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+                o.hook(name, ns, cpu, idle(self, args, result), o.lib_ns - lib,
+                       o.lib_cpu_ns - lib_cpu)
+
+        hook.__name__ = name
+        hook.__doc__ = fn.__doc__
+        return hook
+
+    return wrap
+
+
+def _never(*_: Any) -> bool:
+    return False
 
 
 class _Library:
@@ -155,8 +202,8 @@ class _Library:
         self.t0, self.c0 = time.perf_counter_ns(), time.thread_time_ns()
 
     def __exit__(self, *exc: Any) -> None:
-        OVERHEAD.library_ns += time.perf_counter_ns() - self.t0
-        OVERHEAD.library_cpu_ns += time.thread_time_ns() - self.c0
+        OVERHEAD.lib_ns += time.perf_counter_ns() - self.t0
+        OVERHEAD.lib_cpu_ns += time.thread_time_ns() - self.c0
 
 
 _LIBRARY = _Library()  # hooks run on the engine thread, one at a time
@@ -285,6 +332,11 @@ class KvferryMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)  # aborted after mark_ready
     recvs: list[RecvReq] = field(default_factory=list)
 
+    def empty(self, sends: bool = False) -> bool:
+        """Nothing for the workers (with sends=True: nothing of the producer's)."""
+        return (not self.sends and not self.send_finished and not self.cancels
+                and (sends or not self.recvs))
+
 
 # ---- the connector ------------------------------------------------------------------------------
 
@@ -300,10 +352,6 @@ class KvferryConnector(KVConnectorBase_V1):
         self._engine_id = str(kt.engine_id)
         self._is_producer = kt.kv_role in ("kv_producer", "kv_both")
         self._is_consumer = kt.kv_role in ("kv_consumer", "kv_both")
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("KvferryConnector: pipeline_parallel_size="
-                             f"{vllm_config.parallel_config.pipeline_parallel_size} is not "
-                             "supported yet (TP only)")
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler: _Scheduler | None = _Scheduler(vllm_config, self._engine_id,
                                                             self._is_producer, self._is_consumer)
@@ -315,26 +363,26 @@ class KvferryConnector(KVConnectorBase_V1):
             _LIVE.add(self)
 
     # -- scheduler side
-    @_timed
+    @_timed(_never)
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    @_timed
+    @_timed(_never)
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    @_timed
+    @_timed(lambda c, a, meta: meta is not None and meta.empty())
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    @_timed
+    @_timed(_never)
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
-    @_timed
+    @_timed(lambda c, a, r: not a[0].finished_sending)
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.update_connector_output(connector_output)
 
@@ -355,7 +403,8 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
-    @_timed
+    @_timed(lambda c, a, r: not c.has_connector_metadata() or
+            not c._get_connector_metadata().recvs)
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 
@@ -366,7 +415,8 @@ class KvferryConnector(KVConnectorBase_V1):
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         return  # zero copy: the blocks are sent from vLLM's own cache once the step is done
 
-    @_timed
+    @_timed(lambda c, a, r: not c.has_connector_metadata() or
+            c._get_connector_metadata().empty(sends=True))
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             self._worker.wait_for_save(self._get_connector_metadata())
@@ -375,7 +425,8 @@ class KvferryConnector(KVConnectorBase_V1):
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
 
-    @_timed
+    @_timed(lambda c, a, r: r is not None and not (
+            r.finished_sending or r.finished_recving or r.failed_recving))
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._worker.transfer_results()
 
@@ -483,7 +534,8 @@ class _Scheduler:
 class _Worker:
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, options: Options,
                  producer: bool, consumer: bool):
-        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+        from vllm.distributed.parallel_state import (get_pp_group,
+                                                     get_tensor_model_parallel_rank,
                                                      get_tensor_model_parallel_world_size)
 
         self.vllm_config = vllm_config
@@ -494,8 +546,13 @@ class _Worker:
         self.consumer = consumer
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        pp = get_pp_group()
+        self.pp_rank, self.pp_size = pp.rank_in_group, pp.world_size
+        # kvferry's rank numbering is vLLM's: pp_rank * tp + tp_rank (TP fastest).
+        self.rank = self.pp_rank * self.tp_size + self.tp_rank
+        self.world_size = self.pp_size * self.tp_size
         self.server = None
-        if options.rendezvous_serve and producer and self.tp_rank == 0:
+        if options.rendezvous_serve and producer and self.rank == 0:
             host, port = options.rendezvous.rsplit(":", 1)
             self.server = kvferry.RendezvousServer(host, int(port), options.rendezvous_key)
         self.rv = kvferry.Rendezvous(options.rendezvous, options.rendezvous_key)
@@ -520,7 +577,7 @@ class _Worker:
         self.erase_cv = threading.Condition()
         self.closing = False
         self.eraser = None
-        if producer and self.tp_rank == 0:
+        if producer and self.rank == 0:
             self.eraser = threading.Thread(target=self._erase_loop, name="kvferry-erase",
                                            daemon=True)
             self.eraser.start()
@@ -546,11 +603,12 @@ class _Worker:
         t0 = tensors[0]
         self.device = kvferry.Device("cpu" if t0.device.type == "cpu"
                                      else f"cuda:{t0.device.index or 0}")
-        shape = kvferry.KvShape(layers=len(tensors), kv_heads=heads, head_dim=head_dim,
+        stages = self._stage_layers([extract_layer_index(n) for n in names])
+        shape = kvferry.KvShape(layers=sum(stages), kv_heads=heads, head_dim=head_dim,
                                 dtype=dtype, tokens_per_block=bs)
-        parallel = kvferry.ParallelConfig(tp=self.tp_size)
+        parallel = kvferry.ParallelConfig(tp=self.tp_size, pp=self.pp_size, stage_layers=stages)
         self.pool = kvferry.Pool.wrap(self.device, shape, tensors, parallel=parallel,
-                                      rank=self.tp_rank, blocks=blocks, byte_strides=strides,
+                                      rank=self.rank, blocks=blocks, byte_strides=strides,
                                       split="per-layer")
         self.whole_blocks = layout == "vllm-cpu"
         # A named layout with these very strides (with one local head several coincide, e.g.
@@ -568,19 +626,38 @@ class _Worker:
             secret = self._instance_secret(instance)
             self.ctx = kvferry.ContextSide(self.device, self.pool, timeout=self.o.hold_timeout_s,
                                            instance_secret=secret, **common)
-            self.rv.publish_rank_address(instance, self.instance_id, self.tp_rank,
+            self.rv.publish_rank_address(instance, self.instance_id, self.rank,
                                          self.ctx.address, timeout=60.0)
             self.ctx.set_instance_addresses(
-                self.rv.gather_rank_addresses(instance, self.instance_id, self.tp_size,
+                self.rv.gather_rank_addresses(instance, self.instance_id, self.world_size,
                                               timeout=120.0))
         if self.consumer:
             # The generation side's own secret keys nothing it checks; a real one all the same.
             self.gen = kvferry.GenerationSide(self.device, self.pool,
                                               timeout=self.o.transfer_timeout_s,
                                               instance_secret=kvferry.random_key(), **common)
-        logger.info("kvferry: rank %d/%d of %s wraps %d layers as %s (%s), %s%s", self.tp_rank,
-                    self.tp_size, self.engine_id, len(tensors), layout, self.pool.layout,
+        logger.info("kvferry: rank %d/%d (tp %d/%d, pp %d/%d) of %s wraps layers %s as %s (%s), "
+                    "%s%s", self.rank, self.world_size, self.tp_rank, self.tp_size, self.pp_rank,
+                    self.pp_size, self.engine_id,
+                    f"{extract_layer_index(names[0])}-{extract_layer_index(names[-1])}", layout,
+                    self.pool.layout,
                     "producer " if self.producer else "", "consumer" if self.consumer else "")
+
+    def _stage_layers(self, local: list[int]) -> list[int]:
+        """Layers of each PP stage (vLLM's split, get_pp_indices), after checking that this rank
+        holds exactly its stage's layers, one KV cache each (a model whose KV layers are not its
+        hidden layers, such as a hybrid, is refused by name)."""
+        from vllm.distributed.utils import get_pp_indices
+
+        total = self.vllm_config.model_config.get_total_num_hidden_layers()
+        bounds = [get_pp_indices(total, r, self.pp_size) for r in range(self.pp_size)]
+        begin, end = bounds[self.pp_rank]
+        if local != list(range(begin, end)):
+            raise ValueError(f"KvferryConnector: rank {self.rank} (pp rank {self.pp_rank} of "
+                             f"{self.pp_size}) has KV caches of layers {local}, not its stage's "
+                             f"layers {begin}-{end - 1} of {total}: refused (every hidden layer "
+                             f"must have one KV cache of its own)")
+        return [e - b for b, e in bounds]
 
     def _kv_scales(self, names: list[str]) -> list[float] | None:
         """The layers' k_scale and v_scale ([layer][kv], kvferry's scales per tensor) when any is
@@ -596,12 +673,20 @@ class _Worker:
             layer = layers.get(n)
             scales += [float(getattr(layer, "_k_scale_float", 1.0)),
                        float(getattr(layer, "_v_scale_float", 1.0))]
-        return scales if any(s != 1.0 for s in scales) else None
+        if not any(s != 1.0 for s in scales):
+            return None
+        if self.pp_size > 1:
+            # kvferry's scales are the whole instance's, published in rank 0's handle; a PP rank
+            # knows its own stage's only.
+            raise ValueError(f"KvferryConnector: KV cache scales other than 1 (k_scale/v_scale of "
+                             f"a quantized cache) with pipeline_parallel_size={self.pp_size} are "
+                             f"not supported yet")
+        return scales
 
     def _instance_secret(self, instance: str) -> bytes:
         if self.o.instance_secret:
             return self.o.instance_secret
-        if self.tp_rank == 0:
+        if self.rank == 0:
             secret = kvferry.random_key()
             self.rv.publish_instance_secret(instance, self.instance_id, secret, timeout=60.0)
             return secret
@@ -621,7 +706,7 @@ class _Worker:
                     handle = self.ctx.mark_ready(rid, s.blocks, tokens)
                 with self.lock:
                     self.sending[rid] = s.request_id
-                if self.tp_rank == 0:
+                if self.rank == 0:
                     with _LIBRARY:
                         self.rv.put(handle_key(self.engine_id, s.request_id), handle,
                                     timeout=10.0)
