@@ -16,6 +16,13 @@
 # with it. The generation instance
 # must end on its own within its deadlines (2 s, plus the abort grace and 1 s without progress),
 # naming what failed, with every request accounted for.
+# With --stop, the context host stops mid-run without a word (every process of it SIGSTOPped: its
+# sockets stay open and the kernel keeps acknowledging what fits in their buffers, but nothing is
+# read or answered, a half-open peer): the generation instance must end on its own within its
+# deadlines as with --vanish; resumed, the context instance must end on its own too.
+# With --stale-address, the context instance publishes its ranks' addresses and is killed before
+# the generation instance starts: the addresses in the rendezvous name ports nobody listens on.
+# Every request must fail within its deadline, naming the context rank and the refused connection.
 # With --lossy, the hosts are joined not by a veth pair but by link_emulator.py (this kernel has
 # no sch_netem): 1% of packets lost and 50 ms of delay each way, 1% reordered; every request of a
 # TP2 -> TP2 run must still be fetched and verified within its deadline.
@@ -26,7 +33,8 @@
 # With --bench (on this host), both instances run with --bench: the generation instance must print
 # a measured row whose raw-transport and copy baselines came from context rank 0 through the
 # rendezvous, every request verified.
-# Usage: instances.sh KVFERRY [--bench | --netns [--link-cut|--long-cut|--vanish|--lossy|--matrix]]
+# Usage: instances.sh KVFERRY [--bench | --netns [--link-cut|--long-cut|--vanish|--stop|
+#                                                  --stale-address|--lossy|--matrix]]
 #   (exit 77: --netns needs root and `ip netns`)
 set -u
 kvferry=$1
@@ -35,10 +43,12 @@ bench=0; [ "${2:-}" = --bench ] && bench=1
 cut=0; [ "${3:-}" = --link-cut ] && cut=1
 [ "${3:-}" = --long-cut ] && cut=2
 [ "${3:-}" = --vanish ] && cut=3
+[ "${3:-}" = --stop ] && cut=4
+stale=0; [ "${3:-}" = --stale-address ] && stale=1
 lossy=0; [ "${3:-}" = --lossy ] && lossy=1
 matrix=0; [ "${3:-}" = --matrix ] && matrix=1
-((((cut || lossy || matrix)) && !netns)) &&
-  { echo "FAIL: --link-cut, --long-cut, --vanish, --lossy and --matrix need --netns"; exit 1; }
+((((cut || stale || lossy || matrix)) && !netns)) &&
+  { echo "FAIL: --link-cut, --long-cut, --vanish, --stop, --stale-address, --lossy and --matrix need --netns"; exit 1; }
 tmp=$(mktemp -d)
 pids=()
 # The generation rank's summary, "generation rank 0: S requests, F failed, V verified" (requests
@@ -189,13 +199,48 @@ if ((matrix)); then
 fi
 start_rendezvous
 common=(--rendezvous "$addr" --rendezvous-key-file "$tmp/key")
+if ((stale)); then
+  shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --ctx-tp 2 --gen-tp 2
+         --requests 12 --concurrency 2 --prompt-tokens 20,37 --transport ucx --timeout-ms 2000)
+  "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" --progress \
+    >"$tmp/ctx.out" 2>&1 &
+  ctx=$!
+  pids+=($ctx)
+  # Its ranks publish their addresses as they start; a second of progress lines means they run.
+  for _ in $(seq 1 200); do grep -q "requests done per" "$tmp/ctx.out" && break; sleep 0.05; done
+  grep -q "requests done per" "$tmp/ctx.out" || { echo "FAIL: the context instance did not start"; cat "$tmp/ctx.out"; exit 1; }
+  kill -KILL "$ctx"; wait "$ctx" 2>/dev/null  # its PID namespace with it (unshare --kill-child)
+  started=$(date +%s%N)
+  "${run_b[@]}" "$kvferry" instance --role generation "${common[@]}" "${shape[@]}" >"$tmp/gen.out" 2>&1 &
+  gen=$!
+  pids+=($gen)
+  timeout 60 tail --pid="$gen" -f /dev/null
+  wait "$gen"; rc=$?
+  ended_ms=$((($(date +%s%N) - started) / 1000000))
+  echo "== gen (exit $rc, ${ended_ms} ms)"; cat "$tmp/gen.out"
+  fail=0
+  ((rc != 0)) || { echo "FAIL: the generation instance reported success without its peer"; fail=1; }
+  # Start-up, then the 2 s deadline and the abort grace, with room for a loaded machine.
+  ((ended_ms <= 20000)) || { echo "FAIL: the generation instance took ${ended_ms} ms to end"; fail=1; }
+  tally "$tmp/gen.out"; got=$?
+  if ((got != 0 || failed != 12 || verified != 0)); then
+    echo "FAIL: generation rank 0 should fail its 12 requests (${failed:-?} failed, ${verified:-?} verified)"
+    fail=1
+  fi
+  for r in 0 1; do
+    grep -qE "generation rank $r: .*context rank [01]: .*(unreachable|refused)" "$tmp/gen.out" ||
+      { echo "FAIL: generation rank $r's error does not name the context rank and the refusal"; fail=1; }
+  done
+  ((fail == 0)) && echo PASS
+  exit "$fail"
+fi
 if ((cut)); then
   # Long enough to span the cut (about 1,000 requests a second here), a deadline well past it
   # and past TCP's retransmission backoff after it (the next retransmission up to 3 s after the
   # cut began).
   requests=6000 down=1.5 deadline=(--timeout-ms 8000)
   ((cut == 2)) && down=3.5 deadline=(--timeout-ms 2000 --give-up-ms 20000)
-  ((cut == 3)) && deadline=(--timeout-ms 2000)
+  ((cut >= 3)) && deadline=(--timeout-ms 2000)
   shape=(--layers 4 --kv-heads 4 --head-dim 16 --tokens-per-block 8 --requests $requests
          --concurrency 2 --prompt-tokens 20,37 --transport ucx "${deadline[@]}")
   "${run_a[@]}" "$kvferry" instance --role context "${common[@]}" "${shape[@]}" >"$tmp/ctx.out" 2>&1 &
@@ -208,20 +253,40 @@ if ((cut)); then
   done_now() { sed -n 's/.*requests done per generation rank: \([0-9]*\).*/\1/p' "$tmp/gen.out" | tail -1; }
   for _ in $(seq 1 600); do [ -n "$(done_now)" ] && break; sleep 0.05; done
   at_cut=$(done_now)
-  if ((cut == 3)); then
-    # Silently, as a host that loses power: the link goes first, so no reset or FIN of its dying
-    # sockets reaches the generation host; then every process of it (the context's and the
-    # rendezvous's PID namespaces) and its network namespace.
-    ip -n "$ns_b" link set "vb-$$" down
-    kill -KILL "$ctx" "${pids[0]}"
-    ip netns del "$ns_a"
+  if ((cut >= 3)); then
+    if ((cut == 3)); then
+      # Silently, as a host that loses power: the link goes first, so no reset or FIN of its
+      # dying sockets reaches the generation host; then every process of it (the context's and
+      # the rendezvous's PID namespaces) and its network namespace.
+      ip -n "$ns_b" link set "vb-$$" down
+      kill -KILL "$ctx" "${pids[0]}"
+      ip netns del "$ns_a"
+      what=vanished
+    else
+      # Every process of the host stopped where it stands: connections stay up, nothing answers.
+      stopped=$(ip netns pids "$ns_a")
+      # shellcheck disable=SC2086
+      kill -STOP $stopped
+      what=stopped
+    fi
     vanished=$(date +%s%N)
-    echo "context host vanished after ${at_cut:-no} requests of $requests"
+    echo "context host $what after ${at_cut:-no} requests of $requests"
     timeout 60 tail --pid="$gen" -f /dev/null
     wait "$gen"; rc=$?
     ended_ms=$((($(date +%s%N) - vanished) / 1000000))
-    echo "== gen (exit $rc, ${ended_ms} ms after the host vanished)"; grep -v "requests done per" "$tmp/gen.out"
+    echo "== gen (exit $rc, ${ended_ms} ms after the host $what)"; grep -v "requests done per" "$tmp/gen.out"
     fail=0
+    if ((cut == 4)); then
+      # shellcheck disable=SC2086
+      kill -CONT $stopped
+      resumed=$(date +%s%N)
+      timeout 60 tail --pid="$ctx" -f /dev/null
+      wait "$ctx"; crc=$?
+      ctx_ms=$((($(date +%s%N) - resumed) / 1000000))
+      echo "== ctx (exit $crc, ${ctx_ms} ms after it resumed)"; grep -v "requests done per" "$tmp/ctx.out"
+      # Its requests' deadlines passed while it was stopped: it ends within its own give-up time.
+      ((ctx_ms <= 30000)) || { echo "FAIL: the resumed context instance took ${ctx_ms} ms to end"; fail=1; }
+    fi
     if [ -z "$at_cut" ] || ((at_cut >= requests)); then
       echo "FAIL: the host did not vanish inside the run"; fail=1
     fi
@@ -229,7 +294,7 @@ if ((cut)); then
     # 2 s deadline, the abort grace and 1 s without progress, with room for a loaded machine.
     ((ended_ms <= 15000)) || { echo "FAIL: the generation instance took ${ended_ms} ms to end"; fail=1; }
     tally "$tmp/gen.out"; got=$?
-    echo "host vanished: ${failed:-?} failed, ${verified:-?} verified of $requests"
+    echo "host $what: ${failed:-?} failed, ${verified:-?} verified of $requests"
     if ((got != 0 || failed + verified != requests)); then
       echo "FAIL: the generation rank did not account for its $requests requests"; fail=1
     fi
