@@ -337,11 +337,49 @@ KVF_AVX512 inline void Narrow16(__m512i x, std::byte* p) {
   }
 }
 
+// bf16 -> e4m3, thirty-two elements at a time in 16-bit lanes (Narrow16's results; 32-bit lanes
+// made it arithmetic-bound at 5 G elements/s, in the caches and from memory alike; this runs 8-10).
+// Normal results drop 4 of bf16's 7 mantissa bits, to nearest even, and rebias the exponent
+// (127 -> 7) in integers; subnormal ones (below 2^-6) are |x| * 512 + 2^23 in fp32, rounded once,
+// the integer left over being the code: unpacking to 32-bit lanes interleaves within 128-bit lanes
+// and packing back undoes it.
+KVF_AVX512 inline __m512i SubnormalE4m3Codes(__m512i wide) {
+  const __m512 two23 = _mm512_set1_ps(convert::kTwo23);
+  return _mm512_sub_epi32(_mm512_castps_si512(_mm512_fmadd_ps(_mm512_castsi512_ps(wide),
+                                                              _mm512_set1_ps(512.0f), two23)),
+                          _mm512_castps_si512(two23));
+}
+
+KVF_AVX512 inline __m256i Bf16ToE4m3x32(__m512i b) {
+  const __m512i a = _mm512_and_si512(b, _mm512_set1_epi16(0x7fff));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi16(b, 8), _mm512_set1_epi16(0x80));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi16(1));
+  __m512i mag = _mm512_srli_epi16(
+      _mm512_add_epi16(_mm512_sub_epi16(a, _mm512_set1_epi16((120 << 7) - 7)), odd), 4);
+  // Above 448 (infinity too) saturates: larger magnitudes give larger normal codes.
+  mag = _mm512_min_epu16(mag, _mm512_set1_epi16(0x7e));
+  const __m512i zero = _mm512_setzero_si512();
+  mag = _mm512_mask_blend_epi16(
+      _mm512_cmplt_epu16_mask(a, _mm512_set1_epi16(0x3c80)), mag,
+      _mm512_packus_epi32(SubnormalE4m3Codes(_mm512_unpacklo_epi16(zero, a)),
+                          SubnormalE4m3Codes(_mm512_unpackhi_epi16(zero, a))));
+  mag = _mm512_mask_blend_epi16(_mm512_cmpgt_epu16_mask(a, _mm512_set1_epi16(0x7f80)), mag,
+                                _mm512_set1_epi16(0x7f));  // NaN
+  return _mm512_cvtepi16_epi8(_mm512_or_si512(mag, sign));
+}
+
 template <ElementFormat From, ElementFormat To>
 KVF_AVX512 void RowAvx512(std::byte* dst, const std::byte* src, size_t n) {
   constexpr size_t in = Width(From);
   constexpr size_t out = Width(To);
   size_t i = 0;
+  if constexpr (From == ElementFormat::kBf16 && To == ElementFormat::kFp8E4m3) {
+    for (; i + 32 <= n; i += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          Bf16ToE4m3x32(_mm512_loadu_si512(src + i * in)));
+    }
+  }
   for (; i + 16 <= n; i += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
     Narrow16<To>(Widen16<From>(src + i * in), dst + i * out);
