@@ -59,6 +59,7 @@ std::string ResultToJson(const RankResult& r) {
   j["copy_name"] = r.copy_name;
   j["errors"] = r.errors;
   j["fault_missed"] = r.fault_missed;
+  j["leaked"] = r.leaked;
   j["data_path"] = r.data_path;
   if (r.slowest) j["slowest"] = TimelineToJson(*r.slowest);
   if (r.median) j["median"] = TimelineToJson(*r.median);
@@ -95,6 +96,7 @@ StatusOr<RankResult> ResultFromJson(const std::string& text) {
   r.copy_name = j.value("copy_name", std::string());
   r.errors = j.value("errors", std::vector<std::string>{});
   r.fault_missed = j.value("fault_missed", false);
+  r.leaked = j.value("leaked", int64_t{0});
   r.data_path = j.value("data_path", std::string());
   if (j.contains("slowest")) r.slowest = TimelineFromJson(j["slowest"]);
   if (j.contains("median")) r.median = TimelineFromJson(j["median"]);

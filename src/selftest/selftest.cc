@@ -267,9 +267,26 @@ static void NoteWarm(RankResult& res, const Side& side, int done, Clock::time_po
   res.profile_warm = side.metrics().profile;
 }
 
-// The run ended: what its side spent and which data path it took, from one snapshot each.
+// The run ended: what its side spent and which data path it took, from one snapshot each. When
+// every request the rank started was reported (`all_reported`: it gave up on none), no lease or
+// staging slot may be left (docs/reliability.md, Leases): RankResult::leaked, after a second for
+// the progress thread to retire the last chunk's work.
 template <typename Side>
-static void NoteEnd(RankResult& res, const Side& side) {
+static void NoteEnd(RankResult& res, const Side& side, bool all_reported) {
+  if (all_reported) {
+    TransceiverStats held = side.stats();
+    const Deadline until = DeadlineIn(milliseconds(1000));
+    while ((held.live_requests != 0 || held.staging_slots_in_use != 0) && Clock::now() < until) {
+      std::this_thread::sleep_for(milliseconds(5));
+      held = side.stats();
+    }
+    res.leaked = held.live_requests + held.staging_slots_in_use;
+    if (res.leaked != 0) {
+      AddError(res, fmt::format("{} request lease(s) and {} staging slot(s) still held after "
+                                "every request was reported",
+                                held.live_requests, held.staging_slots_in_use));
+    }
+  }
   const TransceiverStats stats = side.stats();
   res.control_cpu_seconds = stats.busy_cpu_seconds;
   res.thread_cpu_seconds = stats.thread_cpu_seconds;
@@ -431,7 +448,7 @@ StatusOr<RankResult> RunContextRank(const SelftestConfig& cfg, int rank,
   }
   res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
-  NoteEnd(res, *side);
+  NoteEnd(res, *side, live.empty());
   NoteFaultMissed(res, cfg, parts.fault);
   if (cfg.baseline && rank != 0) {
     Status b = BaselineBystander(cfg, make);
@@ -604,7 +621,7 @@ StatusOr<RankResult> RunGenerationRank(const SelftestConfig& cfg, int rank,
                     ? 0
                     : std::chrono::duration<double>(Clock::now() - start).count();
   res.cpu_seconds = CpuSeconds() - cpu0;
-  NoteEnd(res, *side);
+  NoteEnd(res, *side, inflight.empty());
   NoteFaultMissed(res, cfg, parts.fault);
   if (cfg.baseline && rank == 0) {
     auto b = BaselineReceiver(cfg, make, dev);

@@ -63,6 +63,9 @@ struct RankResult {
   std::vector<std::string> errors;  // the first few
   // cfg.fault names this rank and it never fired (its step was not reached): the run fails.
   bool fault_missed = false;
+  // Request leases and staging slots the side still held once every request it started had been
+  // reported (checked only then; a rank that gave up on live requests is not): the run fails.
+  int64_t leaked = 0;
   std::string data_path;  // the transceiver's (metrics): peer-memory, one-sided, tagged
   // This rank's slowest request (the longest from start to terminal), when one ended.
   std::optional<RequestTimeline> slowest;
@@ -116,6 +119,7 @@ struct SelftestSummary {
   std::vector<std::string> errors;
   // A rank's RankResult::fault_missed: the injected fault never fired, so the run tested nothing.
   bool fault_missed = false;
+  int64_t leaked = 0;  // the ranks' RankResult::leaked, summed
   // The generation ranks' data paths (peer-memory, one-sided, tagged), distinct ones joined by +.
   std::string data_path;
 };

@@ -125,6 +125,7 @@ SelftestSummary Summarize(const SelftestConfig& cfg, const std::vector<RankResul
     // Every rank is heard: its first errors, and its last (why it stopped, when it gave up).
     const char* side = r.context ? "context" : "generation";
     s.fault_missed |= r.fault_missed;
+    s.leaked += r.leaked;
     for (size_t i = 0; i < r.errors.size(); ++i) {
       if (i < 3 || i + 1 == r.errors.size())
         s.errors.push_back(fmt::format("{} rank {}: {}", side, r.rank, r.errors[i]));

@@ -131,8 +131,8 @@ int RunInstanceCommand(Flags f, const InstanceFlags& i) {
   bool pass = true;
   std::string first_error;
   for (const RankResult& r : *results) {
-    const bool ok =
-        r.failed == 0 && (r.context || !cfg->verify || r.verified == r.requests) && !r.fault_missed;
+    const bool ok = r.failed == 0 && (r.context || !cfg->verify || r.verified == r.requests) &&
+                    !r.fault_missed && r.leaked == 0;
     pass = pass && ok;
     if (first_error.empty() && !r.errors.empty()) first_error = r.errors.front();
     nlohmann::json row = {{"role", r.context ? "context" : "generation"},

@@ -32,7 +32,7 @@ int RunSelftest(const Flags& f) {
     return 1;
   }
   SelftestSummary s = Summarize(*cfg, *ranks);
-  const bool pass = s.failed == 0 && s.verified == s.requests && !s.fault_missed;
+  const bool pass = s.failed == 0 && s.verified == s.requests && !s.fault_missed && s.leaked == 0;
   if (f.out.machine()) {
     doc.summary() = SummaryJson(s);
     doc.summary()["slowest"] = SlowestJson(*ranks);
@@ -168,7 +168,7 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       return std::nullopt;
     }
     SelftestSummary s = Summarize(*cfg, *ranks);
-    if (s.failed || s.fault_missed) rc = 1;
+    if (s.failed || s.fault_missed || s.leaked) rc = 1;
     if (rc != 0 && first_error.empty() && !s.errors.empty()) first_error = s.errors.front();
     return Run{*cfg, std::move(s), std::move(ranks).value()};
   };
