@@ -30,7 +30,7 @@ producer, any other request from the offloaded tiers). Rounds A1 and A2 as above
       offloaded blocks serve them (hits from host and files); outputs must equal the baseline
 
     python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|multi|nixl] [--prefill-tp 2]
-                       [--prefill-pp 2] [--decode-tp 2] [--transport ucx|nixl] [--kv-cache-dtype fp8]
+                       [--prefill-pp 2] [--decode-tp 2] [--layer-wise] [--transport ucx|nixl] [--kv-cache-dtype fp8]
 
 --kv-cache-dtype sets vLLM's kv_cache_dtype of every instance (`fp8`: uint8 tensors the connector
 wraps as kvferry's fp8). --prefill-kv-cache-dtype gives the prefill instance another one (kvferry
@@ -127,6 +127,8 @@ def kv_config(connector: str, role: str, args) -> dict:
                 "kv_load_failure_policy": "recompute"}
     extra = {"rendezvous": args.rendezvous, "rendezvous_key": args.rendezvous_key,
              "hold_timeout_s": args.hold_timeout_s, "transport": args.transport}
+    if args.layer_wise:
+        extra["layer_wise"] = True
     return {"kv_connector": "KvferryConnector", "kv_connector_module_path":
             "kvferry.integrations.vllm", "kv_role": role, "kv_connector_extra_config": extra,
             "kv_load_failure_policy": "recompute"}
@@ -186,10 +188,13 @@ def role_prefill(args) -> None:
     write_json(os.path.join(args.work, f"{conn}-tickets.json"), tickets)
     serve_until(llm, os.path.join(args.work, f"{conn}-decode-done"), 900)
     if conn == "kvferry":
-        from kvferry.integrations.vllm import OVERHEAD
+        from kvferry.integrations.vllm import OVERHEAD, live_connectors
 
-        # Every hook of this process's connector (scheduler and worker) over rounds A1-C.
-        write_json(os.path.join(args.work, "kvferry-prefill-overhead.json"), OVERHEAD.snapshot())
+        # Every hook of this process's connector (scheduler and worker) over rounds A1-C, and
+        # (TP1: the worker is here) how many layers the worker marked ready from save_kv_layer.
+        snap = OVERHEAD.snapshot()
+        snap["layer_marks"] = sum(c._worker.layer_marks for c in live_connectors())
+        write_json(os.path.join(args.work, "kvferry-prefill-overhead.json"), snap)
         check_erased(args, llm, [t for ts in tickets.values() for t in ts])
         hold_phase(args, llm, ps)
     serve_until(llm, os.path.join(args.work, f"{conn}-release"), 600)
@@ -447,7 +452,7 @@ def spawn(args, role: str, connector: str, log: str, env_extra: dict | None = No
     cmd = [sys.executable, __file__, args.model, args.work, "--role", role, "--connector",
            connector, "--rendezvous", args.rendezvous, "--rendezvous-key", args.rendezvous_key,
            "--hold-timeout-s", str(args.hold_timeout_s), "--prefill-tp", str(args.prefill_tp),
-           "--prefill-pp", str(args.prefill_pp),
+           "--prefill-pp", str(args.prefill_pp), *(["--layer-wise"] if args.layer_wise else []),
            "--decode-tp", str(args.decode_tp), "--transport", args.transport,
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--prefill-kv-cache-dtype", args.prefill_kv_cache_dtype]
@@ -573,7 +578,8 @@ def orchestrate(args) -> int:
     ps = prompts()
     t_start = time.time()
     print(f"pd_check: prefill TP{args.prefill_tp} PP{args.prefill_pp} -> decode "
-          f"TP{args.decode_tp}, kvferry transport {args.transport}", flush=True)
+          f"TP{args.decode_tp}, kvferry transport {args.transport}"
+          f"{', layer-wise' if args.layer_wise else ''}", flush=True)
     logs = {n: os.path.join(args.work, f"{n}.log") for n in
             ("baseline", "kvferry-prefill", "kvferry-decode", "multi-prefill", "multi-decode",
              "nixl-prefill", "nixl-decode")}
@@ -709,6 +715,14 @@ def orchestrate(args) -> int:
     opath = os.path.join(args.work, "kvferry-prefill-overhead.json")
     if os.path.exists(opath):
         over["prefill"] = json.load(open(opath))
+        if args.layer_wise and args.prefill_tp * args.prefill_pp == 1:
+            # Its worker shares the process: every layer of every P/D request was marked ready
+            # from save_kv_layer (29 requests in rounds A1-C, 4 layers), not at the step's end.
+            marks = over["prefill"].get("layer_marks", 0)
+            n = over["prefill"]["requests"]
+            checks.check("kvferry: layer-wise: each layer of each request marked ready as its "
+                         "attention ran", marks >= 4 * n > 0,
+                         f"{marks} layer marks for {n} requests of 4 layers")
     for side, o in over.items():
         worst = max(o["hooks"].items(), key=lambda kv: kv[1]["ns"], default=("-", {"ns": 0}))
         print(f"kvferry {side}: connector overhead {o['connector_cpu_ns_per_request'] / 1e3:.0f} "
@@ -749,6 +763,9 @@ def main() -> int:
     ap.add_argument("--prefill-pp", type=int, default=1,
                     help="pipeline parallel size of prefill (kvferry only)")
     ap.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of decode")
+    ap.add_argument("--layer-wise", action="store_true",
+                    help="the kvferry producer sends layer by layer (kv_connector_extra_config "
+                         "layer_wise)")
     ap.add_argument("--transport", default="ucx",
                     help="kvferry transport of the kvferry and multi pairs (ucx, nixl)")
     ap.add_argument("--kv-cache-dtype", default="auto",

@@ -21,12 +21,15 @@ How a request moves, and why it is shaped this way:
   ContextSide leases the blocks until the decode side fetched them, failed, or the *hold
   deadline* (``hold_timeout_s``, default 480 s like NIXL's) passed; then ``get_finished`` reports
   the request as sent and vLLM frees the blocks.
+  With ``layer_wise``, the blocks are leased and the handle published before that forward
+  (``begin_layer_wise``) and each layer is marked ready from ``save_kv_layer`` as its attention
+  has run (CPU KV caches).
 * Consumer scheduler. ``get_num_new_matched_tokens`` claims the ticket's prompt tokens beyond the
   local prefix-cache hit, loaded asynchronously; ``update_state_after_alloc`` records the local
   blocks (the hit blocks are passed as ``reused_blocks`` and do not move).
-* Consumer worker. ``start_load_kv`` starts, on a small thread pool, the rendezvous lookup (it
-  waits for the Put if the producer has not published yet) and ``GenerationSide.fetch``; the
-  engine step never blocks on it. ``get_transfer_results`` polls the side: a complete fetch is a
+* Consumer worker. ``start_load_kv`` looks the handle up (a few ms at most) and starts
+  ``GenerationSide.fetch``, which only posts; a handle not published yet is waited for on a small
+  thread pool, so the engine step never blocks on it. ``get_transfer_results`` polls the side: a complete fetch is a
   finished receive, a failed one a finished *and* failed receive, which vLLM answers with its
   ``kv_load_failure_policy`` (``recompute``: prefill again locally; ``fail``: the request ends
   with an error). Nothing hangs: every wait has a deadline (``transfer_timeout_s``).
@@ -269,6 +272,10 @@ class Options:
     transfer_timeout_s: float = 60.0  # consumer: rendezvous lookup + fetch, each request
     instance_secret: bytes = b""  # 16 bytes; empty: drawn by producer rank 0 and published
     fetch_threads: int = 4
+    # Producer: each layer's KV may leave as soon as its attention has run in the step that
+    # completes the prompt (ContextSide.begin_layer_wise before the forward, mark_layers_ready
+    # from save_kv_layer), the handle published before the forward. CPU KV caches only.
+    layer_wise: bool = False
     # Test only: "reverse-blocks" fetches into the local blocks in reverse order, so a request of
     # more than one block gets its KV in the wrong places (the outputs must change).
     test_corrupt: str = ""
@@ -292,7 +299,7 @@ class Options:
                 v = float(v)
             elif k == "fetch_threads":
                 v = int(v)
-            elif k == "rendezvous_serve":
+            elif k in ("rendezvous_serve", "layer_wise"):
                 v = bool(v)
             setattr(o, k, v)
         if not o.rendezvous or not o.rendezvous_key:
@@ -403,6 +410,18 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Before the step's forward (vLLM 0.32 calls start_load_kv after it when no load of the
+        # step is synchronous): with layer_wise, the prompts this forward completes begin here.
+        super().bind_connector_metadata(connector_metadata)
+        if (self._worker is not None and self._worker.o.layer_wise
+                and getattr(connector_metadata, "sends", None)):
+            self._begin_sends(connector_metadata)
+
+    @_timed(_never)
+    def _begin_sends(self, meta: KvferryMetadata) -> None:
+        self._worker.begin_sends(meta)
+
     @_timed(lambda c, a, r: not c.has_connector_metadata() or
             not c._get_connector_metadata().recvs)
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -413,7 +432,14 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # zero copy: the blocks are sent from vLLM's own cache once the step is done
+        # Zero copy: the blocks are sent from vLLM's own cache, once the step is done or, with
+        # layer_wise, layer by layer. Most steps send nothing: no call, no timing.
+        if self._worker is not None and self._worker.layer_sends:
+            self._save_layer(layer_name)
+
+    @_timed(_never)
+    def _save_layer(self, layer_name: str) -> None:
+        self._worker.layer_ready(layer_name)
 
     @_timed(lambda c, a, r: not c.has_connector_metadata() or
             c._get_connector_metadata().empty(sends=True))
@@ -560,6 +586,10 @@ class _Worker:
         self.pool = None
         self.block_size = vllm_config.cache_config.block_size
         self.whole_blocks = False  # move whole blocks (the token order inside is the kernel's)
+        self.layer_index: dict[str, int] = {}  # layer name -> this rank's local layer
+        # layer_wise: (u64 id, vLLM id) of the requests begun before this step's forward
+        self.layer_sends: list[tuple[int, str]] = []
+        self.layer_marks = 0  # (request, layer) pairs marked ready from save_kv_layer
         self.ctx = None
         self.gen = None
         self.lock = threading.Lock()
@@ -591,6 +621,7 @@ class _Worker:
         mc = self.vllm_config.model_config
         names = sorted(kv_caches, key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
+        self.layer_index = {n: i for i, n in enumerate(names)}
         if len({t.data_ptr() for t in tensors}) != len(tensors):
             raise ValueError("KvferryConnector: layers share KV tensors (KV sharing across "
                              "layers) is not supported")
@@ -601,6 +632,9 @@ class _Worker:
         dtype = _kvferry_dtype(tensors[0].dtype, self.vllm_config.cache_config.cache_dtype)
         layout, strides, blocks = _detect_layout(tensors[0], local_heads, bs, head_dim)
         t0 = tensors[0]
+        if self.o.layer_wise and t0.device.type != "cpu" and self.producer:
+            raise ValueError("KvferryConnector: layer_wise needs CPU KV caches (on a GPU each "
+                             "layer would need an event on the engine's stream: not built)")
         self.device = kvferry.Device("cpu" if t0.device.type == "cpu"
                                      else f"cuda:{t0.device.index or 0}")
         stages = self._stage_layers([extract_layer_index(n) for n in names])
@@ -693,28 +727,63 @@ class _Worker:
         return self.rv.fetch_instance_secret(instance, self.instance_id, timeout=120.0)
 
     # -- producer
-    def wait_for_save(self, meta: KvferryMetadata) -> None:
+    def _publish(self, s: SendReq, begin) -> int | None:
+        """Leases `s`'s blocks (`begin`: mark_ready, or begin_layer_wise) and publishes the
+        handle (rank 0); its u64 id, or None when that failed (the request is then over here)."""
+        rid = request_id_u64(self.engine_id, s.request_id)
+        tokens = s.prompt_tokens
+        if self.whole_blocks:
+            tokens = len(s.blocks) * self.block_size
+        try:
+            with _LIBRARY:
+                handle = begin(rid, s.blocks, tokens)
+            with self.lock:
+                self.sending[rid] = s.request_id
+            if self.rank == 0:
+                with _LIBRARY:
+                    self.rv.put(handle_key(self.engine_id, s.request_id), handle, timeout=10.0)
+            return rid
+        except kvferry.errors.Error as e:
+            # The decode side's lookup times out and recomputes; our blocks are free now.
+            logger.error("kvferry: request %s not published: %s", s.request_id, e)
+            with self.lock:
+                self.send_terminal.add(s.request_id)
+            return None
+
+    def begin_sends(self, meta: KvferryMetadata) -> None:
+        """layer_wise, before the forward that completes the prompts of meta.sends."""
         if self.ctx is None:
             return
         for s in meta.sends:
-            rid = request_id_u64(self.engine_id, s.request_id)
-            tokens = s.prompt_tokens
-            if self.whole_blocks:
-                tokens = len(s.blocks) * self.block_size
+            rid = self._publish(s, self.ctx.begin_layer_wise)
+            if rid is not None:
+                self.layer_sends.append((rid, s.request_id))
+
+    def layer_ready(self, layer_name: str) -> None:
+        """layer_wise: `layer_name`'s attention ran (its KV is in the blocks, CPU tensors)."""
+        n = self.layer_index[layer_name] + 1
+        for rid, req_id in self.layer_sends:
             try:
                 with _LIBRARY:
-                    handle = self.ctx.mark_ready(rid, s.blocks, tokens)
-                with self.lock:
-                    self.sending[rid] = s.request_id
-                if self.rank == 0:
-                    with _LIBRARY:
-                        self.rv.put(handle_key(self.engine_id, s.request_id), handle,
-                                    timeout=10.0)
+                    self.ctx.mark_layers_ready(rid, n)
+                self.layer_marks += 1
+            except kvferry.errors.Error as e:  # the request already ended (its deadline, a cancel)
+                logger.warning("kvferry: request %s layer %s: %s", req_id, layer_name, e)
+
+    def wait_for_save(self, meta: KvferryMetadata) -> None:
+        if self.ctx is None:
+            return
+        # layer_wise: every layer ran; whichever save_kv_layer did not mark (none, normally), now.
+        for rid, req_id in self.layer_sends:
+            try:
+                with _LIBRARY:
+                    self.ctx.mark_layers_ready(rid, len(self.layer_index))
             except kvferry.errors.Error as e:
-                # The decode side's lookup times out and recomputes; our blocks are free now.
-                logger.error("kvferry: request %s not published: %s", s.request_id, e)
-                with self.lock:
-                    self.send_terminal.add(s.request_id)
+                logger.warning("kvferry: request %s: %s", req_id, e)
+        self.layer_sends = []
+        if not self.o.layer_wise:
+            for s in meta.sends:
+                self._publish(s, self.ctx.mark_ready)
         for req_id in meta.cancels:
             rid = request_id_u64(self.engine_id, req_id)
             try:
