@@ -30,7 +30,8 @@ producer, any other request from the offloaded tiers). Rounds A1 and A2 as above
       offloaded blocks serve them (hits from host and files); outputs must equal the baseline
 
     python pd_check.py MODEL_DIR WORK_DIR [--only kvferry|multi|nixl] [--prefill-tp 2]
-                       [--prefill-pp 2] [--decode-tp 2] [--layer-wise] [--transport ucx|nixl] [--kv-cache-dtype fp8]
+                       [--prefill-pp 2] [--decode-tp 2] [--layer-wise] [--transport ucx|nixl]
+                       [--kv-cache-dtype fp8]
 
 --kv-cache-dtype sets vLLM's kv_cache_dtype of every instance (`fp8`: uint8 tensors the connector
 wraps as kvferry's fp8). --prefill-kv-cache-dtype gives the prefill instance another one (kvferry
@@ -729,9 +730,9 @@ def orchestrate(args) -> int:
               f"us CPU ({o['connector_ns_per_request'] / 1e3:.0f} us wall) per request beside the "
               f"library's {o['library_cpu_ns_per_request'] / 1e3:.0f} us CPU "
               f"({o['library_ns_per_request'] / 1e3:.0f} us wall) ({o['requests']} requests; most "
-              f"in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us wall); {o['idle_steps']} of {o['steps']} "
-              f"steps without connector work, {o['idle_cpu_ns_per_step'] / 1e3:.1f} us CPU each "
-              f"(connector and library)")
+              f"in {worst[0]}: {worst[1]['ns'] / 1e3:.0f} us wall); {o['idle_steps']} of "
+              f"{o['steps']} steps without connector work, "
+              f"{o['idle_cpu_ns_per_step'] / 1e3:.1f} us CPU each (connector and library)")
     if over:  # a measurement, not a check: it depends on the machine's load
         # Judged on the engine thread's CPU time: wall time on this 2-core machine also counts
         # waiting for a core while builds run beside it.

@@ -29,10 +29,11 @@ How a request moves, and why it is shaped this way:
   blocks (the hit blocks are passed as ``reused_blocks`` and do not move).
 * Consumer worker. ``start_load_kv`` looks the handle up (a few ms at most) and starts
   ``GenerationSide.fetch``, which only posts; a handle not published yet is waited for on a small
-  thread pool, so the engine step never blocks on it. ``get_transfer_results`` polls the side: a complete fetch is a
-  finished receive, a failed one a finished *and* failed receive, which vLLM answers with its
-  ``kv_load_failure_policy`` (``recompute``: prefill again locally; ``fail``: the request ends
-  with an error). Nothing hangs: every wait has a deadline (``transfer_timeout_s``).
+  thread pool, so the engine step never blocks on it. ``get_transfer_results`` polls the side:
+  a complete fetch is a finished receive, a failed one a finished *and* failed receive, which
+  vLLM answers with its ``kv_load_failure_policy`` (``recompute``: prefill again locally;
+  ``fail``: the request ends with an error). Nothing hangs: every wait has a deadline
+  (``transfer_timeout_s``).
 
 Identity. The instance id of each side is a hash of vLLM's ``engine_id``, which every rank of an
 instance shares by construction; a vLLM request id (a string, unique inside its instance) becomes
@@ -734,18 +735,27 @@ class _Worker:
         tokens = s.prompt_tokens
         if self.whole_blocks:
             tokens = len(s.blocks) * self.block_size
+        leased = False
         try:
             with _LIBRARY:
                 handle = begin(rid, s.blocks, tokens)
-            with self.lock:
-                self.sending[rid] = s.request_id
+            leased = True
             if self.rank == 0:
                 with _LIBRARY:
                     self.rv.put(handle_key(self.engine_id, s.request_id), handle, timeout=10.0)
+            with self.lock:
+                self.sending[rid] = s.request_id
             return rid
         except kvferry.errors.Error as e:
-            # The decode side's lookup times out and recomputes; our blocks are free now.
+            # The decode side's lookup times out and recomputes; the lease ends here, and vLLM
+            # frees the blocks with the next results.
             logger.error("kvferry: request %s not published: %s", s.request_id, e)
+            if leased:
+                try:
+                    with _LIBRARY:
+                        self.ctx.cancel(rid)
+                except kvferry.errors.Error:
+                    pass  # already terminal
             with self.lock:
                 self.send_terminal.add(s.request_id)
             return None
