@@ -17,6 +17,7 @@ namespace kvferry::internal::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
 constexpr uint32_t kMaxBlocks = 65535;
 constexpr uint32_t kMaxParts = 4096;
 
@@ -124,27 +125,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The largest of every thread's `v` in the block (kThreads threads), in every thread.
-__device__ __forceinline__ uint32_t BlockMax(uint32_t v) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  __shared__ uint32_t all;
-  v = __reduce_max_sync(0xffffffffu, v);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const uint32_t w = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
-    const uint32_t m = __reduce_max_sync(0xffffffffu, w);
-    if (threadIdx.x == 0) all = m;
-  }
-  __syncthreads();
-  return all;
-}
-
-// Per-block scales (CopyDesc::src_scales, dst_scales): a thread block takes one (descriptor,
-// plane) at a time, blockIdx.x over descriptors and blockIdx.y over planes, so a plane's amax is
-// reduced within one block: a first pass over the plane's rows (reading them into the caches), the
-// scale, then the rows converted as ConvertKernel does. The plane's threads walk (row, group) with
-// a 32-bit division (a plane holds few rows).
+// Per-block scales (CopyDesc::src_scales, dst_scales): a warp takes one (descriptor, plane) at a
+// time, blockIdx.x over descriptors and (blockIdx.y, warp) over planes, so a plane's amax is
+// reduced within one warp (__reduce_max_sync, no shared memory or block barrier): a first pass
+// over the plane's rows (reading them into the caches), the scale, then the rows converted as
+// ConvertKernel does. A plane is a KV block's rows of one head (16-128 tokens of a head_dim): a
+// thread block per plane left most of its threads idle and waited on two barriers a plane (0.18
+// of a copy on the H200). The plane's lanes walk (row, group) with a 32-bit division.
 template <int From, int To>
 __global__ void __launch_bounds__(kThreads)
     ConvertBlockScaledKernel(const GatherDesc* descs, const BlockScaleDesc* scales,
@@ -177,16 +164,18 @@ __global__ void __launch_bounds__(kThreads)
     const auto* src_scales = reinterpret_cast<const float*>(sd.src_scales);
     auto* dst_scales = reinterpret_cast<float*>(sd.dst_scales);
     const bool travel = From == To && src_scales != nullptr && dst_scales != nullptr;
-    for (uint64_t q = blockIdx.y; q < planes; q += gridDim.y) {
+    const uint32_t lane = threadIdx.x % 32;
+    for (uint64_t q = uint64_t{blockIdx.y} * kWarps + threadIdx.x / 32; q < planes;
+         q += uint64_t{gridDim.y} * kWarps) {
       const char* src = reinterpret_cast<const char*>(desc.src) + q * spp;
       char* dst = reinterpret_cast<char*>(desc.dst) + q * dpp;
       const float s_src = src_scales != nullptr ? src_scales[q * sd.src_stride] : sd.src_scale;
       float s_dst = sd.dst_scale;
       if (travel) {
-        if (threadIdx.x == 0) dst_scales[q * sd.dst_stride] = s_src;
+        if (lane == 0) dst_scales[q * sd.dst_stride] = s_src;
       } else if (dst_scales != nullptr) {
         uint32_t m = 0;
-        for (uint32_t u = threadIdx.x; u < items; u += kThreads) {
+        for (uint32_t u = lane; u < items; u += 32) {
           const uint32_t r = u / per_row, g = u - r * per_row;
           if (grouped) {
             const auto in =
@@ -200,12 +189,12 @@ __global__ void __launch_bounds__(kThreads)
             m = max(m, convert::FiniteMagnitude(Format<From>::Widen(v)));
           }
         }
-        s_dst = convert::BlockScale(BlockMax(m), s_src);
-        if (threadIdx.x == 0) dst_scales[q * sd.dst_stride] = s_dst;
+        s_dst = convert::BlockScale(__reduce_max_sync(0xffffffffu, m), s_src);
+        if (lane == 0) dst_scales[q * sd.dst_stride] = s_dst;
       }
       const bool scaled = !travel && (s_src != 1.0f || s_dst != 1.0f);
       const float2 s = make_float2(s_src, s_dst);
-      for (uint32_t u = threadIdx.x; u < items; u += kThreads) {
+      for (uint32_t u = lane; u < items; u += 32) {
         const uint32_t r = u / per_row, g = u - r * per_row;
         if (grouped) {
           const auto in =
@@ -223,7 +212,6 @@ __global__ void __launch_bounds__(kThreads)
               travel ? static_cast<Out>(v) : static_cast<Out>(ConvertOne<From, To>(v, scaled, s));
         }
       }
-      __syncthreads();  // BlockMax's shared words are reused by the next plane
     }
     __syncthreads();  // `desc` is overwritten by the next iteration
   }
@@ -301,10 +289,12 @@ cudaError_t LaunchConvertBlockScaled(const GatherDesc* descs, const BlockScaleDe
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const uint32_t cap = max_blocks == 0 ? kMaxBlocks : std::min(max_blocks, kMaxBlocks);
   const uint32_t blocks = std::min(count, cap);
-  // Enough (descriptor, plane) blocks to fill the GPU: the cap's spare blocks go to planes.
+  // Enough (descriptor, plane) warps to fill the GPU: the cap's spare blocks go to planes, a
+  // warp each.
   const uint64_t want = std::max<uint64_t>(1, std::max<uint32_t>(cap, 1024) / blocks);
-  const uint32_t parts = static_cast<uint32_t>(
-      std::min<uint64_t>(std::min<uint64_t>(std::max<uint64_t>(max_planes, 1), want), kMaxBlocks));
+  const uint64_t plane_blocks = (std::max<uint64_t>(max_planes, 1) + kWarps - 1) / kWarps;
+  const uint32_t parts =
+      static_cast<uint32_t>(std::min<uint64_t>(std::min(plane_blocks, want), kMaxBlocks));
   kernel<<<dim3(blocks, parts), kThreads, 0, stream>>>(descs, scales, count);
   return cudaGetLastError();
 }
