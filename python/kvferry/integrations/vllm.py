@@ -751,11 +751,7 @@ class _Worker:
             # frees the blocks with the next results.
             logger.error("kvferry: request %s not published: %s", s.request_id, e)
             if leased:
-                try:
-                    with _LIBRARY:
-                        self.ctx.cancel(rid)
-                except kvferry.errors.Error:
-                    pass  # already terminal
+                self._cancel(rid)
             with self.lock:
                 self.send_terminal.add(s.request_id)
             return None
@@ -769,38 +765,42 @@ class _Worker:
             if rid is not None:
                 self.layer_sends.append((rid, s.request_id))
 
-    def layer_ready(self, layer_name: str) -> None:
-        """layer_wise: `layer_name`'s attention ran (its KV is in the blocks, CPU tensors)."""
-        n = self.layer_index[layer_name] + 1
+    def _cancel(self, rid: int) -> None:
+        """Ends request `rid` on this side (and its lease) unless it already ended."""
+        try:
+            with _LIBRARY:
+                self.ctx.cancel(rid)
+        except kvferry.errors.Error:
+            pass  # already terminal
+
+    def _mark_layers(self, n: int, what: str) -> int:
+        """The first `n` local layers of every request begun layer-wise this step are ready;
+        how many requests took it (one that already ended, by deadline or cancel, does not)."""
+        marked = 0
         for rid, req_id in self.layer_sends:
             try:
                 with _LIBRARY:
                     self.ctx.mark_layers_ready(rid, n)
-                self.layer_marks += 1
-            except kvferry.errors.Error as e:  # the request already ended (its deadline, a cancel)
-                logger.warning("kvferry: request %s layer %s: %s", req_id, layer_name, e)
+                marked += 1
+            except kvferry.errors.Error as e:
+                logger.warning("kvferry: request %s, %s: %s", req_id, what, e)
+        return marked
+
+    def layer_ready(self, layer_name: str) -> None:
+        """layer_wise: `layer_name`'s attention ran (its KV is in the blocks, CPU tensors)."""
+        self.layer_marks += self._mark_layers(self.layer_index[layer_name] + 1, layer_name)
 
     def wait_for_save(self, meta: KvferryMetadata) -> None:
         if self.ctx is None:
             return
         # layer_wise: every layer ran; whichever save_kv_layer did not mark (none, normally), now.
-        for rid, req_id in self.layer_sends:
-            try:
-                with _LIBRARY:
-                    self.ctx.mark_layers_ready(rid, len(self.layer_index))
-            except kvferry.errors.Error as e:
-                logger.warning("kvferry: request %s: %s", req_id, e)
+        self._mark_layers(len(self.layer_index), "all layers")
         self.layer_sends = []
         if not self.o.layer_wise:
             for s in meta.sends:
                 self._publish(s, self.ctx.mark_ready)
         for req_id in meta.cancels:
-            rid = request_id_u64(self.engine_id, req_id)
-            try:
-                with _LIBRARY:
-                    self.ctx.cancel(rid)
-            except kvferry.errors.Error:
-                pass  # already terminal
+            self._cancel(request_id_u64(self.engine_id, req_id))
         with self.lock:
             self.send_finished.update(meta.send_finished)
 
