@@ -233,11 +233,21 @@ TEST_P(FaultMatrix, EveryRequestEndsOnceNothingLeaksSurvivorsServe) {
     }
   }
   for (int f = 0; f < fetches; ++f) {
+    if (f == 1) {
+      // The router's second delivery, rank by rank: refused at the call while the rank's first
+      // fetch is live; a rank whose first fetch already ended (not yet polled: an in-process
+      // transfer of 3 blocks can end between two calls) takes it as a new fetch, which the
+      // context rank refuses (the request was released), so that rank reports twice.
+      for (int r : rig.Group(false, 0)) {
+        if (rig.gen(r).Fetch(handle, Blocks(3), 0).ok()) ledger.Expect(false, r, 1);
+      }
+      continue;
+    }
     Status st = rig.Fetch(handle, Blocks(3), 0);
-    // A fetch refused at the call (corrupt handle, dead context rank, second fetch) starts
-    // nothing on the ranks that refused it.
+    // A fetch refused at the call (corrupt handle, dead context rank) starts nothing on the
+    // ranks that refused it.
     for (int r : rig.Group(false, 0)) {
-      if (f == 0 && (st.ok() || rig.gen(r).Query(1).ok())) ledger.Expect(false, r, 1);
+      if (st.ok() || rig.gen(r).Query(1).ok()) ledger.Expect(false, r, 1);
     }
   }
   EXPECT_TRUE(ledger.Settle(settle)) << "request 1 never ended everywhere";
