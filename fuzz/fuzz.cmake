@@ -27,7 +27,7 @@ target_link_libraries(make_seeds PRIVATE kvferry_internal)
 if(KVFERRY_FUZZ)
   # The library itself is instrumented (coverage, ASan, UBSan) by the top-level KVFERRY_FUZZ
   # flags; each target links libFuzzer's main.
-  foreach(t handle message ucx_address protocol rendezvous_frame)
+  foreach(t handle message ucx_address nixl_wire protocol rendezvous_frame)
     add_executable(${t}_fuzz "${KVFERRY_FUZZ_DIR}/${t}_fuzz.cc" ${kvferry_fuzz_bodies})
     target_compile_options(${t}_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)
     target_link_options(${t}_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)

@@ -84,6 +84,7 @@ void RunBody(const std::string& target, Body body, int mutated) {
 TEST(FuzzBodies, Handle) { RunBody("handle_fuzz", HandleFuzzOne, 20000); }
 TEST(FuzzBodies, Message) { RunBody("message_fuzz", MessageFuzzOne, 20000); }
 TEST(FuzzBodies, UcxAddress) { RunBody("ucx_address_fuzz", UcxAddressFuzzOne, 20000); }
+TEST(FuzzBodies, NixlWire) { RunBody("nixl_wire_fuzz", NixlWireFuzzOne, 20000); }
 TEST(FuzzBodies, Protocol) { RunBody("protocol_fuzz", ProtocolFuzzOne, 16); }
 TEST(FuzzBodies, RendezvousFrame) {
   RunBody("rendezvous_frame_fuzz", RendezvousFrameFuzzOne, 20000);

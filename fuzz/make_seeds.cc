@@ -9,6 +9,7 @@
 
 #include "rendezvous/frame.h"
 #include "transceiver/wire/seeds.h"
+#include "transport/nixl_wire.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {
@@ -65,6 +66,26 @@ void WriteAll(const std::filesystem::path& root) {
   Write(root / "ucx_address_fuzz", "transport_two_workers", 0,
         std::vector<std::byte>(reinterpret_cast<const std::byte*>(both.data()),
                                reinterpret_cast<const std::byte*>(both.data() + both.size())));
+
+  // NIXL's wire: an address (mode 0), keys of host and GPU memory (mode 1), notifications
+  // (mode 2).
+  {
+    using namespace nixl_detail;
+    const auto bytes = [](std::string_view t) {
+      return std::vector<std::byte>(reinterpret_cast<const std::byte*>(t.data()),
+                                    reinterpret_cast<const std::byte*>(t.data() + t.size()));
+    };
+    const std::string address = EncodeNixlAddress({"kvferry-1-abc", bytes("agent metadata")});
+    Write(root / "nixl_wire_fuzz", "address", 0, bytes(address));
+    Write(root / "nixl_wire_fuzz", "key_dram", 1,
+          EncodeNixlKey({"kvferry-1-abc", 0x10000, 4096, bytes("partial metadata")}));
+    Write(root / "nixl_wire_fuzz", "key_vram", 1,
+          EncodeNixlKey({"kvferry-1-abc", 0x7f0000000000, 1 << 20, bytes("md"), 1, 2}));
+    auto data = NixlNotifHeader(kData, address, 7, 10, 4);
+    for (std::byte b : bytes("abcdef")) data.push_back(b);
+    Write(root / "nixl_wire_fuzz", "notif_data_hello", 2, data);
+    Write(root / "nixl_wire_fuzz", "notif_ack", 2, NixlNotifHeader(kAck, "", 7, 0, 0));
+  }
 
   // Protocol programs: config byte, then ops (see protocol_fuzz_body.cc, Harness::Run).
   Write(root / "protocol_fuzz", "publish_fetch", 0, Raw({0x00, 9, 0x01, 0}));

@@ -15,6 +15,7 @@
 #include "transceiver/engine/engine.h"
 #include "transceiver/wire/handle.h"
 #include "transceiver/wire/messages.h"
+#include "transport/nixl_wire.h"
 #include "transport/ucx_address.h"
 
 namespace kvferry {
@@ -293,6 +294,48 @@ int UcxAddressFuzzOne(const uint8_t* data, size_t size) {
     FuzzWorkerAddress(workers->data);
   } else {
     CheckRefusal(workers.status());
+  }
+  return 0;
+}
+
+int NixlWireFuzzOne(const uint8_t* data, size_t size) {
+  using namespace nixl_detail;
+  if (size == 0) return 0;
+  const std::span<const std::byte> in(reinterpret_cast<const std::byte*>(data + 1), size - 1);
+  const int mode = data[0] & 3;
+  if (mode == 0 || mode == 3) {
+    const std::string text(reinterpret_cast<const char*>(in.data()), in.size());
+    auto a = DecodeNixlAddress(text);
+    if (a.ok()) {  // hex digits of either case decode; the encoder writes lower case
+      auto again = DecodeNixlAddress(EncodeNixlAddress(*a));
+      Check(again.ok() && again->agent == a->agent && again->metadata == a->metadata);
+    } else {
+      CheckRefusal(a.status());
+    }
+  }
+  if (mode == 1 || mode == 3) {
+    auto k = DecodeNixlKey(in);
+    if (k.ok()) {  // a version-2 key of host memory re-encodes as version 1: compare fields
+      auto again = DecodeNixlKey(EncodeNixlKey(*k));
+      Check(again.ok() && again->agent == k->agent && again->base == k->base &&
+            again->size == k->size && again->mem == k->mem && again->device == k->device &&
+            again->metadata == k->metadata);
+      Check(k->mem == 0 || k->mem == 1);
+      Check(k->base + k->size >= k->base);
+    } else {
+      CheckRefusal(k.status());
+    }
+  }
+  if (mode == 2 || mode == 3) {
+    auto n = DecodeNixlNotif(in);
+    if (n.ok()) {
+      Check(n->payload.empty() || (n->payload.data() >= in.data() &&
+                                   n->payload.data() + n->payload.size() <= in.data() + in.size()));
+      if (n->kind == kData)
+        Check(n->offset <= n->total && n->payload.size() <= n->total - n->offset);
+    } else {
+      CheckRefusal(n.status());
+    }
   }
   return 0;
 }

@@ -30,4 +30,8 @@ int MessageFuzzOne(const uint8_t* data, size_t size);
 // decoder sees a valid address); otherwise the input is the text.
 int UcxAddressFuzzOne(const uint8_t* data, size_t size);
 
+// The NIXL transport's own wire (src/transport/nixl_wire.h). Mode bits 0..1: 0 = address text,
+// 1 = packed registration key, 2 = notification header and payload, 3 = all three.
+int NixlWireFuzzOne(const uint8_t* data, size_t size);
+
 }  // namespace kvferry

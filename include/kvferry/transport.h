@@ -62,7 +62,10 @@ struct TransportCaps {
   std::string name;            // "inproc", "ucx", "mpi"
   int tag_bits = 64;           // usable bits of a data tag (ucx 63, mpi from MPI_TAG_UB)
   bool device_memory = false;  // Send/Recv/Put accept MemoryKind::kDevice buffers
-  bool one_sided = false;      // RegisterMemory/Put/Flush are implemented
+  // With device_memory: Send/Recv take them too (false for nixl, whose tagged messages travel in
+  // notifications: GPU memory only by RegisterMemory/Put/Get).
+  bool device_memory_tagged = true;
+  bool one_sided = false;  // RegisterMemory/Put/Flush are implemented
   // A peer that dies without shutting down (crash, kill -9) fails pending ops with kUnavailable.
   // When false (ucx with ucx.error_mode=none, mpi) only an orderly shutdown is noticed; callers
   // rely on their own deadlines.

@@ -60,6 +60,11 @@ StatusOr<RawBuffer> RawAllocate(Device& dev, const Transport& t, size_t bytes) {
   return r;
 }
 
+// Whether `t` sends tagged messages from memory of `wire` kind (nixl: host memory only).
+bool CanTagSend(const Transport& t, MemoryKind wire) {
+  return wire != MemoryKind::kDevice || t.caps().device_memory_tagged;
+}
+
 // Operations in flight, oldest first, at most kBaseWindow once Add is used: both baseline sides
 // keep the same window, the sender's puts or sends, the receiver's receives.
 class OpWindow {
@@ -166,7 +171,14 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
     out.name = fmt::format("raw {} put, {} memory, {} MiB x{} in flight", t->caps().name, src.where,
                            kBaseMsg >> 20, kBaseWindow);
   }
-  KVF_ASSIGN_OR_RETURN(double tag, pass(false));
+  // Tagged sends of GPU memory where the transport takes them (not nixl: one-sided only).
+  double tag = 0.0;
+  if (CanTagSend(*t, src.wire)) {
+    KVF_ASSIGN_OR_RETURN(tag, pass(false));
+  } else if (!can_put) {
+    return Status::Unavailable(fmt::format(
+        "no raw {} baseline: GPU memory neither put (no registration) nor sent", t->caps().name));
+  }
   if (tag > out.gbps) {
     out.gbps = tag;
     out.name = fmt::format("raw {} tag send, {} memory, {} MiB x{} in flight", t->caps().name,
@@ -175,7 +187,7 @@ StatusOr<BaselineResult> BaselineSender(const SelftestConfig& cfg, const Transpo
   out.name += " [" + t->DescribePeer(peer) + "]";  // the transports UCX picked
   // NIXL: also two bare agents' WRITEs of the same bytes (no kvferry transport around them).
   if (info.contains("nixl_raw")) {
-    auto raw = RawNixlWrite(info["nixl_raw"].get<std::string>(), src.buf.data(), kBaseMsg,
+    auto raw = RawNixlWrite(info["nixl_raw"].get<std::string>(), src.buf.data(), src.wire, kBaseMsg,
                             kBaseWindow, msgs, deadline);
     if (raw.ok() && *raw > out.gbps) {
       out.gbps = *raw;
@@ -214,8 +226,8 @@ StatusOr<ReceivedBaselines> BaselineReceiver(const SelftestConfig& cfg, const Tr
   }
   // NIXL: a bare agent's target on the same buffer, for the sender's raw NIXL pass.
   std::unique_ptr<RawNixlTarget> nixl_raw;
-  if (cfg.transport == "nixl" && dst.wire == MemoryKind::kHost) {
-    auto target = RawNixlTarget::Create(dst.buf.data(), dst.buf.size());
+  if (cfg.transport == "nixl") {
+    auto target = RawNixlTarget::Create(dst.buf.data(), dst.buf.size(), dst.wire);
     if (target.ok()) {
       nixl_raw = std::move(target).value();
       info["nixl_raw"] = nixl_raw->Describe();
@@ -224,7 +236,7 @@ StatusOr<ReceivedBaselines> BaselineReceiver(const SelftestConfig& cfg, const Tr
   KVF_RETURN_IF_ERROR(PutText(*rv, "gen-info", info.dump(), deadline));
   KVF_ASSIGN_OR_RETURN(std::string ctx_addr, GetText(*rv, "ctx-addr", deadline));
   KVF_ASSIGN_OR_RETURN(PeerId peer, t->Connect(ctx_addr, deadline));
-  {  // the tagged-send pass (after the put pass, if any)
+  if (CanTagSend(*t, dst.wire)) {  // the tagged-send pass (after the put pass, if any)
     const int64_t msgs = (BaselineBytes(cfg) + kBaseMsg - 1) / kBaseMsg;
     OpWindow window(*t, deadline);
     for (int64_t i = 0; i < msgs; ++i) {

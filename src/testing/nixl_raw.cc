@@ -63,13 +63,13 @@ class BareAgent {
     }
     if (agent_) api_->destroy_agent(agent_);
   }
-  Status Register(const void* buf, size_t bytes) {
+  Status Register(const void* buf, size_t bytes, const MemPlace& place) {
     RegDlist dl = nullptr;
-    KVF_RETURN_IF_ERROR(FromCapi(api_->create_reg_dlist(kMemDram, &dl), "create_reg_dlist"));
+    KVF_RETURN_IF_ERROR(FromCapi(api_->create_reg_dlist(place.mem, &dl), "create_reg_dlist"));
     regs_.push_back(dl);
-    KVF_RETURN_IF_ERROR(FromCapi(
-        api_->reg_dlist_add_desc(dl, reinterpret_cast<uintptr_t>(buf), bytes, 0, nullptr, 0),
-        "reg_dlist_add_desc"));
+    KVF_RETURN_IF_ERROR(FromCapi(api_->reg_dlist_add_desc(dl, reinterpret_cast<uintptr_t>(buf),
+                                                          bytes, place.device, nullptr, 0),
+                                 "reg_dlist_add_desc"));
     return FromCapi(api_->register_mem(agent_, dl, nullptr), "nixl_capi_register_mem");
   }
   Agent agent() const { return agent_; }
@@ -105,16 +105,29 @@ class Target final : public RawNixlTarget {
   NotifMap notifs_ = nullptr;
 };
 
+// Where `buf` lies for NIXL: GPU memory (MemoryKind::kDevice on a CUDA host) is VRAM of its
+// device, anything else DRAM.
+StatusOr<MemPlace> PlaceOf(const void* buf, MemoryKind kind) {
+  MemPlace place;
+  if (kind == MemoryKind::kDevice) {
+    place.mem = kMemVram;
+    KVF_ASSIGN_OR_RETURN(place.device, CudaDeviceOf(buf));
+  }
+  return place;
+}
+
 }  // namespace
 
-StatusOr<std::unique_ptr<RawNixlTarget>> RawNixlTarget::Create(void* buf, size_t bytes) {
+StatusOr<std::unique_ptr<RawNixlTarget>> RawNixlTarget::Create(void* buf, size_t bytes,
+                                                               MemoryKind kind) {
   KVF_ASSIGN_OR_RETURN(const NixlApi* api, LoadNixl());
+  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(buf, kind));
   KVF_ASSIGN_OR_RETURN(BareAgent agent, BareAgent::Create(api, "target"));
-  KVF_RETURN_IF_ERROR(agent.Register(buf, bytes));
+  KVF_RETURN_IF_ERROR(agent.Register(buf, bytes, place));
   void* md = nullptr;
   size_t len = 0;
   KVF_RETURN_IF_ERROR(FromCapi(api->get_local_md(agent.agent(), &md, &len), "get_local_md"));
-  NixlKey k{agent.name(), reinterpret_cast<uint64_t>(buf), bytes, {}};
+  NixlKey k{agent.name(), reinterpret_cast<uint64_t>(buf), bytes, {}, place.mem, place.device};
   const auto* p = static_cast<const std::byte*>(md);
   k.metadata.assign(p, p + len);
   std::free(md);
@@ -124,8 +137,8 @@ StatusOr<std::unique_ptr<RawNixlTarget>> RawNixlTarget::Create(void* buf, size_t
   return std::unique_ptr<RawNixlTarget>(new Target(api, std::move(agent), std::move(text)));
 }
 
-StatusOr<double> RawNixlWrite(const std::string& target, const void* src, size_t msg, int window,
-                              int64_t msgs, Deadline deadline) {
+StatusOr<double> RawNixlWrite(const std::string& target, const void* src, MemoryKind kind,
+                              size_t msg, int window, int64_t msgs, Deadline deadline) {
   KVF_ASSIGN_OR_RETURN(const NixlApi* api, LoadNixl());
   std::vector<std::byte> bytes(target.size() / 2);
   for (size_t i = 0; i < bytes.size(); ++i) {
@@ -133,8 +146,9 @@ StatusOr<double> RawNixlWrite(const std::string& target, const void* src, size_t
   }
   KVF_ASSIGN_OR_RETURN(NixlKey k, DecodeNixlKey(bytes));
   if (k.size < msg * window) return Status::InvalidArgument("raw nixl: the target is too small");
+  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(src, kind));
   KVF_ASSIGN_OR_RETURN(BareAgent agent, BareAgent::Create(api, "writer"));
-  KVF_RETURN_IF_ERROR(agent.Register(src, msg * window));
+  KVF_RETURN_IF_ERROR(agent.Register(src, msg * window, place));
   char* name = nullptr;
   KVF_RETURN_IF_ERROR(
       FromCapi(api->load_remote_md(agent.agent(), k.metadata.data(), k.metadata.size(), &name),
@@ -147,10 +161,10 @@ StatusOr<double> RawNixlWrite(const std::string& target, const void* src, size_t
   auto post = [&](int64_t i) -> Status {
     const size_t slot = static_cast<size_t>(i % window);
     XferDlist l = nullptr, r = nullptr;
-    api->create_xfer_dlist(kMemDram, &l);
-    api->create_xfer_dlist(kMemDram, &r);
-    api->xfer_dlist_add_desc(l, reinterpret_cast<uintptr_t>(src) + slot * msg, msg, 0);
-    api->xfer_dlist_add_desc(r, k.base + slot * msg, msg, 0);
+    api->create_xfer_dlist(place.mem, &l);
+    api->create_xfer_dlist(k.mem, &r);
+    api->xfer_dlist_add_desc(l, reinterpret_cast<uintptr_t>(src) + slot * msg, msg, place.device);
+    api->xfer_dlist_add_desc(r, k.base + slot * msg, msg, k.device);
     XferReq q = nullptr;
     Status st =
         FromCapi(api->create_xfer_req(agent.agent(), kOpWrite, l, r, k.agent.c_str(), &q, nullptr),

@@ -7,7 +7,8 @@
 // writer loads that, and keeps `window` WRITE requests of `msg` bytes in flight, each one NIXL
 // request (createXferReq, postXferReq, getXferStatus until done, releaseXferReq), as an
 // application driving NIXL directly would. The target must be progressed while it is written to
-// (NIXL's UCX over TCP lands the bytes in the target's progress). Host memory only.
+// (NIXL's UCX over TCP lands the bytes in the target's progress). Host or GPU memory: kDevice
+// buffers of a CUDA host are registered as VRAM of their device.
 //
 // Thread-compatible: each object is driven by one thread.
 #pragma once
@@ -25,8 +26,8 @@ namespace kvferry {
 class RawNixlTarget {
  public:
   // Registers [buf, buf + bytes) with a fresh agent (backend: knobs nixl.backend,
-  // nixl.backend_params). kUnavailable when NIXL can't be used.
-  static StatusOr<std::unique_ptr<RawNixlTarget>> Create(void* buf, size_t bytes);
+  // nixl.backend_params); kDevice: GPU memory (VRAM). kUnavailable when NIXL can't be used.
+  static StatusOr<std::unique_ptr<RawNixlTarget>> Create(void* buf, size_t bytes, MemoryKind kind);
   virtual ~RawNixlTarget() = default;
   // Text for the writer: agent metadata with the registration, and the buffer's address and size.
   virtual std::string Describe() const = 0;
@@ -36,7 +37,7 @@ class RawNixlTarget {
 
 // Writes `msgs` messages of `msg` bytes from `src` (window * msg bytes) into the target described
 // by `target`, `window` in flight, slot i of src to slot i of the target's buffer; returns GB/s.
-StatusOr<double> RawNixlWrite(const std::string& target, const void* src, size_t msg, int window,
-                              int64_t msgs, Deadline deadline);
+StatusOr<double> RawNixlWrite(const std::string& target, const void* src, MemoryKind kind,
+                              size_t msg, int window, int64_t msgs, Deadline deadline);
 
 }  // namespace kvferry

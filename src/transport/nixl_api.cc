@@ -247,6 +247,42 @@ StatusOr<const NixlApi*> LoadNixl() {
   return &loaded->api;
 }
 
+namespace {
+// The driver API's cuPointerGetAttribute, declared here (CUresult, CUpointer_attribute and
+// CUdeviceptr are an int, an int and an unsigned long long); null without a driver.
+using GetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
+GetAttribute PointerGetAttribute() {
+  static const GetAttribute get = [] {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    return h ? reinterpret_cast<GetAttribute>(dlsym(h, "cuPointerGetAttribute")) : nullptr;
+  }();
+  return get;
+}
+}  // namespace
+
+bool CudaDriverPresent() { return PointerGetAttribute() != nullptr; }
+
+StatusOr<uint64_t> CudaDeviceOf(const void* p) {
+  constexpr int kMemoryTypeAttr = 2;         // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+  constexpr int kDeviceOrdinalAttr = 9;      // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+  constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
+  const GetAttribute get = PointerGetAttribute();
+  if (get == nullptr) {
+    return Status::Unavailable("nixl transport: GPU memory needs the CUDA driver (libcuda.so.1)");
+  }
+  const auto ptr = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p));
+  unsigned type = 0;
+  int ordinal = -1;
+  const int rc_type = get(&type, kMemoryTypeAttr, ptr);
+  if (rc_type != 0 || type != kMemoryTypeDevice || get(&ordinal, kDeviceOrdinalAttr, ptr) != 0 ||
+      ordinal < 0) {
+    return Status::InvalidArgument(fmt::format(
+        "nixl transport: {} is not GPU memory (cuPointerGetAttribute: {}, memory type {})", p,
+        rc_type, type));
+  }
+  return static_cast<uint64_t>(ordinal);
+}
+
 Status FromCapi(int st, const std::string& what) {
   switch (st) {
     case kCapiSuccess:

@@ -47,6 +47,14 @@ enum CapiStatus : int {
 };
 
 enum CapiMemType : int { kMemDram = 0, kMemVram = 1 };
+// Where memory lies, as NIXL names it: a memory type (CapiMemType) and a device id (the CUDA
+// ordinal for VRAM, 0 for DRAM).
+struct MemPlace {
+  int mem = kMemDram;
+  uint64_t device = 0;
+  bool operator==(const MemPlace&) const = default;
+};
+
 enum CapiXferOp : int { kOpRead = 0, kOpWrite = 1 };
 enum CapiThreadSync : int { kSyncNone = 0, kSyncStrict = 1, kSyncRw = 2 };
 
@@ -128,6 +136,13 @@ struct NixlApi {
 // The C API of the process (loaded at the first call), or why it can't be used: kUnavailable
 // naming the places tried, the version found, or the symbol missing.
 StatusOr<const NixlApi*> LoadNixl();
+
+// The CUDA device ordinal of GPU memory at `p`, which NIXL's VRAM descriptors name, asked of the
+// CUDA driver (libcuda.so.1, loaded at the first call; kvferry's transports link no CUDA):
+// kUnavailable without a driver, kInvalidArgument for memory that is not a GPU's.
+StatusOr<uint64_t> CudaDeviceOf(const void* p);
+// Whether the CUDA driver loads (GPU memory can be named at all).
+bool CudaDriverPresent();
 
 // A NIXL status as a Status (`what`: the call, for the message). kCapiSuccess and kCapiInProg
 // are OK.

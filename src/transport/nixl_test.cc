@@ -87,6 +87,17 @@ TEST(NixlWire, AddressKeyAndNotificationRoundTrip) {
   EXPECT_EQ(kb->base, k.base);
   EXPECT_EQ(kb->size, k.size);
   EXPECT_EQ(kb->metadata, k.metadata);
+  EXPECT_EQ(kb->mem, kMemDram);
+  EXPECT_EQ(EncodeNixlKey(k)[3], std::byte{'1'});  // host memory: version 1, as before
+  // GPU memory: version 2, with NIXL's memory type and device id.
+  NixlKey v{"kvferry-1-abc", 0x7f0000000000, 1 << 20, Bytes("vram md"), kMemVram, 3};
+  auto vb = DecodeNixlKey(EncodeNixlKey(v));
+  ASSERT_TRUE(vb.ok()) << vb.status().ToString();
+  EXPECT_EQ(EncodeNixlKey(v)[3], std::byte{'2'});
+  EXPECT_EQ(vb->mem, kMemVram);
+  EXPECT_EQ(vb->device, 3u);
+  EXPECT_EQ(vb->base, v.base);
+  EXPECT_EQ(vb->metadata, v.metadata);
   auto msg = NixlNotifHeader(kData, "nixl1:00", 7, 10, 4);
   for (std::byte b : Bytes("abcdef")) msg.push_back(b);
   auto n = DecodeNixlNotif(msg);
@@ -115,6 +126,16 @@ TEST(NixlWire, TruncatedOrCorruptInputIsAnError) {
   }
   auto wrap = EncodeNixlKey({"agent", ~uint64_t{0} - 4, 128, Bytes("md")});
   EXPECT_FALSE(DecodeNixlKey(wrap).ok());
+  const auto vram = EncodeNixlKey({"agent", 64, 128, Bytes("md"), kMemVram, 1});
+  for (size_t n = 0; n < vram.size(); ++n) {
+    EXPECT_FALSE(DecodeNixlKey(std::span(vram).first(n)).ok()) << n;
+  }
+  auto bad_mem = vram;
+  bad_mem[4 + 4 + 5 + 8 + 8] = std::byte{7};  // the memory type: neither DRAM nor VRAM
+  auto refused = DecodeNixlKey(bad_mem);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("memory type 7"), std::string::npos)
+      << refused.status().ToString();
   auto data = NixlNotifHeader(kData, "", 1, 4, 2);
   for (std::byte b : Bytes("abc")) data.push_back(b);  // 3 bytes at offset 2 of 4: too long
   EXPECT_FALSE(DecodeNixlNotif(data).ok());

@@ -101,7 +101,10 @@ StatusOr<std::unique_ptr<Transport>> NixlTransport::Create(const TransportOption
 
   t->caps_.name = "nixl";
   t->caps_.tag_bits = 64;
-  t->caps_.device_memory = t->device_is_host_;  // GPU memory (VRAM): not wired up yet
+  // GPU memory (VRAM) through the one-sided operations, where a CUDA driver runs; tagged
+  // messages carry host memory only.
+  t->caps_.device_memory = t->device_is_host_ || CudaDriverPresent();
+  t->caps_.device_memory_tagged = t->device_is_host_;
   t->caps_.one_sided = true;
   t->caps_.detects_crashed_peers = true;  // by silence (nixl.peer_timeout_ms)
   t->caps_.max_control_bytes = size_t{1} << 20;
@@ -146,8 +149,18 @@ Status NixlTransport::CheckKind(MemoryKind kind) const {
   if (kind == MemoryKind::kFile) {
     return Status::InvalidArgument("nixl transport: file memory can't be sent");
   }
+  if (kind == MemoryKind::kDevice && !caps_.device_memory) {
+    return Status::Unavailable("nixl transport: GPU memory needs the CUDA driver (libcuda.so.1)");
+  }
+  return Status::Ok();
+}
+
+Status NixlTransport::CheckTaggedKind(MemoryKind kind) const {
+  KVF_RETURN_IF_ERROR(CheckKind(kind));
   if (kind == MemoryKind::kDevice && !device_is_host_) {
-    return Status::Unavailable("nixl transport: GPU memory (VRAM) is not supported yet");
+    return Status::Unavailable(
+        "nixl transport: tagged messages carry host memory only (their bytes travel in NIXL "
+        "notifications); GPU memory moves by the one-sided operations (transfer.rma)");
   }
   return Status::Ok();
 }
@@ -262,7 +275,7 @@ Status NixlTransport::Notify(PeerId id, Peer& p, uint8_t kind, uint64_t tag, uin
 StatusOr<std::unique_ptr<TransportOp>> NixlTransport::Send(PeerId peer, uint64_t tag,
                                                            const void* buf, size_t bytes,
                                                            MemoryKind kind) {
-  KVF_RETURN_IF_ERROR(CheckKind(kind));
+  KVF_RETURN_IF_ERROR(CheckTaggedKind(kind));
   KVF_RETURN_IF_ERROR(CheckPeer(peer));
   auto p = ReadyPeer(peer);
   if (!p.ok()) return DoneOp(peer, bytes, p.status());
@@ -283,7 +296,7 @@ StatusOr<std::unique_ptr<TransportOp>> NixlTransport::Send(PeerId peer, uint64_t
 
 StatusOr<std::unique_ptr<TransportOp>> NixlTransport::Recv(PeerId peer, uint64_t tag, void* buf,
                                                            size_t capacity, MemoryKind kind) {
-  KVF_RETURN_IF_ERROR(CheckKind(kind));
+  KVF_RETURN_IF_ERROR(CheckTaggedKind(kind));
   if (peer != kAnyPeer) {
     KVF_RETURN_IF_ERROR(CheckPeer(peer));
     if (auto p = LivePeer(peer); !p.ok()) return DoneOp(peer, 0, p.status());

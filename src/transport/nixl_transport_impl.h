@@ -99,10 +99,13 @@ struct Peer {
   std::set<std::string> keys;  // packed keys whose metadata was loaded
 };
 
-// One NIXL transfer: the puts (or the get) it carries, posted as one request.
+// One NIXL transfer: the puts (or the get) it carries, posted as one request. A request's
+// descriptor lists have one memory type each: every local buffer lies in `local_place`, every
+// remote one in `remote_place`.
 struct Xfer {
   PeerId peer = kAnyPeer;
   int op = kOpWrite;
+  MemPlace local_place, remote_place;
   std::vector<std::shared_ptr<OpState>> ops;
   std::vector<uintptr_t> local, remote;
   std::vector<size_t> sizes;
@@ -162,7 +165,10 @@ class NixlTransport final : public Transport {
 
  private:
   NixlTransport(const NixlApi* api) : api_(api) {}
+  // Memory the one-sided operations take (GPU memory too where CUDA runs), and memory tagged
+  // messages take (host memory only: their bytes travel in notifications).
   Status CheckKind(MemoryKind kind) const;
+  Status CheckTaggedKind(MemoryKind kind) const;
   // kInvalidArgument for an id that names no peer (a dead peer's id is valid).
   Status CheckPeer(PeerId peer) const;
   StatusOr<Peer*> LivePeer(PeerId peer);
@@ -209,7 +215,11 @@ class NixlTransport final : public Transport {
       filling_;  // (peer, tag) -> the one being filled
   // Sends waiting for their receiver's ack, by (peer, tag), oldest first.
   std::map<std::pair<PeerId, uint64_t>, std::deque<std::shared_ptr<OpState>>> sends_;
-  std::map<uint64_t, size_t> regs_;  // registered ranges: base -> size
+  struct Registered {
+    size_t size = 0;
+    MemPlace place;
+  };
+  std::map<uint64_t, Registered> regs_;  // registered ranges: base -> size, place
   std::unordered_map<PeerId, std::vector<std::shared_ptr<OpState>>> puts_;  // pending, by peer
   std::map<PeerId, Xfer> batches_;  // puts not posted yet, by peer (posted by Flush or Progress)
   std::vector<Xfer> xfers_;

@@ -30,13 +30,17 @@ void NixlTransport::FailXfer(Xfer& x, const Status& st) {
 
 void NixlTransport::PostXfer(Xfer x) {
   XferDlist l = nullptr, r = nullptr;
-  Status st = FromCapi(api_->create_xfer_dlist(kMemDram, &l), "nixl_capi_create_xfer_dlist");
-  if (st.ok()) st = FromCapi(api_->create_xfer_dlist(kMemDram, &r), "nixl_capi_create_xfer_dlist");
+  Status st =
+      FromCapi(api_->create_xfer_dlist(x.local_place.mem, &l), "nixl_capi_create_xfer_dlist");
+  if (st.ok()) {
+    st = FromCapi(api_->create_xfer_dlist(x.remote_place.mem, &r), "nixl_capi_create_xfer_dlist");
+  }
   for (size_t i = 0; st.ok() && i < x.sizes.size(); ++i) {
-    st = FromCapi(api_->xfer_dlist_add_desc(l, x.local[i], x.sizes[i], 0), "xfer_dlist_add_desc");
+    st = FromCapi(api_->xfer_dlist_add_desc(l, x.local[i], x.sizes[i], x.local_place.device),
+                  "xfer_dlist_add_desc");
     if (st.ok()) {
-      st =
-          FromCapi(api_->xfer_dlist_add_desc(r, x.remote[i], x.sizes[i], 0), "xfer_dlist_add_desc");
+      st = FromCapi(api_->xfer_dlist_add_desc(r, x.remote[i], x.sizes[i], x.remote_place.device),
+                    "xfer_dlist_add_desc");
     }
   }
   if (st.ok()) {
@@ -117,6 +121,15 @@ StatusOr<std::unique_ptr<MemoryRegistration>> NixlTransport::RegisterMemory(void
                                                                             MemoryKind kind) {
   KVF_RETURN_IF_ERROR(CheckKind(kind));
   if (bytes == 0) return Status::InvalidArgument("nixl transport: registering 0 bytes");
+  const bool gpu = kind == MemoryKind::kDevice && !device_is_host_;
+  if (ptr == nullptr && gpu) {
+    return Status::InvalidArgument("nixl transport: GPU memory is registered, not allocated here");
+  }
+  MemPlace place;
+  if (gpu) {
+    place.mem = kMemVram;
+    KVF_ASSIGN_OR_RETURN(place.device, CudaDeviceOf(ptr));
+  }
   void* owned = nullptr;
   if (ptr == nullptr) {
     if (posix_memalign(&owned, 4096, bytes) != 0) {
@@ -125,11 +138,11 @@ StatusOr<std::unique_ptr<MemoryRegistration>> NixlTransport::RegisterMemory(void
     ptr = owned;
   }
   RegDlist dl = nullptr;
-  Status st = FromCapi(api_->create_reg_dlist(kMemDram, &dl), "nixl_capi_create_reg_dlist");
+  Status st = FromCapi(api_->create_reg_dlist(place.mem, &dl), "nixl_capi_create_reg_dlist");
   if (st.ok()) {
-    st = FromCapi(
-        api_->reg_dlist_add_desc(dl, reinterpret_cast<uintptr_t>(ptr), bytes, 0, nullptr, 0),
-        "nixl_capi_reg_dlist_add_desc");
+    st = FromCapi(api_->reg_dlist_add_desc(dl, reinterpret_cast<uintptr_t>(ptr), bytes,
+                                           place.device, nullptr, 0),
+                  "nixl_capi_reg_dlist_add_desc");
   }
   if (st.ok()) st = FromCapi(api_->register_mem(agent_, dl, nullptr), "nixl_capi_register_mem");
   void* md = nullptr;
@@ -145,10 +158,10 @@ StatusOr<std::unique_ptr<MemoryRegistration>> NixlTransport::RegisterMemory(void
     return st.WithContext("nixl transport: registering memory");
   }
   Blob md_owner(md);
-  NixlKey k{name_, reinterpret_cast<uint64_t>(ptr), bytes, {}};
+  NixlKey k{name_, reinterpret_cast<uint64_t>(ptr), bytes, {}, place.mem, place.device};
   auto b = AsBytes(md, md_len);
   k.metadata.assign(b.begin(), b.end());
-  regs_[k.base] = bytes;
+  regs_[k.base] = Registered{bytes, place};
   return std::unique_ptr<MemoryRegistration>(
       new NixlRegistration(this, dl, owned, k.base, bytes, EncodeNixlKey(k)));
 }
@@ -188,13 +201,20 @@ StatusOr<std::unique_ptr<TransportOp>> NixlTransport::Transfer(int op, PeerId pe
   const auto addr = reinterpret_cast<uint64_t>(local);
   auto reg = regs_.upper_bound(addr);
   const bool registered =
-      reg != regs_.begin() &&
-      (--reg, addr - reg->first <= reg->second && bytes <= reg->second - (addr - reg->first));
+      reg != regs_.begin() && (--reg, addr - reg->first <= reg->second.size &&
+                                          bytes <= reg->second.size - (addr - reg->first));
+  MemPlace place;
+  if (registered) {
+    place = reg->second.place;
+  } else if (kind == MemoryKind::kDevice && !device_is_host_) {
+    place.mem = kMemVram;
+    KVF_ASSIGN_OR_RETURN(place.device, CudaDeviceOf(local));
+  }
   RegDlist temp = nullptr;
   if (!registered) {
-    Status st = FromCapi(api_->create_reg_dlist(kMemDram, &temp), "nixl_capi_create_reg_dlist");
+    Status st = FromCapi(api_->create_reg_dlist(place.mem, &temp), "nixl_capi_create_reg_dlist");
     if (st.ok()) {
-      st = FromCapi(api_->reg_dlist_add_desc(temp, addr, bytes, 0, nullptr, 0),
+      st = FromCapi(api_->reg_dlist_add_desc(temp, addr, bytes, place.device, nullptr, 0),
                     "nixl_capi_reg_dlist_add_desc");
     }
     if (st.ok()) st = FromCapi(api_->register_mem(agent_, temp, nullptr), "register_mem");
@@ -208,10 +228,21 @@ StatusOr<std::unique_ptr<TransportOp>> NixlTransport::Transfer(int op, PeerId pe
   s->bytes = bytes;
   // Puts to a peer gather into one request (one NIXL transfer, one endpoint flush), posted by
   // Flush, by the next Progress, or when it is large; a get goes at once.
+  const MemPlace remote_place{key.mem, key.device};
   Xfer one;
+  if (op == kOpWrite) {  // a request's lists have one memory type each: a new batch when it changes
+    auto b = batches_.find(peer);
+    if (b != batches_.end() &&
+        (b->second.local_place != place || b->second.remote_place != remote_place)) {
+      PostXfer(std::move(b->second));
+      batches_.erase(b);
+    }
+  }
   Xfer& x = op == kOpWrite ? batches_[peer] : one;
   x.peer = peer;
   x.op = op;
+  x.local_place = place;
+  x.remote_place = remote_place;
   x.ops.push_back(s);
   x.local.push_back(addr);
   x.remote.push_back(remote_addr);

@@ -11,6 +11,7 @@ namespace {
 
 constexpr std::string_view kAddressPrefix = "nixl1:";
 constexpr char kKeyMagic[4] = {'N', 'X', 'K', '1'};
+constexpr char kKeyMagicV2[4] = {'N', 'X', 'K', '2'};
 constexpr size_t kMaxName = 256;
 constexpr uint32_t kMaxMetadata = 1 << 24;
 
@@ -82,23 +83,34 @@ StatusOr<NixlAddress> DecodeNixlAddress(std::string_view text) {
 
 std::vector<std::byte> EncodeNixlKey(const NixlKey& k) {
   WireWriter w;
-  for (char c : kKeyMagic) w.U8(static_cast<uint8_t>(c));
+  const bool v1 = k.mem == 0 && k.device == 0;
+  const char* magic = v1 ? kKeyMagic : kKeyMagicV2;
+  for (int i = 0; i < 4; ++i) w.U8(static_cast<uint8_t>(magic[i]));
   w.Str(k.agent);
   w.U64(k.base);
   w.U64(k.size);
+  if (!v1) {
+    w.U8(static_cast<uint8_t>(k.mem));
+    w.U64(k.device);
+  }
   w.Bytes(k.metadata);
   return w.Take();
 }
 
 StatusOr<NixlKey> DecodeNixlKey(std::span<const std::byte> bytes) {
-  if (bytes.size() < 4 || std::memcmp(bytes.data(), kKeyMagic, 4) != 0) {
-    return Status::InvalidArgument("not a NIXL transport key (bad magic)");
-  }
+  const bool v1 = bytes.size() >= 4 && std::memcmp(bytes.data(), kKeyMagic, 4) == 0;
+  const bool v2 = bytes.size() >= 4 && std::memcmp(bytes.data(), kKeyMagicV2, 4) == 0;
+  if (!v1 && !v2) return Status::InvalidArgument("not a NIXL transport key (bad magic)");
   WireReader r(bytes.subspan(4));
   NixlKey k;
   k.agent = r.Str("key agent", kMaxName);
   k.base = r.U64("key base");
   k.size = r.U64("key size");
+  if (v2) {
+    k.mem = r.U8("key memory type");
+    k.device = r.U64("key device");
+    if (r.ok() && k.mem > 1) r.Fail(fmt::format("key memory type {} (0 DRAM, 1 VRAM)", k.mem));
+  }
   k.metadata = ReadBlob(r, bytes.subspan(4), "key metadata", kMaxMetadata);
   if (r.ok() && r.remaining() != 0) r.Fail(fmt::format("{} bytes after the key", r.remaining()));
   if (r.ok() && k.base + k.size < k.base) r.Fail("key range wraps around");

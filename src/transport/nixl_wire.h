@@ -7,9 +7,12 @@
 // Address text: "nixl1:" then hex of
 //   u32 name length N, N bytes agent name, u32 metadata length M, M bytes of the agent's
 //   metadata (nixl_capi_get_local_md at creation: connection info, no registrations).
-// Packed key (version 1), bytes:
+// Packed key, bytes (version 1, host memory):
 //   "NXK1", u32 N + agent name, u64 base address, u64 size, u32 M + M bytes partial metadata
 //   (nixl_capi_get_local_partial_md of that one registration).
+// Version 2 (GPU memory; host memory keeps version 1, which older peers read):
+//   "NXK2", u32 N + agent name, u64 base address, u64 size, u8 NIXL memory type (0 DRAM,
+//   1 VRAM), u64 device id (the CUDA ordinal for VRAM), u32 M + M bytes partial metadata.
 // Notification, byte 0 = kind | kHelloBit:
 //   with kHelloBit: u32 L + L bytes of the sender's address text follow first (the first
 //   notification to a peer carries it, so the receiver can answer).
@@ -40,6 +43,8 @@ struct NixlKey {
   uint64_t base = 0;
   uint64_t size = 0;
   std::vector<std::byte> metadata;
+  int mem = 0;          // CapiMemType: kMemDram, kMemVram
+  uint64_t device = 0;  // NIXL's devId of the region (CUDA ordinal for VRAM)
 };
 std::vector<std::byte> EncodeNixlKey(const NixlKey& k);
 StatusOr<NixlKey> DecodeNixlKey(std::span<const std::byte> bytes);

@@ -118,7 +118,10 @@ Status Engine::Start() {
 
 Status Engine::AllocateStaging() {
   const bool cpu = cpu_device();
-  const bool dev_mem = transport_->caps().device_memory;
+  // GPU memory on the wire: staging there too, unless the transport takes it only one-sided
+  // (nixl) and the tagged path is chosen (transfer.rma off).
+  const TransportCaps& caps = transport_->caps();
+  const bool dev_mem = caps.device_memory && (caps.device_memory_tagged || options_.rma);
   // On the CPU device every kind is host memory; tell transports so.
   pool_wire_kind_ = cpu ? MemoryKind::kHost : pool_.memory();
   direct_ok_ = cpu || pool_.memory() != MemoryKind::kDevice || dev_mem;
