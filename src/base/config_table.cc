@@ -146,6 +146,11 @@ constexpr KnobDecl kKnobs[] = {
      "parameters of that backend, KEY=VALUE,KEY=VALUE (UCX: num_workers, ucx_error_handling_mode"
      "=peer|none, device_list, ...); empty: NIXL's defaults",
      0, 0, ""},
+    {"nixl.control", KnobType::kString, "notifications",
+     "what carries the nixl transport's control messages and tagged data: notifications (NIXL's "
+     "own) or ucx (kvferry's UCX transport beside NIXL, with a wakeup fd; NIXL keeps the "
+     "one-sided data)",
+     0, 0, "notifications|ucx"},
     {"nixl.keepalive_ms", KnobType::kInt, "500",
      "the nixl transport pings each peer it talks to this often", 10, 3600 * 1000, ""},
     {"nixl.peer_timeout_ms", KnobType::kInt, "5000",

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 
+#include "kvferry/config.h"
 #include "kvferry/inproc_transport.h"
 #include "kvferry/ucx_info.h"
 #include "kvferry_build_config.h"
+#include "transport/split_transport.h"
 
 namespace kvferry {
 
@@ -54,7 +56,20 @@ StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& opt
     return Status::Unavailable("transport 'mpi' is not compiled in (libopenmpi-dev not found)");
 #endif
   }
-  if (options.name == "nixl") return CreateNixlTransport(options);
+  if (options.name == "nixl") {
+    if (Config::Global().String("nixl.control") == "notifications") {
+      return CreateNixlTransport(options);
+    }
+#if KVFERRY_HAVE_UCX
+    // nixl.control=ucx: NIXL's one-sided operations, kvferry's UCX for the rest.
+    KVF_ASSIGN_OR_RETURN(auto nixl, CreateNixlTransport(options));
+    auto ucx = CreateUcxTransport(options);
+    if (!ucx.ok()) return ucx.status().WithContext("nixl.control=ucx");
+    return MakeSplitTransport(std::move(nixl), std::move(ucx).value());
+#else
+    return Status::Unavailable("nixl.control=ucx: transport 'ucx' is not compiled in");
+#endif
+  }
   return Status::InvalidArgument("unknown transport '" + options.name +
                                  "' (expected inproc, ucx, mpi or nixl)");
 }

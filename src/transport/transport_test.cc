@@ -51,18 +51,25 @@ class ThreadHarness final : public Harness {
     TransportOptions o;
     o.name = name_;
     o.fabric = InProcFabric::Create();
-    // "ucx" runs the default (ucx.error_mode=split); "ucx_nopeer" ucx.error_mode=none.
+    // "ucx" runs the default (ucx.error_mode=split); "ucx_nopeer" ucx.error_mode=none;
+    // "nixl_ucx_control" nixl.control=ucx (NIXL one-sided, UCX for the rest).
     const bool nopeer = name_ == "ucx_nopeer";
+    const bool split = name_ == "nixl_ucx_control";
     if (nopeer) {
       o.name = "ucx";
       EXPECT_TRUE(Config::Global().Set("ucx.error_mode", "none").ok());
     }
+    if (split) {
+      o.name = "nixl";
+      EXPECT_TRUE(Config::Global().Set("nixl.control", "ucx").ok());
+    }
     struct Restore {
-      bool on;
+      bool nopeer, split;
       ~Restore() {
-        if (on) (void)Config::Global().Reset("ucx.error_mode");
+        if (nopeer) (void)Config::Global().Reset("ucx.error_mode");
+        if (split) (void)Config::Global().Reset("nixl.control");
       }
-    } restore{nopeer};
+    } restore{nopeer, split};
     for (auto& t : t_) {
       auto made = CreateTransport(o);
       if (!made.ok()) {
@@ -138,6 +145,9 @@ std::vector<std::string> HarnessNames() {
   names.push_back("ucx_nopeer");
 #endif
   names.push_back("nixl");  // skipped (saying why) where NIXL can't be loaded
+#if KVFERRY_HAVE_UCX
+  names.push_back("nixl_ucx_control");
+#endif
   return names;
 }
 
@@ -239,10 +249,10 @@ TEST(InProcTransport, DeviceMemoryFollowsOption) {
 TEST(Transport, OpsOutliveTheirTransport) {
   for (const std::string& name : HarnessNames()) {
     TransportOptions o;
-    o.name = name == "ucx_nopeer" ? "ucx" : name;
+    o.name = name == "ucx_nopeer" ? "ucx" : name == "nixl_ucx_control" ? "nixl" : name;
     o.fabric = InProcFabric::Create();
     auto created = CreateTransport(o);
-    if (!created.ok() && name == "nixl") continue;  // NIXL not loadable here (nixl_test says why)
+    if (!created.ok() && o.name == "nixl") continue;  // NIXL not loadable here (nixl_test says why)
     ASSERT_TRUE(created.ok()) << name << ": " << created.status().ToString();
     auto t = std::move(created).value();
     char buf[64];
