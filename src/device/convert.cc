@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -368,6 +369,50 @@ KVF_AVX512 inline __m256i Bf16ToE4m3x32(__m512i b) {
   return _mm512_cvtepi16_epi8(_mm512_or_si512(mag, sign));
 }
 
+// fp16 -> e4m3, thirty-two elements at a time in 16-bit lanes, as bf16 -> e4m3 (32-bit lanes ran
+// 4.8 G elements/s, 0.43 of memcpy): normal results drop 7 of fp16's 10 mantissa bits, to nearest
+// even, and rebias the exponent (15 -> 7); subnormal ones (below 2^-6) from the fp32 values.
+KVF_AVX512 inline __m256i Fp16ToE4m3x32(__m512i h) {
+  const __m512i a = _mm512_and_si512(h, _mm512_set1_epi16(0x7fff));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi16(h, 8), _mm512_set1_epi16(0x80));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(a, 7), _mm512_set1_epi16(1));
+  __m512i mag = _mm512_srli_epi16(
+      _mm512_add_epi16(_mm512_sub_epi16(a, _mm512_set1_epi16((8 << 10) - 63)), odd), 7);
+  mag = _mm512_min_epu16(mag, _mm512_set1_epi16(0x7e));  // above 448, infinity too: saturate
+  const __m512i lo =
+      SubnormalE4m3Codes(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(a))));
+  const __m512i hi =
+      SubnormalE4m3Codes(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(a, 1))));
+  const __m512i sub = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
+                                         _mm512_cvtepi32_epi16(hi), 1);
+  mag = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(a, _mm512_set1_epi16(0x2400)), mag, sub);
+  mag = _mm512_mask_blend_epi16(_mm512_cmpgt_epu16_mask(a, _mm512_set1_epi16(0x7c00)), mag,
+                                _mm512_set1_epi16(0x7f));  // NaN
+  return _mm512_cvtepi16_epi8(_mm512_or_si512(mag, sign));
+}
+
+// e4m3 -> bf16, thirty-two elements at a time in 16-bit lanes (through fp32 it ran 3.3 G elements
+// a second, 0.58 of memcpy): every e4m3 value is exact in bf16; normal codes rebias the exponent
+// (7 -> 127) and shift the mantissa, subnormal ones (m * 2^-9) come from an eight-entry table.
+KVF_AVX512 inline __m512i E4m3ToBf16x32(__m256i bytes) {
+  static const std::array<uint16_t, 32> kSubnormal = [] {
+    std::array<uint16_t, 32> t{};
+    for (uint32_t m = 0; m < 8; ++m) {
+      t[m] = static_cast<uint16_t>(convert::F32ToBf16(convert::E4m3ToF32(m)));
+    }
+    return t;
+  }();
+  const __m512i q = _mm512_cvtepu8_epi16(bytes);
+  const __m512i mag = _mm512_and_si512(q, _mm512_set1_epi16(0x7f));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(q, _mm512_set1_epi16(0x80)), 8);
+  __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  r = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), r,
+                              _mm512_permutexvar_epi16(mag, _mm512_loadu_si512(kSubnormal.data())));
+  r = _mm512_mask_blend_epi16(_mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), r,
+                              _mm512_set1_epi16(0x7fc0));  // NaN
+  return _mm512_or_si512(r, sign);
+}
+
 template <ElementFormat From, ElementFormat To>
 KVF_AVX512 void RowAvx512(std::byte* dst, const std::byte* src, size_t n) {
   constexpr size_t in = Width(From);
@@ -378,6 +423,21 @@ KVF_AVX512 void RowAvx512(std::byte* dst, const std::byte* src, size_t n) {
       _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
                           Bf16ToE4m3x32(_mm512_loadu_si512(src + i * in)));
+    }
+  }
+  if constexpr (From == ElementFormat::kFp16 && To == ElementFormat::kFp8E4m3) {
+    for (; i + 32 <= n; i += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          Fp16ToE4m3x32(_mm512_loadu_si512(src + i * in)));
+    }
+  }
+  if constexpr (From == ElementFormat::kFp8E4m3 && To == ElementFormat::kBf16) {
+    for (; i + 32 <= n; i += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + i) + kPrefetchBytes, _MM_HINT_T0);
+      _mm512_storeu_si512(
+          dst + i * out,
+          E4m3ToBf16x32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
     }
   }
   for (; i + 16 <= n; i += 16) {
