@@ -1,5 +1,7 @@
 #include "testing/bandwidth.h"
 
+#include <algorithm>
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -107,6 +109,18 @@ StatusOr<BandwidthResult> ReceiveBandwidth(Transport& t, PeerId peer, void* loca
         return t.Recv(peer, tag_base + i, dst + off, n, kind);
       },
       deadline);
+}
+
+StatusOr<double> BestCopyGBps(Stream& stream, void* dst, const void* src, size_t bytes, int reps,
+                              Deadline deadline) {
+  double best = 1e9;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    KVF_RETURN_IF_ERROR(stream.Copy(dst, src, bytes));
+    KVF_RETURN_IF_ERROR(stream.Synchronize(deadline));
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return static_cast<double>(bytes) / best / 1e9;
 }
 
 }  // namespace kvferry

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 
+#include "kvferry/device.h"
 #include "kvferry/transport.h"
 
 namespace kvferry {
@@ -44,5 +45,10 @@ StatusOr<BandwidthResult> SendBandwidth(Transport& t, PeerId peer, const void* l
 StatusOr<BandwidthResult> ReceiveBandwidth(Transport& t, PeerId peer, void* local,
                                            size_t local_bytes, MemoryKind kind, uint64_t tag_base,
                                            const BandwidthParams& params, Deadline deadline);
+
+// The copy baseline beside them: one stream copy of `bytes` from `src` to `dst`, the best of
+// `reps`, in GB/s.
+StatusOr<double> BestCopyGBps(Stream& stream, void* dst, const void* src, size_t bytes, int reps,
+                              Deadline deadline);
 
 }  // namespace kvferry
