@@ -105,23 +105,12 @@ class Target final : public RawNixlTarget {
   NotifMap notifs_ = nullptr;
 };
 
-// Where `buf` lies for NIXL: GPU memory (MemoryKind::kDevice on a CUDA host) is VRAM of its
-// device, anything else DRAM.
-StatusOr<MemPlace> PlaceOf(const void* buf, MemoryKind kind) {
-  MemPlace place;
-  if (kind == MemoryKind::kDevice) {
-    place.mem = kMemVram;
-    KVF_ASSIGN_OR_RETURN(place.device, CudaDeviceOf(buf));
-  }
-  return place;
-}
-
 }  // namespace
 
 StatusOr<std::unique_ptr<RawNixlTarget>> RawNixlTarget::Create(void* buf, size_t bytes,
                                                                MemoryKind kind) {
   KVF_ASSIGN_OR_RETURN(const NixlApi* api, LoadNixl());
-  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(buf, kind));
+  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(buf, kind == MemoryKind::kDevice));
   KVF_ASSIGN_OR_RETURN(BareAgent agent, BareAgent::Create(api, "target"));
   KVF_RETURN_IF_ERROR(agent.Register(buf, bytes, place));
   void* md = nullptr;
@@ -146,7 +135,7 @@ StatusOr<double> RawNixlWrite(const std::string& target, const void* src, Memory
   }
   KVF_ASSIGN_OR_RETURN(NixlKey k, DecodeNixlKey(bytes));
   if (k.size < msg * window) return Status::InvalidArgument("raw nixl: the target is too small");
-  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(src, kind));
+  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(src, kind == MemoryKind::kDevice));
   KVF_ASSIGN_OR_RETURN(BareAgent agent, BareAgent::Create(api, "writer"));
   KVF_RETURN_IF_ERROR(agent.Register(src, msg * window, place));
   char* name = nullptr;

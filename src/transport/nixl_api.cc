@@ -262,7 +262,8 @@ GetAttribute PointerGetAttribute() {
 
 bool CudaDriverPresent() { return PointerGetAttribute() != nullptr; }
 
-StatusOr<uint64_t> CudaDeviceOf(const void* p) {
+StatusOr<MemPlace> PlaceOf(const void* p, bool gpu) {
+  if (!gpu) return MemPlace{};
   constexpr int kMemoryTypeAttr = 2;         // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
   constexpr int kDeviceOrdinalAttr = 9;      // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
   constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
@@ -280,7 +281,7 @@ StatusOr<uint64_t> CudaDeviceOf(const void* p) {
         "nixl transport: {} is not GPU memory (cuPointerGetAttribute: {}, memory type {})", p,
         rc_type, type));
   }
-  return static_cast<uint64_t>(ordinal);
+  return MemPlace{kMemVram, static_cast<uint64_t>(ordinal)};
 }
 
 Status FromCapi(int st, const std::string& what) {

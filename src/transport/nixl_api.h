@@ -137,10 +137,11 @@ struct NixlApi {
 // naming the places tried, the version found, or the symbol missing.
 StatusOr<const NixlApi*> LoadNixl();
 
-// The CUDA device ordinal of GPU memory at `p`, which NIXL's VRAM descriptors name, asked of the
-// CUDA driver (libcuda.so.1, loaded at the first call; kvferry's transports link no CUDA):
-// kUnavailable without a driver, kInvalidArgument for memory that is not a GPU's.
-StatusOr<uint64_t> CudaDeviceOf(const void* p);
+// Where memory at `p` lies for NIXL: with `gpu`, VRAM of the CUDA device that holds it (the
+// ordinal asked of the CUDA driver, libcuda.so.1, loaded at the first call; kvferry's transports
+// link no CUDA): kUnavailable without a driver, kInvalidArgument for memory that is not a GPU's.
+// Without `gpu`, DRAM.
+StatusOr<MemPlace> PlaceOf(const void* p, bool gpu);
 // Whether the CUDA driver loads (GPU memory can be named at all).
 bool CudaDriverPresent();
 

@@ -125,11 +125,7 @@ StatusOr<std::unique_ptr<MemoryRegistration>> NixlTransport::RegisterMemory(void
   if (ptr == nullptr && gpu) {
     return Status::InvalidArgument("nixl transport: GPU memory is registered, not allocated here");
   }
-  MemPlace place;
-  if (gpu) {
-    place.mem = kMemVram;
-    KVF_ASSIGN_OR_RETURN(place.device, CudaDeviceOf(ptr));
-  }
+  KVF_ASSIGN_OR_RETURN(const MemPlace place, PlaceOf(ptr, gpu));
   void* owned = nullptr;
   if (ptr == nullptr) {
     if (posix_memalign(&owned, 4096, bytes) != 0) {
@@ -206,9 +202,8 @@ StatusOr<std::unique_ptr<TransportOp>> NixlTransport::Transfer(int op, PeerId pe
   MemPlace place;
   if (registered) {
     place = reg->second.place;
-  } else if (kind == MemoryKind::kDevice && !device_is_host_) {
-    place.mem = kMemVram;
-    KVF_ASSIGN_OR_RETURN(place.device, CudaDeviceOf(local));
+  } else {
+    KVF_ASSIGN_OR_RETURN(place, PlaceOf(local, kind == MemoryKind::kDevice && !device_is_host_));
   }
   RegDlist temp = nullptr;
   if (!registered) {
