@@ -484,6 +484,13 @@ struct Scales16 {
   bool mul, div;
 };
 
+// fp32 to bf16 to nearest even, in integers, in the low half of each 32-bit lane (no NaN check).
+KVF_AVX512 inline __m512i Bf16Rounded(__m512i x) {
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), odd),
+                           16);
+}
+
 // A row with scales (ScaledRow's arithmetic, Scales16), sixteen elements at a time. Toward e4m3,
 // thirty-two at a time: the narrowing of Bf16ToE4m3x32 through bf16 rounded to odd, half the work
 // of Narrow16's 32-bit lanes.
@@ -495,6 +502,20 @@ KVF_AVX512 void ScaledRowAvx512(std::byte* dst, const std::byte* src, size_t n, 
   const Scales16 k(src_scale, dst_scale);
   const auto scaled = [&k](const std::byte* p) KVF_AVX512 { return k.Apply(Widen16<From>(p)); };
   size_t i = 0;
+  if constexpr (From == ElementFormat::kFp8E4m3 && To == ElementFormat::kBf16) {
+    // Widened in 16-bit lanes (E4m3ToBf16x32, exact), to fp32 by unpacking (interleaved within
+    // 128-bit lanes), scaled, rounded to bf16 to nearest even in integers (a NaN is e4m3's
+    // canonical one, 0x7fc00000, and stays it), packed back in order.
+    const __m512i zero = _mm512_setzero_si512();
+    for (; i + 32 <= n; i += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + i) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i b =
+          E4m3ToBf16x32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+      _mm512_storeu_si512(
+          dst + i * out, _mm512_packus_epi32(Bf16Rounded(k.Apply(_mm512_unpacklo_epi16(zero, b))),
+                                             Bf16Rounded(k.Apply(_mm512_unpackhi_epi16(zero, b)))));
+    }
+  }
   if constexpr (To == ElementFormat::kFp8E4m3) {
     for (; i + 32 <= n; i += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);

@@ -329,6 +329,8 @@ TEST(Convert, ScalesAgainstTheReference) {
       {ElementFormat::kBf16, ElementFormat::kFp8E4m3, 0.75f, 0.3f},
       {ElementFormat::kFp16, ElementFormat::kFp8E4m3, 1.3f, 0.0071f},
       {ElementFormat::kFp8E4m3, ElementFormat::kBf16, 0.0137f, 1.0f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kBf16, 3.5f, 0.7f},
+      {ElementFormat::kFp8E4m3, ElementFormat::kBf16, 1.0e38f, 1.0f},  // overflows to infinity
       {ElementFormat::kFp8E4m3, ElementFormat::kFp16, 7.5f, 1.0f},
       {ElementFormat::kFp8E4m3, ElementFormat::kFp32, 0.3f, 1.0f},
       {ElementFormat::kFp8E4m3, ElementFormat::kFp8E4m3, 0.0137f, 0.05f},

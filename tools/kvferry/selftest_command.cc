@@ -86,19 +86,21 @@ std::string ConversionName(const Flags& f) {
   const std::string& cd = f.ctx_dtype.empty() ? f.dtype : f.ctx_dtype;
   const std::string& gd = f.gen_dtype.empty() ? f.dtype : f.gen_dtype;
   if (cd != gd) parts.push_back(fmt::format("{} -> {}", cd, gd));
-  if (f.ctx_scales != f.gen_scales)
+  // The sides' made-up scales differ (SideScales) whenever either has some.
+  if (f.ctx_scales != "none" || f.gen_scales != "none")
     parts.push_back(fmt::format("scales per {} -> per {}", f.ctx_scales, f.gen_scales));
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
 // The same transfer without the conversion: the generation side in the context side's layout,
-// block size and dtype.
+// block size and dtype, and no scales on either side (the sides' made-up scales differ, so with
+// any the bytes would still be requantized).
 Flags Unconverted(const Flags& f) {
   Flags g = f;
   g.gen_layout = f.ctx_layout;
   g.gen_tokens_per_block = f.ctx_tokens_per_block ? f.ctx_tokens_per_block : f.tokens_per_block;
   g.gen_dtype = f.ctx_dtype;
-  g.gen_scales = f.ctx_scales;
+  g.ctx_scales = g.gen_scales = "none";
   return g;
 }
 
@@ -198,8 +200,8 @@ int RunBenchTransfer(Flags f, const std::vector<int64_t>& sweep) {
       if (plain) {
         fmt::print(
             "  conversion {}: {:.2f} GB/s without it (generation side in the context side's "
-            "layout, block size and dtype, same run, data path {}): ratio of request rates "
-            "{:.2f}\n",
+            "layout, block size and dtype, no scales, same run, data path {}): ratio of request "
+            "rates {:.2f}\n",
             conversion, plain->s.gbps, plain->s.data_path, row["unconverted_ratio"].get<double>());
       }
       PrintMedian(r->ranks);
