@@ -198,13 +198,34 @@ KVF_AVX2 inline __m256i E4m3Codes(__m256i x) {
   return _mm256_or_si256(mag, _mm256_srli_epi32(SignOf(x), 24));
 }
 
+// Eight widened values times src_scale, divided by dst_scale (as Scales16 below: a scale of 1
+// skipped, NaN kept NaN by the arithmetic and made the destination's quiet one by the narrowing).
+struct Scales8 {
+  KVF_AVX2 Scales8(float src_scale, float dst_scale)
+      : src(_mm256_set1_ps(src_scale)),
+        dst(_mm256_set1_ps(dst_scale)),
+        mul(src_scale != 1.0f),
+        div(dst_scale != 1.0f) {}
+  KVF_AVX2 __m256i Apply(__m256i x) const {
+    __m256 v = _mm256_castsi256_ps(x);
+    if (mul) v = _mm256_mul_ps(v, src);
+    if (div) v = _mm256_div_ps(v, dst);
+    return _mm256_castps_si256(v);
+  }
+  __m256 src, dst;
+  bool mul, div;
+};
+
 // 32 elements per step: four vectors of eight, narrowed and stored together (one 32-byte store
-// of fp8 codes, two of 16-bit ones).
+// of fp8 codes, two of 16-bit ones); with `scales`, scaled in between.
 template <ElementFormat From, ElementFormat To>
-KVF_AVX2 void Step32(std::byte* dst, const std::byte* src) {
+KVF_AVX2 void Step32(std::byte* dst, const std::byte* src, const Scales8* scales = nullptr) {
   constexpr size_t in = Width(From);
   __m256i x[4];
   for (int k = 0; k < 4; ++k) x[k] = Widen8<From>(src + 8 * k * in);
+  if (scales != nullptr) {
+    for (int k = 0; k < 4; ++k) x[k] = scales->Apply(x[k]);
+  }
   if constexpr (To == ElementFormat::kFp32) {
     for (int k = 0; k < 4; ++k)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * k), QuietNans(x[k]));
@@ -242,6 +263,21 @@ KVF_AVX2 void RowAvx2(std::byte* dst, const std::byte* src, size_t n) {
     Step32<From, To>(dst + i * out, src + i * in);
   }
   RowScalar<From, To>(dst, src, i, n);
+}
+
+// A row with scales (ScaledRow's arithmetic), 32 elements a step.
+template <ElementFormat From, ElementFormat To>
+KVF_AVX2 void ScaledRowAvx2(std::byte* dst, const std::byte* src, size_t n, float src_scale,
+                            float dst_scale) {
+  constexpr size_t in = Width(From);
+  constexpr size_t out = Width(To);
+  const Scales8 k(src_scale, dst_scale);
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
+    Step32<From, To>(dst + i * out, src + i * in, &k);
+  }
+  ScaledRow<From, To>(dst + i * out, src + i * in, n - i, src_scale, dst_scale);
 }
 
 #define KVF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
@@ -630,11 +666,12 @@ RowFn RowFor(Conversion c, ConvertPath path = BestPath()) {
   return Dispatch(c, [&]<ElementFormat From, ElementFormat To>() { return Pick<From, To>(path); });
 }
 
-// Scaled rows run AVX-512 where the CPU has it, one element at a time elsewhere.
+// Scaled rows run AVX-512 or AVX2 where the CPU has them, one element at a time elsewhere.
 template <ElementFormat From, ElementFormat To>
 ScaledRowFn PickScaled(ConvertPath path) {
 #if defined(__x86_64__)
   if (path == ConvertPath::kAvx512) return &ScaledRowAvx512<From, To>;
+  if (path == ConvertPath::kAvx2) return &ScaledRowAvx2<From, To>;
 #endif
   (void)path;
   return &ScaledRow<From, To>;
@@ -697,6 +734,14 @@ void ConvertElementsScaled(void* dst, const void* src, size_t count, Conversion 
                            float dst_scale) {
   ScaledRowFor(c)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count,
                   src_scale, dst_scale);
+}
+
+bool ConvertElementsScaledWith(ConvertPath path, void* dst, const void* src, size_t count,
+                               Conversion c, float src_scale, float dst_scale) {
+  if (!PathRuns(path)) return false;
+  ScaledRowFor(c, path)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count,
+                        src_scale, dst_scale);
+  return true;
 }
 
 bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t count, Conversion c) {

@@ -21,6 +21,10 @@ enum class ConvertPath { kPortable, kAvx2, kAvx512 };
 bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t count,
                          Conversion conversion);
 
+// ConvertElementsScaled on `path`; false (nothing written) when this CPU can't run it.
+bool ConvertElementsScaledWith(ConvertPath path, void* dst, const void* src, size_t count,
+                               Conversion conversion, float src_scale, float dst_scale);
+
 // ConvertElements with scales (CopyDesc::src_scale, dst_scale); from == to allowed.
 void ConvertElementsScaled(void* dst, const void* src, size_t count, Conversion conversion,
                            float src_scale, float dst_scale);

@@ -374,6 +374,18 @@ TEST(Convert, ScalesAgainstTheReference) {
                            << " code " << v << " scales " << k.src_scale << ", " << k.dst_scale;
       ASSERT_EQ(ConvertElement(v, c, k.src_scale, k.dst_scale), want);
     }
+    // Every scaled loop this CPU runs (portable, AVX2, AVX-512) writes the same bytes.
+    for (ConvertPath path : {ConvertPath::kPortable, ConvertPath::kAvx2, ConvertPath::kAvx512}) {
+      std::vector<std::byte> got(dst.size());
+      if (!ConvertElementsScaledWith(path, got.data(), src.data(), codes, c, k.src_scale,
+                                     k.dst_scale)) {
+        EXPECT_NE(path, ConvertPath::kPortable) << "the portable loops run everywhere";
+        continue;
+      }
+      EXPECT_EQ(got, dst) << "scaled loops " << static_cast<int>(path)
+                          << " disagree: " << ElementFormatName(k.from) << " -> "
+                          << ElementFormatName(k.to);
+    }
   }
 }
 
