@@ -218,12 +218,12 @@ struct Scales8 {
 
 // 32 elements per step: four vectors of eight, narrowed and stored together (one 32-byte store
 // of fp8 codes, two of 16-bit ones); with `scales`, scaled in between.
-template <ElementFormat From, ElementFormat To>
+template <ElementFormat From, ElementFormat To, bool kScaled = false>
 KVF_AVX2 void Step32(std::byte* dst, const std::byte* src, const Scales8* scales = nullptr) {
   constexpr size_t in = Width(From);
   __m256i x[4];
   for (int k = 0; k < 4; ++k) x[k] = Widen8<From>(src + 8 * k * in);
-  if (scales != nullptr) {
+  if constexpr (kScaled) {
     for (int k = 0; k < 4; ++k) x[k] = scales->Apply(x[k]);
   }
   if constexpr (To == ElementFormat::kFp32) {
@@ -275,7 +275,7 @@ KVF_AVX2 void ScaledRowAvx2(std::byte* dst, const std::byte* src, size_t n, floa
   size_t i = 0;
   for (; i + 32 <= n; i += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(src + i * in) + kPrefetchBytes, _MM_HINT_T0);
-    Step32<From, To>(dst + i * out, src + i * in, &k);
+    Step32<From, To, true>(dst + i * out, src + i * in, &k);
   }
   ScaledRow<From, To>(dst + i * out, src + i * in, n - i, src_scale, dst_scale);
 }
