@@ -206,6 +206,14 @@ Loaded Load() {
   // the process (kvferry's), which hangs in uct_md_query_tl_resources. NIXL loads the plugin with
   // RTLD_DEEPBIND when NIXL_UCX_DEEPBIND is set: its own UCX first. Set only when not set already.
   setenv("NIXL_UCX_DEEPBIND", "1", 0);
+  // NIXL 1.5.1 maps memory without telling UCX its type, so UCX takes it from its memory-type
+  // cache, which learns of GPU allocations through libucm_cuda's hooks. NIXL's libucm_cuda,
+  // loaded by UCX's module loader, binds to kvferry's libucm, so NIXL's cache never hears of an
+  // allocation (and misses any made before NIXL's UCX started): GPU memory was registered as host
+  // memory ("VRAM memory is detected as host by UCX", H100, session 34). Without the cache, UCX
+  // asks its CUDA memory domain (cuPointerGetAttributes) at each registration. kvferry's own UCX
+  // names the memory type on every call, so the cache's absence costs it nothing.
+  if (CudaDriverPresent()) setenv("UCX_MEMTYPE_CACHE", "n", 0);
   const int modules = PreloadWheelUcxModules(out.api.library_path);
   // RTLD_LOCAL: NIXL's symbols stay out of the process's global scope.
   void* h = dlopen(out.api.library_path.c_str(), RTLD_NOW | RTLD_LOCAL);
