@@ -5,7 +5,7 @@
 // over (row, column); otherwise each row is copied with the widest access (16, 8, 4, 2 or 1
 // bytes) that source and destination share after a short byte-wise head, so unaligned
 // fragments still move mostly in wide words. Single-row descriptors use the whole block per
-// row; multi-row ones use one warp per row (aligned rows under 512 bytes: the block walks them
+// row; multi-row ones use one warp per row (aligned rows under 2 KiB: the block walks them
 // flat). Aligned copies keep four 16-byte loads in flight per thread, narrow rows too.
 //
 // Few descriptors with many rows (a head-sliced transfer: one descriptor per block, 64 rows of
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
       if (all_rows == 1) {
         CopyVectors<kLoads>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src),
                             per_row, tid, threads);
-      } else if (per_row >= kWarp) {  // rows of 512 bytes or more: one warp per row
+      } else if (per_row >= kWarp * kLoads) {  // rows of 2 KiB or more: one warp per row
         for (uint64_t r = warp; r < all_rows; r += warps) {
           CopyVectors<kLoads>(reinterpret_cast<uint4*>(dst_row(r)),
                               reinterpret_cast<const uint4*>(src_row(r)), per_row,
@@ -112,7 +112,9 @@ __global__ void __launch_bounds__(kThreads) GatherKernel(const GatherDesc* descs
       } else {
         // Narrow rows, walked flat over (row, vector), kLoads vectors in flight per thread
         // (gather_kernel_bench_test on the H200, 256-byte rows: one vector at a time moved 0.66
-        // of a cudaMemcpy of the same bytes, four 0.96, each beside its run's cudaMemcpy).
+        // of a cudaMemcpy of the same bytes, four 0.96, each beside its run's cudaMemcpy). Rows
+        // under kLoads vectors a lane (2 KiB) come here too: a warp per row left a lane one
+        // vector in flight on 512-byte rows (vLLM NHD -> HND, 0.64 of a cudaMemcpy on the H100).
         const uint64_t total = per_row * all_rows;
         auto at = [&](const char* base, uint64_t pitch, uint64_t plane_pitch, uint64_t u) {
           const uint64_t r = u / per_row;

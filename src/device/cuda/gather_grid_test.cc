@@ -74,6 +74,11 @@ TEST_F(GatherGridTest, FewDescriptorsSplitOverTheGridMatchTheCpuDevice) {
       {"narrow rows, aligned", 5, 1000, 64, 0},
       {"narrow rows, aligned, many", 2, 40000, 48, 0},
       {"narrow rows, unaligned", 2, 777, 37, 1},
+      // Rows of 512 B to 2 KiB are walked flat with the narrow ones (vLLM NHD -> HND).
+      {"512 B rows, aligned", 3, 500, 512, 0},
+      {"1040 B rows (65 vectors), aligned", 2, 333, 1040, 0},
+      {"2032 B rows, aligned", 2, 129, 2032, 0},
+      {"2 KiB rows, aligned", 2, 129, 2048, 0},
   };
   uint32_t seed = 100;
   for (const Case& c : cases) {

@@ -43,6 +43,9 @@ const Shape kShapes[] = {
     {"tp2->tp4 per block", 16 << 10, 32 << 10, 16 << 10, 64},
     {"tp1->tp2 tall", 32 << 10, 64 << 10, 32 << 10, 0},
     {"narrow 256 B rows", 256, 512, 256, 0},
+    // vLLM NHD -> HND: a (layer, head) descriptor of a block's tokens, 512 B rows (K and V).
+    {"512 B rows, 4096 per descriptor", 512, 1024, 512, 4096},
+    {"1 KiB rows, 2048 per descriptor", 1024, 2048, 1024, 2048},
 };
 
 std::vector<GatherDesc> Descs(const Shape& s, uint64_t bytes, char* dst, const char* src) {
