@@ -115,7 +115,9 @@ TEST(NixlCuda, PutsBetweenGpuRegistrations) {
   EXPECT_NE(send.status().message().find("one-sided"), std::string::npos)
       << send.status().ToString();
 
-  // Bandwidth, same run: NIXL puts of 4 and 64 MiB, 32 in flight, 8 GiB, beside one copy.
+  // Bandwidth, same run: NIXL puts of 4 and 64 MiB, 32 in flight, 1 GiB, beside one copy. Two
+  // agents of one process (8 GiB did not finish in 60 s on an H100; bench transfer measures two
+  // processes).
   auto copy = BestCopyGBps(*stream, dst->data(), src->data(), kBytes, 5, deadline);
   ASSERT_TRUE(copy.ok()) << copy.status().ToString();
   const double copy_gbps = *copy;
@@ -123,13 +125,13 @@ TEST(NixlCuda, PutsBetweenGpuRegistrations) {
     BandwidthParams p;
     p.message_bytes = msg;
     p.window = 32;
-    p.total_bytes = size_t{8} << 30;
+    p.total_bytes = size_t{1} << 30;
     auto bw = MeasurePutBandwidth(a, *peer, src->data(), kBytes, MemoryKind::kDevice, addr, kBytes,
                                   rkey, p, deadline);
     ASSERT_TRUE(bw.ok()) << bw.status().ToString();
     std::printf(
         "[ info ] GPU to GPU, two NIXL agents in one process, one GPU: put %zu MiB x%d in flight, "
-        "8 GiB: %.1f GB/s; one cudaMemcpy D2D of 64 MiB: %.1f GB/s (ratio %.2f)\n",
+        "1 GiB: %.1f GB/s; one cudaMemcpy D2D of 64 MiB: %.1f GB/s (ratio %.2f)\n",
         msg >> 20, p.window, bw->GBps(), copy_gbps, bw->GBps() / copy_gbps);
   }
 }
