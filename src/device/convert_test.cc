@@ -227,6 +227,24 @@ TEST(Convert, Fp32ToEveryNarrowFormatRoundsToNearestEven) {
     std::vector<std::byte> dst(samples.size() * ElementFormatSize(to));
     ConvertElements(dst.data(), samples.data(), samples.size(), {ElementFormat::kFp32, to});
     ExpectEveryPathAgrees(dst, samples.data(), samples.size(), {ElementFormat::kFp32, to});
+    // The scaled loops (toward e4m3 through bf16 rounded to odd): with unit scales every path
+    // writes the same bytes; with others every path writes the portable loop's.
+    std::vector<std::byte> portable(dst.size());
+    ASSERT_TRUE(ConvertElementsScaledWith(ConvertPath::kPortable, portable.data(), samples.data(),
+                                          samples.size(), {ElementFormat::kFp32, to}, 0.37f, 1.9f));
+    for (ConvertPath path : {ConvertPath::kPortable, ConvertPath::kAvx2, ConvertPath::kAvx512}) {
+      std::vector<std::byte> got(dst.size());
+      if (!ConvertElementsScaledWith(path, got.data(), samples.data(), samples.size(),
+                                     {ElementFormat::kFp32, to}, 1.0f, 1.0f)) {
+        continue;
+      }
+      EXPECT_EQ(got, dst) << "scaled loops " << static_cast<int>(path) << ", unit scales, -> "
+                          << ElementFormatName(to);
+      ASSERT_TRUE(ConvertElementsScaledWith(path, got.data(), samples.data(), samples.size(),
+                                            {ElementFormat::kFp32, to}, 0.37f, 1.9f));
+      EXPECT_EQ(got, portable) << "scaled loops " << static_cast<int>(path) << " -> "
+                               << ElementFormatName(to);
+    }
     int bad = 0;
     for (size_t i = 0; i < samples.size() && bad < 5; ++i) {
       uint32_t got = 0;
