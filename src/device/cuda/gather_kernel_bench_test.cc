@@ -327,8 +327,11 @@ void ProbeChildCuda(bool* has_cuda) {
   ASSERT_EQ(pipe(probe), 0);
   pid_t p = fork();
   if (p == 0) {
+    // Counting devices works in a child of a process that used CUDA; making a context does not
+    // (on the H100 the whole binary in one process failed here instead of skipping).
     int n = 0;
-    char has = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    char has = cudaGetDeviceCount(&n) == cudaSuccess && n > 0 && cudaSetDevice(0) == cudaSuccess &&
+               cudaFree(nullptr) == cudaSuccess;
     (void)!write(probe[1], &has, 1);
     _exit(0);
   }
