@@ -208,8 +208,8 @@ Loaded Load() {
   setenv("NIXL_UCX_DEEPBIND", "1", 0);
   // NIXL 1.5.1 maps memory without telling UCX its type, so UCX takes it from its memory-type
   // cache, which learns of GPU allocations through libucm_cuda's hooks. NIXL's libucm_cuda,
-  // loaded by UCX's module loader, binds to kvferry's libucm, so NIXL's cache never hears of an
-  // allocation (and misses any made before NIXL's UCX started): GPU memory was registered as host
+  // loaded by UCX's module loader, most likely binds to kvferry's libucm (not proven), and the
+  // cache misses any allocation made before NIXL's UCX started: GPU memory was registered as host
   // memory ("VRAM memory is detected as host by UCX", H100, session 34). Without the cache, UCX
   // asks its CUDA memory domain (cuPointerGetAttributes) at each registration. kvferry's own UCX
   // names the memory type on every call, so the cache's absence costs it nothing.
