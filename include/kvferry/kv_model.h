@@ -48,20 +48,25 @@ struct KvShape {
 // of an instance. A transfer between sides whose scales differ (or whose dtypes differ) converts
 // each element: read, times the source's scale, divided by the destination's, in fp32, narrowed
 // (docs/conversion.md). No scales (kNone): every scale is 1.
-enum class ScaleGranularity : uint8_t { kNone = 0, kTensor = 1, kHead = 2 };
-std::string_view ScaleGranularityName(ScaleGranularity granularity);  // "none", "tensor", "head"
+// Per block (kBlock, fp8 only): one scale per (block, layer, kv, head), written as the blocks fill
+// (dynamic quantization); they live in the pool (PoolSpec::block_scales, BlockPool::block_scales),
+// not here, and travel with the KV: the generation side's are computed from each group's values
+// (fp8 destination) or copied (fp8 -> fp8), the context side's read (docs/conversion.md).
+enum class ScaleGranularity : uint8_t { kNone = 0, kTensor = 1, kHead = 2, kBlock = 3 };
+// "none", "tensor", "head", "block"
+std::string_view ScaleGranularityName(ScaleGranularity granularity);
 
 struct KvScales {
   ScaleGranularity granularity = ScaleGranularity::kNone;
   // kTensor: layers * kv_factor values, [layer][kv]; kHead: layers * kv_factor * kv_heads values,
-  // [layer][kv][head]; kNone: empty.
+  // [layer][kv][head]; kNone and kBlock: empty.
   std::vector<float> values;
 
   // How many values `shape` takes at `granularity`.
   static int64_t CountFor(ScaleGranularity granularity, const KvShape& shape);
   // Every value finite and positive, as many as the shape takes.
   Status Check(const KvShape& shape) const;
-  // The scale of (global layer, kv, global head); 1 without scales. Check() first.
+  // The scale of (global layer, kv, global head); 1 without scales or per block. Check() first.
   float At(const KvShape& shape, int64_t layer, int64_t kv, int64_t head) const;
   bool operator==(const KvScales&) const = default;
 };

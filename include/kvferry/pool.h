@@ -27,6 +27,10 @@ struct PoolSpec {
   LayoutKind layout = LayoutKind::kBlockMajor;
   MemoryKind memory = MemoryKind::kDevice;
   int64_t blocks = 0;
+  // Per-block KV scales (ScaleGranularity::kBlock, an fp8 pool): Create allocates them beside the
+  // blocks, in the pool's memory kind (BlockPool::block_scales); a wrapped pool takes the engine's
+  // (AttachBlockScales).
+  bool block_scales = false;
 };
 
 // One region of memory an engine owns (a tensor's data_ptr and size), for BlockPool::Wrap.
@@ -99,6 +103,20 @@ class BlockPool {
   // they touch (consecutive blocks of a block-major pool become one extent).
   StatusOr<std::vector<Extent>> BlockExtents(std::span<const int64_t> blocks) const;
 
+  // Per-block scales: fp32, one per (block, local layer, kv, local head), laid out
+  // [block][layer][kv][head] over the rank's own layers and heads (BlockScaleIndex), so a block's
+  // scales are contiguous and its heads' scales neighbours. A scale s says the block's stored fp8
+  // values q of that layer, kv and head stand for q * s. Null when the pool has none. Written by
+  // the engine as it quantizes, and by transfers into this pool (docs/conversion.md); their bytes
+  // are the caller's to order, like the blocks'.
+  float* block_scales() const { return scales_; }
+  int64_t block_scale_count() const;
+  int64_t BlockScaleIndex(int64_t block, int64_t local_layer, int64_t kv, int64_t local_head) const;
+  // Gives a wrapped pool the engine's per-block scales: at least block_scale_count() floats of
+  // the pool's memory kind and device, aligned to 4 bytes, never freed by the pool. Refused for a
+  // pool that has them already (Create with spec.block_scales) and for a pool that is not fp8.
+  Status AttachBlockScales(const ExternalRegion& scales);
+
  private:
   BlockPool(PoolSpec spec, RankSlice slice, PoolLayout layout, std::vector<PoolRegion> regions,
             std::vector<Buffer> owned)
@@ -113,6 +131,8 @@ class BlockPool {
   PoolLayout layout_;
   std::vector<PoolRegion> regions_;
   std::vector<Buffer> owned_;  // empty for a wrapped pool
+  float* scales_ = nullptr;    // per-block scales (block_scales), owned or attached
+  std::vector<Buffer> owned_scales_;
 };
 
 }  // namespace kvferry

@@ -1,4 +1,4 @@
-// KvScales (kv_model.h): the KV scales of a quantized cache, per tensor or per head.
+// KvScales (kv_model.h): the KV scales of a quantized cache, per tensor, per head or per block.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -15,6 +15,8 @@ std::string_view ScaleGranularityName(ScaleGranularity granularity) {
       return "tensor";
     case ScaleGranularity::kHead:
       return "head";
+    case ScaleGranularity::kBlock:
+      return "block";
   }
   return "unknown";
 }
@@ -23,6 +25,7 @@ int64_t KvScales::CountFor(ScaleGranularity granularity, const KvShape& shape) {
   const int64_t tensors = static_cast<int64_t>(shape.layers) * shape.kv_factor;
   switch (granularity) {
     case ScaleGranularity::kNone:
+    case ScaleGranularity::kBlock:  // in the pool (BlockPool::block_scales), not here
       return 0;
     case ScaleGranularity::kTensor:
       return tensors;
@@ -57,6 +60,7 @@ Status KvScales::Check(const KvShape& shape) const {
 float KvScales::At(const KvShape& shape, int64_t layer, int64_t kv, int64_t head) const {
   switch (granularity) {
     case ScaleGranularity::kNone:
+    case ScaleGranularity::kBlock:  // per block: the pool's (BlockPool::block_scales)
       return 1.0f;
     case ScaleGranularity::kTensor:
       return values[static_cast<size_t>(layer * shape.kv_factor + kv)];

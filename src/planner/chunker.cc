@@ -14,6 +14,7 @@ bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
   if (one_layer && p.layer != next.layer) return false;
   if (p.planes > 1 || next.planes > 1) return false;
   if (p.src_scale != next.src_scale || p.dst_scale != next.dst_scale) return false;
+  if (p.src_scale_at >= 0 || p.dst_scale_at >= 0) return false;  // one scale group each
   if (!MergeRuns(p, next, RunMerge::kStrided)) return false;
   p.layer = std::max(p.layer, next.layer);
   return true;
@@ -42,6 +43,10 @@ void Chunker::Finish() {
 }
 
 void Chunker::Place(Piece p) {
+  if (p.dst_scale_at >= 0) {
+    PlaceScaled(p);
+    return;
+  }
   if (p.planes > 1) {
     PlacePlanes(p);
     return;
@@ -127,6 +132,35 @@ void Chunker::PlacePlanes(const Piece& p) {
     } else {  // a plane larger than a chunk: split by rows
       Place(p.Plane(q++));
     }
+  }
+}
+
+void Chunker::PlaceScaled(const Piece& p) {
+  // Room for the scales' 16-byte alignment after the rows (Chunk::packed_bytes).
+  const int64_t capacity = chunk_bytes_ - 16;
+  const int64_t plane = p.bytes * p.rows + 4;
+  if (plane > capacity) {
+    group_too_big_ = plane - 4;
+    return;
+  }
+  const bool flat = p.rows == 1 || (p.src_pitch == p.bytes && p.dst_pitch == p.bytes);
+  for (int64_t q = 0; q < p.planes && !failed();) {
+    const int64_t room = open_ ? capacity - open_->bytes - open_->scale_bytes : 0;
+    const int64_t fit = std::min(p.planes - q, room / plane);
+    if (fit == 0) {
+      if (!Open(p)) return;
+      continue;
+    }
+    Piece part = p.Planes(q, fit);
+    if (p.rows > 1 && flat) {
+      part.bytes *= part.rows;
+      part.rows = 1;
+      part.src_pitch = part.dst_pitch = 0;
+    }
+    out_.bytes += part.total();
+    open_->scale_bytes += 4 * fit;
+    Append(part);
+    q += fit;
   }
 }
 

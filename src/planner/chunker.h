@@ -30,8 +30,11 @@ class Chunker {
   bool too_big() const { return too_big_; }
   // True when the plan needs more than in.max_chunks chunks (the plan is then refused).
   bool over_cap() const { return over_cap_; }
+  // The bytes of a per-block scale group too large for one chunk with its scale (the plan is then
+  // refused: a group's scale is computed from all of its values, so it is never cut); 0 if none.
+  int64_t group_too_big() const { return group_too_big_; }
   // True when the plan is refused already (the rest of the pieces need not be enumerated).
-  bool failed() const { return too_many_ || too_big_ || over_cap_; }
+  bool failed() const { return too_many_ || too_big_ || over_cap_ || group_too_big_ > 0; }
 
   // The next piece in plan order (held back one piece, to merge with the one after it).
   void Add(const Piece& p);
@@ -47,6 +50,10 @@ class Chunker {
   // pieces of their own until the rest fits whole. The chunks are then the same as if the planes
   // had come as separate pieces.
   void PlacePlanes(const Piece& p);
+  // A piece whose planes get per-block scales at the generation side (Piece::dst_scale_at): whole
+  // planes only, each costing its rows and its 4-byte scale, in chunk_bytes less 16 (the scales'
+  // alignment).
+  void PlaceScaled(const Piece& p);
 
   // False (and too_many_, over_cap_ or too_big_ set) when one more chunk would exceed
   // kMaxChunksPerPair, the plan's chunk cap or its memory bound.
@@ -78,6 +85,7 @@ class Chunker {
   bool too_many_ = false;
   bool too_big_ = false;
   bool over_cap_ = false;
+  int64_t group_too_big_ = 0;
   Chunk* open_ = nullptr;  // the packed chunk being filled (always out_.chunks.back())
 };
 

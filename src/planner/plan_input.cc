@@ -172,12 +172,32 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
           fmt::format("{}: kv scales with dtype {}: kvferry scales fp32, fp16, bf16 and fp8", name,
                       DTypeName(d->shape.dtype)));
     }
+    if (d->scales.granularity == ScaleGranularity::kBlock && d->shape.dtype != DType::kFp8E4M3) {
+      return Status::InvalidArgument(fmt::format(
+          "{}: per-block kv scales with dtype {}: per-block scales quantize an fp8 cache", name,
+          DTypeName(d->shape.dtype)));
+    }
+  }
+  // A per-block scale covers one block's tokens: with another block size on the other side, a
+  // generation block's scale would come from several context blocks' values (or the reverse).
+  if (BlockScaled(ctx, gen) && a.tokens_per_block != b.tokens_per_block) {
+    return Status::InvalidArgument(fmt::format(
+        "per-block kv scales ({}) need the same block size on both sides; context {}, generation "
+        "{} tokens per block",
+        ctx.scales.granularity == ScaleGranularity::kBlock ? "context" : "generation",
+        a.tokens_per_block, b.tokens_per_block));
   }
   return Status::Ok();
 }
 
+bool BlockScaled(const InstanceDesc& ctx, const InstanceDesc& gen) {
+  return ctx.scales.granularity == ScaleGranularity::kBlock ||
+         gen.scales.granularity == ScaleGranularity::kBlock;
+}
+
 bool Converts(const InstanceDesc& ctx, const InstanceDesc& gen) {
   if (ctx.shape.dtype != gen.shape.dtype) return true;
+  if (BlockScaled(ctx, gen)) return true;  // each block's scales differ: they travel
   if (ctx.scales == gen.scales) return false;
   // Scales described differently may still be equal everywhere (per head, all of a tensor's the
   // same): compare them where they apply. Unchecked scales convert (the planner refuses them).

@@ -306,6 +306,10 @@ struct PairCut {
   bool layer_outer = false;
   bool axes_outside = false;  // enumerated axes outside the block loop (runs of blocks merge)
   AxisSet scale_axes = 0;     // the box axes the pieces' scales vary over (ScaleAxes)
+  // Per-block scales on either side (BlockScaled): no piece spans two blocks, and a block's pieces
+  // may be planes of heads (one scale group each); the slices give the scales' indices.
+  bool block_scaled = false;
+  RankSlice ctx_slice, gen_slice;
 };
 
 // With a conversion whose scales are not all 1, each piece lies in one (layer, kv) and, with scales
@@ -315,7 +319,8 @@ AxisSet ScaleAxes(const PlanInput& in) {
   if ((a == ScaleGranularity::kNone && b == ScaleGranularity::kNone) || !Converts(in.ctx, in.gen))
     return 0;
   AxisSet axes = (AxisSet{1} << kL) | (AxisSet{1} << kK);
-  if (a == ScaleGranularity::kHead || b == ScaleGranularity::kHead) axes |= AxisSet{1} << kH;
+  if (a == ScaleGranularity::kHead || b == ScaleGranularity::kHead || BlockScaled(in.ctx, in.gen))
+    axes |= AxisSet{1} << kH;
   return axes;
 }
 
@@ -346,6 +351,9 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
   const bool has_full =
       cx.segs.runs.size() > 1 || cx.segs.runs.front().count > 1 || last_valid == tpb;
   cut.scale_axes = ScaleAxes(in);
+  cut.block_scaled = BlockScaled(in.ctx, in.gen);
+  cut.ctx_slice = c;
+  cut.gen_slice = g;
   const AxisSet apart = cut.scale_axes | (in.layer_wise ? AxisSet{1} << kL : 0);
   cut.full = BuildTemplate(ext, src, dst, cut.row_bytes, apart);
   ext[kT] = last_valid;
@@ -372,7 +380,7 @@ StatusOr<PairCut> CutPair(const Context& cx, const RankSlice& c, const RankSlice
     ++full_runs;
   }
   const Template& f = cut.full;
-  cut.axes_outside = f.n > 0 && full_blocks > full_runs &&
+  cut.axes_outside = !cut.block_scaled && f.n > 0 && full_blocks > full_runs &&
                      (RunMerges(f, src, dst) || f.ext[f.n - 1] * full_runs < full_blocks);
   return cut;
 }
@@ -455,6 +463,17 @@ class PieceWriter {
     }
     p_.src_scale = in_.ctx.scales.At(in_.ctx.shape, p_.layer, kv, head);
     p_.dst_scale = in_.gen.scales.At(in_.gen.shape, p_.layer, kv, head);
+    scale_kv_ = kv;
+    scale_head_ = head;
+  }
+
+  // The per-block scale index of (block, the piece's layer, kv, first head) in a rank's pool
+  // (BlockPool::BlockScaleIndex), or -1 when that side has no per-block scales.
+  int64_t BlockScaleAt(const InstanceDesc& d, const RankSlice& s, int64_t block) const {
+    if (d.scales.granularity != ScaleGranularity::kBlock) return -1;
+    return ((block * s.layer_count + (p_.layer - s.layer_begin)) * d.shape.kv_factor + scale_kv_) *
+               s.head_count +
+           (scale_head_ - s.head_begin);
   }
 
   // Order (enumerated axes, block): runs of full blocks merge.
@@ -487,8 +506,11 @@ class PieceWriter {
         continue;
       }
       Template outer = t;
-      // Planes along an axis the scales vary over would mix scales in one piece.
-      const bool planes = t.rows > 1 && !InSet(cut_.scale_axes, t.axis[t.n - 1]);
+      // Planes along an axis the scales vary over would mix scales in one piece; with per-block
+      // scales, planes of heads are one scale group each.
+      const int inner = t.axis[t.n - 1];
+      const bool planes =
+          cut_.block_scaled ? inner == kH : t.rows > 1 && !InSet(cut_.scale_axes, inner);
       if (planes) --outer.n;
       for (int64_t i = 0; i < run.count; ++i) {
         BlockRun one = run;
@@ -517,7 +539,7 @@ class PieceWriter {
     p_.planes = planes ? t.ext[t.n - 1] : 1;
     p_.src_plane_pitch = planes ? t.src_step[t.n - 1] : 0;
     p_.dst_plane_pitch = planes ? t.dst_step[t.n - 1] : 0;
-    if (count > 1 && (RunMerges(t, src, dst) || !planes)) {
+    if (count > 1 && !cut_.block_scaled && (RunMerges(t, src, dst) || !planes)) {
       MergeRun(t, src, dst, count, p_);
       count = 1;
     }
@@ -528,6 +550,10 @@ class PieceWriter {
           src.base + in_.ctx_blocks[run.ctx + i] * src.block_stride + src_l_ + src_k_ + src_t + sd;
       p_.dst_offset =
           dst.base + in_.gen_blocks[run.gen + i] * dst.block_stride + dst_l_ + dst_k_ + dst_t + dd;
+      if (cut_.block_scaled) {
+        p_.src_scale_at = BlockScaleAt(in_.ctx, cut_.ctx_slice, in_.ctx_blocks[run.ctx + i]);
+        p_.dst_scale_at = BlockScaleAt(in_.gen, cut_.gen_slice, in_.gen_blocks[run.gen + i]);
+      }
       chunker_.Add(p_);
     }
   }
@@ -541,6 +567,7 @@ class PieceWriter {
   int64_t src_k_ = 0, dst_k_ = 0;  // offset of the current kv (kv outside, no kv regions)
   int64_t kv_ = 0;                 // the current kv of the loop outside the template
   int64_t h0_ = 0;                 // global head of the box's first head
+  int64_t scale_kv_ = 0, scale_head_ = 0;  // the kv and global head of the pieces (SetScales)
 };
 
 // With a dtype conversion, the pieces were cut in destination bytes on both sides: the source's
@@ -582,6 +609,13 @@ StatusOr<bool> PlanPair(const Context& cx, const RankSlice& c, const RankSlice& 
   if (chunker.too_many()) return TooManyChunks(c, g, in);
   if (chunker.over_cap()) return OverCap(c, g, in);
   if (chunker.too_big()) return TooBig(c, g, in, plan_bytes);
+  if (chunker.group_too_big() > 0) {
+    return Status::InvalidArgument(fmt::format(
+        "context rank {} -> generation rank {}: a per-block scale group (one block's tokens of a "
+        "layer, K or V and head) is {} bytes, and a chunk of chunk_bytes={} holds at most {} "
+        "with its scale; use larger chunks",
+        c.rank, g.rank, chunker.group_too_big(), in.chunk_bytes, in.chunk_bytes - 20));
+  }
   ScaleSource(in, out);
   return true;
 }

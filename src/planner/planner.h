@@ -87,6 +87,9 @@ struct InstanceDesc {
 // Whether a transfer from `ctx` to `gen` converts its elements: the dtypes differ, or some
 // (layer, kv, head) has another scale on each side.
 bool Converts(const InstanceDesc& ctx, const InstanceDesc& gen);
+// Either side keeps per-block scales (ScaleGranularity::kBlock): the transfer converts, and each
+// piece plane is one scale group (Piece::src_scale_at, dst_scale_at).
+bool BlockScaled(const InstanceDesc& ctx, const InstanceDesc& gen);
 
 // The layout `d` gives a rank whose pool has `dims`: the named layout's, or the instance's custom
 // strides over these dims (validated: no two elements at one address, dim axis contiguous).
@@ -133,6 +136,13 @@ struct Piece : StridedRun {
   // with scales: the planner then cuts pieces that lie in one (layer, kv) and, per head, one head.
   float src_scale = 1.0f;
   float dst_scale = 1.0f;
+  // Per-block scales (ScaleGranularity::kBlock): the index of the first plane's scale in the
+  // side's BlockPool::block_scales (plane q at + q: planes run over heads), -1 when that side has
+  // none. Each plane is then one scale group, a (block, layer, kv, head)'s moved tokens; a piece
+  // with a generation index is never cut below a plane, and its scales are packed after the
+  // chunk's rows (Chunk::scale_bytes).
+  int64_t src_scale_at = -1;
+  int64_t dst_scale_at = -1;
   int64_t planes = 1;
   int64_t src_plane_pitch = 0;  // unused when planes == 1
   int64_t dst_plane_pitch = 0;
@@ -149,6 +159,8 @@ struct Piece : StridedRun {
     Piece p = *this;
     p.src_offset += first * src_plane_pitch;
     p.dst_offset += first * dst_plane_pitch;
+    if (src_scale_at >= 0) p.src_scale_at += first;
+    if (dst_scale_at >= 0) p.dst_scale_at += first;
     p.planes = count;
     if (count == 1) p.src_plane_pitch = p.dst_plane_pitch = 0;
     return p;
@@ -164,8 +176,14 @@ struct Piece : StridedRun {
 struct Chunk {
   bool direct = false;  // one contiguous piece, sent from the source pool into the destination pool
   int32_t last_layer = 0;  // highest global layer among its pieces
-  int64_t bytes = 0;       // sum of piece totals (packed size)
+  int64_t bytes = 0;       // sum of piece totals (the rows' packed size)
+  // Per-block scales written at the generation side (Piece::dst_scale_at): 4 bytes per plane of
+  // those pieces, packed in piece order after the rows, from ScaleAreaOffset.
+  int64_t scale_bytes = 0;
   std::vector<Piece> pieces;
+  int64_t scale_area_offset() const { return (bytes + 15) / 16 * 16; }
+  // Bytes of the chunk packed into staging: its rows, then its scales (if any) 16-byte aligned.
+  int64_t packed_bytes() const { return scale_bytes ? scale_area_offset() + scale_bytes : bytes; }
   bool operator==(const Chunk&) const = default;
 };
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <set>
 
 #include "testing/planner_test_util.h"
@@ -529,6 +530,89 @@ TEST(Planner, EqualScalesConvertNothingAndBadScalesAreRefused) {
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().message(),
             "generation: kv scales: value 11 is 0; scales must be finite and positive");
+}
+
+// Per-block scales: every plane of every piece is one scale group of the generation rank
+// (block, layer, kv, head: its moved tokens, whole), each group exactly once, its index that of
+// BlockPool::BlockScaleIndex; chunks hold their scales after their rows, within chunk_bytes. A
+// context rank's index names the context group of the same tokens.
+TEST(Planner, PerBlockScalesMakeOnePlanePerGroup) {
+  using G = ScaleGranularity;
+  for (LayoutKind cl : {LayoutKind::kBlockMajor, LayoutKind::kVllmHnd, LayoutKind::kPerLayer}) {
+    for (LayoutKind gl :
+         {LayoutKind::kVllmNhd, LayoutKind::kPerLayerKvHnd, LayoutKind::kBlockMajor}) {
+      for (int64_t chunk : {int64_t{4} << 20, int64_t{300}}) {
+        Case c = PairCase(KvShape{3, 4, 8, DType::kFp8E4M3, 2, 4}, {2, 1, {}, 1, 0},
+                          {1, 1, {}, 1, 0}, cl, gl);
+        c.ctx_scales.granularity = G::kBlock;
+        c.gen_scales.granularity = G::kBlock;
+        c.prompt = 14;  // 3 whole blocks and one of 2 tokens
+        c.chunk_bytes = chunk;
+        c.direct_min = 0;
+        SCOPED_TRACE(c.Name());
+        const PlanInput in = MakeInput(c);
+        auto plan = PlanForGenRank(in, 0);
+        ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+        const int64_t groups_per_block = 3 * 2 * 4;  // layers x kv x heads of generation rank 0
+        std::map<int64_t, int64_t> seen;             // dst scale index -> plane bytes
+        for (const PairPlan& pair : *plan) {
+          for (const Chunk& ch : pair.chunks) {
+            EXPECT_FALSE(ch.direct);
+            int64_t planes = 0;
+            for (const Piece& p : ch.pieces) {
+              ASSERT_GE(p.dst_scale_at, 0);
+              ASSERT_GE(p.src_scale_at, 0);
+              planes += p.planes;
+              for (int64_t q = 0; q < p.planes; ++q)
+                EXPECT_TRUE(seen.emplace(p.dst_scale_at + q, p.bytes * p.rows).second);
+            }
+            EXPECT_EQ(ch.scale_bytes, 4 * planes);
+            EXPECT_LE(ch.packed_bytes(), c.chunk_bytes);
+          }
+        }
+        const auto& blocks = in.gen_blocks;
+        ASSERT_EQ(seen.size(), blocks.size() * groups_per_block);
+        for (size_t b = 0; b < blocks.size(); ++b) {
+          const int64_t tokens = b + 1 < blocks.size() ? 4 : 2;
+          for (int64_t g = 0; g < groups_per_block; ++g) {
+            auto it = seen.find(blocks[b] * groups_per_block + g);
+            ASSERT_NE(it, seen.end()) << "block " << blocks[b] << " group " << g;
+            EXPECT_EQ(it->second, tokens * 8) << "the group's moved tokens, whole";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Planner, PerBlockScalesRefuseWhatTheyCannotMap) {
+  Case c;
+  c.shape = KvShape{3, 2, 8, DType::kFp8E4M3, 2, 4};
+  c.ctx_scales.granularity = ScaleGranularity::kBlock;
+  c.gen_tokens_per_block = 8;
+  auto plan = PlanTransfer(MakeInput(c));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "per-block kv scales (context) need the same block size on both sides; context 4, "
+            "generation 8 tokens per block");
+  c.gen_tokens_per_block = 0;
+  c.shape.dtype = DType::kBf16;
+  plan = PlanTransfer(MakeInput(c));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().message(),
+            "context: per-block kv scales with dtype bf16: per-block scales quantize an fp8 cache");
+  c.shape.dtype = DType::kFp8E4M3;
+  c.ctx_scales = {};
+  c.gen_scales.granularity = ScaleGranularity::kBlock;
+  c.chunk_bytes = 40;  // a group is 4 tokens x 8 bytes = 32 bytes, 36 with its scale
+  plan = PlanTransfer(MakeInput(c));
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("a per-block scale group (one block's tokens of a layer, "
+                                         "K or V and head) is 32 bytes"),
+            std::string::npos)
+      << plan.status().ToString();
+  c.chunk_bytes = 52;
+  EXPECT_TRUE(PlanTransfer(MakeInput(c)).ok());
 }
 
 TEST(Planner, RefusesDtypesWithoutAConversion) {

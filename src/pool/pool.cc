@@ -20,6 +20,14 @@ Status CheckSpec(const PoolSpec& spec) {
   return Status::Ok();
 }
 
+// Per-block scales quantize an fp8 (e4m3) cache.
+Status CheckScaledDtype(const PoolSpec& spec) {
+  if (spec.shape.dtype == DType::kFp8E4M3) return Status::Ok();
+  return Status::InvalidArgument(
+      fmt::format("pool: per-block scales are for an fp8 (e4m3) cache; this pool's dtype is {}",
+                  DTypeName(spec.shape.dtype)));
+}
+
 std::string RangeText(Range r) { return fmt::format("[{}, {})", r.begin, r.end); }
 
 // Which of the layout's regions external region i is, from its declared ranges or its position.
@@ -146,7 +154,15 @@ StatusOr<BlockPool> BlockPool::Create(Device& device, const PoolSpec& spec,
   }
   PoolSpec kept = spec;
   kept.layout = layout.kind();
-  return BlockPool(kept, slice, layout, std::move(regions), std::move(owned));
+  BlockPool pool(kept, slice, layout, std::move(regions), std::move(owned));
+  if (spec.block_scales) {
+    KVF_RETURN_IF_ERROR(CheckScaledDtype(spec));
+    auto buf = device.Allocate(spec.memory, static_cast<size_t>(pool.block_scale_count()) * 4);
+    if (!buf.ok()) return buf.status().WithContext("pool: per-block scales");
+    pool.scales_ = reinterpret_cast<float*>(buf->data());
+    pool.owned_scales_.push_back(std::move(buf).value());
+  }
+  return pool;
 }
 
 StatusOr<BlockPool> BlockPool::Wrap(Device& device, const PoolSpec& spec,
@@ -193,6 +209,7 @@ StatusOr<BlockPool> BlockPool::Wrap(Device& device, const PoolSpec& spec, const 
                               layout.RegionKv(slot)};
   }
   KVF_RETURN_IF_ERROR(CheckDisjoint(placed, source, layout.region_bytes()));
+  if (spec.block_scales) KVF_RETURN_IF_ERROR(CheckScaledDtype(spec));
   PoolSpec kept = spec;
   kept.layout = layout.kind();
   return BlockPool(std::move(kept), slice, layout, std::move(placed), {});
@@ -201,6 +218,43 @@ StatusOr<BlockPool> BlockPool::Wrap(Device& device, const PoolSpec& spec, const 
 StatusOr<std::vector<Extent>> BlockPool::Extents(const BlockBox& box) const {
   KVF_RETURN_IF_ERROR(layout_.CheckBox(box));
   return layout_.Extents(box);
+}
+
+int64_t BlockPool::block_scale_count() const {
+  return spec_.blocks * slice_.layer_count * spec_.shape.kv_factor * slice_.head_count;
+}
+
+int64_t BlockPool::BlockScaleIndex(int64_t block, int64_t local_layer, int64_t kv,
+                                   int64_t local_head) const {
+  return ((block * slice_.layer_count + local_layer) * spec_.shape.kv_factor + kv) *
+             slice_.head_count +
+         local_head;
+}
+
+Status BlockPool::AttachBlockScales(const ExternalRegion& scales) {
+  if (scales_ != nullptr) return Status::InvalidArgument("pool: it has per-block scales already");
+  KVF_RETURN_IF_ERROR(CheckScaledDtype(spec_));
+  const int64_t need = block_scale_count() * 4;
+  if (scales.base == nullptr || reinterpret_cast<uintptr_t>(scales.base) % 4 != 0) {
+    return Status::InvalidArgument(fmt::format(
+        "pool: per-block scales at {} are not 4-byte aligned fp32 values", scales.base));
+  }
+  if (scales.bytes < need) {
+    return Status::InvalidArgument(fmt::format(
+        "pool: per-block scales of {} bytes; the pool takes {} ({} blocks x {} layers x {} kv x "
+        "{} heads, fp32)",
+        scales.bytes, need, spec_.blocks, slice_.layer_count, spec_.shape.kv_factor,
+        slice_.head_count));
+  }
+  if (scales.memory != spec_.memory || (scales.memory == MemoryKind::kDevice && !regions_.empty() &&
+                                        scales.device != regions_.front().device)) {
+    return Status::InvalidArgument(fmt::format(
+        "pool: per-block scales are {} memory (device {}), the pool's blocks {} (device {})",
+        MemoryKindName(scales.memory), scales.device, MemoryKindName(spec_.memory),
+        regions_.empty() ? 0 : regions_.front().device));
+  }
+  scales_ = static_cast<float*>(scales.base);
+  return Status::Ok();
 }
 
 StatusOr<std::vector<Extent>> BlockPool::BlockExtents(std::span<const int64_t> blocks) const {

@@ -82,6 +82,9 @@ class PoolAccess {
       for (int32_t r = 0; r < pool.num_regions(); ++r) {
         KVF_RETURN_IF_ERROR(s->Fill(pool.region(r), 0, pool.layout().region_bytes()));
       }
+      if (pool.block_scales()) {
+        KVF_RETURN_IF_ERROR(s->Fill(pool.block_scales(), 0, pool.block_scale_count() * 4));
+      }
       KVF_RETURN_IF_ERROR(s->Synchronize(DeadlineIn(milliseconds(60000))));
     }
     return a;
@@ -123,6 +126,13 @@ class PoolAccess {
       std::byte* p = pool_->Address(e);
       std::byte* m = mirror_->Address(e);
       KVF_RETURN_IF_ERROR(to_pool ? stream_->Copy(p, m, e.bytes) : stream_->Copy(m, p, e.bytes));
+    }
+    if (float* scales = pool_->block_scales()) {  // the block's, contiguous
+      const int64_t at = pool_->BlockScaleIndex(block, 0, 0, 0);
+      const size_t bytes = static_cast<size_t>(pool_->BlockScaleIndex(1, 0, 0, 0)) * 4;
+      float* m = mirror_->block_scales() + at;
+      KVF_RETURN_IF_ERROR(to_pool ? stream_->Copy(scales + at, m, bytes)
+                                  : stream_->Copy(m, scales + at, bytes));
     }
     return stream_->Synchronize(DeadlineIn(milliseconds(30000)));
   }
@@ -226,6 +236,7 @@ StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, bool context, int
   const KvShape shape = SideShape(cfg, context);
   const int64_t blocks = PoolBlocks(cfg, context);
   PoolSpec spec{shape, split, rank, layout.kind, MemoryKind::kDevice, blocks};
+  spec.block_scales = (context ? cfg.ctx_scales : cfg.gen_scales) == ScaleGranularity::kBlock;
   KVF_ASSIGN_OR_RETURN(const RankSlice slice, SliceOf(shape, split, rank));
   KVF_ASSIGN_OR_RETURN(const PoolDims span, InstancePoolDims(shape, split, blocks));
   KVF_ASSIGN_OR_RETURN(const PoolLayout pool_layout,

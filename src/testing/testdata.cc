@@ -2,9 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "device/convert.h"
+#include "device/convert_core.h"
 #include "planner/planner.h"
 
 namespace kvferry {
@@ -71,6 +76,12 @@ uint64_t TestValue(const ElementCoord& c) {
   return ElementValue(RowSeed(c.request, c.layer, c.kv, c.head, c.token), c.dim);
 }
 
+float TestBlockScale(uint64_t request, int64_t layer, int64_t kv, int64_t head, int64_t block) {
+  const uint64_t h = Mix(RowSeed(request, layer, kv, head, block) ^ 0x5ca1eULL);
+  return std::ldexp(1.0f + static_cast<float>(h % 1024) / 1024.0f,
+                    static_cast<int>((h >> 10) % 13) - 6);
+}
+
 Status FillBlock(const BlockPool& pool, uint64_t request, const BlockTokens& where) {
   KVF_RETURN_IF_ERROR(CheckArgs(pool, where));
   const int esize = DTypeSize(pool.shape().dtype);
@@ -82,6 +93,18 @@ Status FillBlock(const BlockPool& pool, uint64_t request, const BlockTokens& whe
       std::memcpy(row + i * esize, &v, esize);  // little-endian hosts: the low bytes
     }
   });
+  if (float* scales = pool.block_scales()) {
+    const RankSlice& s = pool.slice();
+    const int64_t block = where.first_token / pool.shape().tokens_per_block;
+    for (int64_t l = 0; l < s.layer_count; ++l) {
+      for (int64_t kv = 0; kv < pool.shape().kv_factor; ++kv) {
+        for (int64_t h = 0; h < s.head_count; ++h) {
+          scales[pool.BlockScaleIndex(where.block, l, kv, h)] =
+              TestBlockScale(request, s.layer_begin + l, kv, s.head_begin + h, block);
+        }
+      }
+    }
+  }
   return Status::Ok();
 }
 
@@ -112,15 +135,55 @@ StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t req
   }
   const int sent_size = conversion ? DTypeSize(*sent_as) : esize;
   const uint64_t sent_mask = sent_size == 8 ? ~0ULL : ((1ULL << (8 * sent_size)) - 1);
+  const bool sent_per_block = sent_scales.granularity == ScaleGranularity::kBlock;
+  const bool own_per_block = own_scales.granularity == ScaleGranularity::kBlock;
+  if (own_per_block && pool.block_scales() == nullptr)
+    return Status::InvalidArgument("kv scales per block, and the pool has none");
+  const int64_t token_block = where.first_token / pool.shape().tokens_per_block;
+  // fp8 per block on both sides: the codes are copied and the scales travel.
+  const bool travel = sent_per_block && own_per_block && sent_as == pool.shape().dtype;
+  // A group's (layer, kv, head) scales: the sender's, and the pool's as the transfer sets them.
+  const auto group_scales = [&](const ElementCoord& c) -> std::pair<float, float> {
+    const float src = sent_per_block ? TestBlockScale(request, c.layer, c.kv, c.head, token_block)
+                                     : sent_scales.At(pool.shape(), c.layer, c.kv, c.head);
+    if (!own_per_block) return {src, own_scales.At(pool.shape(), c.layer, c.kv, c.head)};
+    if (travel) return {src, src};
+    const Conversion widen{*ElementFormatOf(*sent_as), ElementFormat::kFp32};
+    uint32_t amax = 0;
+    for (int64_t t = 0; t < where.valid_tokens; ++t) {
+      const uint64_t seed = RowSeed(request, c.layer, c.kv, c.head, where.first_token + t);
+      for (int64_t i = 0; i < dims; ++i) {
+        const auto bits = static_cast<uint32_t>(ElementValue(seed, i) & sent_mask);
+        amax = std::max(amax, convert::FiniteMagnitude(ConvertElement(bits, widen)));
+      }
+    }
+    return {src, convert::BlockScale(amax, src)};
+  };
+  const RankSlice& slice = pool.slice();
+  ElementCoord group{request, -1, -1, -1, 0, 0};
+  std::pair<float, float> scales{1.0f, 1.0f};
   std::optional<Mismatch> first;
   ForEachRow(pool, request, where, [&](const ElementCoord& c, std::byte* row) {
     if (first) return;
     uint64_t seed = RowSeed(c.request, c.layer, c.kv, c.head, c.token);
-    const float src_scale = sent_scales.At(pool.shape(), c.layer, c.kv, c.head);
-    const float dst_scale = own_scales.At(pool.shape(), c.layer, c.kv, c.head);
+    if (c.layer != group.layer || c.kv != group.kv || c.head != group.head) {
+      group = c;
+      scales = group_scales(c);  // rows come group by group (ForEachRow)
+    }
+    const auto [src_scale, dst_scale] = scales;
+    if (own_per_block && c.token == where.first_token) {
+      const float got = pool.block_scales()[pool.BlockScaleIndex(
+          where.block, c.layer - slice.layer_begin, c.kv, c.head - slice.head_begin)];
+      if (std::bit_cast<uint32_t>(got) != std::bit_cast<uint32_t>(dst_scale)) {
+        ElementCoord at = c;
+        at.dim = -1;
+        first = Mismatch{at, std::bit_cast<uint32_t>(dst_scale), std::bit_cast<uint32_t>(got)};
+        return;
+      }
+    }
     const auto expected = [&](uint64_t filled) -> uint64_t {
       filled &= sent_mask;
-      return conversion
+      return conversion && !travel
                  ? ConvertElement(static_cast<uint32_t>(filled), *conversion, src_scale, dst_scale)
                  : filled;
     };

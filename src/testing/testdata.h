@@ -32,7 +32,13 @@ struct BlockTokens {
   int64_t valid_tokens = 0;
 };
 
-// Fills a host-accessible pool's block (all local layers, kv, heads; tokens [0, valid_tokens)).
+// A per-block scale of the test data: positive, finite, from 2^-6 to 2^6, a function of
+// (request, global layer, kv, global head, the block's index in the request).
+float TestBlockScale(uint64_t request, int64_t layer, int64_t kv, int64_t head, int64_t block);
+
+// Fills a host-accessible pool's block (all local layers, kv, heads; tokens [0, valid_tokens)),
+// and its per-block scales (TestBlockScale of block first_token / tokens_per_block) when the pool
+// has them.
 Status FillBlock(const BlockPool& pool, uint64_t request, const BlockTokens& where);
 
 // A mismatch found by CheckBlock.
@@ -48,6 +54,9 @@ struct Mismatch {
 // it differs from the pool's) or scales that differ (`sent_scales`, the sender's, and
 // `own_scales`, the pool's: a transfer that Converts), each expected value is the filled one
 // converted to the pool's dtype with the element's scales (Stream::ConvertBatch's rules).
+// Per-block scales (ScaleGranularity::kBlock): the sender's are TestBlockScale (FillBlock's); the
+// pool's, checked too (a mismatch names dim -1 and the scale's bits), are the sender's when both
+// are fp8 per block, else computed from the group's filled values (convert_core.h BlockScale).
 StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t request,
                                              const BlockTokens& where,
                                              std::optional<DType> sent_as = std::nullopt,

@@ -173,6 +173,7 @@ class Cluster {
 
   BlockPool MakePool(const SideSpec& s, int rank) {
     PoolSpec p{s.shape, s.parallel, rank, s.layout, MemoryKind::kHost, s.blocks};
+    p.block_scales = s.scales.granularity == ScaleGranularity::kBlock;
     auto pool = [&]() -> StatusOr<BlockPool> {
       if (s.layout != LayoutKind::kCustom) return BlockPool::Create(*device_, p);
       const PoolDims dims =
@@ -184,6 +185,8 @@ class Cluster {
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     for (int i = 0; i < pool->num_regions(); ++i)
       std::memset(pool->region(i), 0xA5, pool->layout().region_bytes());
+    if (pool->block_scales())
+      std::memset(pool->block_scales(), 0xA5, static_cast<size_t>(pool->block_scale_count()) * 4);
     return std::move(pool).value();
   }
 

@@ -507,9 +507,7 @@ StatusOr<std::unique_ptr<ContextSide>> ContextSide::Create(Device& device, const
                                                            const TransceiverOptions& options,
                                                            std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("ContextSide: null transport");
-  if (Status s = options.kv_scales.Check(pool.shape()); !s.ok()) {
-    return Status::InvalidArgument(fmt::format("ContextSide: {}", s.message()));
-  }
+  KVF_RETURN_IF_ERROR(CheckSideScales("ContextSide", options.kv_scales, pool));
   if (std::all_of(options.instance_secret.begin(), options.instance_secret.end(),
                   [](uint8_t b) { return b == 0; })) {
     return Status::InvalidArgument(

@@ -491,9 +491,7 @@ StatusOr<std::unique_ptr<GenerationSide>> GenerationSide::Create(
     Device& device, const BlockPool& pool, const TransceiverOptions& options,
     std::unique_ptr<Transport> transport) {
   if (!transport) return Status::InvalidArgument("GenerationSide: null transport");
-  if (Status s = options.kv_scales.Check(pool.shape()); !s.ok()) {
-    return Status::InvalidArgument(fmt::format("GenerationSide: {}", s.message()));
-  }
+  KVF_RETURN_IF_ERROR(CheckSideScales("GenerationSide", options.kv_scales, pool));
   auto side = std::make_unique<GenerationSideImpl>(device, pool, ResolveOptions(options, device),
                                                    std::move(transport));
   KVF_RETURN_IF_ERROR(side->Start());

@@ -53,7 +53,8 @@ int64_t PackedBytes(const Chunk& chunk, int64_t row_min_bytes) {
   for (const Piece& p : chunk.pieces) {
     if (!RowsGoDirect(chunk, p, row_min_bytes)) n += p.total();
   }
-  return n;
+  // Per-block scales come only with a conversion, which sends no rows direct: every row is packed.
+  return chunk.scale_bytes > 0 ? chunk.packed_bytes() : n;
 }
 
 Status CheckRmaTarget(const FetchMsg& f) {

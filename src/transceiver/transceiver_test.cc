@@ -68,6 +68,17 @@ void DeliverOverPath(const Case& c, Path path, bool checksum) {
       Cluster::Group(c.ctx, c.ctx_group).size() + Cluster::Group(c.gen, c.gen_group).size();
   ExpectAllComplete(cl.Drain(c.ctx_group, c.gen_group, 1), ranks);
   cl.Verify(11, gb, tokens, 0, c.gen_group, /*sentinels=*/true);
+  // Peer memory is offered and taken, converting too (per-block scales included), unless a
+  // converting pair sums its chunks packed.
+  InstanceDesc ctx_desc, gen_desc;
+  ctx_desc.shape = c.ctx.shape;
+  ctx_desc.scales = c.ctx.scales;
+  gen_desc.shape = c.gen.shape;
+  gen_desc.scales = c.gen.scales;
+  if (path == Path::kPeer && !(checksum && Converts(ctx_desc, gen_desc))) {
+    const int g = Cluster::Group(c.gen, c.gen_group).front();
+    EXPECT_EQ(cl.gen_[g]->metrics().data_path, "peer-memory");
+  }
   EXPECT_TRUE(Config::Global().Reset("transfer.rma_row_min_bytes").ok());
   EXPECT_TRUE(Config::Global().Reset("transfer.peer_memory").ok());
 }
@@ -327,6 +338,57 @@ INSTANTIATE_TEST_SUITE_P(
                             ScaleGranularity::kTensor, 0.01f)}),
         ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
     LayoutCaseName);
+
+// Per-block scales (issue 26 item 3): the generation's computed from each block's values (toward
+// fp8), the context's read (from fp8), or travelling (fp8 -> fp8 per block), on every data path
+// (a pair offered peer memory or row puts packs), with and without checksums; the generation's
+// scales are checked too (CheckBlock).
+INSTANTIATE_TEST_SUITE_P(
+    BlockScales, Conversions,
+    ::testing::Combine(
+        ::testing::Values(
+            Case{"bf16_tp2_to_fp8_per_block_tp4_nhd",
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}},
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {4, 1, {}, 1, 0}, LayoutKind::kVllmNhd},
+                            ScaleGranularity::kBlock, 0)},
+            Case{"fp8_per_block_hnd_to_bf16_tp2",
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {1, 1, {}, 1, 0}, LayoutKind::kVllmHnd},
+                            ScaleGranularity::kBlock, 0),
+                 {Shape(4, 2, DType::kBf16), {2, 1, {}, 1, 0}}},
+            Case{"fp8_per_block_tp4_to_fp8_per_block_tp2_pp2",
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {4, 1, {}, 1, 0}},
+                            ScaleGranularity::kBlock, 0),
+                 WithScales(
+                     {Shape(4, 2, DType::kFp8E4M3), {2, 2, {}, 1, 0}, LayoutKind::kPerLayerKvHnd},
+                     ScaleGranularity::kBlock, 0)},
+            Case{"fp8_per_tensor_to_fp8_per_block",
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {2, 1, {}, 1, 0}},
+                            ScaleGranularity::kTensor, 0.5f),
+                 WithScales({Shape(4, 2, DType::kFp8E4M3), {1, 1, {}, 1, 0}, LayoutKind::kPerLayer},
+                            ScaleGranularity::kBlock, 0)},
+            Case{"mla_fp16_to_fp8_per_block_dup",
+                 {Shape(1, 1, DType::kFp16), {2, 1, {}, 1, 0}},
+                 WithScales({Shape(1, 1, DType::kFp8E4M3), {4, 1, {}, 1, 0}},
+                            ScaleGranularity::kBlock, 0)}),
+        ::testing::Values(Path::kTagged, Path::kRmaPacked, Path::kRmaRows, Path::kPeer)),
+    LayoutCaseName);
+
+TEST(Transceiver, PerBlockScalesWithoutThemInThePoolAreRefused) {
+  auto dev = OpenCpuDevice();
+  PoolSpec spec{Shape(4, 2, DType::kFp8E4M3), {1, 1, {}, 1, 0},  0,
+                LayoutKind::kBlockMajor,      MemoryKind::kHost, 8};
+  auto pool = BlockPool::Create(*dev, spec).value();
+  TransceiverOptions o;
+  o.transport = "inproc";
+  o.kv_scales.granularity = ScaleGranularity::kBlock;
+  TransportOptions t;
+  t.name = "inproc";
+  t.fabric = InProcFabric::Create();
+  auto side = GenerationSide::Create(*dev, pool, o, std::move(CreateTransport(t).value()));
+  ASSERT_FALSE(side.ok());
+  EXPECT_NE(side.status().message().find("per block, and the pool has none"), std::string::npos)
+      << side.status().ToString();
+}
 
 TEST(Transceiver, FetchOfARequestLiveOnThisRankIsRefusedAtOnce) {
   Cluster cl({Shape(), {1, 1, {}, 1, 0}}, {Shape(), {1, 1, {}, 1, 0}});

@@ -30,10 +30,12 @@ void AddShapeFlags(CLI::App* cmd, Flags& f) {
     cmd->add_option(flag, *value,
                     fmt::format("the {} instance's KV scales: none|tensor (one per layer and K/V, "
                                 "as vLLM's k_scale/v_scale)|head (one per layer, K/V and head), "
-                                "made-up distinct values; the context side converts with both "
-                                "sides' scales, each element checked",
+                                "made-up distinct values|block (fp8 only: one per block, layer, "
+                                "K/V and head, in the pool; the context's made up, the "
+                                "generation's computed from each block's values); the context "
+                                "side converts with both sides' scales, each element checked",
                                 side))
-        ->check(CLI::IsMember({"none", "tensor", "head"}))
+        ->check(CLI::IsMember({"none", "tensor", "head", "block"}))
         ->capture_default_str();
   }
   cmd->add_flag("--mla", f.mla, "MLA latent cache: one head, K only (kv factor 1)");
@@ -160,9 +162,10 @@ StatusOr<SelftestConfig> ToConfig(const Flags& f) {
       f.gen_tokens_per_block ? f.gen_tokens_per_block : c.shape.tokens_per_block;
   if (gen_dt != dt) c.gen_dtype = gen_dt;
   const auto grain = [](const std::string& s) {
-    return s == "tensor" ? ScaleGranularity::kTensor
-           : s == "head" ? ScaleGranularity::kHead
-                         : ScaleGranularity::kNone;
+    return s == "tensor"  ? ScaleGranularity::kTensor
+           : s == "head"  ? ScaleGranularity::kHead
+           : s == "block" ? ScaleGranularity::kBlock
+                          : ScaleGranularity::kNone;
   };
   c.ctx_scales = grain(f.ctx_scales);
   c.gen_scales = grain(f.gen_scales);

@@ -9,6 +9,18 @@
 
 namespace kvferry {
 
+Status CheckSideScales(std::string_view side, const KvScales& scales, const BlockPool& pool) {
+  if (Status s = scales.Check(pool.shape()); !s.ok())
+    return Status::InvalidArgument(fmt::format("{}: {}", side, s.message()));
+  if (scales.granularity == ScaleGranularity::kBlock && pool.block_scales() == nullptr) {
+    return Status::InvalidArgument(
+        fmt::format("{}: kv scales per block, and the pool has none (PoolSpec::block_scales, "
+                    "BlockPool::AttachBlockScales)",
+                    side));
+  }
+  return Status::Ok();
+}
+
 std::string_view TransferStateName(TransferState state) {
   switch (state) {
     case TransferState::kInit:

@@ -68,6 +68,9 @@ struct EngineOptions {
 
 // The options of a side on `device`: `options` where set, else the transfer.* knobs.
 EngineOptions ResolveOptions(const TransceiverOptions& options, const Device& device);
+// The side's KV scales fit its pool: as many as the shape takes, and per block only where the
+// pool holds them (BlockPool::block_scales). `side` names it in the error.
+Status CheckSideScales(std::string_view side, const KvScales& scales, const BlockPool& pool);
 StatusOr<std::unique_ptr<Transport>> MakeTransport(const TransceiverOptions& options,
                                                    const Device& device);
 

@@ -52,6 +52,26 @@ void SetUpPeerMemory(Device& device, const BlockPool& pool, PeerMemoryMode knob,
     }
     out.exported_pool.push_back(std::move(h).value());
   }
+  // The per-block scales go last (RmaTarget::peer_pool): a context rank that converts into this
+  // pool writes them there.
+  if (pool.block_scales() != nullptr) {
+    auto h = device.ExportMemory(pool.block_scales(),
+                                 static_cast<size_t>(pool.block_scale_count()) * 4, pool.memory());
+    if (!h.ok()) {
+      Log(LogLevel::kDebug, "transceiver: per-block scales not shared as peer memory: {}",
+          h.status().ToString());
+      out.exported_pool.clear();
+      return;
+    }
+    out.exported_pool.push_back(std::move(h).value());
+  }
+}
+
+// The bytes of the generation rank's per-block scales a FETCH names (0 without).
+StatusOr<int64_t> PeerScaleBytes(const FetchMsg& f) {
+  if (f.scales.granularity != ScaleGranularity::kBlock) return 0;
+  KVF_ASSIGN_OR_RETURN(const RankSlice s, SliceOf(f.shape, f.parallel, f.gen_rank));
+  return f.pool_blocks * s.layer_count * f.shape.kv_factor * s.head_count * 4;
 }
 
 }  // namespace
@@ -85,9 +105,24 @@ DataPathKind SendPathFor(bool offers_one_sided, bool one_sided_here, bool peer_p
   return DataPathKind::kTagged;
 }
 
-std::optional<MappedPeerPool> SendPathChooser::MapOffered(const RmaTarget& target) {
+std::optional<MappedPeerPool> SendPathChooser::MapOffered(const FetchMsg& f) {
+  const RmaTarget& target = f.rma_target;
   auto mapped = map_(target.peer_pool);
-  Status st = mapped.ok() ? CheckPeerPool(mapped->regions, target) : mapped.status();
+  Status st = mapped.ok() ? Status::Ok() : mapped.status();
+  if (st.ok() && mapped->regions.size() == target.pool.size() + 1) {  // + per-block scales
+    mapped->scales = mapped->regions.back();
+    mapped->regions.pop_back();
+    auto want = PeerScaleBytes(f);
+    st = !want.ok() ? want.status()
+         : static_cast<int64_t>(mapped->scales->size()) < *want
+             ? Status::InvalidArgument(fmt::format(
+                   "the generation pool's per-block scales map {} bytes, its FETCH needs {}",
+                   mapped->scales->size(), *want))
+             : Status::Ok();
+  }
+  if (st.ok() && f.scales.granularity == ScaleGranularity::kBlock && mapped->scales == nullptr)
+    st = Status::InvalidArgument("the generation pool's per-block scales are not offered");
+  if (st.ok()) st = CheckPeerPool(mapped->regions, target);
   if (st.ok()) return std::move(mapped).value();
   if (!peer_said_) {
     peer_said_ = true;
@@ -107,9 +142,10 @@ StatusOr<std::unique_ptr<SendPath>> SendPathChooser::Choose(FetchMsg& f, bool co
   std::optional<MappedPeerPool> mapped;
   if (converts) f.rma_target.row_min_bytes = kNoDirect;
   // A converting pair with checksums sums each chunk packed (OpSendPath::SumPacked): it packs.
+  // Per-block generation scales are written into the mapped scales (MapOffered).
   if (one_sided && settings_.peer_knob != PeerMemoryMode::kOff && !f.rma_target.peer_pool.empty() &&
       !(converts && f.checksum))
-    mapped = MapOffered(f.rma_target);
+    mapped = MapOffered(f);
   switch (SendPathFor(f.rma, local_.one_sided(), mapped.has_value())) {
     case DataPathKind::kTagged:
       return std::unique_ptr<SendPath>(std::make_unique<TaggedSend>(settings_.max_inflight));

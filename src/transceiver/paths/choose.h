@@ -39,7 +39,8 @@ enum class PeerMemoryMode { kAuto, kOn, kOff };
 struct LocalPaths {
   LocalRma rma;         // the pool and staging registered for one-sided access (or none)
   std::string rma_why;  // why there is no one-sided path here
-  // This rank's pool regions exported for a same-host peer to map (empty: not offered).
+  // This rank's pool regions exported for a same-host peer to map, then its per-block scales
+  // when it has them (empty: not offered).
   std::vector<std::vector<std::byte>> exported_pool;
   bool one_sided() const { return rma.staging != nullptr; }
 };
@@ -91,12 +92,13 @@ class SendPathChooser {
   // The path of the pair FETCH `f` asks for (its RMA target moved into the path), or why the FETCH
   // is refused (an RMA target that does not fit the generation layout it names). A pair that
   // converts dtypes puts no rows pool to pool: the sender converts while packing, or while
-  // copying into the peer's pool.
+  // copying into the peer's pool (per-block scales too, into the peer's mapped scales).
   StatusOr<std::unique_ptr<SendPath>> Choose(FetchMsg& f, bool converts);
 
  private:
-  // The offered pool, mapped and checked against the target; empty (and logged once) when not.
-  std::optional<MappedPeerPool> MapOffered(const RmaTarget& target);
+  // The pool FETCH `f` offers, mapped and checked against its target (and its per-block scales,
+  // the last handle, against its shape); empty (and logged once) when not.
+  std::optional<MappedPeerPool> MapOffered(const FetchMsg& f);
 
   const LocalPaths& local_;
   const SendSettings settings_;

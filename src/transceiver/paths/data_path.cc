@@ -73,10 +73,11 @@ bool RecvPath::Land(PathHost& host, PathRequest& r, PathPair& p) {
     const Chunk& c = chunks[it->chunk];
     if (it->op && it->op->Done()) {
       Status st = it->op->status();
-      if (st.ok() && static_cast<int64_t>(it->op->bytes()) != c.bytes) {
+      const int64_t want = it->slot ? c.packed_bytes() : c.bytes;
+      if (st.ok() && static_cast<int64_t>(it->op->bytes()) != want) {
         st = Status::DataLoss(
             fmt::format("chunk {} from context rank {}: {} bytes arrived, {} expected", it->chunk,
-                        p.rank, it->op->bytes(), c.bytes));
+                        p.rank, it->op->bytes(), want));
       }
       it->op.reset();
       busy = true;

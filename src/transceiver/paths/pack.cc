@@ -9,6 +9,9 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
                  bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes) {
   out.clear();
   int64_t off = 0;
+  // Per-block scales written at the generation side, packed after the rows (Chunk::scale_bytes).
+  auto* const packed_scales = reinterpret_cast<float*>(packed + chunk.scale_area_offset());
+  int64_t scale = 0;
   for (const Piece& p : chunk.pieces) {
     if (RowsGoDirect(chunk, p, row_min_bytes)) continue;
     int32_t region = context_side ? p.src_region : p.dst_region;
@@ -25,6 +28,8 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
     if (to_packed) {
       d.src_scale = p.src_scale;  // used when packing converts (ConvertBatch)
       d.dst_scale = p.dst_scale;
+      if (p.src_scale_at >= 0) d.src_scales = pool.block_scales() + p.src_scale_at;
+      if (p.dst_scale_at >= 0) d.dst_scales = packed_scales + scale;
       d.dst = buf;
       d.dst_pitch = static_cast<size_t>(p.bytes);
       d.dst_plane_pitch = packed_plane;
@@ -41,6 +46,14 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
     }
     out.push_back(d);
     off += p.total();
+    if (p.dst_scale_at >= 0 && !to_packed) {  // the scales, after the rows: one run per piece
+      CopyDesc s{};
+      s.src = packed_scales + scale;
+      s.dst = pool.block_scales() + p.dst_scale_at;
+      s.bytes = static_cast<size_t>(4 * p.planes);
+      out.push_back(s);
+    }
+    if (p.dst_scale_at >= 0) scale += p.planes;
   }
 }
 

@@ -24,6 +24,9 @@ inline constexpr int64_t kNoDirect = std::numeric_limits<int64_t>::max();
 // Builds the 2-D copy descriptors of a chunk between pool and a packed buffer.
 // to_packed: pool -> packed (context side), else packed -> pool (generation side).
 // With row_min_bytes, pieces whose rows go pool to pool on the one-sided path are left out.
+// Per-block scales: a pack reads the context's (Piece::src_scale_at) and computes the
+// generation's into the packed scale area (dst_scale_at, Chunk::scale_area_offset); an unpack
+// copies those into the generation pool's scales, one descriptor per piece after its rows.
 void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, std::byte* packed,
                  bool to_packed, std::vector<CopyDesc>& out, int64_t row_min_bytes = kNoDirect);
 

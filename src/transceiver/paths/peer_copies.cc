@@ -64,7 +64,7 @@ Status CheckPeerPool(std::span<PeerMapping* const> mapped, const RmaTarget& targ
 }
 
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
-                  std::vector<CopyDesc>& out, bool converts) {
+                  std::vector<CopyDesc>& out, bool converts, const PeerMapping* peer_scales) {
   for (const Piece& pc : c.pieces) {
     if (pc.dst_region < 0 || static_cast<size_t>(pc.dst_region) >= peer_pool.size()) {
       return Status::Internal(
@@ -92,6 +92,16 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.src_plane_pitch = static_cast<size_t>(pc.src_plane_pitch);
     d.src_scale = pc.src_scale;  // used when the copy converts (ConvertBatch)
     d.dst_scale = pc.dst_scale;
+    if (pc.src_scale_at >= 0) d.src_scales = pool.block_scales() + pc.src_scale_at;
+    if (pc.dst_scale_at >= 0) {
+      if (peer_scales == nullptr ||
+          static_cast<uint64_t>(pc.dst_scale_at + pc.planes) * 4 > peer_scales->size()) {
+        return Status::InvalidArgument(fmt::format(
+            "per-block scales {} to {} are outside the generation pool's ({} bytes mapped)",
+            pc.dst_scale_at, pc.dst_scale_at + pc.planes, peer_scales ? peer_scales->size() : 0));
+      }
+      d.dst_scales = reinterpret_cast<float*>(peer_scales->data()) + pc.dst_scale_at;
+    }
     // Only within one region at each end (a copy engine copies within one allocation); never
     // when converting (ExtendRows takes a row's bytes for both ends).
     if (!converts && !out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
@@ -106,7 +116,8 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
                                     const BlockPool& pool, std::vector<CopyDesc>& out,
-                                    int64_t max_bytes, bool converts) {
+                                    int64_t max_bytes, bool converts,
+                                    const PeerMapping* peer_scales) {
   out.clear();
   uint32_t count = 0;
   int64_t bytes = 0;
@@ -115,7 +126,7 @@ StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t r
        (count == 0 || (!one_chunk && bytes < max_bytes && count < kPeerBatchChunks));
        ++i) {
     KVF_RETURN_IF_ERROR(
-        PeerCopies(plan.chunks[i], peer_pool, pool, out, converts)
+        PeerCopies(plan.chunks[i], peer_pool, pool, out, converts, peer_scales)
             .WithContext(fmt::format("chunk {} to generation rank {}", i, plan.gen_rank)));
     bytes += plan.chunks[i].bytes;
     ++count;
@@ -132,9 +143,9 @@ StatusOr<bool> PeerSender::Launch(const PairPlan& plan, size_t& next, int32_t re
   bool launched = false;
   while (static_cast<int64_t>(copying_.size()) < max_inflight &&
          (merged == nullptr || !merged->full())) {
-    KVF_ASSIGN_OR_RETURN(uint32_t count,
-                         CollectPeerBatch(plan, next, ready_end, checksum_, peer_pool_, pool,
-                                          scratch, batch_bytes_, conversion.has_value()));
+    KVF_ASSIGN_OR_RETURN(uint32_t count, CollectPeerBatch(plan, next, ready_end, checksum_,
+                                                          peer_pool_, pool, scratch, batch_bytes_,
+                                                          conversion.has_value(), peer_scales_));
     if (count == 0) break;
     Batch b;
     b.what.chunk = next;

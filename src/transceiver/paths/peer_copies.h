@@ -51,9 +51,11 @@ bool ExtendRows(CopyDesc& prev, const CopyDesc& next);
 // Appends the copies of chunk `c` from `pool` into the mapped generation pool `peer_pool` (one
 // mapping per generation region) to `out`, each checked to lie inside its mapped region; a copy
 // that continues the last one in `out` (ExtendRows) extends it, unless the pair `converts` dtypes
-// (its descriptors are then for Stream::ConvertBatch).
+// (its descriptors are then for Stream::ConvertBatch). Per-block scales: the context's read from
+// `pool`, the generation's written into `peer_scales` (its pool's, mapped), checked likewise.
 Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const BlockPool& pool,
-                  std::vector<CopyDesc>& out, bool converts = false);
+                  std::vector<CopyDesc>& out, bool converts = false,
+                  const PeerMapping* peer_scales = nullptr);
 
 // The next batch of `plan`: consecutive chunks from `next` whose layers are ready (last layer
 // below `ready_end`), up to `max_bytes` and kPeerBatchChunks, or exactly one when `one_chunk`
@@ -62,7 +64,8 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
 StatusOr<uint32_t> CollectPeerBatch(const PairPlan& plan, size_t next, int32_t ready_end,
                                     bool one_chunk, std::span<PeerMapping* const> peer_pool,
                                     const BlockPool& pool, std::vector<CopyDesc>& out,
-                                    int64_t max_bytes = kPeerBatchBytes, bool converts = false);
+                                    int64_t max_bytes = kPeerBatchBytes, bool converts = false,
+                                    const PeerMapping* peer_scales = nullptr);
 
 // Every peer-memory batch copying on the context rank's one stream, oldest first, with the lease
 // of the event that ends it. A stream finishes its work in order, so the oldest batch's event
@@ -192,9 +195,12 @@ class PeerSender {
 
   // `completions` tracks the stream every Launch of this sender copies on; it outlives the
   // sender. `profile` (may be null) times copy submission. A batch covers at most `batch_bytes`.
+  // `peer_scales`: the generation pool's per-block scales, mapped (null: none).
   PeerSender(std::vector<PeerMapping*> peer_pool, bool checksum, PeerCompletions& completions,
-             ProgressProfile* profile = nullptr, int64_t batch_bytes = kPeerBatchBytes)
+             ProgressProfile* profile = nullptr, int64_t batch_bytes = kPeerBatchBytes,
+             const PeerMapping* peer_scales = nullptr)
       : peer_pool_(std::move(peer_pool)),
+        peer_scales_(peer_scales),
         checksum_(checksum),
         batch_bytes_(batch_bytes),
         completions_(completions),
@@ -232,6 +238,7 @@ class PeerSender {
     uint64_t ticket = 0;  // PeerCompletions'
   };
   const std::vector<PeerMapping*> peer_pool_;
+  const PeerMapping* const peer_scales_;
   const bool checksum_;
   const int64_t batch_bytes_;
   PeerCompletions& completions_;

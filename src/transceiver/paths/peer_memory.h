@@ -23,6 +23,7 @@ namespace kvferry {
 // copies, and the references that keep them mapped while the pair that uses them lives.
 struct MappedPeerPool {
   std::vector<PeerMapping*> regions;
+  PeerMapping* scales = nullptr;  // the generation pool's per-block scales, when offered
   std::vector<std::shared_ptr<PeerMapping>> holds;
 };
 
@@ -69,7 +70,8 @@ class PeerMemorySend final : public SendPath {
   // `mapped`: the generation pool, mapped (the pair holds the mappings while it lives).
   PeerMemorySend(MappedPeerPool mapped, bool checksum, PeerMemoryCopies& copies,
                  ProgressProfile* profile, int64_t batch_bytes, int64_t max_inflight)
-      : sender_(std::move(mapped.regions), checksum, copies.completions(), profile, batch_bytes),
+      : sender_(std::move(mapped.regions), checksum, copies.completions(), profile, batch_bytes,
+                mapped.scales),
         holds_(std::move(mapped.holds)),
         copies_(copies),
         max_inflight_(max_inflight) {}

@@ -72,7 +72,7 @@ bool TaggedSend::Reap(PathHost& host, PathRequest& r, const PathPair& p) {
       }
       auto op =
           host.transport().Send(p.peer, DataTag(p.transfer_id, it->chunk), host.SlotData(it->slot),
-                                p.plan.chunks[it->chunk].bytes, host.staging_wire_kind());
+                                p.plan.chunks[it->chunk].packed_bytes(), host.staging_wire_kind());
       if (!op.ok()) {
         host.Fail(r, op.status());
       } else {
@@ -119,7 +119,8 @@ bool TaggedRecv::Post(PathHost& host, PathRequest& r, const PathPair& p) {
       dst = host.SlotData(o.slot);
       kind = host.staging_wire_kind();
     }
-    auto op = host.transport().Recv(p.peer, DataTag(p.transfer_id, next_post_), dst, c.bytes, kind);
+    const int64_t bytes = c.direct && host.direct_ok() ? c.bytes : c.packed_bytes();
+    auto op = host.transport().Recv(p.peer, DataTag(p.transfer_id, next_post_), dst, bytes, kind);
     if (!op.ok()) {
       host.Fail(r, op.status());
       return true;

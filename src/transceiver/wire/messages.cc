@@ -70,11 +70,17 @@ void RmaTargetFields(Io& io, Ref<Io, RmaTarget> t, bool peer_pool) {
             io.Blob(h, "peer handle",
                     Limit{.max = kMaxKeyBytes, .min_bytes = 1, .empty_ok = false});
           });
-  // The flag says handles follow: none at all is not a form the writer makes.
-  io.Check(!t.peer_pool.empty() && t.peer_pool.size() == t.pool.size(), [&] {
-    return fmt::format("{} peer pool handles for {} rma regions (flag 4 needs at least one)",
-                       t.peer_pool.size(), t.pool.size());
-  });
+  // The flag says handles follow: none at all is not a form the writer makes. One more than the
+  // regions: the generation pool's per-block scales (checked against the FETCH's scales when
+  // mapped).
+  io.Check(!t.peer_pool.empty() && (t.peer_pool.size() == t.pool.size() ||
+                                    (!t.pool.empty() && t.peer_pool.size() == t.pool.size() + 1)),
+           [&] {
+             return fmt::format(
+                 "{} peer pool handles for {} rma regions (flag 4 needs one per region, and one "
+                 "more for per-block scales)",
+                 t.peer_pool.size(), t.pool.size());
+           });
 }
 
 // The plan inputs block of a FETCH, after transfer_id.

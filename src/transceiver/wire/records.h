@@ -66,17 +66,22 @@ void CustomLayoutFields(Io& io, Ref<Io, InstanceDesc> d) {
 inline constexpr uint8_t kScalesFollow = 0x80;
 inline constexpr uint32_t kMaxScales = 1 << 20;
 
-// u8 granularity (1 per tensor, 2 per head), u32 n, n x f32 (the bits of each scale). The planner
-// checks the count against the shape and every value (finite, positive).
+// u8 granularity (1 per tensor, 2 per head, 3 per block), u32 n, n x f32 (the bits of each scale;
+// none per block: those live in the pools and travel in the chunks). The planner checks the count
+// against the shape and every value (finite, positive).
 template <typename Io>
 void ScaleFields(Io& io, Ref<Io, KvScales> s) {
   uint8_t g = static_cast<uint8_t>(s.granularity);
   io.U8(g, "scales.granularity");
-  io.Check(g == static_cast<uint8_t>(ScaleGranularity::kTensor) ||
-               g == static_cast<uint8_t>(ScaleGranularity::kHead),
-           [&] { return fmt::format("scales.granularity {} is unknown (1 tensor, 2 head)", g); });
+  io.Check(g >= static_cast<uint8_t>(ScaleGranularity::kTensor) &&
+               g <= static_cast<uint8_t>(ScaleGranularity::kBlock),
+           [&] {
+             return fmt::format("scales.granularity {} is unknown (1 tensor, 2 head, 3 block)", g);
+           });
   io.Set(s.granularity, g);
-  io.List(s.values, "scales.values", Limit{.max = kMaxScales, .min_bytes = 4, .empty_ok = false},
+  const bool per_block = g == static_cast<uint8_t>(ScaleGranularity::kBlock);
+  io.List(s.values, "scales.values",
+          Limit{.max = per_block ? 0 : kMaxScales, .min_bytes = 4, .empty_ok = per_block},
           [](auto& io, auto& value) {
             uint32_t bits = std::bit_cast<uint32_t>(value);
             io.U32(bits, "scales.values[]");

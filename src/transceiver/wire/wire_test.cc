@@ -101,14 +101,22 @@ TEST(Handle, ScalesTravelAfterTheLayout) {
   EXPECT_NE(std::get<FetchMsg>(*msg).plan_inputs(), other.plan_inputs());
 
   ContextHandle bad = h;
-  bad.scales.granularity = static_cast<ScaleGranularity>(3);
+  bad.scales.granularity = static_cast<ScaleGranularity>(4);
   auto st = DecodeHandle(EncodeHandle(bad)).status();
-  EXPECT_NE(st.message().find("scales.granularity 3 is unknown"), std::string_view::npos)
+  EXPECT_NE(st.message().find("scales.granularity 4 is unknown"), std::string_view::npos)
       << st.ToString();
   bad = h;
   bad.scales.values.clear();
   st = DecodeHandle(EncodeHandle(bad)).status();
   EXPECT_FALSE(st.ok());
+  // Per block: no values (they live in the pools and travel with the chunks), and none accepted.
+  ContextHandle block = h;
+  block.scales = KvScales{ScaleGranularity::kBlock, {}};
+  auto back = DecodeHandle(EncodeHandle(block));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, block);
+  block.scales.values = {1.0f};
+  EXPECT_FALSE(DecodeHandle(EncodeHandle(block)).ok());
   // No scales: the layout byte and everything after it as before.
   ContextHandle plain = SampleHandle();
   ContextHandle none = plain;
@@ -208,9 +216,13 @@ FetchMsg PeerFetch() {
 
 TEST(Messages, PeerHandlesMustMatchTheRegionsAndChunkCountsMustBePositive) {
   FetchMsg f = PeerFetch();
-  f.rma_target.peer_pool.push_back({std::byte{1}});  // two handles for one region
+  f.rma_target.peer_pool.push_back({std::byte{1}});  // one region and the per-block scales
+  auto back = DecodeMessage(EncodeMessage(f));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::get<FetchMsg>(*back), f);
+  f.rma_target.peer_pool.push_back({std::byte{1}});  // three handles for one region
   auto st = DecodeMessage(EncodeMessage(f)).status();
-  EXPECT_NE(st.message().find("2 peer pool handles for 1 rma regions"), std::string_view::npos)
+  EXPECT_NE(st.message().find("3 peer pool handles for 1 rma regions"), std::string_view::npos)
       << st.ToString();
   f = PeerFetch();
   f.rma_target.peer_pool[0].clear();
