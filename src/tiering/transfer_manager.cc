@@ -96,6 +96,11 @@ StatusOr<std::unique_ptr<TransferManager>> TransferManager::Create(Device& devic
         fmt::format("transfer manager: the primary pool must be device memory, not {}",
                     MemoryKindName(primary.memory())));
   }
+  if (primary.block_scales() != nullptr) {
+    return Status::InvalidArgument(
+        "transfer manager: the primary pool has per-block scales, which the tiers do not move "
+        "yet (an onboarded block would come back without its scales)");
+  }
   if (host != nullptr) {
     if (host->memory() != MemoryKind::kPinnedHost && host->memory() != MemoryKind::kHost) {
       return Status::InvalidArgument(

@@ -76,6 +76,22 @@ TEST(TransferManager, OffloadOnboardRoundTrip) {
   EXPECT_EQ(st.descriptors, 4);
 }
 
+// Per-block scales do not move with the tiers yet: refused, not lost on the way.
+TEST(TransferManager, RefusesAPrimaryWithPerBlockScales) {
+  auto dev = OpenCpuDevice();
+  PoolSpec s;
+  s.shape = testing::SmallShape(DType::kFp8E4M3);
+  s.memory = MemoryKind::kDevice;
+  s.blocks = 4;
+  s.block_scales = true;
+  auto primary = BlockPool::Create(*dev, s);
+  ASSERT_TRUE(primary.ok()) << primary.status().ToString();
+  auto m = TransferManager::Create(*dev, *primary, nullptr, nullptr, TransferOptions{});
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("per-block scales"), std::string_view::npos);
+}
+
 TEST(TransferManager, OnboardWaitsForPendingOffloadOfTheSameBlock) {
   Fixture f;
   FillAll(f.primary, 100);
