@@ -143,7 +143,8 @@ void ContextSideImpl::AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f,
   p.peer = peer;
   p.transfer_id = f.transfer_id;
   p.checksum = f.checksum;
-  if (Converts(f)) {
+  // Per-block scales that only travel are copied, with the codes (pack.h ChunkCopies).
+  if (Converts(f) && !ScalesTravel(engine_.SelfDesc(), f)) {
     p.conversion = Conversion{*ElementFormatOf(engine_.SelfDesc().shape.dtype),
                               *ElementFormatOf(f.shape.dtype)};
   }
