@@ -190,11 +190,6 @@ Status CheckCompatible(const InstanceDesc& ctx, const InstanceDesc& gen) {
   return Status::Ok();
 }
 
-bool ScalesTravel(const InstanceDesc& ctx, const InstanceDesc& gen) {
-  return ctx.shape.dtype == gen.shape.dtype && ctx.scales.granularity == ScaleGranularity::kBlock &&
-         gen.scales.granularity == ScaleGranularity::kBlock;
-}
-
 bool BlockScaled(const InstanceDesc& ctx, const InstanceDesc& gen) {
   return ctx.scales.granularity == ScaleGranularity::kBlock ||
          gen.scales.granularity == ScaleGranularity::kBlock;

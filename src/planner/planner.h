@@ -90,10 +90,6 @@ bool Converts(const InstanceDesc& ctx, const InstanceDesc& gen);
 // Either side keeps per-block scales (ScaleGranularity::kBlock): the transfer converts, and each
 // piece plane is one scale group (Piece::src_scale_at, dst_scale_at).
 bool BlockScaled(const InstanceDesc& ctx, const InstanceDesc& gen);
-// Both sides fp8 with per-block scales: no element converts, the codes are copied and each
-// group's scale travels with them (a piece's scales then move by a copy of their own, and the
-// context side copies instead of converting).
-bool ScalesTravel(const InstanceDesc& ctx, const InstanceDesc& gen);
 
 // The layout `d` gives a rank whose pool has `dims`: the named layout's, or the instance's custom
 // strides over these dims (validated: no two elements at one address, dim axis contiguous).

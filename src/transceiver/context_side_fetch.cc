@@ -143,8 +143,7 @@ void ContextSideImpl::AcceptPair(CtxRequest& r, PeerId peer, const FetchMsg& f,
   p.peer = peer;
   p.transfer_id = f.transfer_id;
   p.checksum = f.checksum;
-  // Per-block scales that only travel are copied, with the codes (pack.h ChunkCopies).
-  if (Converts(f) && !ScalesTravel(engine_.SelfDesc(), f)) {
+  if (Converts(f)) {
     p.conversion = Conversion{*ElementFormatOf(engine_.SelfDesc().shape.dtype),
                               *ElementFormatOf(f.shape.dtype)};
   }

@@ -28,17 +28,8 @@ void ChunkCopies(const Chunk& chunk, bool context_side, const BlockPool& pool, s
     if (to_packed) {
       d.src_scale = p.src_scale;  // used when packing converts (ConvertBatch)
       d.dst_scale = p.dst_scale;
-      if (p.src_scale_at >= 0 && p.dst_scale_at >= 0) {  // they travel: copied as they are
-        CopyDesc s{};
-        s.src = pool.block_scales() + p.src_scale_at;
-        s.dst = packed_scales + scale;
-        s.bytes = static_cast<size_t>(4 * p.planes);
-        out.push_back(s);
-      } else if (p.src_scale_at >= 0) {
-        d.src_scales = pool.block_scales() + p.src_scale_at;
-      } else if (p.dst_scale_at >= 0) {
-        d.dst_scales = packed_scales + scale;
-      }
+      if (p.src_scale_at >= 0) d.src_scales = pool.block_scales() + p.src_scale_at;
+      if (p.dst_scale_at >= 0) d.dst_scales = packed_scales + scale;
       d.dst = buf;
       d.dst_pitch = static_cast<size_t>(p.bytes);
       d.dst_plane_pitch = packed_plane;

@@ -92,6 +92,7 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
     d.src_plane_pitch = static_cast<size_t>(pc.src_plane_pitch);
     d.src_scale = pc.src_scale;  // used when the copy converts (ConvertBatch)
     d.dst_scale = pc.dst_scale;
+    if (pc.src_scale_at >= 0) d.src_scales = pool.block_scales() + pc.src_scale_at;
     if (pc.dst_scale_at >= 0) {
       if (peer_scales == nullptr ||
           static_cast<uint64_t>(pc.dst_scale_at + pc.planes) * 4 > peer_scales->size()) {
@@ -99,25 +100,11 @@ Status PeerCopies(const Chunk& c, std::span<PeerMapping* const> peer_pool, const
             "per-block scales {} to {} are outside the generation pool's ({} bytes mapped)",
             pc.dst_scale_at, pc.dst_scale_at + pc.planes, peer_scales ? peer_scales->size() : 0));
       }
+      d.dst_scales = reinterpret_cast<float*>(peer_scales->data()) + pc.dst_scale_at;
     }
-    float* const dst_scales = pc.dst_scale_at >= 0
-                                  ? reinterpret_cast<float*>(peer_scales->data()) + pc.dst_scale_at
-                                  : nullptr;
-    if (pc.src_scale_at >= 0 && dst_scales != nullptr) {  // they travel: copied as they are
-      CopyDesc s{};
-      s.src = pool.block_scales() + pc.src_scale_at;
-      s.dst = dst_scales;
-      s.bytes = static_cast<size_t>(4 * pc.planes);
-      out.push_back(d);
-      out.push_back(s);
-      continue;
-    }
-    if (pc.src_scale_at >= 0) d.src_scales = pool.block_scales() + pc.src_scale_at;
-    d.dst_scales = dst_scales;
     // Only within one region at each end (a copy engine copies within one allocation); never
-    // when converting (ExtendRows takes a row's bytes for both ends), nor after a piece's scales.
-    if (!converts && pc.src_scale_at < 0 && pc.dst_scale_at < 0 && !out.empty() &&
-        static_cast<std::byte*>(out.back().dst) >= m.data() &&
+    // when converting (ExtendRows takes a row's bytes for both ends).
+    if (!converts && !out.empty() && static_cast<std::byte*>(out.back().dst) >= m.data() &&
         static_cast<const std::byte*>(out.back().src) >= pool.region(pc.src_region) &&
         ExtendRows(out.back(), d))
       continue;
