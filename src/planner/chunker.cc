@@ -20,6 +20,20 @@ bool TryMerge(Piece& p, const Piece& next, bool one_layer) {
   return true;
 }
 
+namespace {
+// Planes [q, q + count) of `p` as one piece, each plane one row when its rows are contiguous on
+// both sides (`flat`).
+Piece WholePlanes(const Piece& p, int64_t q, int64_t count, bool flat) {
+  Piece part = p.Planes(q, count);
+  if (p.rows > 1 && flat) {
+    part.bytes *= part.rows;
+    part.rows = 1;
+    part.src_pitch = part.dst_pitch = 0;
+  }
+  return part;
+}
+}  // namespace
+
 Chunker::Chunker(const PlanInput& in, PairPlan& out, int64_t& plan_bytes, int64_t chunks_left)
     : chunk_bytes_(in.chunk_bytes),
       direct_min_(DirectMin(in)),
@@ -118,12 +132,7 @@ void Chunker::PlacePlanes(const Piece& p) {
     const int64_t room = open_ ? chunk_bytes_ - open_->bytes : 0;
     const int64_t fit = std::min(p.planes - q, room / plane);
     if (fit > 0) {
-      Piece part = p.Planes(q, fit);
-      if (p.rows > 1 && flat) {
-        part.bytes *= part.rows;
-        part.rows = 1;
-        part.src_pitch = part.dst_pitch = 0;
-      }
+      const Piece part = WholePlanes(p, q, fit, flat);
       out_.bytes += part.total();
       Append(part);
       q += fit;
@@ -151,12 +160,7 @@ void Chunker::PlaceScaled(const Piece& p) {
       if (!Open(p)) return;
       continue;
     }
-    Piece part = p.Planes(q, fit);
-    if (p.rows > 1 && flat) {
-      part.bytes *= part.rows;
-      part.rows = 1;
-      part.src_pitch = part.dst_pitch = 0;
-    }
+    const Piece part = WholePlanes(p, q, fit, flat);
     out_.bytes += part.total();
     open_->scale_bytes += 4 * fit;
     Append(part);
