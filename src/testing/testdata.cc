@@ -170,7 +170,7 @@ StatusOr<std::optional<Mismatch>> CheckBlock(const BlockPool& pool, uint64_t req
       group = c;
       scales = group_scales(c);  // rows come group by group (ForEachRow)
     }
-    const auto [src_scale, dst_scale] = scales;
+    const float src_scale = scales.first, dst_scale = scales.second;
     if (own_per_block && c.token == where.first_token) {
       const float got = pool.block_scales()[pool.BlockScaleIndex(
           where.block, c.layer - slice.layer_begin, c.kv, c.head - slice.head_begin)];
