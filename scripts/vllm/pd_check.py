@@ -44,7 +44,9 @@ kv_connector_extra_config `transport`; `nixl` is kvferry's transport over NIXL's
 NixlConnector, which is the `nixl` pair). With `nixl` the connector sets UCX_MODULES='^ib*' in
 each instance (docs/nixl.md) and the decode instance ends with a normal interpreter exit (not
 os._exit), which must be clean: NIXL's UCX would crash there without it. Exit 77 when the
-transport is not usable here (not compiled in, or NIXL not found).
+transport is not usable here (not compiled in, or NIXL not found), and when an fp8 KV cache is
+asked for on a CPU where vLLM cannot run one (it needs AVX-512 or AMX on x86: vLLM's
+cpu_attn._get_attn_isa raises NotImplementedError at start-up otherwise).
 """
 
 from __future__ import annotations
@@ -749,6 +751,12 @@ def orchestrate(args) -> int:
     return 1 if checks.failed else 0
 
 
+def cpu_runs_fp8_kv() -> bool:
+    """The test vLLM 0.32's CPU attention makes before it accepts kv_cache_dtype="fp8"."""
+    import torch
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -776,6 +784,10 @@ def main() -> int:
                          "when they differ kvferry converts on the way")
     args = ap.parse_args()
     if args.role is None:
+        if "fp8" in (args.kv_cache_dtype, args.prefill_kv_cache_dtype) and not cpu_runs_fp8_kv():
+            print("vLLM's CPU attention cannot run an fp8 KV cache on this CPU (it needs AVX-512 "
+                  "or AMX); the fp8 checks are skipped")
+            return 77
         return orchestrate(args)
     engine_env()
     roles = {"baseline": role_baseline, "prefill": role_prefill, "decode": role_decode,
