@@ -180,6 +180,12 @@ class Classifier {
   std::pair<PtrInfo, PtrInfo> Ends(const void* dst, const void* src) {
     return {Lookup(dst, dst_cache_), Lookup(src, src_cache_)};
   }
+  // A descriptor's per-block scale arrays, with caches of their own: sharing the data ends'
+  // would miss twice a descriptor (a registry search each) when scales and data are different
+  // allocations, as they always are.
+  std::pair<PtrInfo, PtrInfo> ScaleEnds(const void* dst, const void* src) {
+    return {Lookup(dst, dst_scale_cache_), Lookup(src, src_scale_cache_)};
+  }
   bool Reachable(PtrInfo i) const {
     return i.cls == PtrClass::kMappedHost || (i.cls == PtrClass::kDevice && i.ordinal == ordinal_);
   }
@@ -202,7 +208,7 @@ class Classifier {
   MemoryRegistry& reg_;
   std::shared_lock<std::shared_mutex> lock_;
   const int ordinal_;
-  Cache dst_cache_, src_cache_;
+  Cache dst_cache_, src_cache_, dst_scale_cache_, src_scale_cache_;
 };
 
 // ---- events and streams ----------------------------------------------------------------------
@@ -367,8 +373,8 @@ class CudaStream final : public Stream {
         const auto [dst, src] = cls.Ends(c.dst, c.src);
         bool ok = cls.Reachable(dst) && cls.Reachable(src);
         if (c.block_scaled()) {  // scale arrays: the kernel reads and writes them too
-          const auto [ds, ss] =
-              cls.Ends(c.dst_scales ? c.dst_scales : c.dst, c.src_scales ? c.src_scales : c.src);
+          const auto [ds, ss] = cls.ScaleEnds(c.dst_scales ? c.dst_scales : c.dst,
+                                              c.src_scales ? c.src_scales : c.src);
           ok = ok && cls.Reachable(ds) && cls.Reachable(ss);
         }
         if (!ok) {
