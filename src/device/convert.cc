@@ -150,31 +150,17 @@ ScaledRowFn ScaledRowFor(Conversion c, ConvertPath path = BestPath()) {
       c, [&]<ElementFormat From, ElementFormat To>() { return PickScaled<From, To>(path); });
 }
 
-// The largest FiniteMagnitude of a plane's widened elements (per-block scales): `rows` rows of
-// `n` elements, `pitch` bytes apart.
-template <ElementFormat F>
-uint32_t PlaneMaxMagnitude(const std::byte* src, size_t rows, size_t pitch, size_t n) {
-  uint32_t m = 0;
-  for (size_t r = 0; r < rows; ++r) {
-    const std::byte* row = src + r * pitch;
-    for (size_t i = 0; i < n; ++i) m = std::max(m, convert::FiniteMagnitude(WidenOne<F>(row, i)));
-  }
-  return m;
-}
+using PlaneMaxFn = uint32_t (*)(const std::byte* src, size_t rows, size_t pitch, size_t n);
 
-uint32_t PlaneMaxMagnitudeOf(ElementFormat f, const std::byte* src, size_t rows, size_t pitch,
-                             size_t n) {
-  switch (f) {
-    case ElementFormat::kFp32:
-      return PlaneMaxMagnitude<ElementFormat::kFp32>(src, rows, pitch, n);
-    case ElementFormat::kFp16:
-      return PlaneMaxMagnitude<ElementFormat::kFp16>(src, rows, pitch, n);
-    case ElementFormat::kBf16:
-      return PlaneMaxMagnitude<ElementFormat::kBf16>(src, rows, pitch, n);
-    case ElementFormat::kFp8E4m3:
-      break;
-  }
-  return PlaneMaxMagnitude<ElementFormat::kFp8E4m3>(src, rows, pitch, n);
+// The amax loop of per-block scales for `f` on `path` (AVX-512 CPUs run the AVX2 one).
+PlaneMaxFn PlaneMaxFor(ElementFormat f, ConvertPath path = BestPath()) {
+  return Dispatch({f, f}, [&]<ElementFormat From, ElementFormat>() -> PlaneMaxFn {
+#if defined(__x86_64__)
+    if (path != ConvertPath::kPortable) return &PlaneMaxAvx2<From>;
+#endif
+    (void)path;
+    return &PlaneMaxScalar<From>;
+  });
 }
 
 // Asks for the cache lines of `bytes` at `p` (a no-op where the platform has no prefetch).
@@ -215,6 +201,13 @@ bool ConvertElementsScaledWith(ConvertPath path, void* dst, const void* src, siz
 bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t count, Conversion c) {
   if (!PathRuns(path) || c.from == c.to) return false;
   RowFor(c, path)(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), count);
+  return true;
+}
+
+bool PlaneMaxMagnitudeWith(ConvertPath path, ElementFormat format, const void* src, size_t rows,
+                           size_t pitch, size_t count, uint32_t* out) {
+  if (!PathRuns(path)) return false;
+  *out = PlaneMaxFor(format, path)(static_cast<const std::byte*>(src), rows, pitch, count);
   return true;
 }
 
@@ -269,7 +262,8 @@ namespace {
 // A descriptor with per-block scales (CopyDesc::src_scales, dst_scales), plane by plane: each
 // plane's source scale read, its destination scale computed (or, from == to with both, the source
 // scale travelling), then its rows converted.
-void ConvertBlockScaled(const CopyDesc& d, Conversion c, ScaledRowFn scaled_row) {
+void ConvertBlockScaled(const CopyDesc& d, Conversion c, ScaledRowFn scaled_row,
+                        PlaneMaxFn plane_max) {
   const size_t count = d.bytes / static_cast<size_t>(ElementFormatSize(c.to));
   const size_t rows = d.rows < 1 ? 1 : d.rows;
   const size_t planes = d.planes < 1 ? 1 : d.planes;
@@ -289,8 +283,8 @@ void ConvertBlockScaled(const CopyDesc& d, Conversion c, ScaledRowFn scaled_row)
       continue;
     }
     if (d.dst_scales != nullptr) {
-      dst_scale = convert::BlockScale(
-          PlaneMaxMagnitudeOf(c.from, src, rows, rows > 1 ? d.src_pitch : 0, count), src_scale);
+      dst_scale =
+          convert::BlockScale(plane_max(src, rows, rows > 1 ? d.src_pitch : 0, count), src_scale);
       d.dst_scales[q * d.dst_scale_stride] = dst_scale;
     }
     for (size_t r = 0; r < rows; ++r) {
@@ -305,10 +299,11 @@ void ConvertBlockScaled(const CopyDesc& d, Conversion c, ScaledRowFn scaled_row)
 void ConvertHostBatch(std::span<const CopyDesc> copies, Conversion c) {
   const RowFn row = c.from == c.to ? nullptr : RowFor(c);
   const ScaledRowFn scaled_row = ScaledRowFor(c);
+  const PlaneMaxFn plane_max = PlaneMaxFor(c.from);
   const size_t out_size = static_cast<size_t>(ElementFormatSize(c.to));
   for (const CopyDesc& d : copies) {
     if (d.block_scaled()) {
-      ConvertBlockScaled(d, c, scaled_row);
+      ConvertBlockScaled(d, c, scaled_row, plane_max);
       continue;
     }
     const size_t count = d.bytes / out_size;

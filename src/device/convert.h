@@ -25,6 +25,12 @@ bool ConvertElementsWith(ConvertPath path, void* dst, const void* src, size_t co
 bool ConvertElementsScaledWith(ConvertPath path, void* dst, const void* src, size_t count,
                                Conversion conversion, float src_scale, float dst_scale);
 
+// The amax of per-block scales on `path`: the largest finite |value| of `rows` rows of `count`
+// elements of `format`, `pitch` bytes apart, as fp32 bits (NaN and infinity left out) into *out;
+// false (nothing written) when this CPU can't run `path`.
+bool PlaneMaxMagnitudeWith(ConvertPath path, ElementFormat format, const void* src, size_t rows,
+                           size_t pitch, size_t count, uint32_t* out);
+
 // ConvertElements with scales (CopyDesc::src_scale, dst_scale); from == to allowed.
 void ConvertElementsScaled(void* dst, const void* src, size_t count, Conversion conversion,
                            float src_scale, float dst_scale);

@@ -523,6 +523,59 @@ TEST(Convert, PerBlockScalesAgainstTheReference) {
   for (size_t p = 0; p < kPlanes; ++p) EXPECT_EQ(moved_scales[p], scales[2 * p]);
 }
 
+// The amax of per-block scales on every path this CPU runs: the portable loop's result (the
+// largest finite magnitude; NaN and infinity left out) for random codes of every format, planes
+// of 1-5 rows with vector bodies and scalar tails, unaligned pitches, the largest value in a tail,
+// and planes with nothing finite.
+TEST(Convert, PlaneMaxMagnitudeOnEveryPath) {
+  std::mt19937 rng(7);
+  for (ElementFormat f : {ElementFormat::kFp32, ElementFormat::kFp16, ElementFormat::kBf16,
+                          ElementFormat::kFp8E4m3}) {
+    const size_t w = static_cast<size_t>(ElementFormatSize(f));
+    for (size_t rows : {1, 2, 5}) {
+      for (size_t n : {1, 31, 40, 128, 257}) {
+        for (int kind = 0; kind < 3; ++kind) {  // random codes; largest in a tail; no finite one
+          SCOPED_TRACE(fmt::format("{} {} x {} kind {}", ElementFormatName(f), rows, n, kind));
+          const uint32_t big = f == ElementFormat::kFp8E4m3 ? 0x5a  // a finite code
+                               : w == 2                     ? 0x4a00
+                                                            : 0x47000000;
+          const size_t pitch = (n + 3) * w + 1;
+          std::vector<std::byte> plane(rows * pitch + 32);
+          for (auto& b : plane) b = static_cast<std::byte>(rng());
+          if (kind > 0) {  // small finite values everywhere (sign random), then the case's own
+            for (size_t r = 0; r < rows; ++r) {
+              for (size_t i = 0; i < n; ++i) {
+                const uint32_t code = kind == 1 ? (rng() & 0x1) : 0x7fffffffu;  // NaN codes
+                std::byte* e = plane.data() + 1 + r * pitch + i * w;
+                const uint32_t bits = f == ElementFormat::kFp8E4m3 ? (code & 0x7f) | 0x80
+                                      : w == 2                     ? (code & 0x7fff) | 0x8000
+                                                                   : code | 0x80000000u;
+                std::memcpy(e, &bits, w);
+              }
+            }
+            if (kind == 1) {  // the plane's largest: the last element of the last row
+              std::memcpy(plane.data() + 1 + (rows - 1) * pitch + (n - 1) * w, &big, w);
+            }
+          }
+          uint32_t want = 0;
+          ASSERT_TRUE(PlaneMaxMagnitudeWith(ConvertPath::kPortable, f, plane.data() + 1, rows,
+                                            pitch, n, &want));
+          if (kind == 1) {
+            EXPECT_EQ(want, ConvertElement(big, {f, ElementFormat::kFp32}));
+          } else if (kind == 2) {
+            EXPECT_EQ(want, 0u);
+          }
+          for (ConvertPath path : {ConvertPath::kAvx2, ConvertPath::kAvx512}) {
+            uint32_t got = 0;
+            if (!PlaneMaxMagnitudeWith(path, f, plane.data() + 1, rows, pitch, n, &got)) continue;
+            EXPECT_EQ(got, want) << "path " << static_cast<int>(path);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Convert, RefusesPerBlockScalesItCannotCompute) {
   auto dev = OpenDevice("cpu");
   ASSERT_TRUE(dev.ok());
