@@ -379,10 +379,12 @@ void BindPool(nb::module_& m) {
       .def_static(
           "allocate",
           [](PyDevice& device, const KvShape& shape, const ParallelConfig& parallel, int32_t rank,
-             const std::string& layout, const std::string& memory, int64_t blocks) {
+             const std::string& layout, const std::string& memory, int64_t blocks,
+             bool block_scales) {
             const std::shared_ptr<DeviceCore>& dev = device.core();
             const LayoutSpec chosen = Take(LayoutSpec::Parse(layout));
             PoolSpec spec{shape, parallel, rank, chosen.kind, ParseMemory(memory), blocks};
+            spec.block_scales = block_scales;
             const RankSlice slice = Take(SliceOf(shape, parallel, rank));
             const PoolDims span = Take(InstancePoolDims(shape, parallel, blocks));
             const PoolLayout pool_layout =
@@ -394,12 +396,14 @@ void BindPool(nb::module_& m) {
           },
           nb::arg("device"), nb::arg("shape"), nb::arg("parallel") = ParallelConfig{},
           nb::arg("rank") = 0, nb::arg("layout") = "block-major", nb::arg("memory") = "device",
-          nb::arg("blocks"),
+          nb::arg("blocks"), nb::arg("block_scales") = false,
           "Allocates a pool of `blocks` blocks; layout a named one ('block-major' (TensorRT-LLM), "
           "'per-layer' (vLLM, one region per layer), ...) or custom strides "
           "'custom:SPLIT:AXES[:pad=N]' (e.g. 'custom:one:block,kv,layer,head,token,dim:pad=64', "
           "packed over the instance's largest rank so every rank has the same strides); memory "
-          "'device', 'pinned' or 'host'.")
+          "'device', 'pinned' or 'host'. block_scales (fp8 pools only): with per-block scales, "
+          "one fp32 per (block, layer, K/V, head) of this rank beside the blocks "
+          "(Pool.block_scales).")
       .def_static(
           "wrap", &WrapTensors, nb::arg("device"), nb::arg("shape"), nb::arg("tensors"),
           nb::arg("parallel") = ParallelConfig{}, nb::arg("rank") = 0,
@@ -466,6 +470,59 @@ void BindPool(nb::module_& m) {
           nb::arg("index"),
           "A zero-copy uint8 view of region `index` (numpy for host memory; an object with "
           "__dlpack__ for GPU memory: torch.from_dlpack(view)). Keeps the memory alive.")
+      .def_prop_ro(
+          "block_scales",
+          [](PyPool& p) -> nb::object {
+            const std::shared_ptr<PoolCore>& c = p.core();
+            if (c->pool->block_scales() == nullptr) return nb::none();
+            c->CheckWrapped();
+            return View(c, reinterpret_cast<std::byte*>(c->pool->block_scales()),
+                        static_cast<size_t>(c->pool->block_scale_count()) * sizeof(float));
+          },
+          "The per-block scales, or None: a zero-copy uint8 view of block_scale_count fp32 "
+          "values laid out [block][layer][kv][head] over this rank's layers and heads "
+          "(numpy: .view(numpy.float32); GPU: torch.from_dlpack(view).view(torch.float32)). A "
+          "scale s says the block's fp8 codes q of that layer, K/V and head stand for q * s; "
+          "transfers into the pool write them, the engine writes its own as it quantizes.")
+      .def_prop_ro("block_scale_count", [](PyPool& p) { return p.pool().block_scale_count(); })
+      .def(
+          "block_scale_index",
+          [](PyPool& p, int64_t block, int64_t layer, int64_t kv, int64_t head) {
+            return p.pool().BlockScaleIndex(block, layer, kv, head);
+          },
+          nb::arg("block"), nb::arg("layer"), nb::arg("kv"), nb::arg("head"),
+          "Index into block_scales (as fp32) of (block, local layer, K/V, local head).")
+      .def(
+          "attach_block_scales",
+          [](PyPool& p, nb::object tensor) {
+            const std::shared_ptr<PoolCore>& c = p.core();
+            nb::ndarray<> a;
+            if (!nb::try_cast(tensor, a)) {
+              ThrowInvalid("block scales: a writable torch tensor or numpy array is needed");
+            }
+            if (a.dtype() != nb::dtype<float>()) {
+              ThrowInvalid("block scales must be float32");
+            }
+            CheckContiguous(a, 0);
+            ExternalRegion r;
+            r.base = static_cast<std::byte*>(a.data_handle()) + a.byte_offset();
+            r.bytes = SpanBytes(a, 0);
+            r.memory = KindOf(a, *c->device, 0);
+            r.device = a.device_type() == nb::device::cuda::value ? a.device_id() : 0;
+            if (a.device_type() != nb::device::cuda::value &&
+                !Writable(ReadMappings(), reinterpret_cast<uintptr_t>(r.base),
+                          static_cast<uintptr_t>(r.bytes))) {
+              ThrowInvalid(
+                  "block scales lie in memory this process may not write; transfers "
+                  "into the pool write them");
+            }
+            Check(c->pool->AttachBlockScales(r));
+            c->wrapped.push_back(Pin(std::move(tensor), r.base, c->wrapped.size()));
+          },
+          nb::arg("tensor"),
+          "Gives a wrapped fp8 pool the engine's per-block scales (zero copy, kept alive): a "
+          "contiguous float32 tensor of at least block_scale_count values in the pool's memory, "
+          "[block][layer][kv][head] (block_scale_index).")
       .def(
           "block_extents",
           [](PyPool& p, nb::handle block_ids) {

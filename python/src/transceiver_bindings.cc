@@ -121,15 +121,26 @@ Secret ContextSecret(const std::optional<nb::bytes>& given, PyRendezvous* rendez
 
 // kv_scales (None: none) per kv_scales_per ("tensor": one per layer and K/V, as vLLM's k_scale and
 // v_scale; "head": one per layer, K/V and head), [layer][kv][head] order; checked by the side.
+// "block" takes no values: the scales live in the pool (Pool.allocate(block_scales=True),
+// Pool.attach_block_scales).
 KvScales MakeScales(const std::optional<std::vector<float>>& values, const std::string& per) {
   KvScales s;
+  if (per == "block") {
+    if (values.has_value()) {
+      ThrowInvalid(
+          "kv_scales_per 'block' takes no kv_scales: per-block scales live in the pool "
+          "(Pool.allocate(block_scales=True) or Pool.attach_block_scales)");
+    }
+    s.granularity = ScaleGranularity::kBlock;
+    return s;
+  }
   if (!values.has_value()) return s;
   if (per == "tensor") {
     s.granularity = ScaleGranularity::kTensor;
   } else if (per == "head") {
     s.granularity = ScaleGranularity::kHead;
   } else {
-    ThrowInvalid("kv_scales_per must be 'tensor' or 'head', not '" + per + "'");
+    ThrowInvalid("kv_scales_per must be 'tensor', 'head' or 'block', not '" + per + "'");
   }
   s.values = *values;
   return s;
@@ -368,7 +379,9 @@ void BindTransceiver(nb::module_& m) {
          nb::arg("kv_scales") = nb::none(), nb::arg("kv_scales_per") = "tensor",
          "kv_scales: the instance's KV scales (a quantized cache stores q for q * scale), "
          "kv_scales_per 'tensor' (one per layer and K/V, [layer][kv]: vLLM's k_scale/v_scale) or "
-         "'head' ([layer][kv][head]); None: 1. Where the sides' scales or dtypes differ the "
+         "'head' ([layer][kv][head]); None: 1. kv_scales_per 'block' with kv_scales None: one "
+         "scale per block, layer, K/V and head, kept in the fp8 pool (Pool.allocate(block_scales="
+         "True), Pool.attach_block_scales). Where the sides' scales or dtypes differ the "
          "context side converts each element (docs/conversion.md). "
          "instance_secret: 16 bytes shared by every rank of the context instance and no one else "
          "(it keys the handles' tokens). Left out: with `rendezvous` (and a non-zero "

@@ -13,6 +13,7 @@ import pytest
 
 import kvferry
 import kv_check
+from conftest import pool_array
 
 SECRET = b"0123456789abcdef"
 
@@ -332,3 +333,86 @@ def test_kv_scales_requantize_every_element(cpu, small_shape):
                                kv_scales=ctx_scales, kv_scales_per="block")
     for s in gen + [ctx] + gen_pools + [ctx_pool]:
         s.close()
+
+
+def test_per_block_scales_quantize_travel_and_dequantize(cpu):
+    """Per-block scales (kv_scales_per="block", kept in the fp8 pool): fp32 -> fp8 computes each
+    (block, layer, K/V, head) group's scale, largest |value| / 448, and its codes are torch's
+    e4m3 of value / scale; fp8 -> fp32 back reads them, every element q * scale."""
+    torch = pytest.importorskip("torch")
+    f32 = kvferry.KvShape(layers=2, kv_heads=2, head_dim=16, dtype="fp32", tokens_per_block=4)
+    fp8 = kvferry.KvShape(layers=2, kv_heads=2, head_dim=16, dtype="fp8", tokens_per_block=4)
+    fabric = kvferry.InProcFabric()
+    src = kvferry.Pool.allocate(cpu, f32, memory="host", blocks=8)
+    q = kvferry.Pool.allocate(cpu, fp8, memory="host", blocks=8, block_scales=True)
+    back = kvferry.Pool.allocate(cpu, f32, memory="host", blocks=8)
+    assert src.block_scales is None and q.block_scale_count == 8 * 2 * 2 * 2
+    g = kv_check.global_kv(f32, 3, seed=21)
+    g *= np.array([0.01, 3.0, 200.0], dtype=np.float32).reshape(3, 1, 1, 1, 1, 1)
+    kv_check.fill(src, [5, 1, 2], g)
+
+    def move(ctx_pool, gen_pool, rid, ctx_blocks, gen_blocks, ctx_per, gen_per):
+        ctx = kvferry.ContextSide(cpu, ctx_pool, transport="inproc", fabric=fabric,
+                                  instance_secret=SECRET, kv_scales_per=ctx_per)
+        ctx.set_instance_addresses([ctx.address])
+        gen = kvferry.GenerationSide(cpu, gen_pool, transport="inproc", fabric=fabric,
+                                     instance_id=9, kv_scales_per=gen_per)
+        gen.fetch(ctx.mark_ready(rid, ctx_blocks, 12), gen_blocks)
+        for s in (gen, ctx):
+            (st,) = s.poll(at_least=1, timeout=10.0)
+            assert st.state == kvferry.TransferState.COMPLETE, st
+            s.close()
+
+    move(src, q, 1, [5, 1, 2], [0, 6, 3], "tensor", "block")
+    scales = q.block_scales.view(np.float32)
+    codes = torch.from_numpy(q.region(0)).view(torch.float8_e4m3fn)
+    per_block = q.block_bytes
+    for i, b in enumerate([0, 6, 3]):
+        block = codes[b * per_block:(b + 1) * per_block].reshape(2, 2, 2, 4, 16)
+        for layer in range(2):
+            for kv in range(2):
+                for h in range(2):
+                    x = g[i, layer, kv, h]
+                    s = np.float32(np.abs(x).max()) / np.float32(448.0)
+                    assert scales[q.block_scale_index(b, layer, kv, h)] == s
+                    want = (torch.from_numpy(x) / torch.tensor(s)).to(torch.float8_e4m3fn)
+                    got = block[layer, kv, h]
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (b, layer)
+
+    move(q, back, 2, [0, 6, 3], [7, 4, 0], "block", "tensor")
+    out = pool_array(back)
+    for i, b in enumerate([0, 6, 3]):
+        block = codes[b * per_block:(b + 1) * per_block].reshape(2, 2, 2, 4, 16)
+        for layer in range(2):
+            for kv in range(2):
+                for h in range(2):
+                    s = torch.tensor(scales[q.block_scale_index(b, layer, kv, h)])
+                    want = (block[layer, kv, h].float() * s).numpy()
+                    np.testing.assert_array_equal(out[[7, 4, 0][i], layer, kv, h], want)
+    for p in (src, q, back):
+        p.close()
+
+
+def test_block_scales_attach_and_refusals(cpu):
+    """A wrapped fp8 pool takes the engine's scale tensor zero copy; scales are refused on a pool
+    that is not fp8 and as kv_scales values."""
+    fp8 = kvferry.KvShape(layers=2, kv_heads=2, head_dim=16, dtype="fp8", tokens_per_block=4)
+    pages = np.zeros((8, 2 * 2 * 2 * 4 * 16), dtype=np.uint8)
+    pool = kvferry.Pool.wrap(cpu, fp8, pages, layout="block-major", blocks=8)
+    assert pool.block_scales is None
+    with pytest.raises(kvferry.InvalidArgumentError, match="float32"):
+        pool.attach_block_scales(np.zeros(64, dtype=np.float64))
+    engine_scales = np.zeros(pool.block_scale_count, dtype=np.float32)
+    pool.attach_block_scales(engine_scales)
+    view = pool.block_scales.view(np.float32)
+    view[pool.block_scale_index(3, 1, 0, 1)] = 0.25
+    assert engine_scales[pool.block_scale_index(3, 1, 0, 1)] == 0.25  # the engine's memory
+    with pytest.raises(kvferry.InvalidArgumentError, match="already"):
+        pool.attach_block_scales(np.zeros(pool.block_scale_count, dtype=np.float32))
+    f32 = kvferry.KvShape(layers=2, kv_heads=2, head_dim=16, dtype="fp32", tokens_per_block=4)
+    with pytest.raises(kvferry.InvalidArgumentError, match="fp8"):
+        kvferry.Pool.allocate(cpu, f32, memory="host", blocks=8, block_scales=True)
+    with pytest.raises(kvferry.InvalidArgumentError, match="takes no kv_scales"):
+        kvferry.GenerationSide(cpu, pool, transport="inproc", fabric=kvferry.InProcFabric(),
+                               kv_scales=[1.0] * 4, kv_scales_per="block")
+    pool.close()
