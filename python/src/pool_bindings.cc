@@ -503,7 +503,15 @@ void BindPool(nb::module_& m) {
             if (a.dtype() != nb::dtype<float>()) {
               ThrowInvalid("block scales must be float32");
             }
-            CheckContiguous(a, 0);
+            int64_t expect = 1;  // C-contiguous: the scales are read as one array
+            for (size_t d = a.ndim(); d-- > 0;) {
+              if (a.shape(d) != 1 && a.stride(d) != expect) {
+                ThrowInvalid("block scales must be one contiguous float32 tensor (axis " +
+                             std::to_string(d) + " has stride " + std::to_string(a.stride(d)) +
+                             ", " + std::to_string(expect) + " expected)");
+              }
+              expect *= static_cast<int64_t>(a.shape(d));
+            }
             ExternalRegion r;
             r.base = static_cast<std::byte*>(a.data_handle()) + a.byte_offset();
             r.bytes = SpanBytes(a, 0);

@@ -402,6 +402,8 @@ def test_block_scales_attach_and_refusals(cpu):
     assert pool.block_scales is None
     with pytest.raises(kvferry.InvalidArgumentError, match="float32"):
         pool.attach_block_scales(np.zeros(64, dtype=np.float64))
+    with pytest.raises(kvferry.InvalidArgumentError, match="contiguous"):
+        pool.attach_block_scales(np.zeros((pool.block_scale_count, 2), dtype=np.float32)[:, 0])
     engine_scales = np.zeros(pool.block_scale_count, dtype=np.float32)
     pool.attach_block_scales(engine_scales)
     view = pool.block_scales.view(np.float32)
