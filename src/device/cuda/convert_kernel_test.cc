@@ -258,6 +258,30 @@ TEST_F(CudaConvertTest, PageableMemoryIsRefused) {
   EXPECT_NE(st.message().find("can't reach"), std::string_view::npos) << st.ToString();
 }
 
+// Best of five, seconds: ConvertBatch of `descs` (its host enqueue alone, and with the GPU's
+// work), alternated with one copy of `copy_bytes` from `copy_src` to `copy_dst`.
+struct Timing {
+  double conv = 1e9, enqueue = 1e9, copy = 1e9;
+};
+void TimeBesideOneCopy(Stream& s, const std::vector<CopyDesc>& descs, Conversion c,
+                       std::byte* copy_dst, const std::byte* copy_src, size_t copy_bytes,
+                       Timing* t) {
+  const auto since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(s.ConvertBatch(descs, c).ok());
+    t->enqueue = std::min(t->enqueue, since(t0));
+    ASSERT_TRUE(s.Synchronize(DeadlineIn(milliseconds(20000))).ok());
+    t->conv = std::min(t->conv, since(t0));
+    t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(s.Copy(copy_dst, copy_src, copy_bytes).ok());
+    ASSERT_TRUE(s.Synchronize(DeadlineIn(milliseconds(20000))).ok());
+    t->copy = std::min(t->copy, since(t0));
+  }
+}
+
 // Throughput of the kernel on one large batch of Llama-3-8B-like rows (128 elements, K/V head
 // slices), beside one cudaMemcpy of the destination bytes in the same run. Printed, not asserted
 // (a measurement, not a test of speed); bench transfer is the tool.
@@ -283,19 +307,10 @@ TEST_F(CudaConvertTest, ThroughputBesideOneCopy) {
       d.dst_pitch = d.bytes;
       descs.push_back(d);
     }
-    double conv = 1e9, copy = 1e9;
-    for (int rep = 0; rep < 5; ++rep) {
-      auto t0 = std::chrono::steady_clock::now();
-      ASSERT_TRUE(s->ConvertBatch(descs, {from, to}).ok());
-      ASSERT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
-      conv = std::min(conv,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      t0 = std::chrono::steady_clock::now();
-      ASSERT_TRUE(s->Copy(c.data(), b.data(), out).ok());
-      ASSERT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
-      copy = std::min(copy,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
+    Timing t;
+    TimeBesideOneCopy(*s, descs, {from, to}, c.data(), b.data(), out, &t);
+    if (HasFatalFailure()) return;
+    const double conv = t.conv, copy = t.copy;
     fmt::print(
         "convert {} -> {}: {:.0f} GB/s of destination ({:.0f} of source); one copy of the "
         "destination bytes {:.0f} GB/s; ratio {:.2f}\n",
@@ -335,21 +350,11 @@ TEST_F(CudaConvertTest, ThroughputBesideOneCopy) {
       }
       descs.push_back(d);
     }
-    double conv = 1e9, copy = 1e9, enqueue = 1e9;
-    for (int rep = 0; rep < 5; ++rep) {
-      auto t0 = std::chrono::steady_clock::now();
-      ASSERT_TRUE(s->ConvertBatch(descs, {ElementFormat::kBf16, ElementFormat::kFp8E4m3}).ok());
-      enqueue = std::min(
-          enqueue, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      ASSERT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
-      conv = std::min(conv,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      t0 = std::chrono::steady_clock::now();
-      ASSERT_TRUE(s->Copy(c.data(), a.data(), in).ok());
-      ASSERT_TRUE(s->Synchronize(DeadlineIn(milliseconds(20000))).ok());
-      copy = std::min(copy,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
+    Timing t;
+    TimeBesideOneCopy(*s, descs, {ElementFormat::kBf16, ElementFormat::kFp8E4m3}, c.data(),
+                      a.data(), in, &t);
+    if (HasFatalFailure()) return;
+    const double conv = t.conv, copy = t.copy, enqueue = t.enqueue;
     fmt::print(
         "convert bf16 -> fp8 {} ({} groups of 16 x 128, {} descriptors of {} planes): {:.0f} GB/s "
         "of source; one copy of the source bytes {:.0f} GB/s; ratio {:.2f}; {:.0f} us of the "
