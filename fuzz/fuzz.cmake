@@ -15,6 +15,8 @@ if(BUILD_TESTING)
   target_include_directories(fuzz_test PRIVATE "${KVFERRY_XXHASH_INCLUDE}")
   target_link_libraries(fuzz_test PRIVATE "${KVFERRY_XXHASH_LIB}")
   target_compile_definitions(fuzz_test PRIVATE KVFERRY_FUZZ_CORPUS="${KVFERRY_FUZZ_DIR}/corpus")
+  # Each body defines its own Check/CheckRefusal macros and helpers: no unity build here.
+  set_target_properties(fuzz_test PROPERTIES UNITY_BUILD OFF)
 endif()
 
 # Regenerates the seed corpora: make_seeds fuzz/corpus
@@ -29,6 +31,7 @@ if(KVFERRY_FUZZ)
   # flags; each target links libFuzzer's main.
   foreach(t handle message ucx_address nixl_wire protocol rendezvous_frame)
     add_executable(${t}_fuzz "${KVFERRY_FUZZ_DIR}/${t}_fuzz.cc" ${kvferry_fuzz_bodies})
+    set_target_properties(${t}_fuzz PROPERTIES UNITY_BUILD OFF)
     target_compile_options(${t}_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)
     target_link_options(${t}_fuzz PRIVATE -fsanitize=fuzzer,address,undefined)
     target_include_directories(${t}_fuzz PRIVATE "${KVFERRY_XXHASH_INCLUDE}")

@@ -23,7 +23,7 @@ using testing_files::ScratchDir;
 
 constexpr uid_t kNobody = 65534;
 
-SlabStoreOptions Options(const std::string& dir) {
+SlabStoreOptions SmallStoreOptions(const std::string& dir) {
   SlabStoreOptions o;
   o.dir = dir;
   o.backend = "posix";
@@ -34,7 +34,7 @@ SlabStoreOptions Options(const std::string& dir) {
   return o;
 }
 
-std::string SlabPath(const std::string& dir, int index) {
+std::string SlabFile(const std::string& dir, int index) {
   return fmt::format("{}/kvferry-slab-{:05d}.kvf", dir, index);
 }
 
@@ -68,9 +68,9 @@ TEST(SlabStoreSecurity, SymlinkedSlabFileIsRefusedAndItsTargetUntouched) {
   ScratchDir d, elsewhere;
   const std::string victim = elsewhere.path() + "/precious";
   WriteAll(victim, "precious bytes");
-  ASSERT_EQ(::symlink(victim.c_str(), SlabPath(d.path(), 0).c_str()), 0);
+  ASSERT_EQ(::symlink(victim.c_str(), SlabFile(d.path(), 0).c_str()), 0);
   for (const char* recover : {"none", "verify"}) {
-    SlabStoreOptions o = Options(d.path());
+    SlabStoreOptions o = SmallStoreOptions(d.path());
     o.recover = recover;
     StatusOr<std::unique_ptr<SlabStore>> s = SlabStore::Open(o);
     Status st = s.ok() ? WriteOne(**s) : s.status();  // recovery looks at the file at open
@@ -86,8 +86,8 @@ TEST(SlabStoreSecurity, HardLinkedSlabFileIsRefused) {
   ScratchDir d;
   const std::string victim = d.path() + "/notes";
   WriteAll(victim, "notes");
-  ASSERT_EQ(::link(victim.c_str(), SlabPath(d.path(), 0).c_str()), 0);
-  SlabStoreOptions o = Options(d.path());
+  ASSERT_EQ(::link(victim.c_str(), SlabFile(d.path(), 0).c_str()), 0);
+  SlabStoreOptions o = SmallStoreOptions(d.path());
   o.recover = "none";
   auto s = SlabStore::Open(o);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
@@ -102,14 +102,14 @@ TEST(SlabStoreSecurity, FilesAreReadableByTheOwnerOnly) {
   ScratchDir d;
   const mode_t old_mask = ::umask(0);
   {
-    WriteAll(SlabPath(d.path(), 1), "");
-    ASSERT_EQ(::chmod(SlabPath(d.path(), 1).c_str(), 0644), 0);
-    auto s = SlabStore::Open(Options(d.path()));
+    WriteAll(SlabFile(d.path(), 1), "");
+    ASSERT_EQ(::chmod(SlabFile(d.path(), 1).c_str(), 0644), 0);
+    auto s = SlabStore::Open(SmallStoreOptions(d.path()));
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     ASSERT_TRUE(WriteOne(**s).ok());
     for (int i = 0; i < 4; ++i) ASSERT_TRUE(WriteOne(**s).ok());  // slot 4: file 1
-    EXPECT_EQ(ModeOf(SlabPath(d.path(), 0)), 0600);
-    EXPECT_EQ(ModeOf(SlabPath(d.path(), 1)), 0600);
+    EXPECT_EQ(ModeOf(SlabFile(d.path(), 0)), 0600);
+    EXPECT_EQ(ModeOf(SlabFile(d.path(), 1)), 0600);
     EXPECT_EQ(ModeOf(d.path() + "/kvferry-slab.lock"), 0600);
   }
   ::umask(old_mask);
@@ -119,7 +119,7 @@ TEST(SlabStoreSecurity, DirectoryWritableByOthersIsRefused) {
   for (mode_t mode : {0777, 0770, 01777}) {
     ScratchDir d;
     ASSERT_EQ(::chmod(d.path().c_str(), mode), 0);
-    auto s = SlabStore::Open(Options(d.path()));
+    auto s = SlabStore::Open(SmallStoreOptions(d.path()));
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << fmt::format("{:o}", mode);
     EXPECT_NE(s.status().message().find("writable by"), std::string_view::npos)
         << s.status().ToString();
@@ -127,7 +127,7 @@ TEST(SlabStoreSecurity, DirectoryWritableByOthersIsRefused) {
   }
   ScratchDir d;
   ASSERT_EQ(::chmod(d.path().c_str(), 0755), 0);  // readable by others: allowed (files are 0600)
-  EXPECT_TRUE(SlabStore::Open(Options(d.path())).ok());
+  EXPECT_TRUE(SlabStore::Open(SmallStoreOptions(d.path())).ok());
 }
 
 // A symbolic link to the directory is followed when it is the user's own (or root's), as
@@ -137,17 +137,17 @@ TEST(SlabStoreSecurity, DirectoryOfAnotherUserIsRefused) {
   const std::string own_link = links.path() + "/mine";
   ASSERT_EQ(::symlink(d.path().c_str(), own_link.c_str()), 0);
   {
-    auto s = SlabStore::Open(Options(own_link));
+    auto s = SlabStore::Open(SmallStoreOptions(own_link));
     EXPECT_TRUE(s.ok()) << s.status().ToString();
   }
   if (::geteuid() != 0) GTEST_SKIP() << "making files of another user needs root";
   ASSERT_EQ(::lchown(own_link.c_str(), kNobody, kNobody), 0);
-  auto s = SlabStore::Open(Options(own_link));
+  auto s = SlabStore::Open(SmallStoreOptions(own_link));
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("symbolic link owned by uid 65534"), std::string_view::npos)
       << s.status().ToString();
   ASSERT_EQ(::chown(d.path().c_str(), kNobody, kNobody), 0);
-  s = SlabStore::Open(Options(d.path()));
+  s = SlabStore::Open(SmallStoreOptions(d.path()));
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("owned by uid 65534"), std::string_view::npos)
       << s.status().ToString();
@@ -158,17 +158,17 @@ TEST(SlabStoreSecurity, DirectoryOfAnotherUserIsRefused) {
 TEST(SlabStoreSecurity, SlabFileOfAnotherUserIsRefused) {
   if (::geteuid() != 0) GTEST_SKIP() << "making files of another user needs root";
   ScratchDir d;
-  WriteAll(SlabPath(d.path(), 0), "theirs");
-  ASSERT_EQ(::chown(SlabPath(d.path(), 0).c_str(), kNobody, kNobody), 0);
-  ASSERT_EQ(::chmod(SlabPath(d.path(), 0).c_str(), 0666), 0);
-  SlabStoreOptions o = Options(d.path());
+  WriteAll(SlabFile(d.path(), 0), "theirs");
+  ASSERT_EQ(::chown(SlabFile(d.path(), 0).c_str(), kNobody, kNobody), 0);
+  ASSERT_EQ(::chmod(SlabFile(d.path(), 0).c_str(), 0666), 0);
+  SlabStoreOptions o = SmallStoreOptions(d.path());
   o.recover = "none";
   auto s = SlabStore::Open(o);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   Status st = WriteOne(**s);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
   EXPECT_NE(st.message().find("owned by uid 65534"), std::string_view::npos) << st.ToString();
-  EXPECT_TRUE(ReadAll(SlabPath(d.path(), 0)) == "theirs") << "the other user's file was written";
+  EXPECT_TRUE(ReadAll(SlabFile(d.path(), 0)) == "theirs") << "the other user's file was written";
 }
 
 }  // namespace

@@ -222,11 +222,13 @@ void NoteFaultMissed(RankResult& res, const SelftestConfig& cfg, const FaultyTra
 
 // What a rank's run stands on: its device, its pool (on the heap: the side and the access keep
 // references to it), and the access that fills and checks the pool's blocks.
+namespace {
 struct RankMemory {
   std::unique_ptr<Device> dev;
   std::unique_ptr<BlockPool> pool;
   std::unique_ptr<PoolAccess> access;
 };
+}  // namespace
 
 StatusOr<RankMemory> OpenRankMemory(const SelftestConfig& cfg, bool context, int rank) {
   const ParallelConfig& split = context ? cfg.ctx : cfg.gen;

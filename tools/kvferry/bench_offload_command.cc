@@ -33,7 +33,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-struct Options {
+struct OffloadBenchOptions {
   std::string device;
   std::string tier = "host";
   std::string dir;
@@ -138,7 +138,7 @@ struct Setup {
 
 class Bench {
  public:
-  Bench(Device& dev, const Options& o) : dev_(dev), o_(o) {}
+  Bench(Device& dev, const OffloadBenchOptions& o) : dev_(dev), o_(o) {}
 
   // Named steps: pools and ids, test data, baseline buffers, the host-tier cases, the file tiers.
   Status Run(const Workload& w, std::vector<Row>& rows) {
@@ -522,10 +522,10 @@ class Bench {
   Buffer dev_buf_[2], pinned_buf_[2];
   std::unique_ptr<Stream> streams_[2];
   Device& dev_;
-  const Options& o_;
+  const OffloadBenchOptions& o_;
 };
 
-int RunBenchOffload(const Options& o) {
+int RunBenchOffload(const OffloadBenchOptions& o) {
   std::string device = o.device.empty() ? Config::Global().String("device.default") : o.device;
   auto dev = OpenDevice(device);
   if (!dev.ok()) {
@@ -672,7 +672,7 @@ int RunBenchOffload(const Options& o) {
 
 void AddBenchOffloadCommand(CLI::App& bench) {
   auto* cmd = bench.add_subcommand("offload", "GB/s of KV offload/onboard between tiers");
-  auto o = std::make_shared<Options>();
+  auto o = std::make_shared<OffloadBenchOptions>();
   cmd->add_option("--device", o->device, "cpu | cuda | cuda:N (default: the device.default knob)");
   cmd->add_option("--tier", o->tier, "host | file (file also runs the host cases)");
   cmd->add_option("--dir", o->dir, "directory for the file tier and its raw O_DIRECT baseline");

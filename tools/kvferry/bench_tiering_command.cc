@@ -36,7 +36,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-struct Options {
+struct TieringBenchOptions {
   std::string device;
   int32_t layers = 32, kv_heads = 8, head_dim = 128, tokens_per_block = 16;
   int64_t primary_blocks = 256, host_blocks = 512, file_slots = 2048;
@@ -96,7 +96,7 @@ double Share(const std::vector<double>& part, const std::vector<double>& whole) 
 }
 
 // One (conversation, turn) of the trace, in the order the engine sees them.
-std::vector<std::pair<int32_t, int32_t>> Trace(const Options& o) {
+std::vector<std::pair<int32_t, int32_t>> Trace(const TieringBenchOptions& o) {
   std::vector<std::pair<int32_t, int32_t>> out;
   std::vector<int32_t> next(o.conversations, 0);
   std::vector<int32_t> live(o.conversations);
@@ -172,7 +172,7 @@ class PinScope {
   bool pinned_ = false;
 };
 
-StatusOr<Result> RunMode(Device& dev, const Options& o, const Mode& mode) {
+StatusOr<Result> RunMode(Device& dev, const TieringBenchOptions& o, const Mode& mode) {
   PoolSpec spec;
   spec.shape = KvShape{o.layers, o.kv_heads, o.head_dim, DType::kBf16, 2, o.tokens_per_block};
   spec.layout = LayoutKind::kBlockMajor;
@@ -358,7 +358,7 @@ nlohmann::json ToJson(const Result& r, int64_t bb, const std::string& device) {
           {"seconds", r.seconds}};
 }
 
-int RunBenchTiering(const Options& o) {
+int RunBenchTiering(const TieringBenchOptions& o) {
   const std::string device =
       o.device.empty() ? Config::Global().String("device.default") : o.device;
   auto dev = OpenDevice(device);
@@ -488,7 +488,7 @@ int RunBenchTiering(const Options& o) {
 void AddBenchTieringCommand(CLI::App& bench) {
   auto* cmd = bench.add_subcommand(
       "tiering", "trace-driven block manager run: hit rates, bytes per tier, allocation stall");
-  auto o = std::make_shared<Options>();
+  auto o = std::make_shared<TieringBenchOptions>();
   cmd->add_option("--device", o->device, "cpu | cuda | cuda:N (default: the device.default knob)");
   cmd->add_option("--layers", o->layers, "KV shape: layers")->check(CLI::Range(1, 1024));
   cmd->add_option("--kv-heads", o->kv_heads, "KV shape: KV heads")->check(CLI::Range(1, 1024));

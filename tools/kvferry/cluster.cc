@@ -30,7 +30,7 @@ using nlohmann::json;
 // How long the surviving ranks get, beyond one request deadline, after a rank process died.
 constexpr std::chrono::milliseconds kDeathGrace{3000};
 
-json ParallelJson(const ParallelConfig& p) {
+json ParallelToWire(const ParallelConfig& p) {
   return {{"tp", p.tp},
           {"pp", p.pp},
           {"stage_layers", p.stage_layers},
@@ -53,8 +53,8 @@ std::string ConfigToJson(const SelftestConfig& c) {
   j["shape"] = {c.shape.layers,    c.shape.kv_heads,
                 c.shape.head_dim,  static_cast<int>(c.shape.dtype),
                 c.shape.kv_factor, c.shape.tokens_per_block};
-  j["ctx"] = ParallelJson(c.ctx);
-  j["gen"] = ParallelJson(c.gen);
+  j["ctx"] = ParallelToWire(c.ctx);
+  j["gen"] = ParallelToWire(c.gen);
   j["gen_tokens_per_block"] = c.gen_tokens_per_block;
   if (c.gen_dtype) j["gen_dtype"] = static_cast<int>(*c.gen_dtype);
   j["ctx_scales"] = static_cast<int>(c.ctx_scales);

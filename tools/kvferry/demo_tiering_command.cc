@@ -20,7 +20,7 @@
 namespace kvferry::tools {
 namespace {
 
-struct Options {
+struct DemoTieringOptions {
   std::string device;
   std::string layout = "block-major";
   TieringDemoOptions demo;
@@ -59,7 +59,7 @@ class TempDir {
   std::unique_ptr<RankGroup> janitor_;
 };
 
-int RunDemo(Options o) {
+int RunDemo(DemoTieringOptions o) {
   auto dev = OpenDevice(o.device.empty() ? Config::Global().String("device.default") : o.device);
   if (!dev.ok()) {
     fmt::print(stderr, "demo tiering: {}\n", dev.status().ToString());
@@ -140,7 +140,7 @@ int RunDemo(Options o) {
 void AddDemoTieringCommand(CLI::App& demo) {
   auto* cmd = demo.add_subcommand(
       "tiering", "shared prefixes, evictions offloading to host then file, prefix hits onboarded");
-  auto o = std::make_shared<Options>();
+  auto o = std::make_shared<DemoTieringOptions>();
   cmd->add_option("--device", o->device, "cpu | cuda | cuda:N (default: device.default)");
   cmd->add_option("--layout", o->layout, "block-major | per-layer");
   cmd->add_option("--conversations", o->demo.conversations, "conversations per round")
